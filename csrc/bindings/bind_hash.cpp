@@ -1,0 +1,71 @@
+// Python bindings of the hash functions and chunk-key derivation.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "kdn/keys.h"
+#include "tensor.h"
+
+namespace py = pybind11;
+
+namespace kdn {
+
+namespace {
+Key128 key_from_bytes(py::handle obj, const char* what) {
+  ByteSpan span = bytes_from_object(obj, what);
+  KDN_CHECK_INPUT(span.size == 16, std::string(what) + " must be 16 bytes, got " + std::to_string(span.size));
+  Key128 k;
+  std::memcpy(k.data(), span.data, 16);
+  return k;
+}
+}  // namespace
+
+Key128 key_arg(py::handle obj, const char* what) { return key_from_bytes(obj, what); }
+
+void bind_hash(py::module_& m) {
+  m.def(
+      "blake3",
+      [](py::handle data, size_t out_len) {
+        KDN_CHECK_INPUT(out_len >= 1 && out_len <= 1024, "out_len must be in [1, 1024]");
+        ByteSpan span = bytes_from_object(data, "data");
+        std::string out(out_len, '\0');
+        {
+          py::gil_scoped_release release;
+          Blake3 h;
+          h.update(span.data, span.size);
+          h.finalize(reinterpret_cast<uint8_t*>(&out[0]), out_len);
+        }
+        return py::bytes(out);
+      },
+      py::arg("data"), py::arg("out_len") = 32, "BLAKE3 hash of a bytes-like object.");
+  m.def(
+      "xxh64",
+      [](py::handle data, uint64_t seed) {
+        ByteSpan span = bytes_from_object(data, "data");
+        py::gil_scoped_release release;
+        return xxh64(span.data, span.size, seed);
+      },
+      py::arg("data"), py::arg("seed") = 0, "XXH64 of a bytes-like object.");
+  m.def(
+      "prefix_chunk_keys",
+      [](py::handle fingerprint, py::handle tokens, int64_t chunk_size, bool include_partial) {
+        Key128 fp = key_from_bytes(fingerprint, "fingerprint");
+        py::buffer_info info = py::reinterpret_borrow<py::buffer>(tokens).request(false);
+        KDN_CHECK_INPUT(info.ndim == 1 && info.itemsize == 4 && (info.format == "I" || info.format == "=I" || info.format == "<I"),
+                        "tokens must be a 1-D contiguous uint32 array");
+        KDN_CHECK_INPUT(info.strides[0] == 4, "tokens must be contiguous");
+        std::vector<Key128> keys;
+        {
+          py::gil_scoped_release release;
+          keys = prefix_chunk_keys(fp, static_cast<const uint32_t*>(info.ptr), info.shape[0],
+                                   chunk_size, include_partial);
+        }
+        py::list out;
+        for (const auto& k : keys) out.append(py::bytes(reinterpret_cast<const char*>(k.data()), 16));
+        return out;
+      },
+      py::arg("fingerprint"), py::arg("tokens"), py::arg("chunk_size"),
+      py::arg("include_partial") = false,
+      "Chained 16-byte prefix keys, one per full chunk of `tokens` (uint32).");
+}
+
+}  // namespace kdn

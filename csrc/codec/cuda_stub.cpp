@@ -1,0 +1,13 @@
+// Stand-ins for the CUDA entry points when kdn is built without nvcc (KDN_CUDA=OFF or not found).
+#include "kdn/kv_copy.h"
+
+namespace kdn {
+
+const char* kv_copy_cuda(const KvShape&, const KvTable&, void*, int64_t, int64_t, int64_t,
+                         CopyDirection, uintptr_t) {
+  return "kdn was built without CUDA";
+}
+bool cuda_compiled() { return false; }
+const char* cuda_architectures() { return ""; }
+
+}  // namespace kdn

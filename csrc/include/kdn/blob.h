@@ -1,0 +1,71 @@
+// The one self-describing blob format of every tier: header + payload + XXH64 checksum.
+//
+// Layout (little endian):
+//   0  char[4]  magic "KDNB"          36 u8[16] model fingerprint
+//   4  u16      format version (1)    52 u8[16] chunk key
+//   6  u16      header bytes (80)     68 u64    payload bytes
+//   8  u8       codec id (0 = raw)    76 u32    reserved (0)
+//   9  u8       dtype (kdn::DType)    80 ...    payload
+//  10  u16      flags (0)             end-8 u64 XXH64 of everything before it
+//  12  u32      layers
+//  16  u32      kv heads
+//  20  u32      head dim
+//  24  u32      tokens
+//  28  u32      first position
+//  32  u32      reserved (0)
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "kdn/common.h"
+#include "kdn/hash.h"
+
+namespace kdn {
+
+constexpr uint16_t kBlobVersion = 1;
+constexpr size_t kBlobHeaderBytes = 80;
+constexpr size_t kBlobTrailerBytes = 8;
+constexpr uint8_t kCodecRaw = 0;
+
+struct BlobHeader {
+  uint8_t codec = kCodecRaw;
+  DType dtype = DType::kFloat32;
+  uint32_t layers = 0;
+  uint32_t kv_heads = 0;
+  uint32_t head_dim = 0;
+  uint32_t tokens = 0;
+  uint32_t position = 0;
+  Key128 fingerprint{};
+  Key128 key{};
+  uint64_t payload_bytes = 0;
+};
+
+// An immutable, reference-counted byte buffer (blobs are shared between the store and readers).
+class Buffer {
+ public:
+  explicit Buffer(size_t size) : data_(new uint8_t[size]), size_(size) {}  // not zero-filled
+  uint8_t* data() { return data_.get(); }
+  const uint8_t* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+
+ private:
+  std::unique_ptr<uint8_t[]> data_;
+  size_t size_;
+};
+using BufferPtr = std::shared_ptr<Buffer>;
+
+// Raw-codec payload size for a header, or 0 if the dimensions overflow or are out of range.
+uint64_t raw_payload_bytes(const BlobHeader& h);
+
+// Writes the header into out[0, kBlobHeaderBytes).
+void blob_write_header(const BlobHeader& h, uint8_t* out);
+
+// Writes the checksum trailer of a complete blob of `size` bytes.
+void blob_seal(uint8_t* blob, size_t size);
+
+// Parses and validates a blob: bounds, magic, version, codec, dims, sizes and (if verify_checksum)
+// the checksum. Never reads outside [data, data+size).
+Status blob_parse(const uint8_t* data, size_t size, bool verify_checksum, BlobHeader* out);
+
+}  // namespace kdn

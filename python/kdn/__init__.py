@@ -1,0 +1,1 @@
+"""kdn: a Knowledge Delivery Network for LLM KV caches."""
