@@ -1,1 +1,25 @@
-"""kdn: a Knowledge Delivery Network for LLM KV caches."""
+"""kdn: a Knowledge Delivery Network that stores, delivers and blends LLM KV caches.
+
+Example:
+    >>> import kdn
+    >>> model, tokenizer = kdn.models.load("stories260k")
+    >>> cache = kdn.KDN()
+    >>> ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    >>> out = cache.generate(model, ids, max_new_tokens=8)   # full prefill, then stored
+    >>> out = cache.generate(model, ids, max_new_tokens=8)   # prefix served from kdn
+"""
+
+from kdn._core import BlobError, InvalidInputError, KDNError
+from kdn.api import KDN
+from kdn.config import KDNConfig
+
+__version__ = "0.1.0"
+__all__ = ["KDN", "KDNConfig", "KDNError", "InvalidInputError", "BlobError", "__version__"]
+
+
+def __getattr__(name):  # lazy: `kdn.models` imports transformers model code
+    if name == "models":
+        import kdn.models as models
+
+        return models
+    raise AttributeError(name)

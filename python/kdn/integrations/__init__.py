@@ -1,0 +1,1 @@
+"""Adapters that plug kdn into model runtimes (HF transformers today)."""

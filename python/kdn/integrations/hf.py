@@ -1,0 +1,89 @@
+"""HF transformers integration: generate with kdn as the KV-cache provider, and a TTFT timer."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from kdn._core import InvalidInputError
+
+log = logging.getLogger("kdn")
+
+
+class FirstTokenTimer(BaseStreamer):
+    """A generate() streamer that records the time-to-first-token.
+
+    Example:
+        >>> timer = FirstTokenTimer()
+        >>> model.generate(ids, streamer=timer, max_new_tokens=8)
+        >>> timer.ttft   # seconds from timer.start() (or construction) to the first new token
+    """
+
+    def __init__(self):
+        self.start()
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+        self.ttft: float | None = None
+        self._calls = 0
+
+    def put(self, value) -> None:
+        self._calls += 1
+        if self._calls == 2 and self.ttft is None:  # call 1 is the prompt, call 2 the first token
+            self.ttft = time.perf_counter() - self.t0
+
+    def end(self) -> None:
+        pass
+
+
+def _as_batch_one(model, input_ids) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise InvalidInputError(f"kdn generate handles batch size 1; got input_ids of shape {tuple(ids.shape)}")
+    if ids.shape[1] == 0:
+        raise InvalidInputError("input_ids is empty")
+    return ids.to(next(model.parameters()).device, dtype=torch.long)
+
+
+def generate(kdn, model, input_ids, **generate_kwargs):
+    """Retrieve the prompt's stored prefix, let ``model.generate`` prefill only the rest, store the new KV.
+
+    Args:
+        kdn: the :class:`kdn.KDN` provider.
+        model: an HF causal LM.
+        input_ids: [n] or [1, n] token ids.
+        **generate_kwargs: passed to ``model.generate`` (``past_key_values`` is kdn's to provide;
+            an ``attention_mask``, if given, must be all ones).
+
+    Returns what ``model.generate`` returns (``sequences`` tensor, or the dict output when
+    ``return_dict_in_generate=True``). Storing never raises: a failure is logged and generation's
+    result is returned. ``kdn.last_generate`` records ``{"hit_tokens", "prompt_tokens"}``.
+
+    Example:
+        >>> out = kdn.generate(model, tokenizer(doc + q, return_tensors="pt").input_ids, max_new_tokens=32)
+    """
+    ids = _as_batch_one(model, input_ids)
+    if "past_key_values" in generate_kwargs:
+        raise InvalidInputError("generate: past_key_values is provided by kdn; do not pass it")
+    mask = generate_kwargs.get("attention_mask")
+    if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+        raise InvalidInputError("generate: attention_mask with padding is not supported (batch size 1, no padding)")
+    want_dict = generate_kwargs.pop("return_dict_in_generate", False)
+    cache, hit = kdn.retrieve(model, ids[0], limit=ids.shape[1] - 1)
+    if cache is not None:
+        generate_kwargs["past_key_values"] = cache
+    out = model.generate(ids, return_dict_in_generate=True, use_cache=True, **generate_kwargs)
+    kdn.last_generate = {"hit_tokens": hit, "prompt_tokens": int(ids.shape[1])}
+    try:
+        final = out.past_key_values
+        if final is not None:
+            n_kv = final.get_seq_length()
+            kdn.store(model, out.sequences[0, :n_kv], final)
+    except Exception as exc:  # storing is best effort; the answer is already computed
+        log.warning("kdn: storing the generated KV failed (%s); the result is returned unchanged", exc)
+    return out if want_dict else out.sequences

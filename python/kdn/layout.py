@@ -1,0 +1,101 @@
+"""Conversions between HF caches and kdn's per-layer KV lists; the model's KV layout."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kdn._core import InvalidInputError
+
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLayout:
+    """The KV shape of a decoder: layers, KV heads, head dim, dtype name, vocabulary size."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    vocab_size: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModelLayout:
+        config = model.config.get_text_config()
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        dtype = next(model.parameters()).dtype
+        if dtype not in _DTYPES:
+            raise InvalidInputError(f"model dtype {dtype} is not supported (float32, float16, bfloat16)")
+        return cls(
+            layers=config.num_hidden_layers,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            dtype=_DTYPES[dtype],
+            vocab_size=config.vocab_size,
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {v: k for k, v in _DTYPES.items()}[self.dtype]
+
+    def bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.torch_dtype.itemsize
+
+
+def cache_to_kv_list(cache) -> list[torch.Tensor]:
+    """Flatten a DynamicCache (or legacy tuple of (k, v)) into [k0, v0, k1, v1, ...].
+
+    Each tensor is [batch, kv_heads, seq, head_dim] as HF stores it.
+    """
+    if hasattr(cache, "layers"):
+        pairs = [(layer.keys, layer.values) for layer in cache.layers]
+    elif isinstance(cache, (tuple, list)):
+        pairs = [(kv[0], kv[1]) for kv in cache]
+    else:
+        raise InvalidInputError(f"past_key_values must be a DynamicCache or tuple of (k, v), got {type(cache).__name__}")
+    out = []
+    for i, (k, v) in enumerate(pairs):
+        if k is None or v is None:
+            raise InvalidInputError(f"past_key_values layer {i} is empty")
+        out += [k.detach(), v.detach()]
+    return out
+
+
+def check_kv_matches(layout: ModelLayout, kv: list[torch.Tensor], num_tokens: int) -> None:
+    """Raise InvalidInputError unless ``kv`` is a batch-1 cache of this model holding num_tokens."""
+    if len(kv) != 2 * layout.layers:
+        raise InvalidInputError(
+            f"cache has {len(kv) // 2} layers but the model has {layout.layers}: is it from a different model?"
+        )
+    want = (layout.kv_heads, layout.head_dim)
+    for i, t in enumerate(kv):
+        if t.dim() != 4 or t.shape[0] != 1 or (t.shape[1], t.shape[3]) != want:
+            raise InvalidInputError(
+                f"cache layer {i // 2} has shape {tuple(t.shape)}, expected [1, {want[0]}, seq, {want[1]}]: "
+                "is it from a different model (or a batch larger than 1)?"
+            )
+        if _DTYPES.get(t.dtype) != layout.dtype:
+            raise InvalidInputError(f"cache dtype {t.dtype} differs from the model dtype {layout.dtype}")
+        if t.shape[2] < num_tokens:
+            raise InvalidInputError(f"cache holds {t.shape[2]} tokens but {num_tokens} token ids were given")
+
+
+def kv_list_to_cache(model: torch.nn.Module, kv: list[torch.Tensor]) -> DynamicCache:
+    """Build a DynamicCache for ``model`` that holds the tensors of ``kv`` without copying them."""
+    cache = DynamicCache(config=model.config)
+    if len(cache.layers) != len(kv) // 2:
+        cache = DynamicCache()
+    for i in range(len(kv) // 2):
+        k, v = kv[2 * i], kv[2 * i + 1]
+        if i < len(cache.layers) and type(cache.layers[i]) is DynamicLayer:
+            layer = cache.layers[i]
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+        else:  # sliding-window and other layer kinds keep their own bookkeeping
+            cache.update(k, v, i)
+    return cache
