@@ -8,8 +8,8 @@ namespace kdn {
 std::vector<Key128> prefix_chunk_keys(const Key128& fingerprint, const uint32_t* tokens,
                                       int64_t num_tokens, int64_t chunk_size,
                                       bool include_partial) {
-  KDN_CHECK(chunk_size > 0, "chunk_size must be positive, got " + std::to_string(chunk_size));
-  KDN_CHECK(num_tokens >= 0, "num_tokens must be non-negative");
+  KDN_CHECK_INPUT(chunk_size > 0, "chunk_size must be positive, got " + std::to_string(chunk_size));
+  KDN_CHECK_INPUT(num_tokens >= 0, "num_tokens must be non-negative");
   static const char kDomain[] = "kdn/prefix";
   std::vector<Key128> keys;
   Key128 parent{};

@@ -1,0 +1,106 @@
+"""Prefix reuse end to end: retrieve + suffix prefill equals a full prefill (logits and greedy output)."""
+
+import pytest
+import torch
+from conftest import full_prefill, random_ids
+
+from kdn import KDN, KDNConfig
+from kdn.models.tiny import tiny_model
+
+# (arch, layers, heads, kv_heads, head_dim): GQA ratios 1, 2 and 4; head dims 8 to 64
+CONFIGS = [
+    ("llama", 2, 4, 2, 16),
+    ("llama", 3, 8, 2, 8),
+    ("mistral", 2, 4, 1, 32),
+    ("mistral", 2, 4, 4, 16),
+    ("qwen2", 2, 6, 2, 64),
+    ("qwen2", 2, 4, 2, 32),
+]
+# (prompt length, chunk size): shorter than a chunk, aligned, unaligned, hit ending mid-prompt
+LENGTHS = [(5, 8), (32, 8), (37, 8), (50, 16)]
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
+
+
+def check_reuse(model, ids, chunk, tol):
+    """Store a full prefill, retrieve for the same prompt, prefill the suffix, compare the logits."""
+    kdn = KDN(KDNConfig(chunk_size=chunk))
+    ref_logits, ref_cache = full_prefill(model, ids)
+    kdn.store(model, ids, ref_cache)
+    n = ids.shape[1]
+    expected_hit = (n // chunk) * chunk
+    assert kdn.lookup(model, ids) == expected_hit
+    cache, hit = kdn.retrieve(model, ids, limit=n - 1)
+    assert hit == min(expected_hit, n - 1)
+    if hit == 0:
+        assert cache is None
+        return kdn
+    assert cache.get_seq_length() == hit
+    for layer, ref_layer in zip(cache.layers, ref_cache.layers):  # the KV itself is a plain copy
+        assert torch.equal(layer.keys, ref_layer.keys[:, :, :hit])
+        assert torch.equal(layer.values, ref_layer.values[:, :, :hit])
+    with torch.inference_mode():
+        logits = model(ids[:, hit:], past_key_values=cache).logits[0, -1]
+    torch.testing.assert_close(logits.float(), ref_logits.float(), atol=tol, rtol=0)
+    return kdn
+
+
+@pytest.mark.parametrize("arch,layers,heads,kv_heads,head_dim", CONFIGS)
+@pytest.mark.parametrize("n,chunk", LENGTHS)
+def test_tiny_models_fp32(arch, layers, heads, kv_heads, head_dim, n, chunk):
+    model = tiny_model(arch, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim, seed=n)
+    check_reuse(model, random_ids(model, n, seed=n), chunk, TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_models_half_precision(dtype, arch):
+    model = tiny_model(arch, head_dim=32, dtype=dtype)
+    check_reuse(model, random_ids(model, 45), 16, TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("n,chunk", LENGTHS + [(300, 64)])
+def test_stories260k(stories, n, chunk):
+    model, _ = stories
+    check_reuse(model, random_ids(model, n, seed=n), chunk, TOLERANCE[torch.float32])
+
+
+def test_full_hit_still_prefills_last_token(stories):
+    model, tokenizer = stories
+    ids = tokenizer("Once upon a time, there was a little girl named Lily. She", return_tensors="pt").input_ids
+    ids = ids[:, :16]
+    kdn = KDN(KDNConfig(chunk_size=8))
+    _, ref_cache = full_prefill(model, ids)
+    kdn.store(model, ids, ref_cache)
+    assert kdn.lookup(model, ids) == 16
+    cache, hit = kdn.retrieve(model, ids)  # no limit: the whole prompt
+    assert hit == 16 and cache.get_seq_length() == 16
+    expected = model.generate(ids, max_new_tokens=12, do_sample=False)
+    got = kdn.generate(model, ids, max_new_tokens=12, do_sample=False)
+    assert kdn.last_generate == {"hit_tokens": 15, "prompt_tokens": 16}
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_generate_greedy_identical_and_reuses_generated_text(arch):
+    model = tiny_model(arch, layers=2, heads=4, kv_heads=2, head_dim=16, seed=3)
+    kdn = KDN(KDNConfig(chunk_size=8))
+    ids = random_ids(model, 29, seed=1)
+    expected = model.generate(ids, max_new_tokens=20, do_sample=False)
+    first = kdn.generate(model, ids, max_new_tokens=20, do_sample=False)
+    assert kdn.last_generate["hit_tokens"] == 0
+    again = kdn.generate(model, ids, max_new_tokens=20, do_sample=False)
+    assert kdn.last_generate["hit_tokens"] == 24
+    assert torch.equal(first, expected) and torch.equal(again, expected)
+    # a follow-up turn that extends the generated text hits the stored conversation too
+    follow = torch.cat([expected, random_ids(model, 5, seed=2)], dim=1)
+    reply = kdn.generate(model, follow, max_new_tokens=10, do_sample=False)
+    assert kdn.last_generate["hit_tokens"] == 48
+    assert torch.equal(reply, model.generate(follow, max_new_tokens=10, do_sample=False))
+
+
+def test_return_dict_in_generate_is_honoured(tiny_llama):
+    kdn = KDN(KDNConfig(chunk_size=8))
+    ids = random_ids(tiny_llama, 20)
+    out = kdn.generate(tiny_llama, ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    assert out.sequences.shape == (1, 24)
+    assert isinstance(kdn.generate(tiny_llama, ids, max_new_tokens=4, do_sample=False), torch.Tensor)
