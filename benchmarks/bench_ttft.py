@@ -1,0 +1,86 @@
+"""Time-to-first-token: full prefill vs a kdn memory hit on SmolLM2-135M; retrieve vs torch.clone.
+
+Usage: python benchmarks/bench_ttft.py [--lengths 1024,2048,4096,7168] [--repeats 3] [--out bench_out]
+Prints a table with ratios and writes bench_out/bench_ttft.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import kdn
+from kdn import KDN, KDNConfig
+
+
+def timed(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def context_ids(tokenizer, n: int) -> torch.Tensor:
+    text = kdn.demo.document()
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    while ids.shape[1] < n:
+        ids = torch.cat([ids, ids], dim=1)
+    return ids[:, :n]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--lengths", default="1024,2048,4096,7168")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="bench_out")
+    args = parser.parse_args()
+    import kdn.demo  # noqa: F401  (bundled document)
+
+    model, tokenizer = kdn.models.load("smollm2-135m")
+    torch.set_grad_enabled(False)
+    rows = []
+    for n in [int(x) for x in args.lengths.split(",")]:
+        ids = context_ids(tokenizer, n)
+        cache = KDN(KDNConfig())
+        full_s, out = timed(lambda: model(ids, use_cache=True), 1 if n > 4096 else args.repeats)
+        cache.store(model, ids, out.past_key_values)
+        kv = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+        kv_bytes = sum(t.numel() * t.element_size() for t in kv)
+
+        def hit_ttft():
+            c, hit = cache.retrieve(model, ids, limit=n - 1)
+            return model(ids[:, hit:], past_key_values=c).logits[0, -1], hit
+
+        hit_s, (logits, hit) = timed(hit_ttft, args.repeats)
+        # interleave retrieve and clone so both see the same allocator state; median of many runs
+        retrieve_runs, clone_runs = [], []
+        for _ in range(4 * args.repeats):
+            retrieve_runs.append(timed(lambda: cache.retrieve(model, ids), 1)[0])
+            clone_runs.append(timed(lambda: [t.clone() for t in kv], 1)[0])
+        retrieve_s, clone_s = statistics.median(retrieve_runs), statistics.median(clone_runs)
+        max_diff = (logits - out.logits[0, -1]).abs().max().item()
+        row = {"tokens": n, "hit_tokens": hit, "kv_mib": kv_bytes / 2**20, "full_prefill_s": full_s,
+               "kdn_hit_ttft_s": hit_s, "speedup": full_s / hit_s, "retrieve_s": retrieve_s,
+               "clone_s": clone_s, "retrieve_over_clone": retrieve_s / clone_s, "max_logit_diff": max_diff}
+        rows.append(row)
+        print(f"{n:>6} tokens  KV {row['kv_mib']:7.1f} MiB  full prefill {full_s * 1e3:8.0f} ms  "
+              f"kdn hit {hit_s * 1e3:6.0f} ms  speedup {row['speedup']:6.1f}x  |  retrieve {retrieve_s * 1e3:6.1f} ms  "
+              f"clone {clone_s * 1e3:6.1f} ms  ratio {row['retrieve_over_clone']:4.2f}x  |  max logit diff {max_diff:.1e}",
+              flush=True)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_ttft.json").write_text(json.dumps({"model": "smollm2-135m", "dtype": "float32",
+                                                         "threads": torch.get_num_threads(), "rows": rows}, indent=2))
+    print(f"\nwrote {out_dir / 'bench_ttft.json'}")
+    print("targets: speedup at 4096 tokens >= 20x; retrieve <= 2x clone")
+
+
+if __name__ == "__main__":
+    main()
