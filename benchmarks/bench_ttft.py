@@ -72,7 +72,8 @@ def main() -> None:
         rows.append(row)
         print(f"{n:>6} tokens  KV {row['kv_mib']:7.1f} MiB  full prefill {full_s * 1e3:8.0f} ms  "
               f"kdn hit {hit_s * 1e3:6.0f} ms  speedup {row['speedup']:6.1f}x  |  retrieve {retrieve_s * 1e3:6.1f} ms  "
-              f"clone {clone_s * 1e3:6.1f} ms  ratio {row['retrieve_over_clone']:4.2f}x  |  max logit diff {max_diff:.1e}",
+              f"clone {clone_s * 1e3:6.1f} ms  ratio {row['retrieve_over_clone']:4.2f}x  |  "
+              f"max logit diff {max_diff:.1e}",
               flush=True)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from conftest import full_prefill
 
 import kdn
+from conftest import full_prefill
 from kdn import KDN, KDNConfig
 from kdn.models import ModelNotAvailableError, shared_dir
 from kdn.models.stories260k import read_tokenizer_pieces

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from conftest import full_prefill, random_ids
 
+from conftest import full_prefill, random_ids
 from kdn import KDN, KDNConfig
 from kdn.models.tiny import tiny_model
 

@@ -5,8 +5,8 @@ import logging
 import numpy as np
 import pytest
 import torch
-from conftest import full_prefill, random_ids
 
+from conftest import full_prefill, random_ids
 from kdn import KDN, InvalidInputError, KDNConfig
 from kdn.models.tiny import tiny_model
 

@@ -57,7 +57,9 @@ def cache_to_kv_list(cache) -> list[torch.Tensor]:
     elif isinstance(cache, (tuple, list)):
         pairs = [(kv[0], kv[1]) for kv in cache]
     else:
-        raise InvalidInputError(f"past_key_values must be a DynamicCache or tuple of (k, v), got {type(cache).__name__}")
+        raise InvalidInputError(
+            f"past_key_values must be a DynamicCache or tuple of (k, v), got {type(cache).__name__}"
+        )
     out = []
     for i, (k, v) in enumerate(pairs):
         if k is None or v is None:

@@ -17,7 +17,12 @@ def tiny_model(arch: str = "llama", *, layers: int = 2, heads: int = 4, kv_heads
         2
     """
     from transformers import (
-        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
     )
 
     classes = {
