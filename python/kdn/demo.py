@@ -29,15 +29,21 @@ def prompt_ids(tokenizer, doc: str, question: str) -> torch.Tensor:
     return ids
 
 
-def run_demo(num_questions: int = 3, max_new_tokens: int = 32) -> int:
-    """Ask questions with a full prefill and with kdn; print TTFTs, speedups and answer agreement."""
+def run_demo(num_questions: int = 3, max_new_tokens: int = 32, loaded=None) -> int:
+    """Ask questions with a full prefill and with kdn; print TTFTs, speedups and answer agreement.
+
+    ``loaded`` is an optional ``(model, tokenizer)`` already in memory (default: load SmolLM2-135M).
+    Returns 0 when every kdn answer is identical to the full-prefill answer, else 1.
+    """
     from kdn import KDN
     from kdn.integrations.hf import FirstTokenTimer
     from kdn.models import load
 
     num_questions = max(1, min(num_questions, len(QUESTIONS)))
-    print("loading SmolLM2-135M-Instruct (GGUF, dequantized to fp32 on the CPU) ...", flush=True)
-    model, tokenizer = load("smollm2-135m")
+    if loaded is None:
+        print("loading SmolLM2-135M-Instruct (GGUF, dequantized to fp32 on the CPU) ...", flush=True)
+        loaded = load("smollm2-135m")
+    model, tokenizer = loaded
     doc = document()
     cache = KDN()
     gen = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": tokenizer.eos_token_id}
