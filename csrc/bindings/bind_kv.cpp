@@ -183,52 +183,45 @@ void bind_kv(py::module_& m) {
       py::arg("blobs"), py::arg("kv"), py::arg("count"),
       "Copy the first `count` tokens held by consecutive blobs into per-layer KV tensors.");
 
-  m.def(
-      "kv_copy_cuda",
-      [](const py::sequence& kv, py::handle chunk, int64_t chunk_tokens, int64_t cache_start, int64_t count,
-         bool to_chunk, uintptr_t stream) {
-        KvViews v = kv_views(kv, true);
-        HeldView c = view_from_object(chunk, "chunk");
-        KDN_CHECK_INPUT(v.device == DeviceType::kCUDA && c.view.device == DeviceType::kCUDA,
-                        "kv_copy_cuda: kv tensors and chunk must be CUDA tensors");
-        KDN_CHECK_INPUT(c.view.dtype == v.dtype && c.view.is_contiguous(), "kv_copy_cuda: chunk must be contiguous with the kv dtype");
-        KDN_CHECK_INPUT(c.view.numel() == v.layers * 2 * chunk_tokens * v.heads * v.dim,
-                        "kv_copy_cuda: chunk size does not match [layers, 2, chunk_tokens, kv_heads, head_dim]");
-        KDN_CHECK_INPUT(count >= 0 && count <= chunk_tokens && cache_start >= 0 && cache_start + count <= v.seq,
-                        "kv_copy_cuda: token range out of bounds");
-        KvShape shape{v.layers, chunk_tokens, v.heads, v.dim};
-        std::string err;
-        {
-          py::gil_scoped_release release;
-          err = kv_copy_cuda(shape, v.table(), c.view.data, dtype_size(v.dtype), cache_start, count,
-                             to_chunk ? CopyDirection::kCacheToChunk : CopyDirection::kChunkToCache, stream);
-        }
-        if (!err.empty()) throw Error("kv_copy_cuda: " + err, __FILE__, __LINE__);
-      },
-      py::arg("kv"), py::arg("chunk"), py::arg("chunk_tokens"), py::arg("cache_start"), py::arg("count"),
-      py::arg("to_chunk"), py::arg("stream") = 0,
-      "CUDA copy between per-layer KV tensors and a canonical chunk tensor on the device.");
-
-  m.def(
-      "kv_copy_cpu",
-      [](const py::sequence& kv, py::handle chunk, int64_t chunk_tokens, int64_t cache_start, int64_t count,
-         bool to_chunk) {
-        KvViews v = kv_views(kv, true);
-        HeldView c = view_from_object(chunk, "chunk");
-        KDN_CHECK_INPUT(v.device == DeviceType::kCPU && c.view.device == DeviceType::kCPU, "kv_copy_cpu: CPU tensors only");
-        KDN_CHECK_INPUT(c.view.dtype == v.dtype && c.view.is_contiguous(), "kv_copy_cpu: chunk must be contiguous with the kv dtype");
-        KDN_CHECK_INPUT(c.view.numel() == v.layers * 2 * chunk_tokens * v.heads * v.dim,
-                        "kv_copy_cpu: chunk size does not match [layers, 2, chunk_tokens, kv_heads, head_dim]");
-        KDN_CHECK_INPUT(count >= 0 && count <= chunk_tokens && cache_start >= 0 && cache_start + count <= v.seq,
-                        "kv_copy_cpu: token range out of bounds");
-        KvShape shape{v.layers, chunk_tokens, v.heads, v.dim};
-        py::gil_scoped_release release;
-        kv_copy_cpu(shape, v.table(), c.view.data, dtype_size(v.dtype), cache_start, count,
-                    to_chunk ? CopyDirection::kCacheToChunk : CopyDirection::kChunkToCache, default_num_threads());
-      },
-      py::arg("kv"), py::arg("chunk"), py::arg("chunk_tokens"), py::arg("cache_start"), py::arg("count"),
-      py::arg("to_chunk"),
-      "CPU copy between per-layer KV tensors and a canonical chunk tensor (oracle of kv_copy_cuda).");
+  // kv_copy_cpu / kv_copy_cuda: the same checks, then the CPU oracle or its CUDA twin.
+  auto bind_copy = [&m](const char* name, DeviceType device, const char* doc) {
+    m.def(
+        name,
+        [name, device](const py::sequence& kv, py::handle chunk, int64_t chunk_tokens, int64_t cache_start,
+                       int64_t count, bool to_chunk, uintptr_t stream) {
+          const std::string fn(name);
+          const bool cuda = device == DeviceType::kCUDA;
+          KvViews v = kv_views(kv, true);
+          HeldView c = view_from_object(chunk, "chunk");
+          KDN_CHECK_INPUT(v.device == device && c.view.device == device,
+                          fn + (cuda ? ": kv tensors and chunk must be CUDA tensors" : ": CPU tensors only"));
+          KDN_CHECK_INPUT(c.view.dtype == v.dtype && c.view.is_contiguous(),
+                          fn + ": chunk must be contiguous with the kv dtype");
+          KDN_CHECK_INPUT(c.view.numel() == v.layers * 2 * chunk_tokens * v.heads * v.dim,
+                          fn + ": chunk size does not match [layers, 2, chunk_tokens, kv_heads, head_dim]");
+          KDN_CHECK_INPUT(count >= 0 && count <= chunk_tokens && cache_start >= 0 && cache_start + count <= v.seq,
+                          fn + ": token range out of bounds");
+          const KvShape shape{v.layers, chunk_tokens, v.heads, v.dim};
+          const CopyDirection dir = to_chunk ? CopyDirection::kCacheToChunk : CopyDirection::kChunkToCache;
+          std::string err;
+          {
+            py::gil_scoped_release release;
+            if (cuda)
+              err = kv_copy_cuda(shape, v.table(), c.view.data, dtype_size(v.dtype), cache_start, count, dir, stream);
+            else
+              kv_copy_cpu(shape, v.table(), c.view.data, dtype_size(v.dtype), cache_start, count, dir,
+                          default_num_threads());
+          }
+          if (!err.empty()) throw Error(fn + ": " + err, __FILE__, __LINE__);
+        },
+        py::arg("kv"), py::arg("chunk"), py::arg("chunk_tokens"), py::arg("cache_start"), py::arg("count"),
+        py::arg("to_chunk"), py::arg("stream") = 0, doc);
+  };
+  bind_copy("kv_copy_cpu", DeviceType::kCPU,
+            "CPU copy between per-layer KV tensors and a canonical chunk tensor (oracle of kv_copy_cuda).");
+  bind_copy("kv_copy_cuda", DeviceType::kCUDA,
+            "CUDA copy between per-layer KV tensors and a canonical chunk tensor on the device (stream: cudaStream_t "
+            "as an int).");
 }
 
 }  // namespace kdn
