@@ -35,6 +35,22 @@ def context_ids(tokenizer, n: int) -> torch.Tensor:
     return ids[:, :n]
 
 
+def retrieve_breakdown(model, cache: KDN, ids: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """Medians of the two C++ steps inside retrieve: checksum/header verification and the layout copy."""
+    from kdn import _core
+
+    info = cache._info(model)
+    _, keys = cache._keys(info, ids)
+    blobs = [cache.memory.get(k) for k in keys]
+    lay = info.layout
+    verify_s, _ = timed(lambda: _core.verify_chunks(blobs, keys, info.fingerprint, lay.dtype, lay.layers,
+                                                    lay.kv_heads, lay.head_dim, cache.config.chunk_size), repeats)
+    n = len(keys) * cache.config.chunk_size
+    dst = [torch.empty(1, lay.kv_heads, n, lay.head_dim, dtype=lay.torch_dtype) for _ in range(2 * lay.layers)]
+    copy_s, _ = timed(lambda: _core.unpack_chunks(blobs, dst, n), repeats)  # warm destination
+    return verify_s, copy_s
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--lengths", default="1024,2048,4096,7168")
@@ -65,14 +81,17 @@ def main() -> None:
             retrieve_runs.append(timed(lambda: cache.retrieve(model, ids), 1)[0])
             clone_runs.append(timed(lambda: [t.clone() for t in kv], 1)[0])
         retrieve_s, clone_s = statistics.median(retrieve_runs), statistics.median(clone_runs)
+        verify_s, copy_s = retrieve_breakdown(model, cache, ids, args.repeats)
         max_diff = (logits - out.logits[0, -1]).abs().max().item()
         row = {"tokens": n, "hit_tokens": hit, "kv_mib": kv_bytes / 2**20, "full_prefill_s": full_s,
                "kdn_hit_ttft_s": hit_s, "speedup": full_s / hit_s, "retrieve_s": retrieve_s,
-               "clone_s": clone_s, "retrieve_over_clone": retrieve_s / clone_s, "max_logit_diff": max_diff}
+               "clone_s": clone_s, "retrieve_over_clone": retrieve_s / clone_s, "verify_s": verify_s,
+               "layout_copy_s": copy_s, "max_logit_diff": max_diff}
         rows.append(row)
         print(f"{n:>6} tokens  KV {row['kv_mib']:7.1f} MiB  full prefill {full_s * 1e3:8.0f} ms  "
               f"kdn hit {hit_s * 1e3:6.0f} ms  speedup {row['speedup']:6.1f}x  |  retrieve {retrieve_s * 1e3:6.1f} ms  "
               f"clone {clone_s * 1e3:6.1f} ms  ratio {row['retrieve_over_clone']:4.2f}x  |  "
+              f"(verify {verify_s * 1e3:5.1f} ms, layout copy {copy_s * 1e3:5.1f} ms)  |  "
               f"max logit diff {max_diff:.1e}",
               flush=True)
     out_dir = Path(args.out)

@@ -9,17 +9,13 @@ namespace py = pybind11;
 
 namespace kdn {
 
-namespace {
-Key128 key_from_bytes(py::handle obj, const char* what) {
+Key128 key_arg(py::handle obj, const char* what) {
   ByteSpan span = bytes_from_object(obj, what);
   KDN_CHECK_INPUT(span.size == 16, std::string(what) + " must be 16 bytes, got " + std::to_string(span.size));
   Key128 k;
   std::memcpy(k.data(), span.data, 16);
   return k;
 }
-}  // namespace
-
-Key128 key_arg(py::handle obj, const char* what) { return key_from_bytes(obj, what); }
 
 void bind_hash(py::module_& m) {
   m.def(
@@ -48,7 +44,7 @@ void bind_hash(py::module_& m) {
   m.def(
       "prefix_chunk_keys",
       [](py::handle fingerprint, py::handle tokens, int64_t chunk_size, bool include_partial) {
-        Key128 fp = key_from_bytes(fingerprint, "fingerprint");
+        Key128 fp = key_arg(fingerprint, "fingerprint");
         py::buffer_info info = py::reinterpret_borrow<py::buffer>(tokens).request(false);
         KDN_CHECK_INPUT(info.ndim == 1 && info.itemsize == 4 && (info.format == "I" || info.format == "=I" || info.format == "<I"),
                         "tokens must be a 1-D contiguous uint32 array");
