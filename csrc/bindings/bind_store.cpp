@@ -1,9 +1,10 @@
-// Python bindings of the blob Buffer, blob parsing and the host-memory store.
+// Python bindings of the blob Buffer, blob parsing and the memory and disk stores.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstring>
 
+#include "kdn/disk_store.h"
 #include "kdn/memory_store.h"
 #include "tensor.h"
 
@@ -37,6 +38,28 @@ py::dict header_to_dict(const BlobHeader& h) {
   return d;
 }
 
+std::vector<Key128> keys_arg(const py::list& keys) {
+  std::vector<Key128> out;
+  out.reserve(keys.size());
+  for (auto k : keys) out.push_back(key_arg(k, "key"));
+  return out;
+}
+
+py::dict tier_stats_dict(const TierStats& st) {
+  py::dict d;
+  d["hits"] = st.hits;
+  d["misses"] = st.misses;
+  d["puts"] = st.puts;
+  d["evictions"] = st.evictions;
+  d["rejected"] = st.rejected;
+  d["entries"] = st.entries;
+  d["used_bytes"] = st.used_bytes;
+  d["capacity_bytes"] = st.capacity_bytes;
+  d["pinned_entries"] = st.pinned_entries;
+  d["pinned_bytes"] = st.pinned_bytes;
+  return d;
+}
+
 void bind_store(py::module_& m) {
   py::class_<Buffer, BufferPtr>(m, "Buffer", py::buffer_protocol(),
                                 "Immutable reference-counted bytes (a blob); supports memoryview().")
@@ -64,8 +87,12 @@ void bind_store(py::module_& m) {
       py::arg("blob"), py::arg("verify_checksum") = true,
       "Validate a blob and return its header as a dict; raises BlobError.");
 
-  py::class_<MemoryStore>(m, "MemoryStore", "Host-memory LRU blob store (thread-safe).")
-      .def(py::init<uint64_t>(), py::arg("capacity_bytes"))
+  m.def("buffer_live_bytes", &Buffer::live_bytes, "Bytes held by all live kdn buffers in this process.");
+  m.def("eviction_policies", &eviction_policy_names);
+
+  py::class_<MemoryStore, std::shared_ptr<MemoryStore>>(m, "MemoryStore",
+                                                        "Host-memory blob store (thread-safe); see kdn/memory_store.h.")
+      .def(py::init<uint64_t, std::string>(), py::arg("capacity_bytes"), py::arg("policy") = "lru")
       .def("put", [](MemoryStore& s, py::handle key, py::handle blob) {
             Key128 k = key_arg(key, "key");
             BufferPtr buf = buffer_from_object(blob);
@@ -79,27 +106,114 @@ void bind_store(py::module_& m) {
           }, py::arg("key"))
       .def("contains", [](const MemoryStore& s, py::handle key) { return s.contains(key_arg(key, "key")); })
       .def("__contains__", [](const MemoryStore& s, py::handle key) { return s.contains(key_arg(key, "key")); })
-      .def("count_prefix", [](const MemoryStore& s, const py::list& keys) {
-            std::vector<Key128> ks;
-            for (auto k : keys) ks.push_back(key_arg(k, "key"));
-            return s.count_prefix(ks);
-          }, py::arg("keys"))
-      .def("remove", [](MemoryStore& s, py::handle key) { return s.remove(key_arg(key, "key")); })
-      .def("clear", &MemoryStore::clear)
+      .def("count_prefix", [](const MemoryStore& s, const py::list& keys) { return s.count_prefix(keys_arg(keys)); },
+           py::arg("keys"))
+      .def("remove", [](MemoryStore& s, py::handle key) {
+            Key128 k = key_arg(key, "key");
+            py::gil_scoped_release release;
+            return s.remove(k);
+          })
+      .def("pin", [](MemoryStore& s, py::handle key, double ttl) { return s.pin(key_arg(key, "key"), ttl); },
+           py::arg("key"), py::arg("ttl_seconds") = 0.0)
+      .def("unpin", [](MemoryStore& s, py::handle key) { return s.unpin(key_arg(key, "key")); })
+      .def("clear", &MemoryStore::clear, py::call_guard<py::gil_scoped_release>())
+      .def("spill_to", [](MemoryStore& s, std::shared_ptr<DiskStore> disk) {
+            if (!disk) return s.set_spill(nullptr);
+            s.set_spill([disk](const Key128& k, const BufferPtr& b) { disk->put_async(k, b); });
+          }, py::arg("disk"), "Send evicted entries to a disk store's write-behind queue (None: drop them).")
       .def("__len__", [](const MemoryStore& s) { return s.stats().entries; })
       .def_property_readonly("capacity", &MemoryStore::capacity)
+      .def_property_readonly("policy", &MemoryStore::policy)
       .def_property_readonly("used_bytes", [](const MemoryStore& s) { return s.stats().used_bytes; })
-      .def("stats", [](const MemoryStore& s) {
-        MemoryStoreStats st = s.stats();
-        py::dict d;
-        d["hits"] = st.hits;
-        d["misses"] = st.misses;
-        d["puts"] = st.puts;
-        d["evictions"] = st.evictions;
-        d["rejected"] = st.rejected;
-        d["entries"] = st.entries;
-        d["used_bytes"] = st.used_bytes;
-        d["capacity_bytes"] = st.capacity_bytes;
+      .def("stats", [](const MemoryStore& s) { return tier_stats_dict(s.stats()); });
+
+  py::class_<DiskStore, std::shared_ptr<DiskStore>>(m, "DiskStore",
+                                                    "Local-disk blob store (thread-safe); see kdn/disk_store.h.")
+      .def(py::init([](const std::string& dir, uint64_t capacity, const std::string& policy, uint64_t queue_bytes,
+                       int read_threads, bool fsync) {
+             DiskStoreOptions o{dir, capacity, policy, queue_bytes, read_threads, fsync};
+             py::gil_scoped_release release;  // the index rebuild scans the directory
+             return std::make_shared<DiskStore>(o);
+           }),
+           py::arg("dir"), py::arg("capacity_bytes"), py::arg("policy") = "lru",
+           py::arg("queue_bytes") = 512ull << 20, py::arg("read_threads") = 4, py::arg("fsync") = true)
+      .def("put", [](DiskStore& s, py::handle key, py::handle blob) {
+            Key128 k = key_arg(key, "key");
+            BufferPtr buf = buffer_from_object(blob);
+            py::gil_scoped_release release;
+            return s.put(k, buf);
+          }, py::arg("key"), py::arg("blob"))
+      .def("put_async", [](DiskStore& s, py::handle key, py::handle blob) {
+            Key128 k = key_arg(key, "key");
+            BufferPtr buf = buffer_from_object(blob);
+            py::gil_scoped_release release;
+            return s.put_async(k, buf);
+          }, py::arg("key"), py::arg("blob"))
+      .def("flush", &DiskStore::flush, py::call_guard<py::gil_scoped_release>())
+      .def("get", [](DiskStore& s, py::handle key) -> py::object {
+            Key128 k = key_arg(key, "key");
+            BufferPtr buf;
+            {
+              py::gil_scoped_release release;
+              buf = s.get(k);
+            }
+            if (!buf) return py::none();
+            return py::cast(buf);
+          }, py::arg("key"))
+      .def("get_many", [](DiskStore& s, const py::list& keys) {
+            std::vector<Key128> ks = keys_arg(keys);
+            std::vector<BufferPtr> bufs;
+            {
+              py::gil_scoped_release release;
+              bufs = s.get_many(ks);
+            }
+            py::list out;
+            for (auto& b : bufs) out.append(b ? py::cast(b) : py::none());
+            return out;
+          }, py::arg("keys"), "Blobs of `keys` read in parallel (None for a miss).")
+      .def("contains", [](DiskStore& s, py::handle key) {
+            Key128 k = key_arg(key, "key");
+            py::gil_scoped_release release;
+            return s.contains(k);
+          })
+      .def("__contains__", [](DiskStore& s, py::handle key) {
+            Key128 k = key_arg(key, "key");
+            py::gil_scoped_release release;
+            return s.contains(k);
+          })
+      .def("count_prefix", [](DiskStore& s, const py::list& keys) {
+            std::vector<Key128> ks = keys_arg(keys);
+            py::gil_scoped_release release;
+            return s.count_prefix(ks);
+          }, py::arg("keys"))
+      .def("remove", [](DiskStore& s, py::handle key) {
+            Key128 k = key_arg(key, "key");
+            py::gil_scoped_release release;
+            return s.remove(k);
+          })
+      .def("pin", [](DiskStore& s, py::handle key, double ttl) { return s.pin(key_arg(key, "key"), ttl); },
+           py::arg("key"), py::arg("ttl_seconds") = 0.0)
+      .def("unpin", [](DiskStore& s, py::handle key) { return s.unpin(key_arg(key, "key")); })
+      .def("clear", &DiskStore::clear, py::call_guard<py::gil_scoped_release>())
+      .def("path_of", [](const DiskStore& s, py::handle key) { return s.path_of(key_arg(key, "key")); })
+      .def("_inject_write_failures", &DiskStore::inject_write_failures, py::arg("n"),
+           "Test hook: the next n file writes fail as if the disk were full.")
+      .def("__len__", [](const DiskStore& s) { return s.stats().entries; })
+      .def_property_readonly("capacity", [](const DiskStore& s) { return s.options().capacity_bytes; })
+      .def_property_readonly("directory", [](const DiskStore& s) { return s.options().dir; })
+      .def_property_readonly("policy", [](const DiskStore& s) { return s.options().policy; })
+      .def_property_readonly("used_bytes", [](const DiskStore& s) { return s.stats().used_bytes; })
+      .def("stats", [](const DiskStore& s) {
+        DiskStats st = s.stats();
+        py::dict d = tier_stats_dict(st);
+        d["writes"] = st.writes;
+        d["errors"] = st.errors;
+        d["corrupt"] = st.corrupt;
+        d["dropped"] = st.dropped;
+        d["adopted"] = st.adopted;
+        d["queued_entries"] = st.queued_entries;
+        d["queued_bytes"] = st.queued_bytes;
+        d["last_error"] = st.last_error;
         return d;
       });
 }

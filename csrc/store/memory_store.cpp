@@ -1,91 +1,105 @@
-// Host-memory LRU blob store (contract in kdn/memory_store.h).
+// Host-memory blob store (contract in kdn/memory_store.h).
 #include "kdn/memory_store.h"
 
 namespace kdn {
 
-MemoryStore::MemoryStore(uint64_t capacity_bytes) : capacity_(capacity_bytes) {
-  stats_.capacity_bytes = capacity_bytes;
-}
-
-void MemoryStore::evict_until_fits(uint64_t incoming) {
-  while (!lru_.empty() && stats_.used_bytes + incoming > capacity_) {
-    Entry& victim = lru_.back();
-    stats_.used_bytes -= victim.blob->size();
-    index_.erase(victim.key);
-    lru_.pop_back();
-    ++stats_.evictions;
-  }
-}
+MemoryStore::MemoryStore(uint64_t capacity_bytes, const std::string& policy)
+    : policy_(policy), index_(capacity_bytes, policy) {}
 
 bool MemoryStore::put(const Key128& key, BufferPtr blob) {
   KDN_CHECK(blob != nullptr, "MemoryStore.put: blob is null");
-  std::lock_guard<std::mutex> lock(mutex_);
-  ++stats_.puts;
-  auto it = index_.find(key);
-  if (it != index_.end()) {  // overwrite: drop the old value first
-    stats_.used_bytes -= it->second->blob->size();
-    lru_.erase(it->second);
-    index_.erase(it);
+  std::vector<std::pair<Key128, BufferPtr>> spilled;
+  SpillFn spill;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.puts;
+    bool was_pinned = index_.is_pinned(key);
+    if (index_.erase(key)) blobs_.erase(key);  // replace: drop the old value first
+    std::vector<Key128> victims;
+    if (!index_.make_room(blob->size(), &victims)) {
+      ++stats_.rejected;
+      return false;
+    }
+    for (const auto& v : victims) {
+      auto it = blobs_.find(v);
+      if (spill_) spilled.emplace_back(v, std::move(it->second));
+      blobs_.erase(it);
+    }
+    stats_.evictions += victims.size();
+    index_.insert(key, blob->size());
+    if (was_pinned) index_.pin(key, 0);
+    blobs_[key] = std::move(blob);
+    spill = spill_;
   }
-  if (blob->size() > capacity_) {
-    ++stats_.rejected;
-    stats_.entries = index_.size();
-    return false;
-  }
-  evict_until_fits(blob->size());
-  lru_.push_front(Entry{key, std::move(blob)});
-  index_[key] = lru_.begin();
-  stats_.used_bytes += lru_.front().blob->size();
-  stats_.entries = index_.size();
+  for (const auto& [k, b] : spilled) spill(k, b);  // outside the lock; drops our references after
   return true;
 }
 
 BufferPtr MemoryStore::get(const Key128& key) {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = index_.find(key);
-  if (it == index_.end()) {
+  auto it = blobs_.find(key);
+  if (it == blobs_.end()) {
     ++stats_.misses;
     return nullptr;
   }
-  lru_.splice(lru_.begin(), lru_, it->second);
+  index_.touch(key);
   ++stats_.hits;
-  return it->second->blob;
+  return it->second;
 }
 
 bool MemoryStore::contains(const Key128& key) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return index_.count(key) != 0;
+  return index_.contains(key);
 }
 
 int64_t MemoryStore::count_prefix(const std::vector<Key128>& keys) const {
   std::lock_guard<std::mutex> lock(mutex_);
   int64_t n = 0;
-  while (n < static_cast<int64_t>(keys.size()) && index_.count(keys[n])) ++n;
+  while (n < static_cast<int64_t>(keys.size()) && index_.contains(keys[n])) ++n;
   return n;
 }
 
 bool MemoryStore::remove(const Key128& key) {
+  BufferPtr dropped;  // released after the lock
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = index_.find(key);
-  if (it == index_.end()) return false;
-  stats_.used_bytes -= it->second->blob->size();
-  lru_.erase(it->second);
-  index_.erase(it);
-  stats_.entries = index_.size();
+  if (!index_.erase(key)) return false;
+  auto it = blobs_.find(key);
+  dropped = std::move(it->second);
+  blobs_.erase(it);
   return true;
 }
 
-void MemoryStore::clear() {
+bool MemoryStore::pin(const Key128& key, double ttl_seconds) {
   std::lock_guard<std::mutex> lock(mutex_);
-  lru_.clear();
-  index_.clear();
-  stats_.used_bytes = 0;
-  stats_.entries = 0;
+  return index_.pin(key, ttl_seconds);
 }
 
-MemoryStoreStats MemoryStore::stats() const {
+bool MemoryStore::unpin(const Key128& key) {
   std::lock_guard<std::mutex> lock(mutex_);
-  return stats_;
+  return index_.unpin(key);
+}
+
+void MemoryStore::clear() {
+  std::unordered_map<Key128, BufferPtr, Key128Hash> dropped;
+  std::lock_guard<std::mutex> lock(mutex_);
+  index_.clear();
+  dropped.swap(blobs_);
+}
+
+void MemoryStore::set_spill(SpillFn spill) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  spill_ = std::move(spill);
+}
+
+TierStats MemoryStore::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TierStats s = stats_;
+  s.entries = index_.entries();
+  s.used_bytes = index_.used_bytes();
+  s.capacity_bytes = index_.capacity();
+  s.pinned_entries = index_.pinned_entries();
+  s.pinned_bytes = index_.pinned_bytes();
+  return s;
 }
 
 }  // namespace kdn

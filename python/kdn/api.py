@@ -8,10 +8,11 @@ import logging
 import torch
 
 from kdn import _core
+from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
 from kdn.keys import model_fingerprint, prefix_keys, token_array
 from kdn.layout import ModelLayout, cache_to_kv_list, check_kv_matches, kv_list_to_cache
-from kdn.storage import MemoryTier
+from kdn.storage import TierManager
 
 log = logging.getLogger("kdn")
 
@@ -39,7 +40,8 @@ class KDN:
 
     def __init__(self, config: KDNConfig | None = None):
         self.config = config or KDNConfig()
-        self.memory = MemoryTier(self.config.memory_bytes)
+        self.tiers = TierManager(self.config)
+        self.memory, self.disk = self.tiers.memory, self.tiers.disk
         self._models: dict[int, _ModelInfo] = {}
 
     # -- model identity ---------------------------------------------------------------------
@@ -60,7 +62,7 @@ class KDN:
         """Number of leading tokens of ``token_ids`` whose KV is stored (a multiple of chunk_size)."""
         info = self._info(model)
         _, keys = self._keys(info, token_ids)
-        return self.memory.count_prefix(keys) * self.config.chunk_size
+        return self.tiers.count_prefix(keys) * self.config.chunk_size
 
     def store(self, model, token_ids, past_key_values) -> int:
         """Store the KV of the full chunks of ``token_ids`` from ``past_key_values``.
@@ -77,10 +79,11 @@ class KDN:
         chunk = self.config.chunk_size
         stored = 0
         for i, key in enumerate(keys):
-            if not self.memory.contains(key):
+            if not self.tiers.contains(key):
                 blob = _core.pack_chunk(kv, i * chunk, chunk, info.fingerprint, key)
-                if not self.memory.put(key, blob):
-                    log.warning("kdn: chunk of %d bytes does not fit the memory tier; not stored", len(blob))
+                if not self.tiers.put(key, blob):
+                    log.warning("kdn: chunk of %d bytes fits no tier (pinned entries hold the space?); not stored",
+                                len(blob))
                     break
             stored += chunk
         return stored
@@ -98,13 +101,8 @@ class KDN:
         tokens, keys = self._keys(info, token_ids)
         limit = len(tokens) if limit is None else max(0, min(int(limit), len(tokens)))
         chunk = self.config.chunk_size
-        wanted = min(self.memory.count_prefix(keys), -(-limit // chunk))
-        blobs = []
-        for key in keys[:wanted]:
-            blob = self.memory.get(key)  # may have been evicted since count_prefix
-            if blob is None:
-                break
-            blobs.append(blob)
+        wanted = min(self.tiers.count_prefix(keys), -(-limit // chunk))
+        blobs = self.tiers.get_many(keys[:wanted])  # may stop early: evicted since count_prefix
         layout = info.layout
         n_ok, error = _core.verify_chunks(
             blobs, keys[: len(blobs)], info.fingerprint, layout.dtype,
@@ -112,7 +110,7 @@ class KDN:
         )
         if error:
             log.warning("kdn: dropping an unusable stored chunk (treated as a miss): %s", error)
-            self.memory.remove(keys[n_ok])
+            self.tiers.remove(keys[n_ok])
         hit = min(n_ok * chunk, limit)
         if hit == 0:
             return None, 0
@@ -133,10 +131,47 @@ class KDN:
 
         return generate(self, model, input_ids, **generate_kwargs)
 
+    # -- management -------------------------------------------------------------------------
+    def chunk_keys(self, model, prompt, tokenizer=None) -> list[bytes]:
+        """Keys of the full chunks of ``prompt`` (token ids, or text with ``tokenizer``)."""
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise InvalidInputError("a text prompt needs tokenizer=... to find its chunks (or pass token ids)")
+            prompt = tokenizer(prompt)["input_ids"]
+        return self._keys(self._info(model), prompt)[1]
+
+    def pin(self, model, prompt, tokenizer=None, ttl: float | None = None) -> int:
+        """Keep the stored chunks of ``prompt`` from eviction (for ``ttl`` seconds if given).
+
+        Returns the number of leading tokens pinned. Pinned chunks are promoted into memory;
+        pins live in this process. Example: ``kdn.pin(model, document, tokenizer=tok, ttl=3600)``.
+        """
+        if ttl is not None and not ttl > 0:
+            raise InvalidInputError(f"ttl must be a positive number of seconds or None, got {ttl!r}")
+        keys = self.chunk_keys(model, prompt, tokenizer)
+        n = 0
+        while n < len(keys) and self.tiers.pin(keys[n], ttl or 0.0):
+            n += 1
+        return n * self.config.chunk_size
+
+    def unpin(self, model, prompt, tokenizer=None) -> int:
+        """Make the chunks of ``prompt`` evictable again; returns the number of chunks unpinned."""
+        return sum(self.tiers.unpin(k) for k in self.chunk_keys(model, prompt, tokenizer))
+
+    def evict(self, model, prompt, tokenizer=None) -> int:
+        """Remove the chunks of ``prompt`` from every tier; returns the number of chunks removed."""
+        return sum(self.tiers.remove(k) for k in self.chunk_keys(model, prompt, tokenizer))
+
+    def flush(self) -> None:
+        """Wait until queued disk writes are on disk."""
+        self.tiers.flush()
+
     def stats(self) -> dict:
-        """Per-tier counters: hits, misses, puts, evictions, bytes."""
-        return {"memory": self.memory.stats()}
+        """Per-tier counters: ``{"memory": {...}, "disk": {...}}`` with hits, misses, puts,
+        evictions, rejected, entries, used/capacity/pinned bytes (disk also: writes, errors,
+        corrupt, dropped, queued bytes, last_error)."""
+        return self.tiers.stats()
 
     def clear(self) -> None:
-        """Drop every stored chunk."""
-        self.memory.clear()
+        """Drop every stored chunk from every tier (the disk tier's files included)."""
+        self.tiers.clear()

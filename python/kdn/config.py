@@ -1,13 +1,39 @@
-"""KDNConfig: the settings of a KDN object, validated on construction."""
+"""KDNConfig: the settings of a KDN object, from code, a YAML file or KDN_* variables, validated."""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import re
+from pathlib import Path
 
 from kdn._core import InvalidInputError
 
-GiB = 1 << 30
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": KiB, "m": 1000**2, "mb": 1000**2, "mib": MiB,
+          "g": 1000**3, "gb": 1000**3, "gib": GiB, "t": 1000**4, "tb": 1000**4, "tib": TiB}
+WRITE_POLICIES = ("memory-only", "write-through", "write-back")
+EVICTION_POLICIES = ("lru", "s3fifo")
+_SIZE_FIELDS = ("memory_bytes", "disk_bytes", "disk_queue_bytes")
+_INT_FIELDS = ("chunk_size", "disk_read_threads")
+
+
+def parse_bytes(value, name: str = "size") -> int:
+    """A byte count from an int or a string such as ``"512MiB"``, ``"4 GB"`` or ``"1_000"``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1).replace("_", "")) * _UNITS[m.group(2).lower()])
+    raise InvalidInputError(f"{name}={value!r} is not a byte size (examples: 1048576, '512MiB', '4GB')")
+
+
+def default_cache_dir() -> Path:
+    """Where ``disk_dir="auto"`` puts the disk tier: ``$XDG_CACHE_HOME/kdn`` or ``~/.cache/kdn``."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kdn"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,37 +42,141 @@ class KDNConfig:
 
     Attributes:
         chunk_size: tokens per stored chunk; prefix hits are whole chunks (default 256).
-        memory_bytes: byte capacity of the host-memory tier (LRU eviction beyond it).
+        memory_bytes: capacity of the host-memory tier (default 4 GiB). Sizes accept ints or
+            strings such as ``"512MiB"``.
+        memory_policy: eviction order of the memory tier, ``"lru"`` (default) or ``"s3fifo"``
+            (scan-resistant: one pass over many new documents does not flush the hot ones).
+        disk_dir: directory of the local-disk tier; ``None`` (default) turns the tier off,
+            ``"auto"`` uses :func:`default_cache_dir`. Off by default so that a library imported
+            into serving code or a notebook never fills a home directory unasked; turn it on to
+            keep KV caches across restarts and share them between processes on one machine.
+        disk_bytes: capacity of the disk tier (default 16 GiB).
+        disk_policy: eviction order of the disk tier (``"lru"`` or ``"s3fifo"``).
+        write_policy: how stores reach the disk tier: ``"write-through"`` (default: every chunk
+            is queued for disk as it is stored in memory), ``"write-back"`` (only chunks evicted
+            from memory go to disk) or ``"memory-only"`` (the disk tier is read, never written).
+        disk_queue_bytes: bound of the asynchronous disk write queue; beyond it writes are dropped
+            and counted, so ``store`` never waits for the disk (default 512 MiB).
+        disk_read_threads: threads reading chunk files in parallel (default 4).
+        disk_fsync: fsync each file before it is renamed into place (default True).
 
-    Every field can also be set from the environment (``KDN_CHUNK_SIZE``, ``KDN_MEMORY_BYTES``)
-    through :meth:`from_env`.
+    Sources, later wins: defaults, a YAML file, ``KDN_<FIELD>`` environment variables, keyword
+    arguments (:meth:`load`).
 
     Example:
-        >>> KDNConfig(chunk_size=128, memory_bytes=512 << 20).chunk_size
-        128
+        >>> KDNConfig(chunk_size=128, memory_bytes="512MiB").memory_bytes
+        536870912
+        >>> KDNConfig.load("kdn.yaml", memory_policy="s3fifo")   # doctest: +SKIP
     """
 
     chunk_size: int = 256
     memory_bytes: int = 4 * GiB
+    memory_policy: str = "lru"
+    disk_dir: str | None = None
+    disk_bytes: int = 16 * GiB
+    disk_policy: str = "lru"
+    write_policy: str = "write-through"
+    disk_queue_bytes: int = 512 * MiB
+    disk_read_threads: int = 4
+    disk_fsync: bool = True
 
     def __post_init__(self):
-        for field in ("chunk_size", "memory_bytes"):
-            value = getattr(self, field)
+        for name in _SIZE_FIELDS:
+            object.__setattr__(self, name, parse_bytes(getattr(self, name), f"KDNConfig.{name}"))
+        for name in _SIZE_FIELDS + _INT_FIELDS:
+            value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidInputError(f"KDNConfig.{field} must be a positive integer, got {value!r}")
+                raise InvalidInputError(f"KDNConfig.{name} must be a positive integer, got {value!r}")
         if self.chunk_size > 1 << 20:
             raise InvalidInputError(f"KDNConfig.chunk_size={self.chunk_size} is too large (max 1048576)")
+        for name, choices in (("memory_policy", EVICTION_POLICIES), ("disk_policy", EVICTION_POLICIES),
+                              ("write_policy", WRITE_POLICIES)):
+            if getattr(self, name) not in choices:
+                raise InvalidInputError(f"KDNConfig.{name}={getattr(self, name)!r}; choose one of {', '.join(choices)}")
+        if not isinstance(self.disk_fsync, bool):
+            raise InvalidInputError(f"KDNConfig.disk_fsync must be True or False, got {self.disk_fsync!r}")
+        if self.disk_dir is not None:
+            if not isinstance(self.disk_dir, (str, os.PathLike)) or str(self.disk_dir) == "":
+                raise InvalidInputError(f"KDNConfig.disk_dir must be a path, 'auto' or None, got {self.disk_dir!r}")
+            path = default_cache_dir() if self.disk_dir == "auto" else Path(self.disk_dir).expanduser()
+            object.__setattr__(self, "disk_dir", str(path.absolute()))
 
+    # -- loading ----------------------------------------------------------------------------
     @classmethod
     def from_env(cls, **overrides) -> KDNConfig:
         """Defaults, then ``KDN_<FIELD>`` environment variables, then keyword overrides."""
-        values = {}
-        for field in dataclasses.fields(cls):
-            raw = os.environ.get(f"KDN_{field.name.upper()}")
-            if raw is not None:
-                try:
-                    values[field.name] = int(raw)
-                except ValueError:
-                    raise InvalidInputError(f"KDN_{field.name.upper()}={raw!r} is not an integer") from None
-        values.update(overrides)
-        return cls(**values)
+        return cls(**{**_env_values(), **overrides})
+
+    @classmethod
+    def from_yaml(cls, path, **overrides) -> KDNConfig:
+        """Defaults, then the mapping in a YAML file (flat, or under a top-level ``kdn:``), then overrides."""
+        return cls(**{**_yaml_values(path), **overrides})
+
+    @classmethod
+    def load(cls, path=None, **overrides) -> KDNConfig:
+        """Defaults < YAML file (``path`` or ``$KDN_CONFIG``, if any) < ``KDN_*`` variables < overrides."""
+        path = path if path is not None else os.environ.get("KDN_CONFIG")
+        values = _yaml_values(path) if path else {}
+        return cls(**{**values, **_env_values(), **overrides})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(KDNConfig)]
+
+
+def _unknown(name: str, where: str) -> InvalidInputError:
+    close = difflib.get_close_matches(name, _field_names(), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known settings: {', '.join(_field_names())}"
+    return InvalidInputError(f"unknown kdn setting {name!r} in {where}{hint}")
+
+
+def _env_values() -> dict:
+    values = {}
+    for name in _field_names():
+        raw = os.environ.get(f"KDN_{name.upper()}")
+        if raw is not None:
+            values[name] = _from_text(name, raw, f"KDN_{name.upper()}")
+    return values
+
+
+def _from_text(name: str, raw: str, where: str):
+    if name in _INT_FIELDS:
+        try:
+            return int(raw)
+        except ValueError:
+            raise InvalidInputError(f"{where}={raw!r} is not an integer") from None
+    if name in _SIZE_FIELDS:
+        return parse_bytes(raw, where)
+    if name == "disk_fsync":
+        lowered = raw.strip().lower()
+        if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+            raise InvalidInputError(f"{where}={raw!r} is not a boolean (true/false)")
+        return lowered in ("1", "true", "yes", "on")
+    if name == "disk_dir" and raw.strip().lower() in ("", "none", "off"):
+        return None
+    return raw
+
+
+def _yaml_values(path) -> dict:
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise InvalidInputError(f"cannot read kdn config file {path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise InvalidInputError(f"kdn config file {path} is not valid YAML: {e}") from None
+    data = data or {}
+    if isinstance(data, dict) and set(data) == {"kdn"}:
+        data = data["kdn"] or {}
+    if not isinstance(data, dict):
+        raise InvalidInputError(f"kdn config file {path} must hold a mapping of settings, got {type(data).__name__}")
+    for name in data:
+        if name not in _field_names():
+            raise _unknown(str(name), str(path))
+    return dict(data)

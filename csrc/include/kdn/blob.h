@@ -15,6 +15,7 @@
 //  32  u32      reserved (0)
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -42,16 +43,22 @@ struct BlobHeader {
 };
 
 // An immutable, reference-counted byte buffer (blobs are shared between the store and readers).
+// Buffer::live_bytes() counts the bytes of all buffers alive in the process (memory accounting).
 class Buffer {
  public:
-  explicit Buffer(size_t size) : data_(new uint8_t[size]), size_(size) {}  // not zero-filled
+  explicit Buffer(size_t size) : data_(new uint8_t[size]), size_(size) { live_.fetch_add(size); }  // not zeroed
+  ~Buffer() { live_.fetch_sub(size_); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
   uint8_t* data() { return data_.get(); }
   const uint8_t* data() const { return data_.get(); }
   size_t size() const { return size_; }
+  static int64_t live_bytes() { return live_.load(); }
 
  private:
   std::unique_ptr<uint8_t[]> data_;
   size_t size_;
+  static inline std::atomic<int64_t> live_{0};
 };
 using BufferPtr = std::shared_ptr<Buffer>;
 

@@ -9,6 +9,15 @@ namespace kdn {
 
 using Key128 = std::array<uint8_t, 16>;
 
+// Keys are uniform hashes already: their first 8 bytes make a good hash-table hash.
+struct Key128Hash {
+  size_t operator()(const Key128& k) const {
+    uint64_t v;
+    __builtin_memcpy(&v, k.data(), sizeof(v));
+    return static_cast<size_t>(v);
+  }
+};
+
 // Incremental BLAKE3 (default hash mode, portable implementation of the published spec).
 class Blake3 {
  public:

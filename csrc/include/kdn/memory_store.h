@@ -1,61 +1,58 @@
-// Host-memory blob store: byte capacity, LRU eviction, thread-safe.
+// Host-memory blob store: byte capacity, pluggable eviction (lru, s3fifo), pins with TTL.
 //
-// Contract: every method is thread-safe (one internal mutex, never held during copies of blob
-// bytes). `get` hands out a shared reference, so an entry evicted or removed while a reader still
-// copies from it stays alive until the reader drops it. `put` of a blob larger than the capacity
-// is refused (returns false) and counted; otherwise least-recently-used entries are evicted until
-// the new one fits, so used_bytes() never exceeds capacity().
+// Contract: every method is thread-safe (one internal mutex, never held while blob bytes are
+// copied or while the spill callback runs). `get` hands out a shared reference, so an entry
+// evicted or removed while a reader still copies from it stays alive until the reader drops it;
+// the bytes return to the allocator when the last reference goes (Buffer::live_bytes tells).
+// `put` of a blob that cannot fit beside the pinned entries is refused (returns false, counted
+// as rejected) without evicting anything; otherwise unpinned entries are evicted in policy order
+// until it fits, so used_bytes() never exceeds capacity(). Evicted entries are handed to the
+// spill callback (if set), e.g. a disk tier's write-behind queue for write-back.
 #pragma once
 
-#include <list>
+#include <functional>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "kdn/blob.h"
+#include "kdn/tier_index.h"
 
 namespace kdn {
 
-struct Key128Hash {
-  size_t operator()(const Key128& k) const {
-    uint64_t v;
-    static_assert(sizeof(v) <= sizeof(Key128), "key too short");
-    __builtin_memcpy(&v, k.data(), sizeof(v));
-    return static_cast<size_t>(v);
-  }
+struct TierStats {
+  uint64_t hits = 0, misses = 0, puts = 0, evictions = 0, rejected = 0;
+  uint64_t entries = 0, used_bytes = 0, capacity_bytes = 0, pinned_entries = 0, pinned_bytes = 0;
 };
 
-struct MemoryStoreStats {
-  uint64_t hits = 0, misses = 0, puts = 0, evictions = 0, rejected = 0;
-  uint64_t entries = 0, used_bytes = 0, capacity_bytes = 0;
-};
+using SpillFn = std::function<void(const Key128&, const BufferPtr&)>;
 
 class MemoryStore {
  public:
-  explicit MemoryStore(uint64_t capacity_bytes);
+  explicit MemoryStore(uint64_t capacity_bytes, const std::string& policy = "lru");
 
-  bool put(const Key128& key, BufferPtr blob);
-  BufferPtr get(const Key128& key);  // nullptr on miss; refreshes recency on hit
+  bool put(const Key128& key, BufferPtr blob);  // replaces an existing value (keeping its pin)
+  BufferPtr get(const Key128& key);             // nullptr on miss; a hit informs the policy
   bool contains(const Key128& key) const;
   // Number of leading keys present (stops at the first missing one); does not count as hits.
   int64_t count_prefix(const std::vector<Key128>& keys) const;
   bool remove(const Key128& key);
+  bool pin(const Key128& key, double ttl_seconds);
+  bool unpin(const Key128& key);
   void clear();
-  MemoryStoreStats stats() const;
-  uint64_t capacity() const { return capacity_; }
+  void set_spill(SpillFn spill);
+  TierStats stats() const;
+  uint64_t capacity() const { return index_.capacity(); }
+  const std::string& policy() const { return policy_; }
 
  private:
-  struct Entry {
-    Key128 key;
-    BufferPtr blob;
-  };
-  void evict_until_fits(uint64_t incoming);  // caller holds mutex_
-
-  const uint64_t capacity_;
+  const std::string policy_;
   mutable std::mutex mutex_;
-  std::list<Entry> lru_;  // front = most recently used
-  std::unordered_map<Key128, std::list<Entry>::iterator, Key128Hash> index_;
-  MemoryStoreStats stats_;
+  TierIndex index_;
+  std::unordered_map<Key128, BufferPtr, Key128Hash> blobs_;
+  SpillFn spill_;
+  TierStats stats_;
 };
 
 }  // namespace kdn

@@ -1,5 +1,7 @@
-"""Storage tiers of kdn (memory now; disk and remote tiers plug in behind the same interface)."""
+"""Storage tiers of kdn: host memory, local disk, and the manager that composes them."""
 
+from kdn.storage.disk import DiskTier
+from kdn.storage.manager import TierManager
 from kdn.storage.memory import MemoryTier
 
-__all__ = ["MemoryTier"]
+__all__ = ["DiskTier", "MemoryTier", "TierManager"]

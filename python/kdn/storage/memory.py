@@ -1,4 +1,4 @@
-"""Host-memory tier: the C++ LRU store behind the tier interface."""
+"""Host-memory tier: the C++ MemoryStore (LRU or S3-FIFO, pins) behind the tier interface."""
 
 from __future__ import annotations
 
@@ -6,14 +6,15 @@ from kdn import _core
 
 
 class MemoryTier:
-    """Blobs in host memory, bounded by ``capacity_bytes``, least-recently-used out first.
+    """Blobs in host memory, bounded by ``capacity_bytes``, evicted in ``policy`` order.
 
     Contract: every method is thread-safe and non-blocking apart from one internal mutex (copies
     of blob bytes happen outside it, with the GIL released). ``get`` returns a shared read-only
     :class:`kdn._core.Buffer`; an entry evicted while a reader holds it stays valid for that reader.
     ``put`` never raises for capacity reasons: a blob larger than the whole tier is refused
-    (returns False, counted as ``rejected``); otherwise LRU entries are evicted so that
-    ``used_bytes`` never exceeds ``capacity_bytes``.
+    (returns False, counted as ``rejected``); otherwise unpinned entries are evicted (``"lru"``:
+    least recently used first; ``"s3fifo"``: scan-resistant S3-FIFO) so that ``used_bytes`` never
+    exceeds ``capacity_bytes``. A pinned entry is never evicted until unpinned or its TTL ends.
 
     Example:
         >>> tier = MemoryTier(1 << 20)
@@ -25,8 +26,8 @@ class MemoryTier:
 
     name = "memory"
 
-    def __init__(self, capacity_bytes: int):
-        self._store = _core.MemoryStore(capacity_bytes)
+    def __init__(self, capacity_bytes: int, policy: str = "lru"):
+        self._store = _core.MemoryStore(capacity_bytes, policy)
 
     def put(self, key: bytes, blob) -> bool:
         return self._store.put(key, blob)
@@ -43,6 +44,17 @@ class MemoryTier:
 
     def remove(self, key: bytes) -> bool:
         return self._store.remove(key)
+
+    def pin(self, key: bytes, ttl_seconds: float = 0.0) -> bool:
+        """Keep ``key`` from eviction (for ``ttl_seconds`` if > 0); False if it is not stored."""
+        return self._store.pin(key, ttl_seconds)
+
+    def unpin(self, key: bytes) -> bool:
+        return self._store.unpin(key)
+
+    def spill_to(self, disk) -> None:
+        """Hand evicted entries to ``disk`` (a DiskTier) for write-back; ``None`` stops it."""
+        self._store.spill_to(disk.store if disk is not None else None)
 
     def clear(self) -> None:
         self._store.clear()

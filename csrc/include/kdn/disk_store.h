@@ -1,0 +1,102 @@
+// Local-disk blob store: one file per blob, atomic writes, checksum verified on every read,
+// index rebuilt at start-up, bounded asynchronous write-behind, reads on a small thread pool.
+//
+// Contract:
+// * Files are `<dir>/<k0k1>/<32 hex key>.kdnb`. A write goes to `<dir>/tmp/<key>.<pid>.<n>.tmp`,
+//   is fsync'ed (unless disabled) and renamed into place, so a reader (in this or another
+//   process) sees the whole blob or nothing; a process killed mid-write leaves only a temporary
+//   file, removed by the next store that opens the directory once its writer is dead.
+// * Every read parses the blob and verifies its XXH64 checksum and key; a corrupt file is
+//   deleted and reported as a miss (counted as `corrupt`).
+// * The index (keys, sizes, eviction order by file mtime) is rebuilt at start-up; keys written by
+//   another process after that are adopted on first lookup. The capacity is enforced by this
+//   process's view (processes sharing a directory should use the same capacity).
+// * No method throws for I/O: failures (disk full, permission denied, a vanished directory)
+//   make the write "not stored", are counted in `errors` and remembered in `last_error`;
+//   missing directories are re-created on the next write.
+// * put_async never blocks on I/O: it enqueues a shared reference to the blob (visible to get
+//   at once) or, when `queue_bytes` are already waiting, drops it (counted as `dropped`).
+// * Thread-safe; one mutex guards the index and queue, never held during file I/O.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "kdn/blob.h"
+#include "kdn/memory_store.h"
+#include "kdn/thread_pool.h"
+#include "kdn/tier_index.h"
+
+namespace kdn {
+
+struct DiskStoreOptions {
+  std::string dir;
+  uint64_t capacity_bytes = 0;
+  std::string policy = "lru";
+  uint64_t queue_bytes = 512ull << 20;
+  int read_threads = 4;
+  bool fsync = true;
+};
+
+struct DiskStats : TierStats {
+  uint64_t writes = 0, errors = 0, corrupt = 0, dropped = 0, adopted = 0;
+  uint64_t queued_entries = 0, queued_bytes = 0;
+  std::string last_error;
+};
+
+class DiskStore {
+ public:
+  explicit DiskStore(DiskStoreOptions options);
+  ~DiskStore();  // drains the write queue
+  DiskStore(const DiskStore&) = delete;
+  DiskStore& operator=(const DiskStore&) = delete;
+
+  bool put(const Key128& key, const BufferPtr& blob);        // synchronous; false if not stored
+  bool put_async(const Key128& key, const BufferPtr& blob);  // false if dropped or refused
+  void flush();                                              // waits until the queue is written
+  BufferPtr get(const Key128& key);                          // verified blob, nullptr on miss
+  std::vector<BufferPtr> get_many(const std::vector<Key128>& keys);  // in parallel
+  bool contains(const Key128& key);
+  int64_t count_prefix(const std::vector<Key128>& keys);
+  bool remove(const Key128& key);
+  bool pin(const Key128& key, double ttl_seconds);  // pins live in this process only
+  bool unpin(const Key128& key);
+  void clear();                                     // every blob file of the directory
+  void inject_write_failures(int64_t n) { inject_failures_ = n; }  // tests: next n writes fail
+  DiskStats stats() const;
+  std::string path_of(const Key128& key) const;
+  const DiskStoreOptions& options() const { return options_; }
+
+ private:
+  void rebuild_index();
+  void remove_stale_temporaries();
+  bool write_blob(const Key128& key, const BufferPtr& blob);  // key already in pending_
+  bool write_file(const Key128& key, const BufferPtr& blob, std::string* error);
+  bool adopt_locked(const Key128& key, uint64_t bytes, std::vector<Key128>* victims);
+  void unlink_keys(const std::vector<Key128>& keys);
+  void record_error(const std::string& error);
+  void writer_loop();
+
+  const DiskStoreOptions options_;
+  mutable std::mutex mutex_;
+  std::condition_variable queue_cv_, idle_cv_;
+  TierIndex index_;
+  std::unordered_map<Key128, BufferPtr, Key128Hash> pending_;  // queued or being written
+  std::deque<std::pair<Key128, BufferPtr>> queue_;
+  uint64_t queued_bytes_ = 0;
+  bool writing_ = false, stop_ = false;
+  DiskStats stats_;
+  std::atomic<int64_t> inject_failures_{0};
+  std::atomic<uint64_t> tmp_counter_{0};
+  ThreadPool readers_;
+  std::thread writer_;
+};
+
+}  // namespace kdn

@@ -1,0 +1,102 @@
+"""Memory-tier eviction (LRU, S3-FIFO), pins with TTL and memory accounting against reference models."""
+
+import random
+import time
+
+import pytest
+
+from kdn import InvalidInputError, _core
+from policy_models import ReferenceTier
+
+POLICIES = ["lru", "s3fifo"]
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_eviction_order_matches_reference_model(policy, seed):
+    rng = random.Random(seed)
+    capacity = 20_000
+    store, ref = _core.MemoryStore(capacity, policy), ReferenceTier(capacity, policy)
+    hot = list(range(8))
+    for step in range(4000):
+        i = rng.choice(hot) if rng.random() < 0.6 else rng.randrange(200)  # hot set + a long tail
+        op = rng.random()
+        if op < 0.45:
+            size = rng.choice([100, 700, 1500, 3000])
+            assert store.put(key(i), bytes(size)) == ref.put(i, size), step
+        elif op < 0.9:
+            assert (store.get(key(i)) is not None) == ref.get(i), step
+        elif op < 0.95:
+            assert store.pin(key(i)) == ref.pin(i)
+        else:
+            assert store.unpin(key(i)) == ref.unpin(i)
+        assert store.used_bytes == ref.used <= capacity, step
+    assert sorted(k for k in range(200) if store.contains(key(k))) == sorted(ref.sizes)
+    assert store.stats()["evictions"] > 100
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_pinned_entries_are_never_evicted_and_too_big_puts_are_refused(policy):
+    store = _core.MemoryStore(1000, policy)
+    store.put(key(0), bytes(600))
+    assert store.pin(key(0)) and not store.pin(key(99))
+    for i in range(1, 50):
+        assert store.put(key(i), bytes(300))
+        assert store.contains(key(0)) and store.used_bytes <= 1000
+    assert not store.put(key(100), bytes(500))  # cannot fit beside the 600 pinned bytes
+    assert store.contains(key(49)), "a refused put must not evict anything"
+    assert store.stats()["pinned_bytes"] == 600 and store.stats()["rejected"] == 1
+    assert store.unpin(key(0))
+    assert store.put(key(100), bytes(900)) and not store.contains(key(0))
+
+
+def test_pin_ttl_expires():
+    store = _core.MemoryStore(1000)
+    store.put(key(0), bytes(800))
+    store.pin(key(0), ttl_seconds=0.05)
+    assert not store.put(key(1), bytes(800))  # pinned: refused
+    time.sleep(0.1)
+    assert store.put(key(1), bytes(800)) and not store.contains(key(0))
+    assert store.stats()["pinned_entries"] == 0
+
+
+def test_s3fifo_resists_a_scan_that_flushes_lru():
+    """Hot keys hit repeatedly, then one pass over many new keys, then the hot keys again."""
+    hits = {}
+    for policy in POLICIES:
+        store = _core.MemoryStore(100 * 100, policy)
+        hot = range(50)
+        for _ in range(3):
+            for i in hot:
+                if store.get(key(i)) is None:
+                    store.put(key(i), bytes(100))
+        for i in range(1000, 1300):  # the scan, each key once
+            store.put(key(i), bytes(100))
+        hits[policy] = sum(store.get(key(i)) is not None for i in hot)
+    assert hits["lru"] == 0 and hits["s3fifo"] == 50, hits
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_memory_returns_to_zero_after_clear_and_held_buffers_stay_valid(policy):
+    base = _core.buffer_live_bytes()
+    store = _core.MemoryStore(1 << 20, policy)
+    for i in range(20):
+        store.put(key(i), bytes([i]) * 10_000)
+    assert _core.buffer_live_bytes() - base == 200_000
+    held = store.get(key(3))
+    store.clear()
+    assert store.used_bytes == 0 and len(store) == 0
+    assert bytes(held) == bytes([3]) * 10_000  # a reader's reference outlives clear()
+    assert _core.buffer_live_bytes() - base == 10_000
+    del held
+    assert _core.buffer_live_bytes() == base
+
+
+def test_unknown_policy_is_a_clear_error():
+    with pytest.raises(InvalidInputError, match="unknown eviction policy 'fifo'.*lru or s3fifo"):
+        _core.MemoryStore(100, "fifo")
+    assert _core.eviction_policies() == POLICIES
