@@ -100,3 +100,29 @@ def test_unknown_policy_is_a_clear_error():
     with pytest.raises(InvalidInputError, match="unknown eviction policy 'fifo'.*lru or s3fifo"):
         _core.MemoryStore(100, "fifo")
     assert _core.eviction_policies() == POLICIES
+
+
+def test_buffer_pool_reuses_freed_blocks_within_its_limit():
+    _core.buffer_pool_trim()
+    before = _core.buffer_pool_stats()
+    blocks = [_core.Buffer(bytes(1 << 20)) for _ in range(4)]
+    del blocks
+    after_free = _core.buffer_pool_stats()
+    assert after_free["idle_blocks"] == 4 and after_free["idle_bytes"] == 4 << 20
+    again = _core.Buffer(bytes(1 << 20))
+    assert _core.buffer_pool_stats()["reused"] == before["reused"] + 1 and bytes(again) == bytes(1 << 20)
+    _core.buffer_pool_set_limit(1 << 20)  # shrinking the limit frees the idle blocks above it
+    assert _core.buffer_pool_stats()["idle_bytes"] <= 1 << 20
+    _core.buffer_pool_set_limit(before["limit_bytes"])
+    _core.buffer_pool_trim()
+    assert _core.buffer_pool_stats()["idle_bytes"] == 0
+
+
+def test_host_arrays_are_writable_and_blobs_are_not():
+    import torch
+
+    array = _core.host_array(4 << 20)
+    t = torch.frombuffer(array, dtype=torch.float32)
+    t.fill_(2.0)
+    assert t.sum().item() == 2.0 * (1 << 20) and array.writable
+    assert not _core.Buffer(b"abc").writable and memoryview(_core.Buffer(b"abc")).readonly

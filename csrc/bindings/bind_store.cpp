@@ -66,10 +66,27 @@ void bind_store(py::module_& m) {
       .def(py::init([](py::handle data) { return buffer_from_object(data); }), py::arg("data"))
       .def("__len__", &Buffer::size)
       .def("tobytes", [](const Buffer& b) { return py::bytes(reinterpret_cast<const char*>(b.data()), b.size()); })
+      .def_property_readonly("writable", &Buffer::writable)
       .def_buffer([](Buffer& b) {
         return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
-                               {static_cast<ssize_t>(b.size())}, {1}, /*readonly=*/true);
+                               {static_cast<ssize_t>(b.size())}, {1}, /*readonly=*/!b.writable());
       });
+
+  m.def("host_array", [](size_t nbytes) { return std::make_shared<Buffer>(nbytes, /*writable=*/true); },
+        py::arg("nbytes"),
+        "A writable, uninitialised pooled host buffer (torch.frombuffer(...) gives a tensor on warm pages).");
+  m.def("buffer_pool_stats", [] {
+    BufferPoolStats st = buffer_pool_stats();
+    py::dict d;
+    d["idle_bytes"] = st.idle_bytes;
+    d["idle_blocks"] = st.idle_blocks;
+    d["limit_bytes"] = st.limit_bytes;
+    d["reused"] = st.reused;
+    d["allocated"] = st.allocated;
+    return d;
+  });
+  m.def("buffer_pool_set_limit", &buffer_pool_set_limit, py::arg("bytes"));
+  m.def("buffer_pool_trim", &buffer_pool_trim, "Return every idle pooled block to the system allocator.");
 
   m.def(
       "blob_parse",

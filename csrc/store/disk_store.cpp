@@ -315,7 +315,9 @@ BufferPtr DiskStore::get(const Key128& key) {
   if (blob) {
     BlobHeader h;
     Status st = blob_parse(blob->data(), blob->size(), /*verify_checksum=*/true, &h);
-    if (!st.ok || h.key != key) {
+    if (st.ok && h.key == key) {
+      blob->mark_verified();
+    } else {
       error = "corrupt blob file " + path + " (deleted): " + (st.ok ? "key differs from its name" : st.message);
       blob.reset();
       corrupt = true;

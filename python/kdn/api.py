@@ -5,13 +5,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import torch
-
 from kdn import _core
 from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
 from kdn.keys import model_fingerprint, prefix_keys, token_array
-from kdn.layout import ModelLayout, cache_to_kv_list, check_kv_matches, kv_list_to_cache
+from kdn.layout import ModelLayout, cache_to_kv_list, check_kv_matches, empty_kv_list, kv_list_to_cache
 from kdn.storage import TierManager
 
 log = logging.getLogger("kdn")
@@ -114,8 +112,7 @@ class KDN:
         hit = min(n_ok * chunk, limit)
         if hit == 0:
             return None, 0
-        kv = [torch.empty((1, layout.kv_heads, hit, layout.head_dim), dtype=layout.torch_dtype)
-              for _ in range(2 * layout.layers)]
+        kv = empty_kv_list(layout, hit)
         _core.unpack_chunks(blobs[: -(-hit // chunk)], kv, hit)
         device = next(model.parameters()).device
         if device.type != "cpu":

@@ -21,6 +21,11 @@ def build_info() -> dict:
         "cuda_compiled": _core.cuda_compiled(),
         "cuda_architectures": _core.cuda_architectures() or "-",
         "core_threads": _core.default_num_threads(),
+        "eviction_policies": ", ".join(_core.eviction_policies()),
+        "buffer_pool_limit": f"{_core.buffer_pool_stats()['limit_bytes'] >> 20} MiB (KDN_BUFFER_POOL_BYTES)",
+        # Page-locked blocks only pay off for host->GPU copies, which need a device and a pooled
+        # pinned arena (planned with layer-wise GPU delivery); until then tiers use pageable memory.
+        "page_locked_host_memory": "not used (pageable pooled buffers)",
         "python": platform.python_version(),
         "torch": version("torch"),
         "transformers": version("transformers"),

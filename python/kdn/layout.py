@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kdn import _core
 from kdn._core import InvalidInputError
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -45,6 +46,18 @@ class ModelLayout:
 
     def bytes_per_token(self) -> int:
         return self.layers * 2 * self.kv_heads * self.head_dim * self.torch_dtype.itemsize
+
+
+def empty_kv_list(layout: ModelLayout, num_tokens: int) -> list[torch.Tensor]:
+    """``2 * layers`` uninitialised CPU tensors ``[1, kv_heads, num_tokens, head_dim]`` (K, V per layer).
+
+    They are views of one pooled kdn host buffer, so a retrieve writes into warm pages instead
+    of faulting in fresh ones (the largest cost of a copy into new memory; see buffer_pool.h).
+    """
+    shape = (2 * layout.layers, 1, layout.kv_heads, num_tokens, layout.head_dim)
+    nbytes = layout.bytes_per_token() * num_tokens
+    flat = torch.frombuffer(_core.host_array(nbytes), dtype=layout.torch_dtype)
+    return list(flat.view(shape).unbind(0))
 
 
 def cache_to_kv_list(cache) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@
 #include <memory>
 #include <string>
 
+#include "kdn/buffer_pool.h"
 #include "kdn/common.h"
 #include "kdn/hash.h"
 
@@ -44,20 +45,35 @@ struct BlobHeader {
 
 // An immutable, reference-counted byte buffer (blobs are shared between the store and readers).
 // Buffer::live_bytes() counts the bytes of all buffers alive in the process (memory accounting).
+// Large buffers come from the buffer pool (kdn/buffer_pool.h) and return to it when freed.
 class Buffer {
  public:
-  explicit Buffer(size_t size) : data_(new uint8_t[size]), size_(size) { live_.fetch_add(size); }  // not zeroed
-  ~Buffer() { live_.fetch_sub(size_); }
+  explicit Buffer(size_t size, bool writable = false)  // not zeroed
+      : data_(pool_acquire(size, &capacity_)), size_(size), writable_(writable) {
+    live_.fetch_add(static_cast<int64_t>(size));
+  }
+  ~Buffer() {
+    pool_release(data_, capacity_);
+    live_.fetch_sub(static_cast<int64_t>(size_));
+  }
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
-  uint8_t* data() { return data_.get(); }
-  const uint8_t* data() const { return data_.get(); }
+  uint8_t* data() { return data_; }
+  const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
+  bool writable() const { return writable_; }  // blobs are not; host arrays for tensors are
+  // A blob whose checksum kdn has computed (sealed) or checked since its bytes last changed; its
+  // readers may skip re-hashing it. Bytes that arrive from Python or a file start unverified.
+  bool verified() const { return verified_.load(std::memory_order_acquire); }
+  void mark_verified() { verified_.store(true, std::memory_order_release); }
   static int64_t live_bytes() { return live_.load(); }
 
  private:
-  std::unique_ptr<uint8_t[]> data_;
+  size_t capacity_ = 0;
+  uint8_t* data_;
   size_t size_;
+  bool writable_;
+  std::atomic<bool> verified_{false};
   static inline std::atomic<int64_t> live_{0};
 };
 using BufferPtr = std::shared_ptr<Buffer>;

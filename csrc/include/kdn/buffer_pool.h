@@ -1,0 +1,29 @@
+// A process-wide cache of freed large host blocks, so that new blobs and KV tensors reuse warm pages.
+//
+// Filling freshly mapped memory costs a page fault per 4 KiB, which on the machines measured is
+// several times the cost of the copy itself (bench_tiers / bench_ttft: 94 MB into fresh pages
+// 47-100 ms, into reused pages 9-11 ms). Blocks of at least kMinPooledBytes are rounded up to a
+// 64 KiB multiple and, when freed, kept for reuse up to an idle-byte cap (default 1 GiB, set by
+// KDN_BUFFER_POOL_BYTES or buffer_pool_set_limit); a request reuses the smallest idle block that
+// is at least as large and at most 25% larger. Thread-safe.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kdn {
+
+constexpr size_t kMinPooledBytes = 256u << 10;
+
+struct BufferPoolStats {
+  uint64_t idle_bytes = 0, idle_blocks = 0, limit_bytes = 0, reused = 0, allocated = 0;
+};
+
+// Returns a block of at least `size` bytes and its real size in *capacity; throws std::bad_alloc.
+uint8_t* pool_acquire(size_t size, size_t* capacity);
+void pool_release(uint8_t* block, size_t capacity);
+void buffer_pool_set_limit(uint64_t bytes);  // also frees idle blocks above the new limit
+void buffer_pool_trim();                     // frees every idle block
+BufferPoolStats buffer_pool_stats();
+
+}  // namespace kdn
