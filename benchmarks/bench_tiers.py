@@ -196,8 +196,9 @@ def main() -> None:
     print("| chunk | blob | put GB/s | numpy copy GB/s | put/copy | get+copy-out GB/s | numpy copyto GB/s | get/copy |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in mem:
-        print(f"| {r['chunk_tokens']} tok | {r['blob_mb']:.1f} MB | {r['put_gbs']:.2f} | {r['numpy_copy_alloc_gbs']:.2f} | "
-              f"{r['put_ratio']:.2f} | {r['get_gbs']:.2f} | {r['numpy_copyto_gbs']:.2f} | {r['get_ratio']:.2f} |")
+        print(f"| {r['chunk_tokens']} tok | {r['blob_mb']:.1f} MB | {r['put_gbs']:.2f} | "
+              f"{r['numpy_copy_alloc_gbs']:.2f} | {r['put_ratio']:.2f} | {r['get_gbs']:.2f} | "
+              f"{r['numpy_copyto_gbs']:.2f} | {r['get_ratio']:.2f} |")
 
     disk = {fs: bench_disk(model, ids, kv, args.repeats, fs) for fs in (True, False)}
     mb = disk[True]["bytes"] / 1e6

@@ -135,3 +135,45 @@ def test_clear_empties_every_tier(tiny_llama, tmp_path):
     kdn.clear()
     assert kdn.lookup(tiny_llama, ids) == 0
     assert not list((tmp_path / "kdn").glob("??/*.kdnb"))
+
+
+@pytest.mark.parametrize("write_policy", ["write-through", "write-back"])
+def test_threads_through_the_manager_only_see_what_was_stored(tmp_path, write_policy):
+    import random
+    import threading
+    import time
+
+    from disk_helpers import blob_for, key
+    from kdn.storage import TierManager
+
+    size = len(blob_for(0))
+    tiers = TierManager(KDNConfig(memory_bytes=6 * size, disk_dir=str(tmp_path), disk_bytes=20 * size,
+                                  write_policy=write_policy, memory_policy="s3fifo"))
+    expected = {i: bytes(blob_for(i)) for i in range(40)}
+    errors, deadline = [], time.monotonic() + 1.5
+
+    def worker(seed):
+        rng = random.Random(seed)
+        while time.monotonic() < deadline:
+            i = rng.randrange(40)
+            if rng.random() < 0.4:
+                tiers.put(key(i), blob_for(i))
+            else:
+                ids = [key(j) for j in range(i, min(i + 3, 40))]
+                for j, blob in enumerate(tiers.get_many(ids)):
+                    if bytes(blob) != expected[i + j]:
+                        errors.append(i + j)
+            for t in tiers.tiers:
+                if t.used_bytes > t.capacity_bytes:
+                    errors.append(f"{t.name} over capacity")
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    tiers.flush()
+    assert errors == []
+    stats = tiers.stats()
+    assert stats["disk"]["corrupt"] == stats["disk"]["errors"] == 0
+    assert stats["memory"]["evictions"] > 0 and stats["disk"]["entries"] > 6
