@@ -177,3 +177,22 @@ def test_threads_through_the_manager_only_see_what_was_stored(tmp_path, write_po
     stats = tiers.stats()
     assert stats["disk"]["corrupt"] == stats["disk"]["errors"] == 0
     assert stats["memory"]["evictions"] > 0 and stats["disk"]["entries"] > 6
+
+
+def test_memory_returns_to_the_baseline_after_clear(tiny_llama):
+    import gc
+
+    from kdn import _core
+
+    gc.collect()
+    baseline = _core.buffer_live_bytes()
+    kdn = KDN(KDNConfig(chunk_size=CHUNK))
+    ids = random_ids(tiny_llama, 40)
+    kdn.store(tiny_llama, ids, full_prefill(tiny_llama, ids)[1])
+    cache, hit = kdn.retrieve(tiny_llama, ids)
+    assert hit == 40 and _core.buffer_live_bytes() > baseline
+    del cache
+    kdn.clear()
+    gc.collect()
+    assert _core.buffer_live_bytes() == baseline
+    assert _core.buffer_pool_stats()["idle_bytes"] == 0

@@ -170,5 +170,7 @@ class KDN:
         return self.tiers.stats()
 
     def clear(self) -> None:
-        """Drop every stored chunk from every tier (the disk tier's files included)."""
+        """Drop every stored chunk from every tier (the disk tier's files included) and hand the
+        process's idle pooled buffers back to the system allocator."""
         self.tiers.clear()
+        _core.buffer_pool_trim()
