@@ -1,6 +1,5 @@
-"""Blob validation and the host-memory LRU store against a small reference model."""
+"""Blob validation and basic host-memory store behaviour (eviction order: test_eviction.py)."""
 
-import collections
 import random
 import threading
 
@@ -36,49 +35,6 @@ def test_every_truncation_and_bit_flip_is_a_clean_error():
             _core.blob_parse(bytes(damaged))
     with pytest.raises(BlobError, match="bad magic"):
         _core.blob_parse(b"X" * 200)
-
-
-class ReferenceLRU:
-    """The eviction model the C++ store must follow."""
-
-    def __init__(self, capacity):
-        self.capacity, self.items = capacity, collections.OrderedDict()
-
-    def put(self, key, size):
-        self.items.pop(key, None)
-        if size > self.capacity:
-            return False
-        while self.items and sum(self.items.values()) + size > self.capacity:
-            self.items.popitem(last=False)
-        self.items[key] = size
-        return True
-
-    def get(self, key):
-        if key in self.items:
-            self.items.move_to_end(key)
-            return True
-        return False
-
-
-def test_lru_matches_reference_model_and_never_exceeds_capacity():
-    rng = random.Random(1)
-    capacity = 10_000
-    store, ref = _core.MemoryStore(capacity), ReferenceLRU(capacity)
-    keys = [bytes([i]) * 16 for i in range(40)]
-    for step in range(3000):
-        key = rng.choice(keys)
-        if rng.random() < 0.5:
-            size = rng.choice([10, 500, 1500, 4000, 12_000])
-            assert store.put(key, bytes([step % 256]) * size) == ref.put(key, size)
-        else:
-            assert (store.get(key) is not None) == ref.get(key)
-        assert store.used_bytes <= capacity
-        assert store.used_bytes == sum(ref.items.values())
-    assert sorted(k for k in keys if store.contains(k)) == sorted(ref.items)
-    stats = store.stats()
-    assert stats["evictions"] > 0 and stats["rejected"] > 0 and stats["entries"] == len(ref.items)
-    store.clear()
-    assert store.used_bytes == 0 and len(store) == 0
 
 
 def test_buffer_outlives_eviction():

@@ -417,11 +417,7 @@ void DiskStore::clear() {
 DiskStats DiskStore::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   DiskStats s = stats_;
-  s.entries = index_.entries();
-  s.used_bytes = index_.used_bytes();
-  s.capacity_bytes = index_.capacity();
-  s.pinned_entries = index_.pinned_entries();
-  s.pinned_bytes = index_.pinned_bytes();
+  index_.fill_sizes(&s);
   s.queued_entries = queue_.size();
   s.queued_bytes = queued_bytes_;
   return s;

@@ -94,11 +94,7 @@ void MemoryStore::set_spill(SpillFn spill) {
 TierStats MemoryStore::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   TierStats s = stats_;
-  s.entries = index_.entries();
-  s.used_bytes = index_.used_bytes();
-  s.capacity_bytes = index_.capacity();
-  s.pinned_entries = index_.pinned_entries();
-  s.pinned_bytes = index_.pinned_bytes();
+  index_.fill_sizes(&s);
   return s;
 }
 

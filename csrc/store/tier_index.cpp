@@ -79,6 +79,14 @@ void TierIndex::clear() {
   used_ = pinned_bytes_ = 0;
 }
 
+void TierIndex::fill_sizes(TierStats* s) const {
+  s->entries = entries();
+  s->used_bytes = used_bytes();
+  s->capacity_bytes = capacity();
+  s->pinned_entries = pinned_entries();
+  s->pinned_bytes = pinned_bytes();
+}
+
 std::vector<Key128> TierIndex::keys() const {
   std::vector<Key128> out;
   out.reserve(sizes_.size());

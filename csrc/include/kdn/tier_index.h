@@ -16,6 +16,12 @@
 
 namespace kdn {
 
+// Counters every tier reports (a tier's own counters plus its index's sizes).
+struct TierStats {
+  uint64_t hits = 0, misses = 0, puts = 0, evictions = 0, rejected = 0;
+  uint64_t entries = 0, used_bytes = 0, capacity_bytes = 0, pinned_entries = 0, pinned_bytes = 0;
+};
+
 class TierIndex {
  public:
   TierIndex(uint64_t capacity_bytes, const std::string& policy);
@@ -39,6 +45,7 @@ class TierIndex {
   uint64_t pinned_entries() const { return pins_.size(); }
   uint64_t pinned_bytes() const { return pinned_bytes_; }
   std::vector<Key128> keys() const;
+  void fill_sizes(TierStats* stats) const;  // entries, used/capacity/pinned bytes
 
  private:
   using Clock = std::chrono::steady_clock;

@@ -7,11 +7,12 @@ import logging
 import weakref
 
 from kdn import _core
+from kdn.storage.base import StoreTier
 
 log = logging.getLogger("kdn")
 
 
-class DiskTier:
+class DiskTier(StoreTier):
     """Blobs as files under ``directory``, bounded by ``capacity_bytes``; survives restarts.
 
     Contract (details in ``csrc/include/kdn/disk_store.h``):
@@ -41,44 +42,19 @@ class DiskTier:
         self._warned: set[str] = set()
         atexit.register(_flush_at_exit, weakref.ref(self._store))
 
-    @property
-    def store(self) -> _core.DiskStore:
-        return self._store
-
     def put(self, key: bytes, blob, wait: bool = False) -> bool:
         ok = self._store.put(key, blob) if wait else self._store.put_async(key, blob)
         self._report()
         return ok
-
-    def get(self, key: bytes):
-        return self._store.get(key)
 
     def get_many(self, keys: list[bytes]) -> list:
         blobs = self._store.get_many(keys)
         self._report()
         return blobs
 
-    def contains(self, key: bytes) -> bool:
-        return self._store.contains(key)
-
-    def count_prefix(self, keys: list[bytes]) -> int:
-        return self._store.count_prefix(keys)
-
-    def remove(self, key: bytes) -> bool:
-        return self._store.remove(key)
-
-    def pin(self, key: bytes, ttl_seconds: float = 0.0) -> bool:
-        return self._store.pin(key, ttl_seconds)
-
-    def unpin(self, key: bytes) -> bool:
-        return self._store.unpin(key)
-
     def flush(self) -> None:
         self._store.flush()
         self._report()
-
-    def clear(self) -> None:
-        self._store.clear()
 
     def stats(self) -> dict:
         stats = self._store.stats()
@@ -100,17 +76,6 @@ class DiskTier:
     @property
     def directory(self) -> str:
         return self._store.directory
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._store.capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self._store.used_bytes
-
-    def __len__(self) -> int:
-        return len(self._store)
 
 
 def _flush_at_exit(ref) -> None:

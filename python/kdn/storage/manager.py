@@ -52,20 +52,20 @@ class TierManager:
             if blob is None:
                 break
             blobs.append(blob)
-        if self.disk is not None and len(blobs) < len(keys):
-            for key, blob in zip(keys[len(blobs):], self._read_disk(keys[len(blobs):])):
+        rest = keys[len(blobs):]
+        if self.disk is not None and rest:
+            # hold memory's later chunks before promotions can evict them; rest[0] just missed
+            held = [None] + [self.memory.get(k) for k in rest[1:]]
+            missing = [k for k, b in zip(rest, held) if b is None]
+            from_disk = dict(zip(missing, self.disk.get_many(missing)))  # read in parallel
+            for key, blob in zip(rest, held):
                 if blob is None:
-                    break
-                self.memory.put(key, blob)  # promotion; shares the bytes, no copy
+                    blob = from_disk[key]
+                    if blob is None:
+                        break
+                    self.memory.put(key, blob)  # promotion; shares the bytes, no copy
                 blobs.append(blob)
         return blobs
-
-    def _read_disk(self, keys: list[bytes]) -> list:
-        """Disk blobs of ``keys``, memory hits filled in (a key may be in memory after a gap)."""
-        from_memory = [self.memory.get(k) for k in keys]
-        missing = [k for k, b in zip(keys, from_memory) if b is None]
-        from_disk = iter(self.disk.get_many(missing) if missing else [])
-        return [b if b is not None else next(from_disk) for b in from_memory]
 
     def put(self, key: bytes, blob) -> bool:
         """Store ``blob`` per the write policy; True if some tier holds it."""

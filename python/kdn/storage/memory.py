@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from kdn import _core
+from kdn.storage.base import StoreTier
 
 
-class MemoryTier:
+class MemoryTier(StoreTier):
     """Blobs in host memory, bounded by ``capacity_bytes``, evicted in ``policy`` order.
 
     Contract: every method is thread-safe and non-blocking apart from one internal mutex (copies
@@ -29,46 +30,6 @@ class MemoryTier:
     def __init__(self, capacity_bytes: int, policy: str = "lru"):
         self._store = _core.MemoryStore(capacity_bytes, policy)
 
-    def put(self, key: bytes, blob) -> bool:
-        return self._store.put(key, blob)
-
-    def get(self, key: bytes):
-        return self._store.get(key)
-
-    def contains(self, key: bytes) -> bool:
-        return self._store.contains(key)
-
-    def count_prefix(self, keys: list[bytes]) -> int:
-        """Number of leading ``keys`` present (the longest stored prefix, in chunks)."""
-        return self._store.count_prefix(keys)
-
-    def remove(self, key: bytes) -> bool:
-        return self._store.remove(key)
-
-    def pin(self, key: bytes, ttl_seconds: float = 0.0) -> bool:
-        """Keep ``key`` from eviction (for ``ttl_seconds`` if > 0); False if it is not stored."""
-        return self._store.pin(key, ttl_seconds)
-
-    def unpin(self, key: bytes) -> bool:
-        return self._store.unpin(key)
-
     def spill_to(self, disk) -> None:
         """Hand evicted entries to ``disk`` (a DiskTier) for write-back; ``None`` stops it."""
         self._store.spill_to(disk.store if disk is not None else None)
-
-    def clear(self) -> None:
-        self._store.clear()
-
-    def stats(self) -> dict:
-        return self._store.stats()
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._store.capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self._store.used_bytes
-
-    def __len__(self) -> int:
-        return len(self._store)
