@@ -37,3 +37,25 @@ def full_prefill(model, ids):
     """Reference: one forward over the whole prompt -> (last logits, cache)."""
     out = model(ids, use_cache=True)
     return out.logits[0, -1], out.past_key_values
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server on 127.0.0.1 for the whole session."""
+    from redis_servers import RedisServer, require_redis
+
+    require_redis()
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A real 3-master Redis Cluster on 127.0.0.1 for the whole session."""
+    from redis_servers import RedisCluster, require_redis
+
+    require_redis()
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    yield cluster
+    cluster.stop()

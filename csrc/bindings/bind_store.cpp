@@ -99,10 +99,12 @@ void bind_store(py::module_& m) {
           st = blob_parse(span.data, span.size, verify_checksum, &h);
         }
         if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
+        if (verify_checksum && py::isinstance<Buffer>(blob)) blob.cast<Buffer&>().mark_verified();
         return header_to_dict(h);
       },
       py::arg("blob"), py::arg("verify_checksum") = true,
-      "Validate a blob and return its header as a dict; raises BlobError.");
+      "Validate a blob and return its header as a dict; raises BlobError. A kdn Buffer whose checksum\n"
+      "was checked is marked verified, so retrieve does not hash it again.");
 
   m.def("buffer_live_bytes", &Buffer::live_bytes, "Bytes held by all live kdn buffers in this process.");
   m.def("eviction_policies", &eviction_policy_names);

@@ -60,7 +60,7 @@ class KDN:
         """Number of leading tokens of ``token_ids`` whose KV is stored (a multiple of chunk_size)."""
         info = self._info(model)
         _, keys = self._keys(info, token_ids)
-        return self.tiers.count_prefix(keys) * self.config.chunk_size
+        return self.tiers.count_prefix(keys, info.fingerprint) * self.config.chunk_size
 
     def store(self, model, token_ids, past_key_values) -> int:
         """Store the KV of the full chunks of ``token_ids`` from ``past_key_values``.
@@ -77,7 +77,7 @@ class KDN:
         chunk = self.config.chunk_size
         stored = 0
         for i, key in enumerate(keys):
-            if not self.tiers.contains(key):
+            if not self.tiers.contains_local(key):
                 blob = _core.pack_chunk(kv, i * chunk, chunk, info.fingerprint, key)
                 if not self.tiers.put(key, blob):
                     log.warning("kdn: chunk of %d bytes fits no tier (pinned entries hold the space?); not stored",
@@ -99,8 +99,8 @@ class KDN:
         tokens, keys = self._keys(info, token_ids)
         limit = len(tokens) if limit is None else max(0, min(int(limit), len(tokens)))
         chunk = self.config.chunk_size
-        wanted = min(self.tiers.count_prefix(keys), -(-limit // chunk))
-        blobs = self.tiers.get_many(keys[:wanted])  # may stop early: evicted since count_prefix
+        wanted = min(self.tiers.count_prefix(keys, info.fingerprint), -(-limit // chunk))
+        blobs = self.tiers.get_many(keys[:wanted], info.fingerprint)  # may stop early: evicted since count_prefix
         layout = info.layout
         n_ok, error = _core.verify_chunks(
             blobs, keys[: len(blobs)], info.fingerprint, layout.dtype,
@@ -108,7 +108,7 @@ class KDN:
         )
         if error:
             log.warning("kdn: dropping an unusable stored chunk (treated as a miss): %s", error)
-            self.tiers.remove(keys[n_ok])
+            self.tiers.remove(keys[n_ok], info.fingerprint)
         hit = min(n_ok * chunk, limit)
         if hit == 0:
             return None, 0
@@ -131,21 +131,27 @@ class KDN:
     # -- management -------------------------------------------------------------------------
     def chunk_keys(self, model, prompt, tokenizer=None) -> list[bytes]:
         """Keys of the full chunks of ``prompt`` (token ids, or text with ``tokenizer``)."""
+        return self._prompt_keys(self._info(model), prompt, tokenizer)
+
+    def _prompt_keys(self, info: _ModelInfo, prompt, tokenizer) -> list[bytes]:
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise InvalidInputError("a text prompt needs tokenizer=... to find its chunks (or pass token ids)")
             prompt = tokenizer(prompt)["input_ids"]
-        return self._keys(self._info(model), prompt)[1]
+        return self._keys(info, prompt)[1]
 
     def pin(self, model, prompt, tokenizer=None, ttl: float | None = None) -> int:
         """Keep the stored chunks of ``prompt`` from eviction (for ``ttl`` seconds if given).
 
-        Returns the number of leading tokens pinned. Pinned chunks are promoted into memory;
-        pins live in this process. Example: ``kdn.pin(model, document, tokenizer=tok, ttl=3600)``.
+        Returns the number of leading tokens pinned. Pinned chunks are promoted into memory
+        from wherever they are stored; pins live in this process.
+        Example: ``kdn.pin(model, document, tokenizer=tok, ttl=3600)``.
         """
         if ttl is not None and not ttl > 0:
             raise InvalidInputError(f"ttl must be a positive number of seconds or None, got {ttl!r}")
-        keys = self.chunk_keys(model, prompt, tokenizer)
+        info = self._info(model)
+        keys = self._prompt_keys(info, prompt, tokenizer)
+        self.tiers.get_many(keys, info.fingerprint)  # promote into memory
         n = 0
         while n < len(keys) and self.tiers.pin(keys[n], ttl or 0.0):
             n += 1
@@ -156,17 +162,19 @@ class KDN:
         return sum(self.tiers.unpin(k) for k in self.chunk_keys(model, prompt, tokenizer))
 
     def evict(self, model, prompt, tokenizer=None) -> int:
-        """Remove the chunks of ``prompt`` from every tier; returns the number of chunks removed."""
-        return sum(self.tiers.remove(k) for k in self.chunk_keys(model, prompt, tokenizer))
+        """Remove the chunks of ``prompt`` from every tier (the remote store too); returns how many were held."""
+        info = self._info(model)
+        return sum(self.tiers.remove(k, info.fingerprint) for k in self._prompt_keys(info, prompt, tokenizer))
 
     def flush(self) -> None:
-        """Wait until queued disk writes are on disk."""
+        """Wait until queued disk writes are on disk and queued remote stores are sent."""
         self.tiers.flush()
 
     def stats(self) -> dict:
-        """Per-tier counters: ``{"memory": {...}, "disk": {...}}`` with hits, misses, puts,
-        evictions, rejected, entries, used/capacity/pinned bytes (disk also: writes, errors,
-        corrupt, dropped, queued bytes, last_error)."""
+        """Per-tier counters: ``{"memory": {...}, "disk": {...}, "remote": {...}}`` with hits, misses,
+        puts, evictions, rejected, entries, used/capacity/pinned bytes (disk also: writes, errors,
+        corrupt, dropped, queued bytes, last_error; remote: errors, dropped, corrupt, skipped,
+        state "ok"/"down")."""
         return self.tiers.stats()
 
     def clear(self) -> None:

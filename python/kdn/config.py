@@ -15,8 +15,9 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": KiB, "m": 1000**2, "mb": 
           "g": 1000**3, "gb": 1000**3, "gib": GiB, "t": 1000**4, "tb": 1000**4, "tib": TiB}
 WRITE_POLICIES = ("memory-only", "write-through", "write-back")
 EVICTION_POLICIES = ("lru", "s3fifo")
-_SIZE_FIELDS = ("memory_bytes", "disk_bytes", "disk_queue_bytes")
+_SIZE_FIELDS = ("memory_bytes", "disk_bytes", "disk_queue_bytes", "remote_part_bytes", "remote_queue_bytes")
 _INT_FIELDS = ("chunk_size", "disk_read_threads")
+_SECONDS_FIELDS = ("remote_timeout", "remote_ttl", "remote_retry_seconds")
 
 
 def parse_bytes(value, name: str = "size") -> int:
@@ -59,6 +60,17 @@ class KDNConfig:
             and counted, so ``store`` never waits for the disk (default 512 MiB).
         disk_read_threads: threads reading chunk files in parallel (default 4).
         disk_fsync: fsync each file before it is renamed into place (default True).
+        remote_url: a Redis / Valkey store shared by processes and machines, or None (default):
+            ``redis://[user:password@]host:port[/db]``, ``rediss://`` (TLS),
+            ``redis+cluster://host:port`` (any node of a Redis Cluster), ``unix:///path``.
+            Looked up after memory and disk; hits are promoted to the local tiers; stores are
+            sent asynchronously (write-through).
+        remote_timeout: seconds allowed for any call to the remote store (default 1.0).
+        remote_ttl: seconds before the store expires a value; None (default) keeps it.
+        remote_part_bytes: values above this are split into parts (default 8 MiB).
+        remote_queue_bytes: bound of the asynchronous send queue; beyond it stores are dropped
+            and counted (default 256 MiB).
+        remote_retry_seconds: after a failure the store is skipped this long, then retried (default 5).
 
     Sources, later wins: defaults, a YAML file, ``KDN_<FIELD>`` environment variables, keyword
     arguments (:meth:`load`).
@@ -79,6 +91,12 @@ class KDNConfig:
     disk_queue_bytes: int = 512 * MiB
     disk_read_threads: int = 4
     disk_fsync: bool = True
+    remote_url: str | None = None
+    remote_timeout: float = 1.0
+    remote_ttl: float | None = None
+    remote_part_bytes: int = 8 * MiB
+    remote_queue_bytes: int = 256 * MiB
+    remote_retry_seconds: float = 5.0
 
     def __post_init__(self):
         for name in _SIZE_FIELDS:
@@ -95,11 +113,30 @@ class KDNConfig:
                 raise InvalidInputError(f"KDNConfig.{name}={getattr(self, name)!r}; choose one of {', '.join(choices)}")
         if not isinstance(self.disk_fsync, bool):
             raise InvalidInputError(f"KDNConfig.disk_fsync must be True or False, got {self.disk_fsync!r}")
+        for name in _SECONDS_FIELDS:
+            value = getattr(self, name)
+            if value is None and name == "remote_ttl":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise InvalidInputError(f"KDNConfig.{name} must be a positive number of seconds, got {value!r}")
+        if self.remote_url is not None:
+            from kdn.storage.remote import SCHEMES, redact
+
+            scheme = str(self.remote_url).split("://", 1)[0] if "://" in str(self.remote_url) else ""
+            if scheme not in SCHEMES:
+                raise InvalidInputError(f"KDNConfig.remote_url={redact(str(self.remote_url))!r}: expected a URL "
+                                        f"with scheme {', '.join(SCHEMES)} (e.g. redis://127.0.0.1:6379/0)")
         if self.disk_dir is not None:
             if not isinstance(self.disk_dir, (str, os.PathLike)) or str(self.disk_dir) == "":
                 raise InvalidInputError(f"KDNConfig.disk_dir must be a path, 'auto' or None, got {self.disk_dir!r}")
             path = default_cache_dir() if self.disk_dir == "auto" else Path(self.disk_dir).expanduser()
             object.__setattr__(self, "disk_dir", str(path.absolute()))
+
+    def __repr__(self) -> str:  # never print a password from remote_url
+        from kdn.storage.remote import redact
+
+        fields = {**self.to_dict(), "remote_url": redact(self.remote_url) if self.remote_url else None}
+        return "KDNConfig(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -155,7 +192,14 @@ def _from_text(name: str, raw: str, where: str):
         if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
             raise InvalidInputError(f"{where}={raw!r} is not a boolean (true/false)")
         return lowered in ("1", "true", "yes", "on")
-    if name == "disk_dir" and raw.strip().lower() in ("", "none", "off"):
+    if name in _SECONDS_FIELDS:
+        if name == "remote_ttl" and raw.strip().lower() in ("", "none", "off"):
+            return None
+        try:
+            return float(raw)
+        except ValueError:
+            raise InvalidInputError(f"{where}={raw!r} is not a number of seconds") from None
+    if name in ("disk_dir", "remote_url") and raw.strip().lower() in ("", "none", "off"):
         return None
     return raw
 

@@ -1,0 +1,358 @@
+"""Remote tier: KV blobs in Redis, Valkey or a Redis Cluster, shared by every process and machine."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import struct
+import threading
+import time
+import urllib.parse
+
+from kdn import _core
+from kdn._core import BlobError, InvalidInputError
+
+log = logging.getLogger("kdn")
+
+SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
+FORMAT = 1  # bump when the key or value layout changes: old values become invisible, not misread
+_MANIFEST = struct.Struct("<4sIIQQ")  # magic, format, parts, total bytes, xxh64 of the whole blob
+_MANIFEST_MAGIC = b"KDNM"
+
+
+def redact(url: str) -> str:
+    """``url`` without its password, for logs and errors."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def connect(url: str, timeout: float):
+    """A redis-py client (pooled connections, hiredis parser when installed) for a kdn remote URL.
+
+    ``redis://[user:password@]host:port[/db]``, ``rediss://`` for TLS, ``redis+cluster://host:port``
+    (any node of the cluster; ``rediss+cluster://`` with TLS), ``unix:///path/to/socket``.
+    """
+    try:
+        import redis
+        from redis.cluster import RedisCluster
+    except ImportError:
+        raise InvalidInputError("the remote tier needs redis-py: pip install 'kdn[redis]'") from None
+    scheme = urllib.parse.urlsplit(url).scheme
+    if scheme not in SCHEMES:
+        raise InvalidInputError(f"remote_url {redact(url)!r}: scheme must be one of {', '.join(SCHEMES)}")
+    options = dict(socket_timeout=timeout, socket_connect_timeout=timeout)
+    if scheme.endswith("+cluster"):
+        plain = url.replace("+cluster://", "://", 1)
+        return RedisCluster.from_url(plain, **options)
+    return redis.Redis.from_url(url, retry_on_timeout=False, **options)
+
+
+class _Breaker:
+    """Circuit breaker: after a failure, calls are skipped for ``retry_seconds``, then one is tried."""
+
+    def __init__(self, url: str, retry_seconds: float):
+        self.url, self.retry_seconds = url, retry_seconds
+        self.open_until, self.down_since = 0.0, None
+
+    def allow(self) -> bool:
+        return time.monotonic() >= self.open_until
+
+    def failure(self, error: Exception) -> None:
+        self.open_until = time.monotonic() + self.retry_seconds
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            log.warning("kdn remote tier %s unreachable (%s: %s); lookups miss and stores are dropped, "
+                        "retrying every %.0f s", redact(self.url), type(error).__name__, error, self.retry_seconds)
+
+    def success(self) -> None:
+        if self.down_since is not None:
+            log.warning("kdn remote tier %s is back after %.1f s", redact(self.url), time.monotonic() - self.down_since)
+            self.down_since = None
+
+    @property
+    def state(self) -> str:
+        return "ok" if self.down_since is None else "down"
+
+
+class RemoteTier:
+    """KV blobs in a Redis-protocol store under ``kdn:<format>:{<fingerprint>:<key>}``.
+
+    Contract:
+
+    * Thread-safe. Lookups (``count_prefix``, ``get_many``) are one pipelined round trip for any
+      number of chunks (two when some value is split into parts), bounded by ``timeout``.
+    * ``put`` never waits on the network: blobs go to a bounded queue (``queue_bytes``) that a
+      background thread sends in pipelined batches, skipping keys already present; a full queue
+      drops the blob and counts it.
+    * Never raises after start-up: a down or slow store makes lookups miss and stores drop, counted
+      in ``stats()``; a circuit breaker then skips the store for ``retry_seconds`` and one warning is
+      logged; calls resume by themselves when it is back. At start-up a bad URL or a refused
+      password is an :class:`InvalidInputError` (an unreachable server is only a warning).
+    * Values above ``part_bytes`` are split into parts stored under the same hash tag (one cluster
+      slot) behind a manifest with the total size and checksum. Every value read is checked (blob
+      checksum, key, model fingerprint, format); one that fails is a miss, counted as ``corrupt``.
+    * ``ttl`` (seconds) expires values in the store; ``None`` keeps them until the store evicts.
+
+    Example:
+        >>> tier = RemoteTier("redis://127.0.0.1:6379/0")
+        >>> tier.put(key, blob); tier.flush()
+        >>> tier.count_prefix([key], fingerprint)
+        1
+    """
+
+    name = "remote"
+
+    def __init__(self, url: str, timeout: float = 1.0, ttl: float | None = None, part_bytes: int = 8 << 20,
+                 queue_bytes: int = 256 << 20, retry_seconds: float = 5.0):
+        self.url, self.ttl, self.part_bytes, self.queue_bytes = url, ttl, part_bytes, queue_bytes
+        self.cluster = "+cluster" in urllib.parse.urlsplit(url).scheme
+        self._client = connect(url, timeout)
+        self._breaker = _Breaker(url, retry_seconds)
+        self._stats = collections.Counter()
+        self._queue: collections.deque = collections.deque()
+        self._queued_bytes, self._sending = 0, False
+        self._cv = threading.Condition()
+        self._check_connection()
+        self._writer = threading.Thread(target=self._write_loop, name="kdn-remote-writer", daemon=True)
+        self._writer.start()
+
+    # -- keys and values ------------------------------------------------------------------------
+    @staticmethod
+    def redis_key(key: bytes, fingerprint: bytes) -> str:
+        return f"kdn:{FORMAT}:{{{fingerprint.hex()}:{key.hex()}}}"
+
+    def _encode(self, blob) -> list[bytes]:
+        """[value] or [manifest, part1, ...] for one blob."""
+        data = memoryview(blob).cast("B")
+        if len(data) <= self.part_bytes:
+            return [bytes(data)]
+        parts = [bytes(data[i:i + self.part_bytes]) for i in range(0, len(data), self.part_bytes)]
+        return [_MANIFEST.pack(_MANIFEST_MAGIC, FORMAT, len(parts), len(data), _core.xxh64(data))] + parts
+
+    def _decode(self, key: bytes, fingerprint: bytes, value: bytes):
+        """A verified Buffer from a stored value, or None (counted as corrupt)."""
+        try:
+            blob = _core.Buffer(value)
+            header = _core.blob_parse(blob)  # checksum; marks the Buffer verified
+        except BlobError as e:
+            return self._corrupt(key, str(e))
+        if header["key"] != key or header["fingerprint"] != fingerprint:
+            return self._corrupt(key, "value belongs to another key or model")
+        return blob
+
+    def _corrupt(self, key: bytes, why: str):
+        self._stats["corrupt"] += 1
+        if self._stats["corrupt"] == 1:
+            log.warning("kdn remote tier: unusable value for chunk %s (a miss): %s", key.hex(), why)
+        return None
+
+    # -- guarded calls --------------------------------------------------------------------------
+    def _call(self, fn, default):
+        if not self._breaker.allow():
+            self._stats["skipped"] += 1
+            return default
+        try:
+            result = fn()
+        except Exception as e:  # redis errors, socket errors, cluster errors: the store is unusable now
+            if _is_auth_error(e):
+                log.error("kdn remote tier %s: %s", redact(self.url), e)
+            self._stats["errors"] += 1
+            self._breaker.failure(e)
+            return default
+        self._breaker.success()
+        return result
+
+    def _check_connection(self) -> None:
+        try:
+            self._client.ping()
+        except Exception as e:
+            if _is_auth_error(e):
+                raise InvalidInputError(f"remote tier {redact(self.url)}: authentication failed ({e}); "
+                                        "check the user and password in remote_url") from None
+            self._stats["errors"] += 1
+            self._breaker.failure(e)
+
+    # -- tier interface -------------------------------------------------------------------------
+    def count_prefix(self, keys: list[bytes], fingerprint: bytes) -> int:
+        """Number of leading ``keys`` stored, in one pipelined round trip."""
+        if not keys:
+            return 0
+
+        def run():
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self.redis_key(k, fingerprint))
+            return pipe.execute()
+
+        found = self._call(run, [])
+        n = 0
+        while n < len(found) and found[n]:
+            n += 1
+        return n
+
+    def contains(self, key: bytes, fingerprint: bytes) -> bool:
+        return self.count_prefix([key], fingerprint) == 1
+
+    def get_many(self, keys: list[bytes], fingerprint: bytes) -> list:
+        """Verified blobs of ``keys`` (None for a miss), in one round trip (two if some are split)."""
+        if not keys:
+            return []
+        names = [self.redis_key(k, fingerprint) for k in keys]
+
+        def run():
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.get(name)
+            values = pipe.execute()
+            split = [i for i, v in enumerate(values) if v is not None and v[:4] == _MANIFEST_MAGIC]
+            if split:
+                pipe = self._client.pipeline(transaction=False)
+                for i in split:
+                    _, _, n, _, _ = _MANIFEST.unpack_from(values[i])
+                    pipe.mget([f"{names[i]}:p{j}" for j in range(1, n + 1)])
+                for i, parts in zip(split, pipe.execute()):
+                    values[i] = self._join(values[i], parts)
+            return values
+
+        values = self._call(run, [None] * len(keys))
+        blobs = []
+        for key, value in zip(keys, values):
+            blob = self._decode(key, fingerprint, value) if value is not None else None
+            self._stats["hits" if blob is not None else "misses"] += 1
+            blobs.append(blob)
+        return blobs
+
+    def _join(self, manifest: bytes, parts: list) -> bytes | None:
+        try:
+            magic, fmt, n, total, checksum = _MANIFEST.unpack(manifest)
+        except struct.error:
+            return b""  # not a manifest: fails blob parsing, a corrupt miss
+        if fmt != FORMAT or len(parts) != n or any(p is None for p in parts):
+            return None  # incomplete (expired or evicted parts): a plain miss
+        data = b"".join(parts)
+        return data if len(data) == total and _core.xxh64(data) == checksum else b""
+
+    def put(self, key: bytes, blob, wait: bool = False) -> bool:
+        """Queue ``blob`` for the store (``wait=True``: send it now); False if dropped."""
+        del key  # the Redis key comes from the blob's own header (key and fingerprint)
+        if wait:
+            return self._send([blob])
+        size = len(blob)
+        with self._cv:
+            if not self._breaker.allow() or self._queued_bytes + size > self.queue_bytes:
+                self._stats["dropped"] += 1
+                return False
+            self._queue.append(blob)
+            self._queued_bytes += size
+            self._cv.notify()
+        return True
+
+    def _send(self, blobs: list) -> bool:
+        headers = [_core.blob_parse(b, verify_checksum=False) for b in blobs]
+        names = [self.redis_key(h["key"], h["fingerprint"]) for h in headers]
+
+        def run():
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(name)
+            present = pipe.execute()
+            pipe = self._client.pipeline(transaction=False)
+            sent = 0
+            for name, blob, there in zip(names, blobs, present):
+                if there:
+                    continue
+                values = self._encode(blob)
+                for j, value in enumerate(values[1:], start=1):  # parts before the manifest that names them
+                    pipe.set(f"{name}:p{j}", value, ex=self._ttl())
+                pipe.set(name, values[0], ex=self._ttl())
+                sent += 1
+            pipe.execute()
+            return sent
+
+        sent = self._call(run, None)
+        if sent is None:
+            self._stats["dropped"] += len(blobs)
+            return False
+        self._stats["puts"] += sent
+        return True
+
+    def _ttl(self):
+        return int(self.ttl) if self.ttl else None
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                batch, size = [], 0
+                while self._queue and size < 32 << 20:
+                    batch.append(self._queue.popleft())
+                    size += len(batch[-1])
+                self._sending = True
+            try:
+                self._send(batch)
+            finally:
+                with self._cv:
+                    self._queued_bytes -= size
+                    self._sending = False
+                    self._cv.notify_all()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until queued blobs have been sent (or dropped)."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._queue and not self._sending, timeout)
+
+    def remove(self, key: bytes, fingerprint: bytes) -> bool:
+        name = self.redis_key(key, fingerprint)
+
+        def run():
+            manifest = self._client.get(name)
+            names = [name]
+            if manifest is not None and manifest[:4] == _MANIFEST_MAGIC:
+                names += [f"{name}:p{j}" for j in range(1, _MANIFEST.unpack_from(manifest)[2] + 1)]
+            pipe = self._client.pipeline(transaction=False)
+            for n in names:
+                pipe.delete(n)
+            return any(pipe.execute())
+
+        return bool(self._call(run, False))
+
+    def pin(self, key: bytes, ttl_seconds: float = 0.0) -> bool:
+        return False  # the shared store's eviction is its own (maxmemory-policy); pins are local
+
+    def unpin(self, key: bytes) -> bool:
+        return False
+
+    def clear(self) -> None:
+        """Delete every kdn value of this format from the store (all nodes of a cluster)."""
+
+        def run():
+            names = list(self._client.scan_iter(match=f"kdn:{FORMAT}:*", count=1000))
+            for i in range(0, len(names), 500):
+                pipe = self._client.pipeline(transaction=False)
+                for n in names[i:i + 500]:
+                    pipe.delete(n)
+                pipe.execute()
+
+        self._call(run, None)
+
+    def stats(self) -> dict:
+        with self._cv:
+            queued, queued_bytes = len(self._queue), self._queued_bytes
+        return {"hits": self._stats["hits"], "misses": self._stats["misses"], "puts": self._stats["puts"],
+                "dropped": self._stats["dropped"], "errors": self._stats["errors"],
+                "corrupt": self._stats["corrupt"], "skipped": self._stats["skipped"],
+                "queued_entries": queued, "queued_bytes": queued_bytes, "state": self._breaker.state,
+                "url": redact(self.url), "cluster": self.cluster}
+
+
+def _is_auth_error(error: Exception) -> bool:
+    from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
+
+    if isinstance(error, (AuthenticationError, AuthorizationError)):
+        return True
+    text = str(error)
+    return isinstance(error, ResponseError) and ("WRONGPASS" in text or "NOAUTH" in text or "invalid password" in text)

@@ -1,0 +1,175 @@
+"""The remote tier on real Redis servers: sharing across processes, cluster, faults, bad values, auth."""
+
+import logging
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import full_prefill, random_ids
+from disk_helpers import FINGERPRINT, blob_for, key, python_process
+from kdn import KDN, InvalidInputError, KDNConfig
+from kdn.storage.remote import RemoteTier
+from redis_servers import RedisServer, require_redis
+
+CHUNK = 8
+
+
+def fresh_tier(url, **kw) -> RemoteTier:
+    tier = RemoteTier(url, **kw)
+    tier.clear()
+    return tier
+
+
+def count_round_trips(tier, monkeypatch) -> list:
+    """Patches the tier's client so that every pipeline execute / direct command is recorded."""
+    calls = []
+    make_pipeline = tier._client.pipeline
+
+    def pipeline(*args, **kwargs):
+        pipe = make_pipeline(*args, **kwargs)
+        execute = pipe.execute
+        pipe.execute = lambda *a, **k: (calls.append("pipeline"), execute(*a, **k))[1]
+        return pipe
+
+    monkeypatch.setattr(tier._client, "pipeline", pipeline)
+    return calls
+
+
+def test_put_and_pipelined_lookup_in_one_round_trip(redis_server, monkeypatch):
+    tier = fresh_tier(redis_server.url)
+    for i in range(128):
+        assert tier.put(key(i), blob_for(i))
+    tier.flush()
+    keys = [key(i) for i in range(128)] + [key(999)]
+    calls = count_round_trips(tier, monkeypatch)
+    assert tier.count_prefix(keys, FINGERPRINT) == 128
+    blobs = tier.get_many(keys, FINGERPRINT)
+    assert calls == ["pipeline", "pipeline"]  # one for the 129 lookups, one for the 129 reads
+    assert [bytes(b) for b in blobs[:128]] == [bytes(blob_for(i)) for i in range(128)] and blobs[128] is None
+    stats = tier.stats()
+    assert stats["puts"] == 128 and stats["hits"] == 128 and stats["misses"] == 1 and stats["state"] == "ok"
+
+
+def test_large_values_are_split_and_reassembled(redis_server, monkeypatch):
+    tier = fresh_tier(redis_server.url, part_bytes=1000)
+    blob = blob_for(5, tokens=64)  # ~16 KB -> 17 parts
+    assert tier.put(key(5), blob, wait=True)
+    name = tier.redis_key(key(5), FINGERPRINT)
+    assert redis_server.cli("EXISTS", f"{name}:p17").stdout.strip() == "1"
+    calls = count_round_trips(tier, monkeypatch)
+    assert bytes(tier.get_many([key(5)], FINGERPRINT)[0]) == bytes(blob)
+    assert calls == ["pipeline", "pipeline"]
+    redis_server.cli("DEL", f"{name}:p3")  # a part expired or evicted: a miss, not a wrong blob
+    assert tier.get_many([key(5)], FINGERPRINT) == [None]
+
+
+def test_garbage_or_foreign_values_are_misses(redis_server, caplog):
+    tier = fresh_tier(redis_server.url)
+    for i in range(3):
+        tier.put(key(i), blob_for(i), wait=True)
+    redis_server.cli("SET", tier.redis_key(key(0), FINGERPRINT), "garbage")
+    other_model = b"O" * 16  # a valid blob stored under another model's name
+    tier._client.set(tier.redis_key(key(1), other_model), bytes(blob_for(1)))
+    with caplog.at_level(logging.WARNING, logger="kdn"):
+        assert tier.get_many([key(0)], FINGERPRINT) == [None]
+        assert tier.get_many([key(1)], other_model) == [None]
+    assert tier.stats()["corrupt"] == 2 and bytes(tier.get_many([key(2)], FINGERPRINT)[0]) == bytes(blob_for(2))
+    assert len([r for r in caplog.records if "unusable value" in r.getMessage()]) == 1
+
+
+def test_ttl_is_set(redis_server):
+    tier = fresh_tier(redis_server.url, ttl=100)
+    tier.put(key(1), blob_for(1), wait=True)
+    assert 0 < int(redis_server.cli("TTL", tier.redis_key(key(1), FINGERPRINT)).stdout) <= 100
+
+
+STORER = """
+import sys
+import torch
+from kdn import KDN, KDNConfig
+from kdn.models.tiny import tiny_model
+model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)
+kdn = KDN(KDNConfig(chunk_size=8, remote_url=sys.argv[1]))
+ids = torch.tensor([[int(t) for t in sys.argv[2].split(",")]])
+kdn.generate(model, ids, max_new_tokens=1, do_sample=False)
+kdn.flush()
+print(kdn.stats()["remote"]["puts"])
+"""
+
+
+def another_process_stores(url, ids) -> int:
+    proc = python_process(STORER, url, ",".join(map(str, ids[0].tolist())), stdout=subprocess.PIPE, text=True)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0
+    return int(out.strip())
+
+
+@pytest.mark.parametrize("where", ["single", "cluster"])
+def test_process_b_hits_what_process_a_stored(tiny_llama, redis_server, redis_cluster, where):
+    url = redis_server.url if where == "single" else redis_cluster.url
+    fresh_tier(url)
+    ids = random_ids(tiny_llama, 201, seed=11)  # 25 chunks: enough keys to land on every master
+    assert another_process_stores(url, ids) == 25
+    kdn = KDN(KDNConfig(chunk_size=CHUNK, remote_url=url))
+    assert kdn.lookup(tiny_llama, ids) == 200
+    cache, hit = kdn.retrieve(tiny_llama, ids, limit=200)
+    with torch.inference_mode():
+        logits = tiny_llama(ids[:, hit:], past_key_values=cache).logits[0, -1]
+    assert hit == 200
+    torch.testing.assert_close(logits, full_prefill(tiny_llama, ids)[0], rtol=1e-4, atol=1e-4)
+    assert kdn.stats()["remote"]["hits"] == 25 and kdn.stats()["memory"]["entries"] == 25  # promoted
+    if where == "cluster":
+        sizes = [int(n.cli("DBSIZE").stdout) for n in redis_cluster.nodes]
+        assert all(s > 0 for s in sizes), f"keys not spread over all masters: {sizes}"
+
+
+def test_a_dead_server_never_reaches_the_caller_and_hits_resume(tiny_llama, tmp_path, caplog):
+    require_redis()
+    server = RedisServer(tmp_path / "redis")
+    try:
+        kdn = KDN(KDNConfig(chunk_size=CHUNK, remote_url=server.url, remote_timeout=0.5, remote_retry_seconds=0.3))
+        ids = random_ids(tiny_llama, 33, seed=1)
+        expected = tiny_llama.generate(ids, max_new_tokens=3, do_sample=False)
+        server.stop()
+        with caplog.at_level(logging.WARNING, logger="kdn"):
+            for _ in range(3):
+                assert torch.equal(kdn.generate(tiny_llama, ids, max_new_tokens=3, do_sample=False), expected)
+                kdn.flush()
+                kdn.memory.clear()  # force lookups to the (dead) remote store
+                assert kdn.lookup(tiny_llama, ids) == 0
+        stats = kdn.stats()["remote"]
+        assert stats["state"] == "down" and stats["errors"] >= 1 and stats["dropped"] + stats["skipped"] >= 1
+        assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 1
+        server.start()  # back on the same port, empty
+        time.sleep(0.4)
+        kdn.generate(tiny_llama, ids, max_new_tokens=3, do_sample=False)  # its lookup finds the store back
+        kdn.flush()
+        kdn.memory.clear()
+        assert kdn.lookup(tiny_llama, ids) == 32 and kdn.stats()["remote"]["state"] == "ok"
+    finally:
+        server.stop()
+
+
+def test_a_wrong_password_is_a_clear_error_at_start_up(tmp_path):
+    require_redis()
+    server = RedisServer(tmp_path / "redis", None, "--requirepass", "s3cret")
+    try:
+        with pytest.raises(InvalidInputError, match=r"redis://:\*\*\*@127.*authentication failed") as info:
+            KDN(KDNConfig(remote_url=f"redis://:wrong@127.0.0.1:{server.port}/0"))
+        assert "wrong" not in str(info.value)
+        ok = KDN(KDNConfig(remote_url=f"redis://:s3cret@127.0.0.1:{server.port}/0"))
+        assert ok.stats()["remote"]["state"] == "ok"
+    finally:
+        server.stop()
+
+
+def test_an_unreachable_server_at_start_up_is_only_a_warning(caplog):
+    require_redis()
+    from redis_servers import free_port
+
+    with caplog.at_level(logging.WARNING, logger="kdn"):
+        kdn = KDN(KDNConfig(remote_url=f"redis://127.0.0.1:{free_port()}/0", remote_timeout=0.2))
+    assert kdn.stats()["remote"]["state"] == "down"
+    assert any("unreachable" in r.getMessage() for r in caplog.records)
