@@ -72,6 +72,22 @@ void bind_store(py::module_& m) {
                                {static_cast<ssize_t>(b.size())}, {1}, /*readonly=*/!b.writable());
       });
 
+  m.def("buffer_join", [](const py::list& parts) {
+        std::vector<ByteSpan> spans;
+        size_t total = 0;
+        for (auto p : parts) {
+          spans.push_back(bytes_from_object(p, "part"));
+          total += spans.back().size;
+        }
+        auto buf = std::make_shared<Buffer>(total);
+        py::gil_scoped_release release;
+        size_t at = 0;
+        for (const auto& s : spans) {
+          std::memcpy(buf->data() + at, s.data, s.size);
+          at += s.size;
+        }
+        return buf;
+      }, py::arg("parts"), "One Buffer holding the bytes of `parts` in order (one copy).");
   m.def("host_array", [](size_t nbytes) { return std::make_shared<Buffer>(nbytes, /*writable=*/true); },
         py::arg("nbytes"),
         "A writable, uninitialised pooled host buffer (torch.frombuffer(...) gives a tensor on warm pages).");

@@ -67,7 +67,7 @@ class KDNConfig:
             sent asynchronously (write-through).
         remote_timeout: seconds allowed for any call to the remote store (default 1.0).
         remote_ttl: seconds before the store expires a value; None (default) keeps it.
-        remote_part_bytes: values above this are split into parts (default 8 MiB).
+        remote_part_bytes: values above this are split into parts (default 16 MiB).
         remote_queue_bytes: bound of the asynchronous send queue; beyond it stores are dropped
             and counted (default 256 MiB).
         remote_retry_seconds: after a failure the store is skipped this long, then retried (default 5).
@@ -94,7 +94,7 @@ class KDNConfig:
     remote_url: str | None = None
     remote_timeout: float = 1.0
     remote_ttl: float | None = None
-    remote_part_bytes: int = 8 * MiB
+    remote_part_bytes: int = 16 * MiB
     remote_queue_bytes: int = 256 * MiB
     remote_retry_seconds: float = 5.0
 

@@ -16,7 +16,7 @@ log = logging.getLogger("kdn")
 
 SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
 FORMAT = 1  # bump when the key or value layout changes: old values become invisible, not misread
-_MANIFEST = struct.Struct("<4sIIQQ")  # magic, format, parts, total bytes, xxh64 of the whole blob
+_MANIFEST = struct.Struct("<4sIIQ")  # magic, format, parts, total bytes (the blob inside has its own checksum)
 _MANIFEST_MAGIC = b"KDNM"
 
 
@@ -105,7 +105,7 @@ class RemoteTier:
 
     name = "remote"
 
-    def __init__(self, url: str, timeout: float = 1.0, ttl: float | None = None, part_bytes: int = 8 << 20,
+    def __init__(self, url: str, timeout: float = 1.0, ttl: float | None = None, part_bytes: int = 16 << 20,
                  queue_bytes: int = 256 << 20, retry_seconds: float = 5.0):
         self.url, self.ttl, self.part_bytes, self.queue_bytes = url, ttl, part_bytes, queue_bytes
         self.cluster = "+cluster" in urllib.parse.urlsplit(url).scheme
@@ -124,18 +124,18 @@ class RemoteTier:
     def redis_key(key: bytes, fingerprint: bytes) -> str:
         return f"kdn:{FORMAT}:{{{fingerprint.hex()}:{key.hex()}}}"
 
-    def _encode(self, blob) -> list[bytes]:
-        """[value] or [manifest, part1, ...] for one blob."""
+    def _encode(self, blob) -> list:
+        """[value] or [manifest, part1, ...] for one blob, as views of its bytes (no copies)."""
         data = memoryview(blob).cast("B")
         if len(data) <= self.part_bytes:
-            return [bytes(data)]
-        parts = [bytes(data[i:i + self.part_bytes]) for i in range(0, len(data), self.part_bytes)]
-        return [_MANIFEST.pack(_MANIFEST_MAGIC, FORMAT, len(parts), len(data), _core.xxh64(data))] + parts
+            return [data]
+        parts = [data[i:i + self.part_bytes] for i in range(0, len(data), self.part_bytes)]
+        return [_MANIFEST.pack(_MANIFEST_MAGIC, FORMAT, len(parts), len(data))] + parts
 
-    def _decode(self, key: bytes, fingerprint: bytes, value: bytes):
-        """A verified Buffer from a stored value, or None (counted as corrupt)."""
+    def _decode(self, key: bytes, fingerprint: bytes, value):
+        """A verified Buffer from a stored value (bytes, or the list of its parts), or None (counted as corrupt)."""
         try:
-            blob = _core.Buffer(value)
+            blob = _core.buffer_join(value) if isinstance(value, list) else _core.Buffer(value)
             header = _core.blob_parse(blob)  # checksum; marks the Buffer verified
         except BlobError as e:
             return self._corrupt(key, str(e))
@@ -211,7 +211,7 @@ class RemoteTier:
             if split:
                 pipe = self._client.pipeline(transaction=False)
                 for i in split:
-                    _, _, n, _, _ = _MANIFEST.unpack_from(values[i])
+                    n = _MANIFEST.unpack_from(values[i])[2]
                     pipe.mget([f"{names[i]}:p{j}" for j in range(1, n + 1)])
                 for i, parts in zip(split, pipe.execute()):
                     values[i] = self._join(values[i], parts)
@@ -225,15 +225,15 @@ class RemoteTier:
             blobs.append(blob)
         return blobs
 
-    def _join(self, manifest: bytes, parts: list) -> bytes | None:
+    def _join(self, manifest: bytes, parts: list):
+        """The parts of a split value (joined later, in one copy), None if incomplete, b"" if bad."""
         try:
-            magic, fmt, n, total, checksum = _MANIFEST.unpack(manifest)
+            _, fmt, n, total = _MANIFEST.unpack(manifest)
         except struct.error:
             return b""  # not a manifest: fails blob parsing, a corrupt miss
         if fmt != FORMAT or len(parts) != n or any(p is None for p in parts):
             return None  # incomplete (expired or evicted parts): a plain miss
-        data = b"".join(parts)
-        return data if len(data) == total and _core.xxh64(data) == checksum else b""
+        return parts if sum(len(p) for p in parts) == total else b""
 
     def put(self, key: bytes, blob, wait: bool = False) -> bool:
         """Queue ``blob`` for the store (``wait=True``: send it now); False if dropped."""
