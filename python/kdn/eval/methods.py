@@ -1,0 +1,125 @@
+"""The methods an evaluation compares, all through the public KDN API, and the hook to add more.
+
+``full`` (the whole prompt prefilled: the baseline) and ``reuse`` (the context's KV stored once,
+then served from kdn so only the question is prefilled) run today. ``reuse+<codec>``, ``naive``
+and ``blend@<ratio>`` are recognised and reported as unavailable with the reason until the
+capability behind them lands; it then registers a factory with :func:`register_method`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import torch
+
+from kdn.api import KDN
+from kdn.config import KDNConfig
+from kdn.integrations.hf import FirstTokenTimer
+
+
+@dataclasses.dataclass
+class Encoded:
+    """A tokenized sample: ``ids`` = ``context_ids`` (template head + segments) + question ids."""
+
+    ids: torch.Tensor  # [1, n]
+    context_tokens: int
+    segment_spans: list[tuple[int, int]]  # [start, end) of each segment inside the context
+    truncated: bool
+
+
+@dataclasses.dataclass
+class Answer:
+    tokens: list[int]
+    ttft_s: float
+    prefill_tokens: int  # tokens the model computed for this request (compute per request)
+    hit_tokens: int = 0
+    inject_s: float = 0.0  # one-time cost of putting the context's knowledge into kdn
+    stored_bytes: int = 0
+
+
+class Method:
+    """Answers one encoded sample; ``available``/``reason`` say whether it can run here."""
+
+    name = "method"
+    available, reason = True, ""
+
+    def answer(self, model, enc: Encoded, max_new_tokens: int) -> Answer:
+        raise NotImplementedError
+
+
+def _generate(model, ids, max_new_tokens, past_key_values=None):
+    timer = FirstTokenTimer()
+    kwargs = {"past_key_values": past_key_values} if past_key_values is not None else {}
+    with torch.inference_mode():
+        out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, streamer=timer,
+                             attention_mask=torch.ones_like(ids), **kwargs)
+    return out[0, ids.shape[1]:].tolist(), timer
+
+
+class Full(Method):
+    name = "full"
+
+    def answer(self, model, enc, max_new_tokens):
+        tokens, timer = _generate(model, enc.ids, max_new_tokens)
+        return Answer(tokens, timer.ttft, prefill_tokens=enc.ids.shape[1])
+
+
+class Reuse(Method):
+    """Prefix reuse: the context is prefilled and stored once (timed as injection), then each
+    request retrieves it from kdn and prefills only what is not stored (question + partial chunk)."""
+
+    name = "reuse"
+
+    def __init__(self, config: KDNConfig):
+        self.config = config
+
+    def answer(self, model, enc, max_new_tokens):
+        kdn = KDN(self.config)
+        context = enc.ids[:, : enc.context_tokens]
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            kv = model(context, use_cache=True).past_key_values
+        kdn.store(model, context, kv)
+        kdn.flush()
+        inject_s = time.perf_counter() - t0
+        stored = sum(s.get("used_bytes", 0) for s in kdn.stats().values())
+        del kv
+        timer_start = time.perf_counter()
+        cache, hit = kdn.retrieve(model, enc.ids, limit=enc.ids.shape[1] - 1)
+        tokens, timer = _generate(model, enc.ids, max_new_tokens, cache)
+        ttft = timer.ttft + (timer.t0 - timer_start)  # the retrieve is part of the response delay
+        return Answer(tokens, ttft, prefill_tokens=enc.ids.shape[1] - hit, hit_tokens=hit, inject_s=inject_s,
+                      stored_bytes=stored)
+
+
+class Unavailable(Method):
+    available = False
+
+    def __init__(self, name: str, reason: str):
+        self.name, self.reason = name, reason
+
+
+_FACTORIES: dict[str, Callable[[str, KDNConfig], Method]] = {}
+
+
+def register_method(prefix: str, factory: Callable[[str, KDNConfig], Method]) -> None:
+    """Make ``prefix`` (e.g. ``"blend"`` for ``blend@0.15``) resolve to ``factory(name, config)``."""
+    _FACTORIES[prefix] = factory
+
+
+def resolve_method(name: str, config: KDNConfig) -> Method:
+    """The method for a name such as ``full``, ``reuse``, ``reuse+int8``, ``naive``, ``blend@0.15``."""
+    base = name.split("@", 1)[0].split("+", 1)[0]
+    if base in _FACTORIES:
+        return _FACTORIES[base](name, config)
+    if name == "full":
+        return Full()
+    if name == "reuse":
+        return Reuse(config)
+    if base == "reuse":
+        return Unavailable(name, f"codec {name.split('+', 1)[1]!r} is not available: kdn has no KV codecs yet")
+    if base in ("naive", "blend"):
+        return Unavailable(name, "blending (KDN.blend) is not implemented yet")
+    raise ValueError(f"unknown method {name!r}; known: full, reuse, reuse+<codec>, naive, blend@<ratio>")

@@ -1,0 +1,111 @@
+"""Evaluation harness: metrics on hand-made cases, dataset loaders on the real files, and small runs
+on stories260K / SmolLM2 asserting that `reuse` answers exactly like `full`."""
+
+import csv
+import json
+
+import pytest
+
+from kdn.cli import main as cli_main
+from kdn.eval import encode, line_accuracy, load_dataset, normalize_answer, qa_f1, run_eval, topic_accuracy
+
+pytestmark = pytest.mark.eval
+
+
+@pytest.mark.parametrize("text, expected", [("The  Eiffel-Tower!", "eiffeltower"), ("An apple a day", "apple day"),
+                                            ("  Exeter College. ", "exeter college"), ("the", "")])
+def test_normalize_answer(text, expected):
+    assert normalize_answer(text) == expected
+
+
+def test_qa_f1_takes_the_best_gold_answer():
+    assert qa_f1("Exeter College", ["Exeter College"]) == 1.0
+    assert qa_f1("He studied at Exeter College, Oxford", ["Exeter College"]) == pytest.approx(0.5)  # P 2/6, R 1
+    assert qa_f1("Oxford", ["Cambridge", "University of Oxford"]) == pytest.approx(2 * 1 * (1 / 3) / (1 + 1 / 3))
+    assert qa_f1("", ["x"]) == 0.0 and qa_f1("the a an", ["the"]) == 0.0
+
+
+def test_topic_and_line_accuracy():
+    assert topic_accuracy("The first topic was the psychology of creativity.", "The psychology of creativity") == 1.0
+    assert topic_accuracy("Psychology of addiction", "The psychology of creativity") == 0.0
+    assert line_accuracy("The REGISTER_CONTENT in line torpid-kid is <2416>.", 2416) == 1.0
+    assert line_accuracy("2416 ... no, 2417", "2416") == 0.0 and line_accuracy("no number", 1) == 0.0
+
+
+def test_datasets_load_with_their_gold_answers():
+    topics = load_dataset("longchat-topics-5")
+    assert len(topics) == 50 and topics[0].answers == ("The psychology of creativity",)
+    assert topics[0].query.strip().startswith("Now the record ends. What is the first topic")
+    assert "I would like to discuss the topic of the psychology of creativity" in topics[0].segments[0]
+    lines = load_dataset("longchat-lines-200")
+    assert len(lines) == 50 and lines[0].answers == ("2416",) and "torpid-kid" in lines[0].query
+    cachegen = load_dataset("cachegen-longchat", limit=3)
+    assert len(cachegen) == 3 and not cachegen[0].query.rstrip().endswith("ASSISTANT:")
+    musique = load_dataset("musique")
+    assert len(musique) == 150 and len(musique[0].segments) == 10 and musique[0].answers == ("Exeter College",)
+    assert "Hannibal and Scipio" in musique[0].query and musique[0].metric == "qa_f1"
+    with pytest.raises(ValueError, match="known names"):
+        load_dataset("no-such-set")
+
+
+def test_encode_keeps_segment_spans_and_truncates_the_context(stories):
+    model, tokenizer = stories
+    sample = load_dataset("musique", limit=1)[0]
+    enc = encode(tokenizer, sample, max_prompt_tokens=1 << 20, max_new_tokens=8)
+    assert not enc.truncated and len(enc.segment_spans) == 10
+    assert enc.segment_spans[-1][1] == enc.context_tokens < enc.ids.shape[1]
+    query_ids = tokenizer(sample.query, add_special_tokens=False)["input_ids"]
+    assert enc.ids[0, enc.context_tokens:].tolist() == query_ids
+    short = encode(tokenizer, sample, max_prompt_tokens=300, max_new_tokens=8)
+    assert short.truncated and short.ids.shape[1] == 300 - 8
+
+
+@pytest.mark.parametrize("dataset", ["longchat-topics-5", "cachegen-longchat", "longchat-lines-200", "musique"])
+def test_reuse_answers_exactly_like_full_on_stories260k(stories, dataset, tmp_path):
+    model, tokenizer = stories
+    methods = ["full", "reuse", "reuse+int8", "naive", "blend@0.15"]
+    result = run_eval(dataset, model, tokenizer, methods, limit=2, out_dir=tmp_path, max_new_tokens=8,
+                      chunk_size=64, model_name="stories260k", progress=False)
+    summary = result["summary"]
+    assert summary["reuse"]["identical_to_full"] == 1.0
+    for name in ("full", "reuse"):
+        s = summary[name]
+        assert s["n"] == 2 and 0.0 <= s["quality"] <= 1.0 and s["ttft_mean_s"] > 0
+    assert summary["reuse"]["prefill_tokens_mean"] < summary["full"]["prefill_tokens_mean"]
+    assert summary["reuse"]["inject_s_mean"] > 0 and summary["reuse"]["stored_bytes_mean"] > 0
+    for name in ("reuse+int8", "naive", "blend@0.15"):
+        assert not summary[name]["available"] and "not" in summary[name]["reason"]
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * len(methods) and all("score" in r for r in rows if r["available"])
+    with open(tmp_path / "summary.csv") as f:
+        assert [r["method"] for r in csv.DictReader(f)] == methods
+    md = (tmp_path / "summary.md").read_text()
+    assert all(f"| {m} |" in md for m in methods) and "time to inject" in md
+    assert (tmp_path / "quality_vs_ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "summary.json").read_text())["summary"]["reuse"]["available"]
+
+
+def test_unknown_method_is_a_clear_error(stories):
+    model, tokenizer = stories
+    with pytest.raises(ValueError, match="unknown method 'magic'"):
+        run_eval("musique", model, tokenizer, ["magic"], limit=1, progress=False)
+
+
+def test_cli_eval_writes_the_reports(tmp_path, capsys):
+    assert cli_main(["eval", "musique", "--model", "stories260k", "--limit", "1", "--out", str(tmp_path),
+                     "--max-new-tokens", "4", "--chunk-size", "64"]) == 0
+    assert "| reuse |" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["quality_vs_ttft.png", "samples.jsonl", "summary.csv",
+                                                          "summary.json", "summary.md"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dataset", ["longchat-topics-5", "longchat-lines-200", "musique"])
+def test_reuse_answers_exactly_like_full_on_smollm2(smollm2, dataset):
+    model, tokenizer = smollm2
+    result = run_eval(dataset, model, tokenizer, ["full", "reuse"], limit=1, max_new_tokens=16,
+                      model_name="smollm2-135m", progress=False)
+    s = result["summary"]
+    assert s["reuse"]["identical_to_full"] == 1.0 and s["reuse"]["n"] == 1
+    assert s["reuse"]["ttft_mean_s"] < s["full"]["ttft_mean_s"]
+    assert all(r["ttft_s"] > 0 and "score" in r for r in result["samples"])
