@@ -26,7 +26,7 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     if path.name == "quickstart.ipynb":
         assert "answers identical to a full prefill: True" in text and "served from kdn" in text
     else:
-        assert "| reuse |" in text and "not available" in text
+        assert "| reuse |" in text and "| blend@0.15 |" in text
 
 
 def test_both_notebooks_exist():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import torch
+
 from kdn import _core
 from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
@@ -127,6 +129,50 @@ class KDN:
         from kdn.integrations.hf import generate
 
         return generate(self, model, input_ids, **generate_kwargs)
+
+    # -- blending ---------------------------------------------------------------------------
+    def store_segments(self, model, segments, prefix=None) -> dict:
+        """Precompute and store the KV of each segment (token ids) on its own, behind ``prefix``
+        (default: the model's BOS), under a key of the segment's tokens and the model only.
+
+        Returns ``{"already_stored": n, "computed": m}``. See :mod:`kdn.blend`.
+        """
+        from kdn.blend import store_segments
+
+        return store_segments(self, model, segments, prefix)
+
+    def blend(self, model, segments, query, recompute_ratio: float = 0.15, prefix=None, mode: str = "blend"):
+        """KV cache for ``prefix + segments + query[:-1]`` from separately cached segments.
+
+        ``mode``: ``"blend"`` (re-rotate, join, recompute the ``recompute_ratio`` most deviating
+        tokens: CacheBlend), ``"naive"`` (re-rotate and join only), ``"prefix"`` (plain prefix
+        reuse) or ``"full"`` (no reuse). Returns ``(cache, stats)``; ``stats["tokens"]`` is how many
+        prompt tokens the cache covers, ``stats["recomputed_per_layer"]`` the recompute.
+
+        Example:
+            >>> kdn.store_segments(model, passages)
+            >>> cache, stats = kdn.blend(model, passages, question_ids, recompute_ratio=0.15)
+            >>> out = model.generate(torch.tensor([bos + sum(passages, []) + question_ids]), past_key_values=cache)
+        """
+        from kdn.blend import blend
+
+        return blend(self, model, segments, query, prefix, recompute_ratio, mode)
+
+    def blend_generate(self, model, segments, query, recompute_ratio: float = 0.15, prefix=None, mode="blend",
+                       **generate_kwargs):
+        """``model.generate`` over ``prefix + segments + query`` with the cache from :meth:`blend`;
+        returns the new tokens ([1, m]) and the blend stats."""
+        from kdn.blend import blend, default_prefix
+
+        cache, stats = blend(self, model, segments, query, prefix, recompute_ratio, mode)
+        info = self._info(model)
+        pre = default_prefix(model) if prefix is None else token_array(prefix, info.layout.vocab_size).tolist()
+        ids = pre + [int(t) for s in segments for t in token_array(s, info.layout.vocab_size)]
+        ids = torch.tensor([ids + token_array(query, info.layout.vocab_size).tolist()],
+                           device=next(model.parameters()).device)
+        kwargs = {"past_key_values": cache} if cache is not None else {}
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs, **generate_kwargs)
+        return out[:, ids.shape[1]:], stats
 
     # -- management -------------------------------------------------------------------------
     def chunk_keys(self, model, prompt, tokenizer=None) -> list[bytes]:

@@ -79,3 +79,18 @@ def token_array(token_ids, vocab_size: int) -> np.ndarray:
 def prefix_keys(fingerprint: bytes, tokens: np.ndarray, chunk_size: int) -> list[bytes]:
     """Chained 16-byte keys of the full chunks of ``tokens`` (see csrc/include/kdn/keys.h)."""
     return _core.prefix_chunk_keys(fingerprint, tokens, chunk_size)
+
+
+SEGMENT_KEY_VERSION = 1
+
+
+def segment_key(fingerprint: bytes, prefix: np.ndarray, tokens: np.ndarray) -> bytes:
+    """16-byte key of a segment's KV: depends only on the model, the tokens it was computed behind
+    (``prefix``, e.g. BOS or a system prompt) and its own tokens, never on where it is used.
+
+    ``BLAKE3("kdn/segment" | u32 version | fingerprint | u32 len(prefix) | prefix | tokens)[:16]``,
+    tokens as little-endian u32.
+    """
+    header = b"kdn/segment" + np.uint32(SEGMENT_KEY_VERSION).tobytes() + fingerprint
+    body = np.uint32(len(prefix)).tobytes() + prefix.astype("<u4").tobytes() + tokens.astype("<u4").tobytes()
+    return _core.blake3(header + body, 16)

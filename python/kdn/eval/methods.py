@@ -1,9 +1,9 @@
 """The methods an evaluation compares, all through the public KDN API, and the hook to add more.
 
-``full`` (the whole prompt prefilled: the baseline) and ``reuse`` (the context's KV stored once,
-then served from kdn so only the question is prefilled) run today. ``reuse+<codec>``, ``naive``
-and ``blend@<ratio>`` are recognised and reported as unavailable with the reason until the
-capability behind them lands; it then registers a factory with :func:`register_method`.
+``full`` (the whole prompt prefilled: the baseline), ``reuse`` (the context's KV stored once,
+then served from kdn so only the question is prefilled), ``naive`` and ``blend@<ratio>`` (segments
+cached separately, joined by :meth:`KDN.blend`). ``reuse+<codec>`` is recognised and reported as
+unavailable until codecs land; a capability plugs in with :func:`register_method`.
 """
 
 from __future__ import annotations
@@ -94,6 +94,35 @@ class Reuse(Method):
                       stored_bytes=stored)
 
 
+class Blend(Method):
+    """Segments cached separately (:meth:`KDN.store_segments`, timed as injection), joined at query
+    time by :meth:`KDN.blend`: ``naive`` (re-rotate and concatenate) or ``blend@<ratio>`` (CacheBlend
+    selective recompute). Compute per request = tokens recomputed (averaged over layers) + the rest."""
+
+    def __init__(self, name: str, config: KDNConfig, mode: str, ratio: float):
+        self.name, self.config, self.mode, self.ratio = name, config, mode, ratio
+
+    def answer(self, model, enc, max_new_tokens):
+        ids = enc.ids[0].tolist()
+        prefix = ids[: enc.segment_spans[0][0]] if enc.segment_spans else ids[: enc.context_tokens]
+        segments = [ids[a:b] for a, b in enc.segment_spans if b > a]
+        query = ids[enc.context_tokens:]
+        kdn = KDN(self.config)
+        t0 = time.perf_counter()
+        kdn.store_segments(model, segments, prefix=prefix)
+        inject_s = time.perf_counter() - t0
+        stored = sum(s.get("used_bytes", 0) for s in kdn.stats().values())
+        start = time.perf_counter()
+        cache, stats = kdn.blend(model, segments, query, recompute_ratio=self.ratio, prefix=prefix, mode=self.mode)
+        tokens, timer = _generate(model, enc.ids, max_new_tokens, cache)
+        ttft = timer.ttft + (timer.t0 - start)
+        per_layer = stats.get("recomputed_per_layer")
+        recomputed = sum(per_layer) / len(per_layer) if per_layer else 0.0
+        rest = enc.ids.shape[1] - stats["tokens"]
+        return Answer(tokens, ttft, prefill_tokens=round(recomputed + rest), hit_tokens=stats["context_tokens"],
+                      inject_s=inject_s, stored_bytes=stored)
+
+
 class Unavailable(Method):
     available = False
 
@@ -120,6 +149,14 @@ def resolve_method(name: str, config: KDNConfig) -> Method:
         return Reuse(config)
     if base == "reuse":
         return Unavailable(name, f"codec {name.split('+', 1)[1]!r} is not available: kdn has no KV codecs yet")
-    if base in ("naive", "blend"):
-        return Unavailable(name, "blending (KDN.blend) is not implemented yet")
+    if name == "naive":
+        return Blend(name, config, "naive", 0.0)
+    if base == "blend":
+        try:
+            ratio = float(name.split("@", 1)[1]) if "@" in name else 0.15
+        except ValueError:
+            raise ValueError(f"method {name!r}: the recompute ratio after '@' must be a number") from None
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"method {name!r}: the recompute ratio must be within [0, 1]")
+        return Blend(name, config, "blend", ratio)
     raise ValueError(f"unknown method {name!r}; known: full, reuse, reuse+<codec>, naive, blend@<ratio>")

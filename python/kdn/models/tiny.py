@@ -8,8 +8,12 @@ ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
 def tiny_model(arch: str = "llama", *, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-               head_dim: int = 16, vocab_size: int = 128, seed: int = 0, dtype=torch.float32):
+               head_dim: int = 16, vocab_size: int = 128, seed: int = 0, dtype=torch.float32,
+               rope_parameters: dict | None = None):
     """A randomly initialised causal LM of the given architecture, in eval mode.
+
+    ``rope_parameters`` (e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``) sets RoPE scaling;
+    ``rope_theta`` 10000 is the default.
 
     Example:
         >>> model = tiny_model("qwen2", head_dim=32)
@@ -33,6 +37,8 @@ def tiny_model(arch: str = "llama", *, layers: int = 2, heads: int = 4, kv_heads
     if arch not in classes:
         raise ValueError(f"unknown architecture {arch!r}; choose from {ARCHITECTURES}")
     config_cls, model_cls, extra = classes[arch]
+    if rope_parameters is not None:
+        extra = {**extra, "rope_parameters": {"rope_theta": 10000.0, **rope_parameters}}
     config = config_cls(
         hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=vocab_size,

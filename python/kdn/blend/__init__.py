@@ -1,0 +1,125 @@
+"""Blending: reuse the KV of segments that are not a prefix (RAG passages), joined at query time.
+
+Each segment's KV is computed on its own behind a shared ``prefix`` (default: the model's BOS
+token) and stored under a segment key (model + prefix + segment tokens) at canonical positions
+starting right after the prefix. At query time the segments' keys are re-rotated (RoPE) to where
+the segments sit in the prompt and joined; ``naive`` stops there, ``blend`` then recomputes the
+tokens whose KV deviates most (CacheBlend, :mod:`kdn.blend.recompute`).
+
+Modes of :func:`blend`: ``full`` (no reuse: the baseline), ``prefix`` (prefix caching of the whole
+prompt), ``naive`` (concatenate, no recompute) and ``blend`` (selective recompute at ``ratio``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kdn import _core
+from kdn._core import BlobError, InvalidInputError
+from kdn.blend.recompute import check_supported, selective_prefill
+from kdn.blend.rope import UnsupportedModelError, shift_keys
+from kdn.keys import segment_key, token_array
+from kdn.layout import cache_to_kv_list, empty_kv_list, kv_list_to_cache
+
+MODES = ("full", "prefix", "naive", "blend")
+log = logging.getLogger("kdn")
+
+
+def default_prefix(model) -> list[int]:
+    bos = getattr(model.config, "bos_token_id", None)
+    return [int(bos)] if isinstance(bos, int) else []
+
+
+def _tokens(ids, info, what: str) -> list[int]:
+    tokens = token_array(ids, info.layout.vocab_size)
+    if what != "prefix" and len(tokens) == 0:
+        raise InvalidInputError(f"{what} is empty")
+    return tokens.tolist()
+
+
+def segment_kv(kdn, model, info, prefix: list[int], segment: list[int]) -> tuple[list[torch.Tensor], bool]:
+    """The KV of ``segment`` computed behind ``prefix`` (positions len(prefix)...), from kdn or computed
+    and stored. Returns (per-layer [1, kv_heads, len(segment), head_dim] CPU tensors, was_stored)."""
+    fp, layout = info.fingerprint, info.layout
+    key = segment_key(fp, token_array(prefix, layout.vocab_size), token_array(segment, layout.vocab_size))
+    blob = next(iter(kdn.tiers.get_many([key], fp)), None)
+    if blob is not None:
+        try:
+            h = _core.blob_parse(blob)
+            if (h["fingerprint"], h["key"], h["tokens"], h["position"]) != (fp, key, len(segment), len(prefix)):
+                raise BlobError("segment blob header does not match the request")
+            kv = empty_kv_list(layout, len(segment))
+            _core.unpack_chunks([blob], kv, len(segment))
+            return kv, True
+        except (BlobError, InvalidInputError) as e:
+            kdn.tiers.remove(key, fp)
+            log.warning("kdn: dropping an unusable stored segment (a miss): %s", e)
+    ids = torch.tensor([prefix + segment], device=next(model.parameters()).device)
+    with torch.inference_mode():
+        kv_full = [t.cpu() for t in cache_to_kv_list(model(ids, use_cache=True).past_key_values)]
+    kdn.tiers.put(key, _core.pack_chunk(kv_full, len(prefix), len(segment), fp, key))
+    return [t[:, :, len(prefix):].contiguous() for t in kv_full], False
+
+
+def store_segments(kdn, model, segments, prefix=None) -> dict:
+    """Compute (or find) and store every segment's KV; returns counts of computed and already stored."""
+    info = kdn._info(model)
+    check_supported(model)
+    prefix = default_prefix(model) if prefix is None else _tokens(prefix, info, "prefix")
+    jobs = ([([], prefix)] if prefix else []) + [(prefix, _tokens(s, info, "segment")) for s in segments]
+    hits = [segment_kv(kdn, model, info, behind, seg)[1] for behind, seg in jobs]
+    return {"already_stored": sum(hits), "computed": len(hits) - sum(hits)}
+
+
+def blend(kdn, model, segments, query, prefix=None, recompute_ratio: float = 0.15, mode: str = "blend",
+          check_layer: int = 1):
+    """KV cache for ``prefix + segments + query[:-1]`` built from separately cached segments.
+
+    Returns ``(cache, stats)``: a DynamicCache covering the first ``stats["tokens"]`` prompt tokens
+    (``None`` for ``full``), so ``model.generate(ids, past_key_values=cache)`` computes the rest.
+    """
+    if mode not in MODES:
+        raise InvalidInputError(f"blend mode {mode!r}; choose one of {', '.join(MODES)}")
+    if not 0.0 <= float(recompute_ratio) <= 1.0:
+        raise InvalidInputError(f"recompute_ratio must be within [0, 1], got {recompute_ratio!r}")
+    info = kdn._info(model)
+    check_supported(model)
+    prefix = default_prefix(model) if prefix is None else _tokens(prefix, info, "prefix")
+    segs = [_tokens(s, info, "segment") for s in segments]
+    query = _tokens(query, info, "query")
+    ids = prefix + [t for s in segs for t in s] + query
+    n_ctx, device = len(ids) - len(query), next(model.parameters()).device
+    stats = {"mode": mode, "prompt_tokens": len(ids), "context_tokens": n_ctx, "segments": len(segs)}
+    t0 = time.perf_counter()
+    if mode == "full":
+        return None, {**stats, "tokens": 0, "segment_hits": 0, "blend_s": 0.0}
+    if mode == "prefix":
+        cache, hit = kdn.retrieve(model, ids, limit=len(ids) - 1)
+        return cache, {**stats, "tokens": hit, "segment_hits": 0, "blend_s": time.perf_counter() - t0}
+    parts, hits, offset = [], 0, 0
+    if prefix:
+        kv, hit = segment_kv(kdn, model, info, [], prefix)
+        parts.append(kv)
+        hits, offset = hits + hit, len(prefix)
+    for seg in segs:
+        kv, hit = segment_kv(kdn, model, info, prefix, seg)
+        shift_keys(model, kv, offset - len(prefix))  # stored at len(prefix), used at offset
+        parts.append(kv)
+        hits, offset = hits + hit, offset + len(seg)
+    n = n_ctx if mode == "naive" else len(ids) - 1
+    kv = [torch.empty((1, info.layout.kv_heads, n, info.layout.head_dim), dtype=info.layout.torch_dtype,
+                      device=device) for _ in range(2 * info.layout.layers)]
+    for i, t in enumerate(kv):
+        t[:, :, :n_ctx] = torch.cat([p[i].to(device) for p in parts], dim=2)
+    stats.update(segment_hits=hits)
+    if mode == "blend":
+        ids_t = torch.tensor([ids[:-1]], device=device)
+        kv, extra = selective_prefill(model, ids_t, kv, n_ctx, float(recompute_ratio), check_layer)
+        stats.update(extra, recompute_ratio=float(recompute_ratio))
+    return kv_list_to_cache(model, kv), {**stats, "tokens": n, "blend_s": time.perf_counter() - t0}
+
+
+__all__ = ["MODES", "UnsupportedModelError", "blend", "store_segments", "segment_kv", "default_prefix"]
