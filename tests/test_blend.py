@@ -29,7 +29,9 @@ def roped(model, k, positions):
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize("rope", [None, {"rope_type": "linear", "factor": 2.0},
                                   {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}],
+                         ids=["default", "linear", "llama3", "yarn"])
 def test_re_rotating_a_key_equals_computing_it_at_the_new_position(device, dtype, tol, head_dim, rope):
     model = tiny_model("llama", head_dim=head_dim, rope_parameters=rope)
     g = torch.Generator().manual_seed(head_dim)
