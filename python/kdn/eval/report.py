@@ -36,6 +36,7 @@ def markdown_table(result: dict) -> str:
 def plot(result: dict, path: Path) -> None:
     """Quality vs mean TTFT per method (left) and bytes stored per sample (right)."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -46,7 +47,10 @@ def plot(result: dict, path: Path) -> None:
         left.scatter(s["ttft_mean_s"], s["quality"], s=60)
         left.annotate(name, (s["ttft_mean_s"], s["quality"]), textcoords="offset points", xytext=(6, 4))
     left.set_xscale("log")
-    left.set_xlabel("time to first token, mean (s, log)")
+    left.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    left.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    left.set_xlabel("time to first token, mean (s, log scale)")
+    left.set_ylim(-0.05, 1.05)  # every metric is a fraction
     left.set_ylabel(f"quality ({result['metric']})")
     left.set_title(f"{result['dataset']} on {result['model']}")
     left.grid(alpha=0.3)
