@@ -67,6 +67,7 @@ void bind_store(py::module_& m) {
       .def("__len__", &Buffer::size)
       .def("tobytes", [](const Buffer& b) { return py::bytes(reinterpret_cast<const char*>(b.data()), b.size()); })
       .def_property_readonly("writable", &Buffer::writable)
+      .def_property_readonly("verified", &Buffer::verified, "True once kdn sealed or checked this blob's checksum.")
       .def_buffer([](Buffer& b) {
         return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<ssize_t>(b.size())}, {1}, /*readonly=*/!b.writable());

@@ -48,7 +48,7 @@ def segment_kv(kdn, model, info, prefix: list[int], segment: list[int]) -> tuple
     blob = next(iter(kdn.tiers.get_many([key], fp)), None)
     if blob is not None:
         try:
-            h = _core.blob_parse(blob)
+            h = _core.blob_parse(blob, verify_checksum=not getattr(blob, "verified", False))
             if (h["fingerprint"], h["key"], h["tokens"], h["position"]) != (fp, key, len(segment), len(prefix)):
                 raise BlobError("segment blob header does not match the request")
             kv = empty_kv_list(layout, len(segment))
