@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import json
 import socket
-import statistics
 import subprocess
 import tempfile
 import time
@@ -24,6 +23,7 @@ import torch
 import kdn
 from kdn import KDN, KDNConfig, _core
 from kdn.storage.remote import RemoteTier
+from timing import timed
 
 
 @contextlib.contextmanager
@@ -45,17 +45,6 @@ def private_redis():
         finally:
             proc.kill()
             proc.wait()
-
-
-def timed(fn, repeats, setup=None):
-    times = []
-    for _ in range(repeats):
-        if setup:
-            setup()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def bench_throughput(url, kv, fingerprint, repeats):

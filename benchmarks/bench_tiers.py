@@ -11,9 +11,7 @@ import argparse
 import json
 import os
 import random
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,18 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import kdn
 from kdn import KDN, KDNConfig, _core
-
-
-def timed(fn, repeats, setup=None):
-    """Median seconds of fn() over repeats (setup() runs untimed before each)."""
-    times = []
-    for _ in range(repeats):
-        if setup:
-            setup()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from timing import timed
 
 
 def real_kv(model_name: str, tokens: int):
