@@ -58,6 +58,23 @@ def bench_memory(kv, repeats):
     return rows
 
 
+def bench_pool(kv, repeats):
+    """Packing a document's KV into new blobs: system-fresh pages (pool limit 0) vs the buffer pool."""
+    chunks = kv[0].shape[2] // 256
+
+    def pack_all():
+        return [_core.pack_chunk(kv, i * 256, 256, b"F" * 16, i.to_bytes(16, "little")) for i in range(chunks)]
+
+    limit = _core.buffer_pool_stats()["limit_bytes"]
+    _core.buffer_pool_set_limit(0)  # freed blobs go back to the system allocator
+    fresh = timed(pack_all, repeats)
+    _core.buffer_pool_set_limit(limit)
+    pack_all()  # fills the pool with this size class
+    pooled = timed(pack_all, repeats)
+    mb = chunks * len(_core.pack_chunk(kv, 0, 256, b"F" * 16, bytes(16))) / 1e6
+    return {"mb": mb, "fresh_s": fresh, "pooled_s": pooled}
+
+
 # -- disk tier --------------------------------------------------------------------------------
 def drop_from_page_cache(paths):
     for p in paths:
@@ -187,6 +204,10 @@ def main() -> None:
               f"{r['numpy_copy_alloc_gbs']:.2f} | {r['put_ratio']:.2f} | {r['get_gbs']:.2f} | "
               f"{r['numpy_copyto_gbs']:.2f} | {r['get_ratio']:.2f} |")
 
+    pool = bench_pool(kv, args.repeats)
+    print(f"\npack {pool['mb']:.0f} MB of KV into new blobs: fresh pages {pool['fresh_s'] * 1e3:.1f} ms, "
+          f"pooled buffers {pool['pooled_s'] * 1e3:.1f} ms ({pool['fresh_s'] / pool['pooled_s']:.1f}x)")
+
     disk = {fs: bench_disk(model, ids, kv, args.repeats, fs) for fs in (True, False)}
     mb = disk[True]["bytes"] / 1e6
     print(f"\ndisk tier: store + load of {mb:.0f} MB of KV ({args.tokens} tokens; cold = page cache dropped "
@@ -211,8 +232,8 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_tiers.json").write_text(json.dumps(
-        {"model": args.model, "tokens": args.tokens, "memory": mem, "disk": {str(k): v for k, v in disk.items()},
-         "policies": policies}, indent=2))
+        {"model": args.model, "tokens": args.tokens, "memory": mem, "pool": pool,
+         "disk": {str(k): v for k, v in disk.items()}, "policies": policies}, indent=2))
     print(f"\nwrote {out_dir / 'bench_tiers.json'}")
 
 

@@ -63,7 +63,7 @@ def test_another_process_gets_a_hit_on_what_one_stored(tiny_llama, tmp_path):
     torch.testing.assert_close(logits, full_prefill(tiny_llama, ids)[0], rtol=1e-4, atol=1e-4)
 
 
-def chunk_bytes(model, tmp_path) -> int:
+def chunk_bytes(model) -> int:
     probe = KDN(KDNConfig(chunk_size=CHUNK))
     ids = random_ids(model, CHUNK)
     probe.store(model, ids, full_prefill(model, ids)[1])
@@ -71,7 +71,7 @@ def chunk_bytes(model, tmp_path) -> int:
 
 
 def test_write_back_sends_only_memory_evictions_to_disk(tiny_llama, tmp_path):
-    per_chunk = chunk_bytes(tiny_llama, tmp_path)
+    per_chunk = chunk_bytes(tiny_llama)
     kdn = disk_kdn(tmp_path, memory_bytes=2 * per_chunk, write_policy="write-back")
     ids = random_ids(tiny_llama, 49, seed=4)
     reference, cache = full_prefill(tiny_llama, ids)
@@ -97,7 +97,7 @@ def test_pin_by_text_survives_memory_pressure_then_evict_by_text(stories, tmp_pa
     model, tokenizer = stories
     document = "Once upon a time there was a little girl named Lily. She loved to play outside in the sun."
     ids = torch.tensor([tokenizer(document)["input_ids"]])
-    per_chunk = chunk_bytes(model, tmp_path)
+    per_chunk = chunk_bytes(model)
     kdn = KDN(KDNConfig(chunk_size=CHUNK, memory_bytes=6 * per_chunk))
     kdn.store(model, ids, full_prefill(model, ids)[1])
     stored = kdn.lookup(model, ids)

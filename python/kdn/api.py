@@ -162,14 +162,11 @@ class KDN:
                        **generate_kwargs):
         """``model.generate`` over ``prefix + segments + query`` with the cache from :meth:`blend`;
         returns the new tokens ([1, m]) and the blend stats."""
-        from kdn.blend import blend, default_prefix
+        from kdn.blend import blend, prompt_tokens
 
         cache, stats = blend(self, model, segments, query, prefix, recompute_ratio, mode)
-        info = self._info(model)
-        pre = default_prefix(model) if prefix is None else token_array(prefix, info.layout.vocab_size).tolist()
-        ids = pre + [int(t) for s in segments for t in token_array(s, info.layout.vocab_size)]
-        ids = torch.tensor([ids + token_array(query, info.layout.vocab_size).tolist()],
-                           device=next(model.parameters()).device)
+        ids = prompt_tokens(self._info(model), model, segments, query, prefix)[3]
+        ids = torch.tensor([ids], device=next(model.parameters()).device)
         kwargs = {"past_key_values": cache} if cache is not None else {}
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs, **generate_kwargs)
         return out[:, ids.shape[1]:], stats

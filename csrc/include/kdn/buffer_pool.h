@@ -1,8 +1,8 @@
 // A process-wide cache of freed large host blocks, so that new blobs and KV tensors reuse warm pages.
 //
 // Filling freshly mapped memory costs a page fault per 4 KiB, which on the machines measured is
-// several times the cost of the copy itself (bench_tiers / bench_ttft: 94 MB into fresh pages
-// 47-100 ms, into reused pages 9-11 ms). Blocks of at least kMinPooledBytes are rounded up to a
+// several times the cost of the copy itself (benchmarks/bench_tiers.py: packing 94 MB of KV into
+// fresh pages 63 ms, into pooled ones 24 ms). Blocks of at least kMinPooledBytes are rounded up to a
 // 64 KiB multiple and, when freed, kept for reuse up to an idle-byte cap (default 1 GiB, set by
 // KDN_BUFFER_POOL_BYTES or buffer_pool_set_limit); a request reuses the smallest idle block that
 // is at least as large and at most 25% larger. Thread-safe.

@@ -64,6 +64,14 @@ def segment_kv(kdn, model, info, prefix: list[int], segment: list[int]) -> tuple
     return [t[:, :, len(prefix):].contiguous() for t in kv_full], False
 
 
+def prompt_tokens(info, model, segments, query, prefix=None):
+    """Checked token lists ``(prefix, segments, query)`` and the whole prompt ``prefix + segments + query``."""
+    prefix = default_prefix(model) if prefix is None else _tokens(prefix, info, "prefix")
+    segs = [_tokens(s, info, "segment") for s in segments]
+    query = _tokens(query, info, "query")
+    return prefix, segs, query, prefix + [t for s in segs for t in s] + query
+
+
 def store_segments(kdn, model, segments, prefix=None) -> dict:
     """Compute (or find) and store every segment's KV; returns counts of computed and already stored."""
     info = kdn._info(model)
@@ -87,10 +95,7 @@ def blend(kdn, model, segments, query, prefix=None, recompute_ratio: float = 0.1
         raise InvalidInputError(f"recompute_ratio must be within [0, 1], got {recompute_ratio!r}")
     info = kdn._info(model)
     check_supported(model)
-    prefix = default_prefix(model) if prefix is None else _tokens(prefix, info, "prefix")
-    segs = [_tokens(s, info, "segment") for s in segments]
-    query = _tokens(query, info, "query")
-    ids = prefix + [t for s in segs for t in s] + query
+    prefix, segs, query, ids = prompt_tokens(info, model, segments, query, prefix)
     n_ctx, device = len(ids) - len(query), next(model.parameters()).device
     stats = {"mode": mode, "prompt_tokens": len(ids), "context_tokens": n_ctx, "segments": len(segs)}
     t0 = time.perf_counter()
@@ -122,4 +127,4 @@ def blend(kdn, model, segments, query, prefix=None, recompute_ratio: float = 0.1
     return kv_list_to_cache(model, kv), {**stats, "tokens": n, "blend_s": time.perf_counter() - t0}
 
 
-__all__ = ["MODES", "UnsupportedModelError", "blend", "store_segments", "segment_kv", "default_prefix"]
+__all__ = ["MODES", "UnsupportedModelError", "blend", "store_segments", "segment_kv", "default_prefix", "prompt_tokens"]
