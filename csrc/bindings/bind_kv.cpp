@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "kdn/blob.h"
+#include "kdn/codec.h"
 #include "kdn/kv_copy.h"
 #include "kdn/parallel.h"
 #include "tensor.h"
@@ -180,8 +181,16 @@ void bind_kv(py::module_& m) {
         for (size_t i = 0; i < spans.size() && pos < count; ++i) {
           const int64_t n = std::min<int64_t>(headers[i].tokens, count - pos);
           KvShape shape{v.layers, headers[i].tokens, v.heads, v.dim};
-          kv_copy_cpu(shape, v.table(), const_cast<uint8_t*>(spans[i].data) + kBlobHeaderBytes,
-                      dtype_size(v.dtype), pos, n, CopyDirection::kChunkToCache, default_num_threads());
+          uint8_t* chunk = const_cast<uint8_t*>(spans[i].data) + kBlobHeaderBytes;
+          BufferPtr decoded;  // coded blobs are decoded into a pooled buffer, then copied like raw ones
+          if (headers[i].codec != kCodecRaw) {
+            decoded = std::make_shared<Buffer>(raw_payload_bytes(headers[i]));
+            Status st = codec_decode(headers[i], chunk, headers[i].payload_bytes, decoded->data(), default_num_threads());
+            if (!st.ok) throw BlobError("unpack_chunks: blob " + std::to_string(i) + ": " + st.message, __FILE__, __LINE__);
+            chunk = decoded->data();
+          }
+          kv_copy_cpu(shape, v.table(), chunk, dtype_size(v.dtype), pos, n, CopyDirection::kChunkToCache,
+                      default_num_threads());
           pos += n;
         }
       },

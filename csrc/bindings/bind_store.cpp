@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "kdn/codec.h"
 #include "kdn/disk_store.h"
 #include "kdn/memory_store.h"
 #include "tensor.h"
@@ -26,6 +27,7 @@ BufferPtr buffer_from_object(py::handle obj) {
 py::dict header_to_dict(const BlobHeader& h) {
   py::dict d;
   d["codec"] = h.codec;
+  d["codec_params"] = h.codec_params;
   d["dtype"] = dtype_name(h.dtype);
   d["layers"] = h.layers;
   d["kv_heads"] = h.kv_heads;
@@ -166,13 +168,16 @@ void bind_store(py::module_& m) {
   py::class_<DiskStore, std::shared_ptr<DiskStore>>(m, "DiskStore",
                                                     "Local-disk blob store (thread-safe); see kdn/disk_store.h.")
       .def(py::init([](const std::string& dir, uint64_t capacity, const std::string& policy, uint64_t queue_bytes,
-                       int read_threads, bool fsync) {
-             DiskStoreOptions o{dir, capacity, policy, queue_bytes, read_threads, fsync};
+                       int read_threads, bool fsync, int codec, uint32_t codec_params) {
+             KDN_CHECK_INPUT(codec >= 0 && codec <= kCodecLast, "unknown codec id " + std::to_string(codec));
+             if (codec != kCodecRaw) KDN_CHECK_INPUT(codec_check(codec, codec_params).ok, codec_check(codec, codec_params).message);
+             DiskStoreOptions o{dir, capacity, policy, queue_bytes, read_threads, fsync, static_cast<uint8_t>(codec), codec_params};
              py::gil_scoped_release release;  // the index rebuild scans the directory
              return std::make_shared<DiskStore>(o);
            }),
            py::arg("dir"), py::arg("capacity_bytes"), py::arg("policy") = "lru",
-           py::arg("queue_bytes") = 512ull << 20, py::arg("read_threads") = 4, py::arg("fsync") = true)
+           py::arg("queue_bytes") = 512ull << 20, py::arg("read_threads") = 4, py::arg("fsync") = true,
+           py::arg("codec") = 0, py::arg("codec_params") = 0)
       .def("put", [](DiskStore& s, py::handle key, py::handle blob) {
             Key128 k = key_arg(key, "key");
             BufferPtr buf = buffer_from_object(blob);

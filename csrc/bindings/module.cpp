@@ -12,10 +12,11 @@ void bind_hash(py::module_& m);
 void bind_store(py::module_& m);
 void bind_kv(py::module_& m);
 void bind_blend(py::module_& m);
+void bind_codec(py::module_& m);
 }  // namespace kdn
 
 PYBIND11_MODULE(_core, m) {
-  m.doc() = "kdn C++ core: hashing, blob format, tiers, KV layout copies and RoPE re-rotation.";
+  m.doc() = "kdn C++ core: hashing, blob format, tiers, KV layout copies, codecs and RoPE re-rotation.";
   // Exception classes live as long as the interpreter (deliberately never released).
   static PyObject* kdn_error = PyErr_NewExceptionWithDoc(
       "kdn._core.KDNError", "Base class of errors raised by the kdn core.", PyExc_RuntimeError, nullptr);
@@ -46,4 +47,5 @@ PYBIND11_MODULE(_core, m) {
   kdn::bind_store(m);
   kdn::bind_kv(m);
   kdn::bind_blend(m);
+  kdn::bind_codec(m);
 }

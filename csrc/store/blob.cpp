@@ -3,6 +3,8 @@
 
 #include <cstring>
 
+#include "kdn/codec.h"
+
 namespace kdn {
 namespace {
 
@@ -46,6 +48,7 @@ void blob_write_header(const BlobHeader& h, uint8_t* out) {
   put_le<uint32_t>(out, 20, h.head_dim);
   put_le<uint32_t>(out, 24, h.tokens);
   put_le<uint32_t>(out, 28, h.position);
+  put_le<uint32_t>(out, 32, h.codec_params);
   std::memcpy(out + 36, h.fingerprint.data(), 16);
   std::memcpy(out + 52, h.key.data(), 16);
   put_le<uint64_t>(out, 68, h.payload_bytes);
@@ -66,7 +69,12 @@ Status blob_parse(const uint8_t* data, size_t size, bool verify_checksum, BlobHe
   if (get_le<uint16_t>(data, 6) != kBlobHeaderBytes) return Status::Fail("bad blob header size");
   BlobHeader h;
   h.codec = data[8];
-  if (h.codec != kCodecRaw) return Status::Fail("unknown codec id " + std::to_string(h.codec));
+  h.codec_params = get_le<uint32_t>(data, 32);
+  if (h.codec == kCodecRaw && h.codec_params != 0) return Status::Fail("raw blob with codec parameters");
+  if (h.codec != kCodecRaw) {
+    Status st = codec_check(h.codec, h.codec_params);
+    if (!st.ok) return st;
+  }
   if (!dtype_is_valid(data[9])) return Status::Fail("unknown dtype code " + std::to_string(data[9]));
   h.dtype = static_cast<DType>(data[9]);
   h.layers = get_le<uint32_t>(data, 12);
@@ -79,7 +87,8 @@ Status blob_parse(const uint8_t* data, size_t size, bool verify_checksum, BlobHe
   h.payload_bytes = get_le<uint64_t>(data, 68);
   uint64_t expected = raw_payload_bytes(h);
   if (expected == 0) return Status::Fail("blob dimensions out of range");
-  if (h.payload_bytes != expected)
+  if (h.codec == kCodecRaw ? h.payload_bytes != expected
+                           : h.payload_bytes > expected * kMaxCodedRatio || h.payload_bytes * kMaxDecodedRatio < expected)
     return Status::Fail("payload size " + std::to_string(h.payload_bytes) +
                         " does not match dimensions (" + std::to_string(expected) + ")");
   if (size != kBlobHeaderBytes + h.payload_bytes + kBlobTrailerBytes)

@@ -1,6 +1,8 @@
 // Local-disk blob store (contract in kdn/disk_store.h).
 #include "kdn/disk_store.h"
 
+#include "kdn/codec.h"
+
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -218,13 +220,38 @@ bool DiskStore::write_file(const Key128& key, const BufferPtr& blob, std::string
   return ok;
 }
 
-bool DiskStore::write_blob(const Key128& key, const BufferPtr& blob) {
+BufferPtr DiskStore::encode(const BufferPtr& blob, std::string* error) const {
+  if (options_.codec == kCodecRaw && options_.codec_params == 0 && blob->size() > 8 && blob->data()[8] == kCodecRaw)
+    return blob;
+  BlobHeader h;
+  Status st = blob_parse(blob->data(), blob->size(), !blob->verified(), &h);
+  if (!st.ok) {
+    *error = "not a valid blob: " + st.message;
+    return nullptr;
+  }
+  if (h.codec == options_.codec && h.codec_params == options_.codec_params) return blob;
+  try {
+    return blob_transcode(h, blob->data(), options_.codec, options_.codec_params, 1, nullptr);
+  } catch (const Error& e) {
+    *error = std::string("cannot encode for disk: ") + e.what();
+    return nullptr;
+  }
+}
+
+bool DiskStore::write_blob(const Key128& key, const BufferPtr& queued) {
+  std::string error;
+  const BufferPtr blob = encode(queued, &error);  // outside the lock: may take milliseconds
   std::vector<Key128> victims;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = pending_.find(key);
-    if (it == pending_.end() || it->second != blob) return false;  // removed or cleared meanwhile
+    if (it == pending_.end() || it->second != queued) return false;  // removed or cleared meanwhile
     ++stats_.puts;
+    if (!blob) {
+      pending_.erase(key);
+      record_error(error);
+      return false;
+    }
     if (!index_.contains(key)) {
       if (!index_.make_room(blob->size(), &victims)) {
         ++stats_.rejected;
@@ -236,7 +263,6 @@ bool DiskStore::write_blob(const Key128& key, const BufferPtr& blob) {
     }
   }
   unlink_keys(victims);
-  std::string error;
   bool ok = write_file(key, blob, &error);
   std::lock_guard<std::mutex> lock(mutex_);
   pending_.erase(key);

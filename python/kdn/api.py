@@ -8,7 +8,7 @@ import logging
 import torch
 
 from kdn import _core
-from kdn._core import InvalidInputError
+from kdn._core import BlobError, InvalidInputError
 from kdn.config import KDNConfig
 from kdn.keys import model_fingerprint, prefix_keys, token_array
 from kdn.layout import ModelLayout, cache_to_kv_list, check_kv_matches, empty_kv_list, kv_list_to_cache
@@ -115,7 +115,13 @@ class KDN:
         if hit == 0:
             return None, 0
         kv = empty_kv_list(layout, hit)
-        _core.unpack_chunks(blobs[: -(-hit // chunk)], kv, hit)
+        try:
+            _core.unpack_chunks(blobs[: -(-hit // chunk)], kv, hit)  # decodes coded chunks
+        except BlobError as e:  # a coded payload that its checksum did not catch: a miss, never wrong KV
+            log.warning("kdn: dropping undecodable stored chunks (treated as a miss): %s", e)
+            for key in keys[: -(-hit // chunk)]:
+                self.tiers.remove(key, info.fingerprint)
+            return None, 0
         device = next(model.parameters()).device
         if device.type != "cpu":
             kv = [t.to(device, non_blocking=True) for t in kv]

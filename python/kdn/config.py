@@ -71,6 +71,12 @@ class KDNConfig:
         remote_queue_bytes: bound of the asynchronous send queue; beyond it stores are dropped
             and counted (default 256 MiB).
         remote_retry_seconds: after a failure the store is skipped this long, then retried (default 5).
+        memory_codec, disk_codec, remote_codec: the KV codec each tier stores chunks with
+            (:mod:`kdn.codecs`): ``"raw"`` (default everywhere: exact and fastest), ``"lossless"``
+            (bit-exact, smaller), or lossy ``"int8"``, ``"int4"``, ``"int2"``, ``"cachegen"``
+            (``"cachegen:level=1..3"``). A typical split keeps memory raw and compresses what goes
+            to disk and to the network. Disk encodes in its background writer, remote in its
+            sender thread; a chunk read from a tier is re-coded to memory's codec when promoted.
 
     Sources, later wins: defaults, a YAML file, ``KDN_<FIELD>`` environment variables, keyword
     arguments (:meth:`load`).
@@ -97,6 +103,9 @@ class KDNConfig:
     remote_part_bytes: int = 16 * MiB
     remote_queue_bytes: int = 256 * MiB
     remote_retry_seconds: float = 5.0
+    memory_codec: str = "raw"
+    disk_codec: str = "raw"
+    remote_codec: str = "raw"
 
     def __post_init__(self):
         for name in _SIZE_FIELDS:
@@ -119,6 +128,13 @@ class KDNConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise InvalidInputError(f"KDNConfig.{name} must be a positive number of seconds, got {value!r}")
+        from kdn import codecs
+
+        for name in ("memory_codec", "disk_codec", "remote_codec"):
+            try:
+                object.__setattr__(self, name, codecs.parse(getattr(self, name)).spec)
+            except InvalidInputError as e:
+                raise InvalidInputError(f"KDNConfig.{name}: {e}") from None
         if self.remote_url is not None:
             from kdn.storage.remote import SCHEMES, redact
 

@@ -12,7 +12,7 @@
 //  20  u32      head dim
 //  24  u32      tokens
 //  28  u32      first position
-//  32  u32      reserved (0)
+//  32  u32      codec parameters (kdn/codec.h; 0 for raw)
 #pragma once
 
 #include <atomic>
@@ -32,6 +32,7 @@ constexpr uint8_t kCodecRaw = 0;
 
 struct BlobHeader {
   uint8_t codec = kCodecRaw;
+  uint32_t codec_params = 0;
   DType dtype = DType::kFloat32;
   uint32_t layers = 0;
   uint32_t kv_heads = 0;
@@ -87,8 +88,12 @@ void blob_write_header(const BlobHeader& h, uint8_t* out);
 // Writes the checksum trailer of a complete blob of `size` bytes.
 void blob_seal(uint8_t* blob, size_t size);
 
-// Parses and validates a blob: bounds, magic, version, codec, dims, sizes and (if verify_checksum)
-// the checksum. Never reads outside [data, data+size).
+// Parses and validates a blob: bounds, magic, version, codec and its parameters, dims, sizes and
+// (if verify_checksum) the checksum. Never reads outside [data, data+size). A raw payload must be
+// exactly raw_payload_bytes; a coded one at most kMaxCodedRatio times that and at least
+// 1/kMaxDecodedRatio of it (so a forged header cannot make a reader allocate without bound).
+constexpr uint64_t kMaxCodedRatio = 4;
+constexpr uint64_t kMaxDecodedRatio = 4096;
 Status blob_parse(const uint8_t* data, size_t size, bool verify_checksum, BlobHeader* out);
 
 }  // namespace kdn

@@ -43,6 +43,8 @@ struct DiskStoreOptions {
   uint64_t queue_bytes = 512ull << 20;
   int read_threads = 4;
   bool fsync = true;
+  uint8_t codec = kCodecRaw;  // blobs are written coded with (codec, codec_params), in the writer
+  uint32_t codec_params = 0;  // thread for put_async (kdn/codec.h)
 };
 
 struct DiskStats : TierStats {
@@ -77,6 +79,7 @@ class DiskStore {
  private:
   void rebuild_index();
   void remove_stale_temporaries();
+  BufferPtr encode(const BufferPtr& blob, std::string* error) const;  // with the store's codec
   bool write_blob(const Key128& key, const BufferPtr& blob);  // key already in pending_
   bool write_file(const Key128& key, const BufferPtr& blob, std::string* error);
   bool adopt_locked(const Key128& key, uint64_t bytes, std::vector<Key128>* victims);

@@ -6,7 +6,7 @@ import atexit
 import logging
 import weakref
 
-from kdn import _core
+from kdn import _core, codecs
 from kdn.storage.base import StoreTier
 
 log = logging.getLogger("kdn")
@@ -24,6 +24,8 @@ class DiskTier(StoreTier):
       or none. Every read verifies the checksum and key; a corrupt file is deleted and is a miss.
     * Never raises for I/O: disk full, permission denied or a vanished directory make a write
       "not stored", counted in ``stats()["errors"]``; one warning per kind of failure is logged.
+    * Blobs are written coded with ``codec`` (:mod:`kdn.codecs`), encoded by the background
+      writer (or by ``put(..., wait=True)``); reads return them as stored.
     * Two processes may share a directory: each sees the other's files on lookup.
     * ``flush()`` waits for queued writes; it also runs at interpreter exit.
 
@@ -37,8 +39,11 @@ class DiskTier(StoreTier):
     name = "disk"
 
     def __init__(self, directory: str, capacity_bytes: int, policy: str = "lru", queue_bytes: int = 512 << 20,
-                 read_threads: int = 4, fsync: bool = True):
-        self._store = _core.DiskStore(str(directory), capacity_bytes, policy, queue_bytes, read_threads, fsync)
+                 read_threads: int = 4, fsync: bool = True, codec: str = "raw"):
+        c = codecs.parse(codec)
+        self.codec = c.spec
+        self._store = _core.DiskStore(str(directory), capacity_bytes, policy, queue_bytes, read_threads, fsync,
+                                      c.id, c.params)
         self._warned: set[str] = set()
         atexit.register(_flush_at_exit, weakref.ref(self._store))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kdn import codecs
+from kdn._core import KDNError
 from kdn.config import KDNConfig
 from kdn.storage.disk import DiskTier
 from kdn.storage.memory import MemoryTier
@@ -19,6 +21,8 @@ class TierManager:
     * ``put`` follows ``config.write_policy`` for the disk: write-through (queued for disk as
       stored in memory), write-back (disk receives what memory evicts) or memory-only. A remote
       store always gets an asynchronous write-through.
+    * Each tier stores its own codec (``memory_codec``, ``disk_codec``, ``remote_codec``); blobs
+      are self-describing, so any reader decodes any of them.
     * ``pin``/``unpin`` apply to the local tiers; ``remove``/``clear`` to every tier.
 
     Keys are chunk keys; ``fingerprint`` (the model's) namespaces them in the remote store.
@@ -31,14 +35,15 @@ class TierManager:
         self.disk = self.remote = None
         if config.disk_dir is not None:
             self.disk = DiskTier(config.disk_dir, config.disk_bytes, config.disk_policy, config.disk_queue_bytes,
-                                 config.disk_read_threads, config.disk_fsync)
+                                 config.disk_read_threads, config.disk_fsync, config.disk_codec)
             if config.write_policy == "write-back":
                 self.memory.spill_to(self.disk)
         if config.remote_url is not None:
             from kdn.storage.remote import RemoteTier
 
             self.remote = RemoteTier(config.remote_url, config.remote_timeout, config.remote_ttl,
-                                     config.remote_part_bytes, config.remote_queue_bytes, config.remote_retry_seconds)
+                                     config.remote_part_bytes, config.remote_queue_bytes, config.remote_retry_seconds,
+                                     config.remote_codec)
 
     @property
     def local_tiers(self) -> list:
@@ -82,18 +87,26 @@ class TierManager:
                     blob = found[key]
                     if blob is None:
                         break
-                    self._promote(key, blob, from_remote=lower is self.remote)
+                    blob = self._promote(key, blob, from_remote=lower is self.remote)
                 blobs.append(blob)
         return blobs
 
-    def _promote(self, key: bytes, blob, from_remote: bool) -> None:
-        self.memory.put(key, blob)  # shares the bytes, no copy
+    def _promote(self, key: bytes, blob, from_remote: bool):
+        """Copies a lower tier's hit into memory (re-coded to memory's codec, else the same bytes)
+        and returns what memory now holds."""
+        try:
+            coded = codecs.encode(blob, self.config.memory_codec)
+        except KDNError:  # a payload its checksum did not catch: the reader will report it
+            return blob
+        self.memory.put(key, coded)
         if from_remote and self.disk is not None and self.config.write_policy != "memory-only":
             self.disk.put(key, blob)
+        return coded
 
     def put(self, key: bytes, blob) -> bool:
-        """Store ``blob`` per the write policy; True if some tier holds it (or will: queued)."""
-        in_memory = self.memory.put(key, blob)
+        """Store ``blob`` per the write policy; True if some tier holds it (or will: queued).
+        Memory gets it in ``memory_codec`` now; disk and remote encode in their own threads."""
+        in_memory = self.memory.put(key, codecs.encode(blob, self.config.memory_codec))
         stored = in_memory
         if self.disk is not None and self.config.write_policy != "memory-only":
             if self.config.write_policy == "write-through" or not in_memory:

@@ -9,7 +9,7 @@ import threading
 import time
 import urllib.parse
 
-from kdn import _core
+from kdn import _core, codecs
 from kdn._core import BlobError, InvalidInputError
 
 log = logging.getLogger("kdn")
@@ -106,7 +106,8 @@ class RemoteTier:
     name = "remote"
 
     def __init__(self, url: str, timeout: float = 1.0, ttl: float | None = None, part_bytes: int = 16 << 20,
-                 queue_bytes: int = 256 << 20, retry_seconds: float = 5.0):
+                 queue_bytes: int = 256 << 20, retry_seconds: float = 5.0, codec: str = "raw"):
+        self.codec = codecs.parse(codec).spec
         self.url, self.ttl, self.part_bytes, self.queue_bytes = url, ttl, part_bytes, queue_bytes
         self.cluster = "+cluster" in urllib.parse.urlsplit(url).scheme
         self._client = connect(url, timeout)
@@ -251,6 +252,9 @@ class RemoteTier:
         return True
 
     def _send(self, blobs: list) -> bool:
+        blobs = self._coded(blobs)
+        if not blobs:
+            return False
         headers = [_core.blob_parse(b, verify_checksum=False) for b in blobs]
         names = [self.redis_key(h["key"], h["fingerprint"]) for h in headers]
 
@@ -278,6 +282,19 @@ class RemoteTier:
             return False
         self._stats["puts"] += sent
         return True
+
+    def _coded(self, blobs: list) -> list:
+        """The blobs in this tier's codec (encoding releases the GIL); unencodable ones are dropped."""
+        out = []
+        for blob in blobs:
+            try:
+                out.append(codecs.encode(blob, self.codec))
+            except _core.KDNError as e:
+                self._stats["dropped"] += 1
+                self._stats["encode_errors"] += 1
+                if self._stats["encode_errors"] == 1:
+                    log.warning("kdn remote tier cannot encode a chunk with %s (not sent): %s", self.codec, e)
+        return out
 
     def _ttl(self):
         return int(self.ttl) if self.ttl else None

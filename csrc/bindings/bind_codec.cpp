@@ -1,0 +1,65 @@
+// Python bindings of the KV codecs: parameter checks and blob transcoding (with the coder's report).
+#include <pybind11/pybind11.h>
+
+#include "kdn/codec.h"
+#include "kdn/parallel.h"
+#include "tensor.h"
+
+namespace py = pybind11;
+
+namespace kdn {
+
+py::dict report_to_dict(const CodecReport& r) {
+  py::dict d;
+  d["symbols"] = r.symbols;
+  d["model_bits"] = r.model_bits;
+  d["empirical_bits"] = r.empirical_bits;
+  d["coded_bytes"] = r.coded_bytes;
+  d["table_bytes"] = r.table_bytes;
+  d["side_bytes"] = r.side_bytes;
+  return d;
+}
+
+void bind_codec(py::module_& m) {
+  m.def(
+      "codec_check",
+      [](int codec, uint32_t params) {
+        KDN_CHECK_INPUT(codec >= 0 && codec <= kCodecLast, "unknown codec id " + std::to_string(codec));
+        if (codec == kCodecRaw) {
+          KDN_CHECK_INPUT(params == 0, "raw codec takes no parameters");
+          return;
+        }
+        Status st = codec_check(static_cast<uint8_t>(codec), params);
+        KDN_CHECK_INPUT(st.ok, st.message);
+      },
+      py::arg("codec"), py::arg("params"), "Raise InvalidInputError unless (codec, params) is valid.");
+
+  m.def(
+      "transcode",
+      [](py::handle blob, int codec, uint32_t params, bool report, bool verify_checksum) -> py::object {
+        KDN_CHECK_INPUT(codec >= 0 && codec <= kCodecLast, "unknown codec id " + std::to_string(codec));
+        ByteSpan span = bytes_from_object(blob, "blob");
+        const bool is_buffer = py::isinstance<Buffer>(blob);
+        const bool hash = verify_checksum && !(is_buffer && blob.cast<Buffer&>().verified());
+        BlobHeader h;
+        CodecReport rep;
+        BufferPtr out;
+        {
+          py::gil_scoped_release release;
+          Status st = blob_parse(span.data, span.size, hash, &h);
+          if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
+          if (!(h.codec == codec && h.codec_params == params && is_buffer && !report))
+            out = blob_transcode(h, span.data, static_cast<uint8_t>(codec), params, default_num_threads(), &rep);
+        }
+        py::object result = out ? py::cast(out) : py::reinterpret_borrow<py::object>(blob);
+        if (report) return py::make_tuple(result, report_to_dict(rep));
+        return result;
+      },
+      py::arg("blob"), py::arg("codec"), py::arg("params") = 0, py::arg("report") = false,
+      py::arg("verify_checksum") = true,
+      "The blob coded with (codec, params): the same Buffer if it already is, else a new sealed Buffer\n"
+      "(decoded first when needed). With report=True returns (blob, coder report dict). Raises BlobError\n"
+      "for a corrupt blob (checksum skipped with verify_checksum=False: the decoder's own checks remain).");
+}
+
+}  // namespace kdn

@@ -1,0 +1,109 @@
+// Codec dispatch: parameter checks and the plane structure shared by every codec (kdn/codec.h).
+#include "kdn/codec.h"
+
+#include <cstring>
+
+#include "kdn/byte_io.h"
+#include "kdn/parallel.h"
+
+namespace kdn {
+
+void CodecReport::add(const CodecReport& o) {
+  symbols += o.symbols;
+  model_bits += o.model_bits;
+  empirical_bits += o.empirical_bits;
+  coded_bytes += o.coded_bytes;
+  table_bytes += o.table_bytes;
+  side_bytes += o.side_bytes;
+}
+
+Status codec_check(uint8_t codec, uint32_t params) {
+  switch (codec) {
+    case kCodecLossless:
+      return params == 0 ? Status::Ok() : Status::Fail("lossless codec takes no parameters");
+    case kCodecKivi: {
+      const uint32_t bits = params & 0xff, group = params >> 16;
+      if (bits != 2 && bits != 4 && bits != 8) return Status::Fail("int codec bits must be 2, 4 or 8, got " + std::to_string(bits));
+      if ((params >> 8 & 0xff) != 0) return Status::Fail("int codec: reserved parameter bits set");
+      if (group < 4 || group > 4096) return Status::Fail("int codec group must be in [4, 4096], got " + std::to_string(group));
+      return Status::Ok();
+    }
+    case kCodecCacheGen: {
+      const uint32_t level = params & 0xff, flags = params >> 8;
+      if (level < 1 || level > 3) return Status::Fail("cachegen level must be 1, 2 or 3, got " + std::to_string(level));
+      if (flags > 1) return Status::Fail("cachegen: unknown flags " + std::to_string(flags));
+      return Status::Ok();
+    }
+    default:
+      return Status::Fail("unknown codec id " + std::to_string(codec));
+  }
+}
+
+namespace {
+
+Plane plane_of(const BlobHeader& h, int64_t p) {
+  return Plane{h.tokens, static_cast<int64_t>(h.kv_heads) * h.head_dim, static_cast<int>(p / 2),
+               static_cast<int>(h.layers), (p & 1) != 0, h.dtype};
+}
+
+}  // namespace
+
+std::vector<uint8_t> codec_encode(const BlobHeader& h, const uint8_t* raw, int threads, CodecReport* report) {
+  Status st = codec_check(h.codec, h.codec_params);
+  if (!st.ok) throw InputError(st.message, __FILE__, __LINE__);
+  const int64_t planes = 2 * static_cast<int64_t>(h.layers);
+  const size_t plane_raw = raw_payload_bytes(h) / planes;
+  std::vector<std::vector<uint8_t>> coded(planes);
+  std::vector<CodecReport> reports(planes);
+  parallel_for(planes, threads, [&](int64_t p) {
+    const Plane plane = plane_of(h, p);
+    const uint8_t* in = raw + p * plane_raw;
+    if (h.codec == kCodecLossless) coded[p] = lossless_encode(plane, in, &reports[p]);
+    else if (h.codec == kCodecKivi) coded[p] = kivi_encode(plane, h.codec_params, in, &reports[p]);
+    else coded[p] = cachegen_encode(plane, h.codec_params, in, &reports[p]);
+  });
+  ByteWriter out;
+  size_t total = 4 * planes;
+  for (const auto& c : coded) total += c.size();
+  out.out.reserve(total);
+  for (const auto& c : coded) out.put<uint32_t>(static_cast<uint32_t>(c.size()));
+  for (const auto& c : coded) out.append(c.data(), c.size());
+  if (report) {
+    for (const auto& r : reports) report->add(r);
+    report->side_bytes += 4 * planes;
+  }
+  return std::move(out.out);
+}
+
+Status codec_decode(const BlobHeader& h, const uint8_t* payload, size_t size, uint8_t* out, int threads) {
+  if (h.codec == kCodecRaw) {
+    if (size != raw_payload_bytes(h)) return Status::Fail("raw payload size does not match its header");
+    std::memcpy(out, payload, size);
+    return Status::Ok();
+  }
+  Status st = codec_check(h.codec, h.codec_params);
+  if (!st.ok) return st;
+  const int64_t planes = 2 * static_cast<int64_t>(h.layers);
+  const size_t plane_raw = raw_payload_bytes(h) / planes;
+  ByteReader reader(payload, size);
+  std::vector<const uint8_t*> starts(planes);
+  std::vector<uint32_t> sizes(planes);
+  for (auto& s : sizes) s = reader.get<uint32_t>();
+  for (int64_t p = 0; p < planes; ++p) starts[p] = reader.take(sizes[p]);
+  if (!reader.ok() || reader.remaining() != 0) return Status::Fail("codec payload: plane sizes do not match the payload");
+  std::vector<char> ok(planes, 0);
+  parallel_for(planes, threads, [&](int64_t p) {
+    const Plane plane = plane_of(h, p);
+    uint8_t* dst = out + p * plane_raw;
+    if (h.codec == kCodecLossless) ok[p] = lossless_decode(plane, starts[p], sizes[p], dst);
+    else if (h.codec == kCodecKivi) ok[p] = kivi_decode(plane, h.codec_params, starts[p], sizes[p], dst);
+    else ok[p] = cachegen_decode(plane, h.codec_params, starts[p], sizes[p], dst);
+  });
+  for (int64_t p = 0; p < planes; ++p)
+    if (!ok[p])
+      return Status::Fail("codec payload: plane " + std::to_string(p) + " (layer " + std::to_string(p / 2) +
+                          (p & 1 ? " values" : " keys") + ") is corrupt");
+  return Status::Ok();
+}
+
+}  // namespace kdn

@@ -1,0 +1,27 @@
+// Parameters and symbol models of the `cachegen` codec, shared by its CPU coder and CUDA decoder.
+#pragma once
+
+#include <cstdint>
+
+#include "kdn/rans.h"
+
+namespace kdn {
+
+constexpr int kCacheGenAnchorGroup = 8;  // tokens per anchor group when anchor/delta coding is on
+constexpr int kCacheGenModels = 64;      // Laplace decays a context can choose from
+
+// Quantization step (in units of the token vector's RMS) and symbol range for a layer at a level:
+// layers are split in thirds, the shallow third (the most sensitive) gets the finest step.
+struct CacheGenStep {
+  float step;
+  int range;  // symbols are in [-range, range]
+};
+CacheGenStep cachegen_step(int level, int layer, int layers);
+
+// The rANS table of a two-sided geometric (discrete Laplace) model, decay index `model` over
+// [-range, range] (built once per (model, range) with integer arithmetic: identical everywhere),
+// and the code length in bits of each of its symbols (encoder side).
+const RansTable& cachegen_table(int model, int range);
+const float* cachegen_bits(int model, int range);
+
+}  // namespace kdn

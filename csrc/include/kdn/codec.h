@@ -1,0 +1,74 @@
+// KV codecs: encode a canonical chunk [layers, 2, tokens, kv_heads, head_dim] into a blob payload
+// and decode it back into a caller-provided buffer. The codec id and its parameters travel in the
+// blob header (kdn/blob.h), so any tier can hold any codec.
+//
+// Every codec writes the same outer structure: u32 plane_bytes[layers * 2], then the planes
+// (plane p = layer p / 2, keys if p is even, values if odd), each decodable on its own: decoders
+// run planes on parallel threads and check every length against the input first.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kdn/blob.h"
+#include "kdn/common.h"
+
+namespace kdn {
+
+enum CodecId : uint8_t {
+  kCodecLossless = 1,  // bit-exact: byte planes + rANS (params 0)
+  kCodecKivi = 2,      // KIVI integers: params = bits (2, 4, 8) | group << 16
+  kCodecCacheGen = 3,  // CacheGen-style: params = level (1..3) | flags << 8 (bit 0: anchor/delta)
+};
+constexpr uint8_t kCodecLast = kCodecCacheGen;
+
+// What an encoder spent its bits on; for the physical-limit report.
+struct CodecReport {
+  uint64_t symbols = 0;         // entropy-coded symbols
+  double model_bits = 0;        // sum of -log2 p(symbol) under the codec's own (transmitted) model
+  double empirical_bits = 0;    // sum of -log2 of each context's empirical symbol frequency
+  uint64_t coded_bytes = 0;     // bytes of the rANS sections (lane headers included)
+  uint64_t table_bytes = 0;     // bytes describing the models (frequency tables, table choices)
+  uint64_t side_bytes = 0;      // scales, offsets and planes stored without entropy coding
+  void add(const CodecReport& o);
+};
+
+// OK if `codec` is known and `params` are valid for it; otherwise a readable reason.
+Status codec_check(uint8_t codec, uint32_t params);
+
+// Encodes raw canonical KV (raw_payload_bytes(h) bytes, dims and dtype from h) with h.codec and
+// h.codec_params. Throws InputError for parameters or data the codec cannot take (NaN, inf).
+std::vector<uint8_t> codec_encode(const BlobHeader& h, const uint8_t* raw, int threads, CodecReport* report);
+
+// Decodes a payload into `out` (raw_payload_bytes(h) bytes). Never reads outside the payload or
+// writes outside `out`; a malformed payload is a failed Status, never a crash.
+Status codec_decode(const BlobHeader& h, const uint8_t* payload, size_t size, uint8_t* out, int threads);
+
+// The geometry of one plane, what the per-codec functions below see.
+struct Plane {
+  int64_t tokens, channels;  // channels = kv_heads * head_dim
+  int layer, layers;
+  bool values;               // false: keys
+  DType dtype;
+  int64_t count() const { return tokens * channels; }
+};
+
+std::vector<uint8_t> lossless_encode(const Plane& p, const uint8_t* raw, CodecReport* report);
+bool lossless_decode(const Plane& p, const uint8_t* in, size_t size, uint8_t* out);
+std::vector<uint8_t> kivi_encode(const Plane& p, uint32_t params, const uint8_t* raw, CodecReport* report);
+bool kivi_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size, uint8_t* out);
+std::vector<uint8_t> cachegen_encode(const Plane& p, uint32_t params, const uint8_t* raw, CodecReport* report);
+bool cachegen_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size, uint8_t* out);
+
+}  // namespace kdn
+
+namespace kdn {
+
+// A new sealed blob holding the chunk of the parsed blob (h, blob) coded with (codec, params):
+// decodes first unless the input is raw. Throws BlobError for a corrupt payload, InputError for
+// data the target codec cannot take.
+BufferPtr blob_transcode(const BlobHeader& h, const uint8_t* blob, uint8_t codec, uint32_t params, int threads,
+                         CodecReport* report);
+
+}  // namespace kdn

@@ -1,0 +1,135 @@
+"""KV codecs by name: ``raw``, ``lossless``, ``int8``/``int4``/``int2`` (KIVI) and ``cachegen``.
+
+A codec spec is a name with optional parameters: ``"int4"``, ``"int4:group=64"``,
+``"cachegen"`` (level 2), ``"cachegen:level=3"``, ``"cachegen:level=2,anchor=1"``. Blobs carry
+their codec id and parameters in their header, so a reader never needs to be told which codec
+wrote a blob; each tier encodes what it stores with its own codec (``KDNConfig.memory_codec``,
+``disk_codec``, ``remote_codec``).
+
+============  =====================================================================  ============
+codec         what it does                                                           exact?
+============  =====================================================================  ============
+raw           the canonical bytes                                                    yes
+lossless      byte planes, each rANS-coded under its own order-0 table               bit-exact
+int8/4/2      KIVI: keys per channel over ``group`` tokens, values per token over     no
+              ``group`` channels; asymmetric, fp16 scale and zero (default group 32)
+cachegen      per-channel normalization, per-token-vector quantization with finer     no
+              steps for shallow layers, rANS under per-(K/V, layer, channel) Laplace
+              models; ``level`` 1 (smallest) to 3 (most accurate), ``anchor=1``
+              codes tokens as deltas to their group's first token
+============  =====================================================================  ============
+
+Example:
+    >>> from kdn import codecs
+    >>> coded = codecs.encode(blob, "cachegen:level=3")     # a kdn blob (e.g. from pack_chunk)
+    >>> codecs.codec_of(coded).spec
+    'cachegen:level=3'
+    >>> kv = codecs.decode(coded)      # torch tensor [layers, 2, tokens, kv_heads, head_dim]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kdn import _core
+from kdn._core import InvalidInputError
+
+_LOSSLESS, _KIVI, _CACHEGEN = 1, 2, 3
+NAMES = ("raw", "lossless", "int8", "int4", "int2", "cachegen")
+_OPTIONS = {"int8": {"group": 32}, "int4": {"group": 32}, "int2": {"group": 32},
+            "cachegen": {"level": 2, "anchor": 0}}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """A parsed codec spec: its name, options, and the (id, params) written into blob headers."""
+
+    name: str
+    options: tuple = ()
+
+    @property
+    def id(self) -> int:
+        return {"raw": 0, "lossless": _LOSSLESS, "cachegen": _CACHEGEN}.get(self.name, _KIVI)
+
+    @property
+    def params(self) -> int:
+        opts = dict(self.options)
+        if self.id == _KIVI:
+            return int(self.name[3:]) | opts["group"] << 16
+        if self.id == _CACHEGEN:
+            return opts["level"] | opts["anchor"] << 8
+        return 0
+
+    @property
+    def lossy(self) -> bool:
+        return self.id in (_KIVI, _CACHEGEN)
+
+    @property
+    def spec(self) -> str:
+        """The canonical spec string: defaults left out, so equal codecs have equal specs."""
+        changed = [f"{k}={v}" for k, v in self.options if v != _OPTIONS[self.name][k]]
+        return self.name + (":" + ",".join(changed) if changed else "")
+
+    def __str__(self) -> str:
+        return self.spec
+
+
+def parse(spec) -> Codec:
+    """A :class:`Codec` from a spec string (or a Codec). Raises InvalidInputError with the choices."""
+    if isinstance(spec, Codec):
+        return spec
+    if not isinstance(spec, str):
+        raise InvalidInputError(f"codec spec must be a string such as 'int4' or 'cachegen:level=3', got {spec!r}")
+    name, _, rest = spec.strip().partition(":")
+    if name not in NAMES:
+        raise InvalidInputError(f"unknown codec {name!r}; choose one of {', '.join(NAMES)}")
+    options = dict(_OPTIONS.get(name, {}))
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if key not in options or not eq:
+            known = ", ".join(f"{k}=<int>" for k in options) or "none"
+            raise InvalidInputError(f"codec {name!r}: bad option {item!r} (options: {known})")
+        try:
+            options[key] = int(value)
+        except ValueError:
+            raise InvalidInputError(f"codec {name!r}: option {key} must be an integer, got {value!r}") from None
+        if not 0 <= options[key] < 1 << 15:
+            raise InvalidInputError(f"codec {name!r}: option {key}={options[key]} is out of range")
+    codec = Codec(name, tuple(options.items()))
+    if codec.id:
+        _core.codec_check(codec.id, codec.params)
+    return codec
+
+
+def codec_of(blob) -> Codec:
+    """The codec a blob was written with (from its header)."""
+    h = _core.blob_parse(blob, verify_checksum=False)
+    cid, params = h["codec"], h["codec_params"]
+    if cid == _KIVI:
+        return parse(f"int{params & 0xff}:group={params >> 16}")
+    if cid == _CACHEGEN:
+        return parse(f"cachegen:level={params & 0xff},anchor={params >> 8}")
+    return parse("raw" if cid == 0 else "lossless")
+
+
+def encode(blob, codec, report: bool = False):
+    """``blob`` re-coded with ``codec`` (a spec or Codec): the same object if it already is.
+
+    With ``report=True`` returns ``(blob, report)``, the coder's accounting: entropy-coded
+    ``symbols``, ``model_bits`` (their cost under the codec's own model), ``empirical_bits``
+    (under each context's empirical frequencies), ``coded_bytes``, ``table_bytes``, ``side_bytes``.
+    """
+    c = parse(codec)
+    return _core.transcode(blob, c.id, c.params, report)
+
+
+def decode(blob) -> torch.Tensor:
+    """The chunk of a blob (any codec) as a CPU tensor ``[layers, 2, tokens, kv_heads, head_dim]``."""
+    raw = _core.transcode(blob, 0, 0)
+    h = _core.blob_parse(raw, verify_checksum=False)
+    shape = (h["layers"], 2, h["tokens"], h["kv_heads"], h["head_dim"])
+    payload = memoryview(raw)[80:80 + h["payload_bytes"]]
+    return torch.frombuffer(bytearray(payload), dtype=_DTYPES[h["dtype"]]).view(shape)
