@@ -1,6 +1,7 @@
 // Python bindings of the KV codecs: parameter checks and blob transcoding (with the coder's report).
 #include <pybind11/pybind11.h>
 
+#include "kdn/cachegen.h"
 #include "kdn/codec.h"
 #include "kdn/parallel.h"
 #include "tensor.h"
@@ -33,6 +34,26 @@ void bind_codec(py::module_& m) {
         KDN_CHECK_INPUT(st.ok, st.message);
       },
       py::arg("codec"), py::arg("params"), "Raise InvalidInputError unless (codec, params) is valid.");
+
+  m.def(
+      "blob_reseal",
+      [](py::buffer blob) {
+        py::buffer_info info = blob.request(true);
+        const size_t size = static_cast<size_t>(info.size * info.itemsize);
+        KDN_CHECK_INPUT(size >= kBlobHeaderBytes + kBlobTrailerBytes, "blob_reseal: too short for a blob");
+        blob_seal(static_cast<uint8_t*>(info.ptr), size);
+      },
+      py::arg("blob"), "Recompute the checksum of a writable blob in place (tests: reach a decoder past the checksum).");
+
+  m.def(
+      "cachegen_step",
+      [](int level, int layer, int layers) {
+        KDN_CHECK_INPUT(level >= 1 && level <= 3 && layer >= 0 && layer < layers, "cachegen_step: bad level or layer");
+        const CacheGenStep st = cachegen_step(level, layer, layers);
+        return py::make_tuple(st.step, st.range);
+      },
+      py::arg("level"), py::arg("layer"), py::arg("layers"),
+      "(step, range) of cachegen at a level for a layer: the quantization its decoder inverts.");
 
   m.def(
       "transcode",

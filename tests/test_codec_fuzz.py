@@ -1,0 +1,78 @@
+"""Decoders never trust their input: 10,000 random, truncated, bit-flipped and re-labelled payloads per
+codec (checksum re-sealed so that they reach the decoder) must each decode or raise BlobError."""
+
+import struct
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kdn import BlobError, _core, codecs
+
+SPECS = ["lossless", "int8", "int4", "int2", "cachegen:level=1", "cachegen:level=3,anchor=1"]
+HEADER, TRAILER = 80, 8
+
+
+def base_blob(spec: str) -> bytes:
+    g = torch.Generator().manual_seed(7)
+    kv = [torch.randn(1, 2, 24, 8, generator=g).to(torch.float16) for _ in range(4)]
+    return bytes(codecs.encode(_core.pack_chunk(kv, 0, 24, b"F" * 16, b"K" * 16), spec))
+
+
+BASES = {spec: base_blob(spec) for spec in SPECS}
+_PARAMS = [(c.id, c.params) for c in map(codecs.parse, SPECS)]
+
+mutations = st.one_of(
+    st.tuples(st.just("truncate"), st.integers(0, 1 << 16)),
+    st.tuples(st.just("flip"), st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 7)), min_size=1, max_size=8)),
+    st.tuples(st.just("random"), st.binary(max_size=2048)),
+    st.tuples(st.just("splice"), st.tuples(st.integers(0, 1 << 16), st.binary(min_size=1, max_size=64))),
+    st.tuples(st.just("relabel"), st.sampled_from(_PARAMS)),
+)
+
+
+def mutate(blob: bytes, mutation) -> bytearray:
+    header, payload = bytearray(blob[:HEADER]), bytearray(blob[HEADER:-TRAILER])
+    kind, arg = mutation
+    if kind == "truncate":
+        payload = payload[: arg % (len(payload) + 1)]
+    elif kind == "flip":
+        for pos, bit in arg:
+            payload[pos % len(payload)] ^= 1 << bit
+    elif kind == "random":
+        payload = bytearray(arg)
+    elif kind == "splice":
+        pos, data = arg
+        pos %= len(payload)
+        payload[pos:pos + len(data)] = data
+    else:  # another codec's decoder on this payload
+        header[8] = arg[0]
+        header[32:36] = struct.pack("<I", arg[1])
+    header[68:76] = struct.pack("<Q", len(payload))
+    out = header + payload + bytes(TRAILER)
+    _core.blob_reseal(out)
+    return out
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_decoder_survives_10000_corrupt_payloads(spec):
+    base = BASES[spec]
+    outcomes = {"decoded": 0, "rejected": 0}
+
+    @settings(max_examples=10_000, deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(mutations)
+    def check(mutation):
+        blob = mutate(base, mutation)
+        try:
+            out = _core.transcode(blob, 0, 0)
+        except BlobError:
+            outcomes["rejected"] += 1
+            return
+        outcomes["decoded"] += 1
+        assert len(out) == HEADER + _core.blob_parse(out)["payload_bytes"] + TRAILER
+
+    check()
+    assert sum(outcomes.values()) >= 10_000
+    assert outcomes["rejected"] > 0
