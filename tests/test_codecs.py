@@ -260,3 +260,29 @@ def test_a_coded_payload_that_fails_to_decode_is_a_miss(tiny_llama, caplog):
     assert "undecodable" in caplog.text and not kdn.memory.contains(key)
     with pytest.raises(BlobError):
         codecs.decode(bytes(bad))
+
+
+# -- CUDA decoders (same math as the CPU decoders; run where a GPU exists) ---------------------------------
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_decoder_matches_the_cpu_decoder():
+    for spec in LOSSY:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            coded = codecs.encode(blob_of(kv_list(tokens=45, dtype=dtype)), spec)
+            cpu = codecs.decode(coded)
+            out = torch.empty(cpu.shape, dtype=dtype, device="cuda")
+            _core.codec_decode_cuda(coded, out)
+            torch.testing.assert_close(out.cpu(), cpu, rtol=1e-6, atol=1e-6)
+            if codecs.parse(spec).name == "cachegen":  # a corrupt lane is reported, not decoded
+                bad = bytearray(coded)
+                bad[-20] ^= 0xFF
+                _core.blob_reseal(bad)
+                with pytest.raises(BlobError):
+                    _core.codec_decode_cuda(bytes(bad), out)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+def test_cuda_decoder_without_a_device_is_a_clean_error():
+    coded = codecs.encode(blob_of(kv_list(tokens=8)), "int4")
+    with pytest.raises((BlobError, InvalidInputError)):
+        _core.codec_decode_cuda(coded, torch.empty(3, 2, 8, 2, 16))

@@ -36,6 +36,29 @@ void bind_codec(py::module_& m) {
       py::arg("codec"), py::arg("params"), "Raise InvalidInputError unless (codec, params) is valid.");
 
   m.def(
+      "codec_decode_cuda",
+      [](py::handle blob, py::handle out, uintptr_t stream) {
+        ByteSpan span = bytes_from_object(blob, "blob");
+        HeldView dst = view_from_object(out, "out");
+        BlobHeader h;
+        Status st = blob_parse(span.data, span.size, true, &h);
+        if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
+        KDN_CHECK_INPUT(dst.view.device == DeviceType::kCUDA && dst.view.is_contiguous() && dst.view.writable,
+                        "codec_decode_cuda: out must be a contiguous writable CUDA tensor");
+        KDN_CHECK_INPUT(dst.view.dtype == h.dtype && static_cast<uint64_t>(dst.view.numel() * dtype_size(h.dtype)) ==
+                                                         raw_payload_bytes(h),
+                        "codec_decode_cuda: out must hold [layers, 2, tokens, kv_heads, head_dim] in the blob dtype");
+        std::string err;
+        {
+          py::gil_scoped_release release;
+          err = codec_decode_cuda(h, span.data + kBlobHeaderBytes, h.payload_bytes, dst.view.data, stream);
+        }
+        if (!err.empty()) throw BlobError("codec_decode_cuda: " + err, __FILE__, __LINE__);
+      },
+      py::arg("blob"), py::arg("out"), py::arg("stream") = 0,
+      "Decode an int*/cachegen blob on the GPU into `out` (a CUDA tensor [layers, 2, tokens, kv_heads, head_dim]).");
+
+  m.def(
       "blob_reseal",
       [](py::buffer blob) {
         py::buffer_info info = blob.request(true);

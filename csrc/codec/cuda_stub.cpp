@@ -1,4 +1,5 @@
 // Stand-ins for the CUDA entry points when kdn is built without nvcc (KDN_CUDA=OFF or not found).
+#include "kdn/codec.h"
 #include "kdn/kv_copy.h"
 #include "kdn/rope.h"
 
@@ -9,6 +10,9 @@ const char* kv_copy_cuda(const KvShape&, const KvTable&, void*, int64_t, int64_t
   return "kdn was built without CUDA";
 }
 const char* rope_shift_cuda(const RopeShift&, void* const*, const int64_t*, DType, const float*, uintptr_t) {
+  return "kdn was built without CUDA";
+}
+std::string codec_decode_cuda(const BlobHeader&, const uint8_t*, size_t, void*, uintptr_t) {
   return "kdn was built without CUDA";
 }
 bool cuda_compiled() { return false; }

@@ -72,3 +72,12 @@ BufferPtr blob_transcode(const BlobHeader& h, const uint8_t* blob, uint8_t codec
                          CodecReport* report);
 
 }  // namespace kdn
+
+namespace kdn {
+
+// CUDA twin of codec_decode for `int*` and `cachegen` payloads (compiled with nvcc only): the
+// payload is in host memory (validated here, then uploaded on `stream`), `out` is device memory of
+// raw_payload_bytes(h). Returns "" on success, else the reason (corrupt payload, CUDA error).
+std::string codec_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size, void* out, uintptr_t stream);
+
+}  // namespace kdn
