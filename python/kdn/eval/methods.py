@@ -2,8 +2,9 @@
 
 ``full`` (the whole prompt prefilled: the baseline), ``reuse`` (the context's KV stored once,
 then served from kdn so only the question is prefilled), ``naive`` and ``blend@<ratio>`` (segments
-cached separately, joined by :meth:`KDN.blend`). ``reuse+<codec>`` is recognised and reported as
-unavailable until codecs land; a capability plugs in with :func:`register_method`.
+cached separately, joined by :meth:`KDN.blend`), ``reuse+<codec>`` (reuse with the context's KV
+held in a codec, e.g. ``reuse+int4``, ``reuse+cachegen:level=1``: see :mod:`kdn.codecs`). A
+capability plugs in with :func:`register_method`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from kdn import codecs
+from kdn._core import InvalidInputError
 from kdn.api import KDN
 from kdn.config import KDNConfig
 from kdn.integrations.hf import FirstTokenTimer
@@ -72,8 +75,8 @@ class Reuse(Method):
 
     name = "reuse"
 
-    def __init__(self, config: KDNConfig):
-        self.config = config
+    def __init__(self, config: KDNConfig, name: str = "reuse"):
+        self.config, self.name = config, name
 
     def answer(self, model, enc, max_new_tokens):
         kdn = KDN(self.config)
@@ -147,8 +150,13 @@ def resolve_method(name: str, config: KDNConfig) -> Method:
         return Full()
     if name == "reuse":
         return Reuse(config)
-    if base == "reuse":
-        return Unavailable(name, f"codec {name.split('+', 1)[1]!r} is not available: kdn has no KV codecs yet")
+    if base == "reuse":  # reuse+<codec>: the stored chunks are held (and decoded) in that codec
+        spec = name.split("+", 1)[1]
+        try:
+            codec = codecs.parse(spec)
+        except InvalidInputError as e:
+            raise ValueError(f"method {name!r}: {e}") from None
+        return Reuse(dataclasses.replace(config, memory_codec=codec.spec), name)
     if name == "naive":
         return Blend(name, config, "naive", 0.0)
     if base == "blend":
