@@ -46,7 +46,7 @@ __global__ void kivi_kernel(Geometry g, const uint8_t* payload, const PlaneInfo*
     uint16_t s, z;
     memcpy(&s, base + 2 * k, 2);
     memcpy(&z, base + 2 * groups + 2 * k, 2);
-    store_float(out, g.dtype, i, kivi_dequant(unpack_bits(base + 4 * groups, bits, e), s, z));
+    store_float(out, g.dtype, i, kivi_dequant(unpack_bits(base + 4 * groups, bits, e), fp16_to_float(s), fp16_to_float(z)));
   }
 }
 
@@ -145,7 +145,7 @@ std::string codec_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_
       if (sizes[p] != uint64_t(4 * groups + (n * bits + 7) / 8)) return "codec payload: bad int plane size";
       continue;
     }
-    const CacheGenStep step = cachegen_step(h.codec_params & 0xff, static_cast<int>(p / 2), static_cast<int>(h.layers));
+    const CacheGenStep step = cachegen_step(h.codec_params & 0xff, static_cast<int>(p / 2), static_cast<int>(h.layers), (p & 1) != 0);
     info.step = step.step;
     info.range = step.range;
     info.slot = -1;

@@ -96,13 +96,14 @@ def test_kivi_matches_numpy_reference(spec):
 def test_kivi_error_shrinks_with_bits():
     kv = kv_list(tokens=64)
     x = canonical(kv)
-    errors = [float((codecs.decode(codecs.encode(blob_of(kv), s)) - x).norm() / x.norm()) for s in ("int2", "int4", "int8")]
+    errors = [float((codecs.decode(codecs.encode(blob_of(kv), s)) - x).norm() / x.norm())
+              for s in ("int2", "int4", "int8")]
     assert errors[0] > 3 * errors[1] > 9 * errors[2] > 0
 
 
 # -- cachegen: numpy reference -----------------------------------------------------------------------
-def cachegen_reference(x: np.ndarray, level: int, layer: int, layers: int, anchor: bool) -> np.ndarray:
-    step, bound = _core.cachegen_step(level, layer, layers)
+def cachegen_reference(x: np.ndarray, level: int, layer: int, layers: int, values: bool, anchor: bool) -> np.ndarray:
+    step, bound = _core.cachegen_step(level, layer, layers, values)
     step = np.float32(step)
     x64 = x.astype(np.float64)
     mean = x64.mean(0)
@@ -136,7 +137,7 @@ def test_cachegen_matches_numpy_reference(spec):
     for layer in range(layers):
         for kind in (0, 1):
             plane = x[layer, kind].reshape(x.shape[2], -1)
-            ref = cachegen_reference(plane, level, layer, layers, anchor)
+            ref = cachegen_reference(plane, level, layer, layers, bool(kind), anchor)
             got = decoded[layer, kind].reshape(plane.shape)
             close = np.isclose(got, ref, rtol=1e-5, atol=1e-5)
             assert close.mean() > 0.999, f"layer {layer} kind {kind}: {(~close).sum()} values differ"

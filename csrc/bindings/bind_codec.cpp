@@ -70,13 +70,13 @@ void bind_codec(py::module_& m) {
 
   m.def(
       "cachegen_step",
-      [](int level, int layer, int layers) {
+      [](int level, int layer, int layers, bool values) {
         KDN_CHECK_INPUT(level >= 1 && level <= 3 && layer >= 0 && layer < layers, "cachegen_step: bad level or layer");
-        const CacheGenStep st = cachegen_step(level, layer, layers);
+        const CacheGenStep st = cachegen_step(level, layer, layers, values);
         return py::make_tuple(st.step, st.range);
       },
-      py::arg("level"), py::arg("layer"), py::arg("layers"),
-      "(step, range) of cachegen at a level for a layer: the quantization its decoder inverts.");
+      py::arg("level"), py::arg("layer"), py::arg("layers"), py::arg("values"),
+      "(step, range) of cachegen at a level for a layer's keys or values: the quantization its decoder inverts.");
 
   m.def(
       "transcode",

@@ -19,6 +19,7 @@
 #include "kdn/byte_io.h"
 #include "kdn/cachegen.h"
 #include "kdn/codec.h"
+#include "kdn/convert.h"
 #include "kdn/quant.h"
 
 namespace kdn {
@@ -62,22 +63,27 @@ std::unique_ptr<Model> build_model(int k, int range) {
   return m;
 }
 
-const Model& model(int k, int range) {
-  static std::mutex mu;
-  static std::map<int, std::unique_ptr<Model>> models;
-  std::lock_guard<std::mutex> lock(mu);
-  auto& m = models[k * 256 + range];
-  if (!m) m = build_model(k, range);
-  return *m;
-}
-
-// Per-plane pointers to the models of one range, looked up once.
+// The models of one range, built once per process and kept (a decoder looks them up per plane).
 struct Models {
   const Model* m[kCacheGenModels];
-  explicit Models(int range) {
-    for (int k = 0; k < kCacheGenModels; ++k) m[k] = &model(k, range);
-  }
 };
+
+const Models& models_for(int range) {
+  static std::mutex mu;
+  static std::unique_ptr<Models> by_range[kRansMaxSymbols / 2];
+  std::lock_guard<std::mutex> lock(mu);
+  auto& slot = by_range[range];
+  if (!slot) {
+    slot = std::make_unique<Models>();
+    for (int k = 0; k < kCacheGenModels; ++k) {
+      static std::map<int, std::unique_ptr<Model>> built;
+      auto& m = built[k * 256 + range];
+      if (!m) m = build_model(k, range);
+      slot->m[k] = m.get();
+    }
+  }
+  return *slot;
+}
 
 int context_of(int64_t t, int64_t c, int64_t channels, bool anchor) {
   return static_cast<int>(anchor && t % kCacheGenAnchorGroup ? channels + c : c);
@@ -85,20 +91,22 @@ int context_of(int64_t t, int64_t c, int64_t channels, bool anchor) {
 
 }  // namespace
 
-CacheGenStep cachegen_step(int level, int layer, int layers) {
-  static const float kStep[3] = {0.5f, 0.32f, 0.2f};  // levels 1, 2, 3
-  static const float kGroup[3] = {0.6f, 0.8f, 1.0f};  // shallow, middle, deep thirds of the layers
+CacheGenStep cachegen_step(int level, int layer, int layers, bool values) {
+  // (keys, values) steps per level, chosen on SmolLM2-135M KV (benchmarks/bench_codecs.py):
+  // level 1 ~6x smaller than fp16, level 2 ~5x, level 3 ~4x.
+  static const float kStep[3][2] = {{0.45f, 1.0f}, {0.3f, 0.8f}, {0.2f, 0.45f}};
+  static const float kGroup[3] = {0.85f, 1.0f, 1.0f};  // shallow, middle, deep thirds of the layers
   const int group = std::min(2, 3 * layer / std::max(1, layers));
-  const float step = kStep[level - 1] * kGroup[group];
+  const float step = kStep[level - 1][values ? 1 : 0] * kGroup[group];
   return {step, std::min(127, static_cast<int>(std::ceil(12.f / step)))};
 }
 
-const RansTable& cachegen_table(int k, int range) { return model(k, range).table; }
-const float* cachegen_bits(int k, int range) { return model(k, range).bits; }
+const RansTable& cachegen_table(int k, int range) { return models_for(range).m[k]->table; }
+const float* cachegen_bits(int k, int range) { return models_for(range).m[k]->bits; }
 
 std::vector<uint8_t> cachegen_encode(const Plane& p, uint32_t params, const uint8_t* raw, CodecReport* report) {
   const bool anchor = (params >> 8) & 1;
-  const CacheGenStep st = cachegen_step(static_cast<int>(params & 0xff), p.layer, p.layers);
+  const CacheGenStep st = cachegen_step(static_cast<int>(params & 0xff), p.layer, p.layers, p.values);
   const int64_t T = p.tokens, C = p.channels, n = p.count(), symbols = 2 * st.range + 1;
   const int contexts = static_cast<int>(anchor ? 2 * C : C);
   // per-channel offset and scale
@@ -141,7 +149,7 @@ std::vector<uint8_t> cachegen_encode(const Plane& p, uint32_t params, const uint
   std::vector<uint32_t> hist(static_cast<size_t>(contexts) * symbols, 0);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t c = 0; c < C; ++c) ++hist[context_of(t, c, C, anchor) * symbols + q[t * C + c] + st.range];
-  const Models models(st.range);
+  const Models& models = models_for(st.range);
   std::vector<uint8_t> choice(contexts);
   for (int ctx = 0; ctx < contexts; ++ctx) {
     const uint32_t* h = &hist[static_cast<size_t>(ctx) * symbols];
@@ -192,7 +200,7 @@ std::vector<uint8_t> cachegen_encode(const Plane& p, uint32_t params, const uint
 
 bool cachegen_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size, uint8_t* out) {
   const bool anchor = (params >> 8) & 1;
-  const CacheGenStep st = cachegen_step(static_cast<int>(params & 0xff), p.layer, p.layers);
+  const CacheGenStep st = cachegen_step(static_cast<int>(params & 0xff), p.layer, p.layers, p.values);
   const int64_t T = p.tokens, C = p.channels;
   const int contexts = static_cast<int>(anchor ? 2 * C : C);
   ByteReader r(in, size);
@@ -200,25 +208,15 @@ bool cachegen_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t 
   const uint8_t* scale = r.take(2 * C);
   const uint8_t* rms = r.take(2 * T);
   const uint8_t* choice = r.take(contexts);
-  if (!r.ok()) return false;
-  const Models models(st.range);
+  RansLane lanes[kRansLanes];
+  if (!r.ok() || !rans_open(r, lanes) || r.remaining() != 0) return false;
+  const Models& models = models_for(st.range);
   std::vector<const RansTable*> table(contexts);
   for (int ctx = 0; ctx < contexts; ++ctx) {
     if (choice[ctx] >= kCacheGenModels) return false;
     table[ctx] = &models.m[choice[ctx]]->table;
   }
-  std::vector<int16_t> q(p.count());
-  // symbols arrive in [tokens, channels] order: keep (t, c) in step instead of dividing
-  int64_t t_next = 0, c_next = 0;
-  auto table_of = [&](size_t) -> const RansTable& {
-    const RansTable& tab = *table[context_of(t_next, c_next, C, anchor)];
-    if (++c_next == C) c_next = 0, ++t_next;
-    return tab;
-  };
-  if (!rans_decode(r, p.count(), table_of, [&](size_t i, int s) { q[i] = static_cast<int16_t>(s - st.range); }))
-    return false;
-  if (r.remaining() != 0) return false;
-  std::vector<float> ref(C, 0.f), off_f(C), scale_f(C);
+  std::vector<float> off_f(C), scale_f(C), ref(C, 0.f), row(C);
   for (int64_t c = 0; c < C; ++c) {
     uint16_t h;
     std::memcpy(&h, offset + 2 * c, 2);
@@ -226,17 +224,28 @@ bool cachegen_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t 
     std::memcpy(&h, scale + 2 * c, 2);
     scale_f[c] = fp16_to_float(h);
   }
+  // Symbols arrive token by token; each token's row is dequantized as soon as it is decoded.
   for (int64_t t = 0; t < T; ++t) {
     const bool delta = anchor && t % kCacheGenAnchorGroup;
+    const RansTable* const* tabs = table.data() + (delta ? C : 0);
     uint16_t h;
     std::memcpy(&h, rms + 2 * t, 2);
     const float ts = fp16_to_float(h);
-    for (int64_t c = 0; c < C; ++c) {
-      const float u = cachegen_normalized(q[t * C + c], st.step, ts, delta ? ref[c] : 0.f);
-      if (!delta && anchor) ref[c] = u;
-      store_float(out, p.dtype, t * C + c, cachegen_denormalize(u, off_f[c], scale_f[c]));
-    }
+    const int64_t first = t * C;
+    auto value = [&](int64_t c, int s) {
+      const float u = cachegen_normalized(s - st.range, st.step, ts, delta ? ref[c] : 0.f);
+      if (anchor && !delta) ref[c] = u;
+      row[c] = cachegen_denormalize(u, off_f[c], scale_f[c]);
+    };
+    int64_t c = 0;
+    if (first % kRansLanes == 0)  // lanes in step with channels: unrolled, the usual case
+      for (; c + kRansLanes <= C; c += kRansLanes)
+        for (int j = 0; j < kRansLanes; ++j) value(c + j, rans_lane_decode(lanes[j], *tabs[c + j]));
+    for (; c < C; ++c) value(c, rans_lane_decode(lanes[(first + c) % kRansLanes], *tabs[c]));
+    store_floats(out, p.dtype, first, row.data(), C);
   }
+  for (const RansLane& lane : lanes)
+    if (!rans_lane_finished(lane)) return false;
   return true;
 }
 

@@ -9,6 +9,7 @@
 
 #include "kdn/byte_io.h"
 #include "kdn/codec.h"
+#include "kdn/convert.h"
 #include "kdn/quant.h"
 
 namespace kdn {
@@ -75,17 +76,23 @@ std::vector<uint8_t> kivi_encode(const Plane& p, uint32_t params, const uint8_t*
 bool kivi_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size, uint8_t* out) {
   const Layout l = layout_of(p, params);
   if (size != static_cast<size_t>(4 * l.groups + l.packed)) return false;
-  const uint8_t* scales = in;
-  const uint8_t* zeros = in + 2 * l.groups;
-  const uint8_t* packed = zeros + 2 * l.groups;
-  for (int64_t t = 0; t < p.tokens; ++t)
+  std::vector<float> scale(l.groups), zero(l.groups), row(p.channels);
+  for (int64_t g = 0; g < l.groups; ++g) {
+    uint16_t h;
+    std::memcpy(&h, in + 2 * g, 2);
+    scale[g] = fp16_to_float(h);
+    std::memcpy(&h, in + 2 * (l.groups + g), 2);
+    zero[g] = fp16_to_float(h);
+  }
+  const uint8_t* packed = in + 4 * l.groups;
+  for (int64_t t = 0; t < p.tokens; ++t) {
+    const int64_t first = t * p.channels;
     for (int64_t c = 0; c < p.channels; ++c) {
-      const int64_t i = t * p.channels + c, g = kivi_group_index(p.values, t, c, p.channels, l.group);
-      uint16_t s, z;
-      std::memcpy(&s, scales + 2 * g, 2);
-      std::memcpy(&z, zeros + 2 * g, 2);
-      store_float(out, p.dtype, i, kivi_dequant(unpack_bits(packed, l.bits, i), s, z));
+      const int64_t g = kivi_group_index(p.values, t, c, p.channels, l.group);
+      row[c] = kivi_dequant(unpack_bits(packed, l.bits, first + c), scale[g], zero[g]);
     }
+    store_floats(out, p.dtype, first, row.data(), p.channels);
+  }
   return true;
 }
 

@@ -47,7 +47,7 @@ void rans_normalize(const uint64_t* counts, int symbols, uint16_t* freq) {
 }
 
 void rans_encode(const uint16_t* cum, const uint16_t* freq, size_t n, ByteWriter& out) {
-  // Worst case 2 bytes per symbol (12-bit probabilities) + the 4-byte state.
+  // At most one 16-bit word per symbol + the 4-byte state.
   const size_t lane_cap = 2 * (n / kRansLanes + 1) + 4;
   std::vector<uint8_t> buf(lane_cap * kRansLanes);
   uint32_t lane_bytes[kRansLanes];
@@ -61,10 +61,12 @@ void rans_encode(const uint16_t* cum, const uint16_t* freq, size_t n, ByteWriter
     for (size_t k = count; k-- > 0;) {
       const size_t i = j + k * kRansLanes;
       const uint32_t f = freq[i];
-      const uint32_t x_max = ((kRansLow >> kRansProbBits) << 8) * f;
-      while (x >= x_max) {
-        *--p = static_cast<uint8_t>(x);
-        x >>= 8;
+      const uint64_t x_max = uint64_t((kRansLow >> kRansProbBits) << 16) * f;  // 2^32 when f is the whole scale
+      if (x >= x_max) {  // at most one word: x < 2^32 <= x_max << 16
+        p -= 2;
+        p[0] = static_cast<uint8_t>(x);
+        p[1] = static_cast<uint8_t>(x >> 8);
+        x >>= 16;
       }
       x = ((x / f) << kRansProbBits) + (x % f) + cum[i];
     }

@@ -13,10 +13,10 @@ raw           the canonical bytes                                               
 lossless      byte planes, each rANS-coded under its own order-0 table               bit-exact
 int8/4/2      KIVI: keys per channel over ``group`` tokens, values per token over     no
               ``group`` channels; asymmetric, fp16 scale and zero (default group 32)
-cachegen      per-channel normalization, per-token-vector quantization with finer     no
-              steps for shallow layers, rANS under per-(K/V, layer, channel) Laplace
-              models; ``level`` 1 (smallest) to 3 (most accurate), ``anchor=1``
-              codes tokens as deltas to their group's first token
+cachegen      per-channel normalization, per-token-vector quantization (finer steps    no
+              for keys and for the shallow layers), rANS under per-(K/V, layer,
+              channel) Laplace models; ``level`` 1 (smallest) to 3 (most accurate),
+              ``anchor=1`` codes tokens as deltas to their group's first token
 ============  =====================================================================  ============
 
 Example:

@@ -10,13 +10,14 @@ namespace kdn {
 constexpr int kCacheGenAnchorGroup = 8;  // tokens per anchor group when anchor/delta coding is on
 constexpr int kCacheGenModels = 64;      // Laplace decays a context can choose from
 
-// Quantization step (in units of the token vector's RMS) and symbol range for a layer at a level:
-// layers are split in thirds, the shallow third (the most sensitive) gets the finest step.
+// Quantization step (in units of the token vector's RMS) and symbol range of a plane at a level.
+// Keys get finer steps than values (on SmolLM2-135M, key error moves the next-token distribution
+// several times more per bit), and the shallow third of the layers a slightly finer one.
 struct CacheGenStep {
   float step;
   int range;  // symbols are in [-range, range]
 };
-CacheGenStep cachegen_step(int level, int layer, int layers);
+CacheGenStep cachegen_step(int level, int layer, int layers, bool values);
 
 // The rANS table of a two-sided geometric (discrete Laplace) model, decay index `model` over
 // [-range, range] (built once per (model, range) with integer arithmetic: identical everywhere),

@@ -35,9 +35,7 @@ KDN_HD uint32_t unpack_bits(const uint8_t* packed, int bits, int64_t i) {
 }
 
 // KIVI: asymmetric dequantization with a scale and a zero point (both stored as fp16).
-KDN_HD float kivi_dequant(uint32_t q, uint16_t scale_h, uint16_t zero_h) {
-  return static_cast<float>(q) * fp16_to_float(scale_h) + fp16_to_float(zero_h);
-}
+KDN_HD float kivi_dequant(uint32_t q, float scale, float zero) { return static_cast<float>(q) * scale + zero; }
 
 // KIVI grouping: keys share (scale, zero) per channel over `group` tokens, values per token over
 // `group` channels. Returns the index of element (t, c)'s scale/zero in the plane's arrays.

@@ -1,10 +1,12 @@
-// Interleaved rANS entropy coder: 32-bit state, byte-wise renormalization, 12-bit probabilities.
+// Interleaved rANS entropy coder: 32-bit state, 16-bit renormalization, 12-bit probabilities.
 //
 // A coded section holds kRansLanes independent byte streams ("lanes"); symbol i of a section
 // belongs to lane i % kRansLanes, so a decoder can run the lanes in lockstep (instruction-level
 // parallelism on the CPU, one thread per lane on a GPU). Section layout:
 //   u32 lane_bytes[kRansLanes]  then the lanes' bytes, concatenated.
-// Each lane starts with its 4-byte final encoder state. After the last symbol every lane's state
+// Each lane starts with its 4-byte final encoder state, then 16-bit little-endian words; a decode
+// step reads at most one word (state in [2^16, 2^32)), so renormalization is a single, rarely
+// taken branch instead of a byte loop. After the last symbol every lane's state
 // is back at kRansLow and every byte has been consumed: decoders check both, so truncation and
 // most corruptions are detected, and a decoder never reads outside its lane.
 #pragma once
@@ -19,7 +21,7 @@ namespace kdn {
 
 constexpr uint32_t kRansProbBits = 12;
 constexpr uint32_t kRansScale = 1u << kRansProbBits;  // frequencies of a table sum to this
-constexpr uint32_t kRansLow = 1u << 23;
+constexpr uint32_t kRansLow = 1u << 16;
 constexpr int kRansLanes = 4;
 constexpr int kRansMaxSymbols = 256;
 
@@ -61,15 +63,17 @@ KDN_HD void rans_lane_init(RansLane& lane, const uint8_t* p, const uint8_t* end)
 KDN_HD int rans_lane_decode(RansLane& lane, const RansTable& t) {
   const uint32_t slot = lane.x & (kRansScale - 1);
   const int s = t.slot[slot];
-  lane.x = t.freq[s] * (lane.x >> kRansProbBits) + slot - t.cum[s];
-  while (lane.x < kRansLow) {
-    if (lane.p == lane.end) {
+  uint32_t x = t.freq[s] * (lane.x >> kRansProbBits) + slot - t.cum[s];
+  if (x < kRansLow) {
+    if (lane.end - lane.p >= 2) {
+      x = (x << 16) | uint32_t(lane.p[0]) | uint32_t(lane.p[1]) << 8;
+      lane.p += 2;
+    } else {
       lane.ok = false;
-      lane.x = kRansLow;
-      break;
+      x = kRansLow;
     }
-    lane.x = (lane.x << 8) | *lane.p++;
   }
+  lane.x = x;
   return s;
 }
 

@@ -1,0 +1,244 @@
+"""KV codecs on real KV (SmolLM2-135M and stories260K over LongChat and MuSiQue contexts): size vs
+fp16, relative L2 error per layer, KL of the next-token distribution and greedy-token agreement over
+generated tokens vs the uncompressed KV, encode/decode speed, the entropy coder's distance to its
+model, beside zstandard and HF's quantized cache (quanto) at 4 and 2 bits.
+
+Usage: python benchmarks/bench_codecs.py [--models smollm2,stories260k] [--contexts 20] [--tokens 1024]
+       [--gen 64] [--out benchmarks/results/codecs]
+Agreement is teacher-forced: the model continues the reference generation (64 greedy tokens with the
+uncompressed KV) on top of the decoded KV, and we count the positions whose argmax is the reference
+token; KL is KL(reference || codec) at the same positions, in nats. Speeds count fp16 bytes of KV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kdn import KDN, KDNConfig, _core, codecs
+from kdn.eval import load_dataset
+from kdn.layout import cache_to_kv_list
+from timing import timed
+
+CODECS = ["lossless", "int8", "int4", "int2", "cachegen:level=1", "cachegen", "cachegen:level=3",
+          "cachegen:anchor=1"]
+CHUNK = 256
+
+
+def contexts(tokenizer, n: int, tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(context ids cut to `tokens`, question ids) from LongChat topics and MuSiQue, alternating."""
+    out = []
+    sets = [load_dataset("longchat-topics-5"), load_dataset("musique")]
+    for i in range(n):
+        s = sets[i % 2][i // 2]
+        ids = tokenizer("\n".join(s.segments))["input_ids"]
+        if len(ids) < tokens:
+            ids = (ids * (tokens // len(ids) + 1))
+        out.append((ids[:tokens], tokenizer(s.query, add_special_tokens=False)["input_ids"][:48]))
+    return out
+
+
+def kl_and_agreement(ref_logits: torch.Tensor, logits: torch.Tensor, ref_tokens: torch.Tensor) -> tuple[float, float]:
+    p, q = ref_logits.float().log_softmax(-1), logits.float().log_softmax(-1)
+    kl = float((p.exp() * (p - q)).sum(-1).mean())
+    agree = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())  # same greedy token
+    return kl, agree
+
+
+@torch.inference_mode()
+def continuation_logits(model, cache, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Logits at the last question token and each generated token, given the cache of ids[:start]."""
+    q = len(ids) - start
+    return model(ids[None, start:], past_key_values=cache).logits[0, q - 1 - GEN:]
+
+
+def layer_errors(reference: torch.Tensor, decoded: torch.Tensor) -> list[float]:
+    """Relative L2 error of each layer (keys and values together) of canonical chunks."""
+    dims = tuple(d for d in range(reference.dim()) if d != 0)
+    norm = torch.linalg.vector_norm
+    return (norm(decoded - reference, dim=dims) / norm(reference, dim=dims)).tolist()
+
+
+def quanto_round_trip(model, kv: list[torch.Tensor], bits: int):
+    """HF QuantizedCache (quanto backend) quantize + dequantize of every layer, its default axes."""
+    from transformers import QuantizedCache
+
+    cache = QuantizedCache(backend="quanto", config=model.config, nbits=bits, residual_length=0, q_group_size=64)
+    layer = cache.layers[0]
+    return [layer._dequantize(layer._quantize(t.contiguous(), axis=layer.axis_key)).to(t.dtype) for t in kv]
+
+
+def speed(blob, spec: str) -> dict:
+    fp16 = blob_bytes_fp16(blob)
+    coded = codecs.encode(blob, spec)
+    enc = timed(lambda: codecs.encode(blob, spec), repeats=5)
+    dec = timed(lambda: _core.transcode(coded, 0, 0), repeats=5)
+    return {"encode_GBps": fp16 / enc / 1e9, "decode_GBps": fp16 / dec / 1e9}
+
+
+def blob_bytes_fp16(blob) -> int:
+    h = _core.blob_parse(blob, verify_checksum=False)
+    return h["layers"] * 2 * h["tokens"] * h["kv_heads"] * h["head_dim"] * 2
+
+
+def run_model(name: str, args) -> dict:
+    from kdn.models import load
+
+    model, tokenizer = load(name)
+    model.eval()
+    rows: dict[str, dict] = {}
+
+    def add(method, **values):
+        row = rows.setdefault(method, {"kl": [], "agree": [], "ratio": [], "layer_err": []})
+        for k, v in values.items():
+            row[k].append(v)
+
+    reports: dict[str, dict] = {}
+    speed_blob = None
+    room = getattr(model.config, "max_position_embeddings", 1 << 20) - 48 - GEN - 8
+    tokens = min(args.tokens, room // CHUNK * CHUNK)  # stories260K reads at most 512 tokens
+    for i, (ctx, question) in enumerate(contexts(tokenizer, args.contexts, tokens)):
+        ids = torch.tensor(ctx + question)
+        with torch.inference_mode():
+            out = model(ids[None, : len(ctx)], use_cache=True)
+            kv = [t.clone() for t in cache_to_kv_list(out.past_key_values)]
+            pairs = tuple(zip(kv[0::2], kv[1::2]))
+            gen = model.generate(ids[None], past_key_values=out.past_key_values, max_new_tokens=GEN, do_sample=False,
+                                 min_new_tokens=GEN, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        ref_tokens = gen[0, len(ids):]
+        full = torch.cat([ids, ref_tokens])
+        base = KDN(KDNConfig(chunk_size=CHUNK))
+        base.store(model, ctx, pairs)
+        cache, hit = base.retrieve(model, ctx)
+        ref_logits = continuation_logits(model, cache, full, hit)
+        keys = base.chunk_keys(model, ctx)
+        raw_blobs = [base.memory.get(k) for k in keys]
+        reference = torch.cat([codecs.decode(b) for b in raw_blobs], dim=2)
+        if speed_blob is None:
+            speed_blob = codecs.encode(raw_blobs[0], "raw")
+        fp16_bytes = sum(blob_bytes_fp16(b) for b in raw_blobs)
+        for spec in CODECS:
+            kdn = KDN(KDNConfig(chunk_size=CHUNK, memory_codec=spec))
+            kdn.store(model, ctx, pairs)
+            cache, hit = kdn.retrieve(model, ctx)
+            kl, agree = kl_and_agreement(ref_logits, continuation_logits(model, cache, full, hit), ref_tokens)
+            coded = [kdn.memory.get(k) for k in keys]
+            decoded = torch.cat([codecs.decode(b) for b in coded], dim=2)
+            add(spec, kl=kl, agree=agree, ratio=fp16_bytes / sum(len(b) for b in coded),
+                layer_err=layer_errors(reference, decoded))
+            if spec in ("lossless",) or spec.startswith("cachegen"):
+                for b in raw_blobs:
+                    _, rep = codecs.encode(b, spec, report=True)
+                    acc = reports.setdefault(spec, {})
+                    for k, v in rep.items():
+                        acc[k] = acc.get(k, 0) + v
+        for bits in (4, 2):
+            try:
+                approx = quanto_round_trip(model, kv, bits)
+            except Exception as e:  # optional baseline
+                rows.setdefault(f"hf-quanto-int{bits}", {"error": str(e)})
+                continue
+            cache = base.retrieve(model, ctx)[0]
+            for layer, (k, v) in enumerate(zip(approx[0::2], approx[1::2])):
+                cache.layers[layer].keys, cache.layers[layer].values = k, v
+            kl, agree = kl_and_agreement(ref_logits, continuation_logits(model, cache, full, len(ctx)), ref_tokens)
+            values = sum(t.numel() for t in kv)
+            nominal = values * bits / 8 + values / 64 * 4  # bits per value + fp16 scale and shift per group of 64
+            pairs_q = zip(approx[0::2], approx[1::2])
+            canon = torch.stack([torch.stack([a, b]) for a, b in pairs_q])[:, :, 0].transpose(2, 3)
+            add(f"hf-quanto-int{bits}", kl=kl, agree=agree, ratio=values * 2 / nominal,
+                layer_err=layer_errors(reference, canon.contiguous()))
+        print(f"  {name}: context {i + 1}/{args.contexts} done", flush=True)
+
+    table = {}
+    for method, row in rows.items():
+        if "error" in row:
+            table[method] = row
+            continue
+        errs = np.array(row["layer_err"])
+        table[method] = {"ratio_vs_fp16": statistics.mean(row["ratio"]), "kl_mean": statistics.mean(row["kl"]),
+                         "agreement": statistics.mean(row["agree"]), "rel_l2_mean": float(errs.mean()),
+                         "rel_l2_per_layer": errs.mean(0).round(5).tolist(), "contexts": len(row["kl"])}
+    for spec in CODECS:
+        table[spec].update(speed(speed_blob, spec))
+    for spec, rep in reports.items():
+        table[spec]["coded_over_model_bits"] = rep["coded_bytes"] * 8 / rep["model_bits"]
+        table[spec]["model_over_empirical_bits"] = rep["model_bits"] / rep["empirical_bits"]
+        total = rep["coded_bytes"] + rep["table_bytes"] + rep["side_bytes"]
+        table[spec]["table_bytes_share"] = rep["table_bytes"] / total
+        table[spec]["side_bytes_share"] = rep["side_bytes"] / total
+    table.update(zstd_rows(speed_blob))
+    return table
+
+
+def zstd_rows(blob) -> dict:
+    """zstandard on the raw bytes of one chunk's KV cast to bf16 and fp16, beside `lossless`."""
+    import zstandard
+
+    kv = codecs.decode(blob)
+    out = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        tag = str(dtype).split(".")[1]
+        cast = kv.to(dtype).contiguous()
+        raw = cast.view(torch.uint8).numpy().tobytes()
+        per_layer = [kind[None].permute(0, 2, 1, 3) for layer in cast for kind in layer]
+        ours = _core.pack_chunk([t.contiguous() for t in per_layer], 0, cast.shape[2], b"F" * 16, b"K" * 16)
+        coded = codecs.encode(ours, "lossless")
+        out[f"lossless ({tag})"] = {"ratio": len(raw) / (len(coded) - 88), **speed(ours, "lossless")}
+        for level in (1, 3, 9):
+            c = zstandard.ZstdCompressor(level=level)
+            z = c.compress(raw)
+            d = zstandard.ZstdDecompressor()
+            enc, dec = timed(lambda: c.compress(raw), repeats=5), timed(lambda: d.decompress(z), repeats=5)
+            out[f"zstd-{level} ({tag})"] = {"ratio": len(raw) / len(z), "encode_GBps": len(raw) / enc / 1e9,
+                                           "decode_GBps": len(raw) / dec / 1e9}
+    return out
+
+
+def print_table(name: str, table: dict) -> None:
+    print(f"\n{name}")
+    print("| codec | ratio vs fp16 | rel L2 | KL (nats) | agreement | encode GB/s | decode GB/s | coded/model bits |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for method, r in table.items():
+        if "error" in r:
+            print(f"| {method} | unavailable: {r['error'][:60]} |")
+            continue
+        ratio = r.get("ratio_vs_fp16", r.get("ratio"))
+        g = lambda k: r.get(k, float("nan"))  # noqa: E731
+        print(f"| {method} | {ratio:.2f} | {g('rel_l2_mean'):.4f} | {g('kl_mean'):.4f} | {g('agreement'):.3f} "
+              f"| {g('encode_GBps'):.2f} | {g('decode_GBps'):.2f} | {g('coded_over_model_bits'):.4f} |")
+
+
+def main() -> None:
+    global GEN
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", default="smollm2-135m,stories260k")
+    parser.add_argument("--contexts", type=int, default=20)
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--gen", type=int, default=64)
+    parser.add_argument("--out", default="benchmarks/results/codecs")
+    args = parser.parse_args()
+    GEN = args.gen
+    torch.manual_seed(0)
+    results = {"threads": _core.default_num_threads(), "args": vars(args), "models": {}}
+    for name in args.models.split(","):
+        t0 = time.perf_counter()
+        results["models"][name] = run_model(name, args)
+        print_table(f"{name} ({args.contexts} contexts, up to {args.tokens} tokens, {time.perf_counter() - t0:.0f} s)",
+                    results["models"][name])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_codecs.json").write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {out / 'bench_codecs.json'}")
+
+
+GEN = 64
+
+if __name__ == "__main__":
+    main()
