@@ -85,6 +85,28 @@ def test_ttl_is_set(redis_server):
     assert 0 < int(redis_server.cli("TTL", tier.redis_key(key(1), FINGERPRINT)).stdout) <= 100
 
 
+def test_values_are_sent_in_the_tier_codec_and_promoted_raw(tiny_llama, redis_server):
+    from kdn import codecs
+
+    ids = random_ids(tiny_llama, 33, seed=9)
+    reference, cache = full_prefill(tiny_llama, ids)
+    config = KDNConfig(chunk_size=CHUNK, remote_url=redis_server.url, remote_codec="int8")
+    first = KDN(config)
+    first.tiers.remote.clear()
+    first.store(tiny_llama, ids, cache)
+    first.flush()
+    keys = first.chunk_keys(tiny_llama, ids[0].tolist())
+    fingerprint = first._info(tiny_llama).fingerprint
+    stored = first.tiers.remote._client.get(first.tiers.remote.redis_key(keys[0], fingerprint))
+    assert codecs.codec_of(stored).spec == "int8" and len(stored) < 0.4 * len(first.memory.get(keys[0]))
+    second = KDN(config)  # empty memory: served from the remote store, decoded, promoted raw
+    got, hit = second.retrieve(tiny_llama, ids, limit=32)
+    assert hit == 32 and codecs.codec_of(second.memory.get(keys[0])).name == "raw"
+    with torch.inference_mode():
+        logits = tiny_llama(ids[:, hit:], past_key_values=got).logits[0, -1]
+    torch.testing.assert_close(logits.softmax(-1), reference.softmax(-1), atol=2e-3, rtol=0)
+
+
 STORER = """
 import sys
 import torch
