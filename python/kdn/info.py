@@ -8,7 +8,7 @@ import platform
 
 def build_info() -> dict:
     """Version, CUDA build facts, threads, and the versions of torch / transformers / numpy."""
-    from kdn import __version__, _core
+    from kdn import __version__, _core, codecs
 
     def version(dist: str) -> str:
         try:
@@ -22,6 +22,7 @@ def build_info() -> dict:
         "cuda_architectures": _core.cuda_architectures() or "-",
         "core_threads": _core.default_num_threads(),
         "eviction_policies": ", ".join(_core.eviction_policies()),
+        "codecs": ", ".join(codecs.NAMES) + (" (int*, cachegen also decode on CUDA)" if _core.cuda_compiled() else ""),
         "buffer_pool_limit": f"{_core.buffer_pool_stats()['limit_bytes'] >> 20} MiB (KDN_BUFFER_POOL_BYTES)",
         # Page-locked blocks only pay off for host->GPU copies, which need a device and a pooled
         # pinned arena (planned with layer-wise GPU delivery); until then tiers use pageable memory.
