@@ -24,15 +24,7 @@ py::dict report_to_dict(const CodecReport& r) {
 void bind_codec(py::module_& m) {
   m.def(
       "codec_check",
-      [](int codec, uint32_t params) {
-        KDN_CHECK_INPUT(codec >= 0 && codec <= kCodecLast, "unknown codec id " + std::to_string(codec));
-        if (codec == kCodecRaw) {
-          KDN_CHECK_INPUT(params == 0, "raw codec takes no parameters");
-          return;
-        }
-        Status st = codec_check(static_cast<uint8_t>(codec), params);
-        KDN_CHECK_INPUT(st.ok, st.message);
-      },
+      [](int codec, uint32_t params) { codec_require(codec, params); },
       py::arg("codec"), py::arg("params"), "Raise InvalidInputError unless (codec, params) is valid.");
 
   m.def(
@@ -81,7 +73,7 @@ void bind_codec(py::module_& m) {
   m.def(
       "transcode",
       [](py::handle blob, int codec, uint32_t params, bool report, bool verify_checksum) -> py::object {
-        KDN_CHECK_INPUT(codec >= 0 && codec <= kCodecLast, "unknown codec id " + std::to_string(codec));
+        codec_require(codec, params);
         ByteSpan span = bytes_from_object(blob, "blob");
         const bool is_buffer = py::isinstance<Buffer>(blob);
         const bool hash = verify_checksum && !(is_buffer && blob.cast<Buffer&>().verified());

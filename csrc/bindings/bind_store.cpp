@@ -169,8 +169,7 @@ void bind_store(py::module_& m) {
                                                     "Local-disk blob store (thread-safe); see kdn/disk_store.h.")
       .def(py::init([](const std::string& dir, uint64_t capacity, const std::string& policy, uint64_t queue_bytes,
                        int read_threads, bool fsync, int codec, uint32_t codec_params) {
-             KDN_CHECK_INPUT(codec >= 0 && codec <= kCodecLast, "unknown codec id " + std::to_string(codec));
-             if (codec != kCodecRaw) KDN_CHECK_INPUT(codec_check(codec, codec_params).ok, codec_check(codec, codec_params).message);
+             codec_require(codec, codec_params);
              DiskStoreOptions o{dir, capacity, policy, queue_bytes, read_threads, fsync, static_cast<uint8_t>(codec), codec_params};
              py::gil_scoped_release release;  // the index rebuild scans the directory
              return std::make_shared<DiskStore>(o);

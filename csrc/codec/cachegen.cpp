@@ -102,7 +102,6 @@ CacheGenStep cachegen_step(int level, int layer, int layers, bool values) {
 }
 
 const RansTable& cachegen_table(int k, int range) { return models_for(range).m[k]->table; }
-const float* cachegen_bits(int k, int range) { return models_for(range).m[k]->bits; }
 
 std::vector<uint8_t> cachegen_encode(const Plane& p, uint32_t params, const uint8_t* raw, CodecReport* report) {
   const bool anchor = (params >> 8) & 1;

@@ -39,6 +39,16 @@ Status codec_check(uint8_t codec, uint32_t params) {
   }
 }
 
+void codec_require(int64_t codec, uint32_t params) {
+  if (codec < 0 || codec > kCodecLast) throw InputError("unknown codec id " + std::to_string(codec), __FILE__, __LINE__);
+  if (codec == kCodecRaw) {
+    if (params != 0) throw InputError("raw codec takes no parameters", __FILE__, __LINE__);
+    return;
+  }
+  Status st = codec_check(static_cast<uint8_t>(codec), params);
+  if (!st.ok) throw InputError(st.message, __FILE__, __LINE__);
+}
+
 namespace {
 
 Plane plane_of(const BlobHeader& h, int64_t p) {
@@ -49,8 +59,8 @@ Plane plane_of(const BlobHeader& h, int64_t p) {
 }  // namespace
 
 std::vector<uint8_t> codec_encode(const BlobHeader& h, const uint8_t* raw, int threads, CodecReport* report) {
-  Status st = codec_check(h.codec, h.codec_params);
-  if (!st.ok) throw InputError(st.message, __FILE__, __LINE__);
+  codec_require(h.codec, h.codec_params);
+  KDN_CHECK_INPUT(h.codec != kCodecRaw, "codec_encode: raw is not an encoding");
   const int64_t planes = 2 * static_cast<int64_t>(h.layers);
   const size_t plane_raw = raw_payload_bytes(h) / planes;
   std::vector<std::vector<uint8_t>> coded(planes);

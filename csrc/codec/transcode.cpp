@@ -7,12 +7,7 @@ namespace kdn {
 
 BufferPtr blob_transcode(const BlobHeader& h, const uint8_t* blob, uint8_t codec, uint32_t params, int threads,
                          CodecReport* report) {
-  if (codec != kCodecRaw) {
-    Status st = codec_check(codec, params);
-    if (!st.ok) throw InputError(st.message, __FILE__, __LINE__);
-  } else if (params != 0) {
-    throw InputError("raw codec takes no parameters", __FILE__, __LINE__);
-  }
+  codec_require(codec, params);
   BlobHeader out = h;
   out.codec = codec;
   out.codec_params = params;

@@ -64,10 +64,6 @@ class Codec:
         return 0
 
     @property
-    def lossy(self) -> bool:
-        return self.id in (_KIVI, _CACHEGEN)
-
-    @property
     def spec(self) -> str:
         """The canonical spec string: defaults left out, so equal codecs have equal specs."""
         changed = [f"{k}={v}" for k, v in self.options if v != _OPTIONS[self.name][k]]

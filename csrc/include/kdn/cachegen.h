@@ -20,9 +20,7 @@ struct CacheGenStep {
 CacheGenStep cachegen_step(int level, int layer, int layers, bool values);
 
 // The rANS table of a two-sided geometric (discrete Laplace) model, decay index `model` over
-// [-range, range] (built once per (model, range) with integer arithmetic: identical everywhere),
-// and the code length in bits of each of its symbols (encoder side).
+// [-range, range] (built once per (model, range) with integer arithmetic: identical everywhere).
 const RansTable& cachegen_table(int model, int range);
-const float* cachegen_bits(int model, int range);
 
 }  // namespace kdn

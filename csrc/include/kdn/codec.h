@@ -37,6 +37,9 @@ struct CodecReport {
 // OK if `codec` is known and `params` are valid for it; otherwise a readable reason.
 Status codec_check(uint8_t codec, uint32_t params);
 
+// The same for a caller's choice, raw included (params 0): throws InputError otherwise.
+void codec_require(int64_t codec, uint32_t params);
+
 // Encodes raw canonical KV (raw_payload_bytes(h) bytes, dims and dtype from h) with h.codec and
 // h.codec_params. Throws InputError for parameters or data the codec cannot take (NaN, inf).
 std::vector<uint8_t> codec_encode(const BlobHeader& h, const uint8_t* raw, int threads, CodecReport* report);
