@@ -252,9 +252,6 @@ class RemoteTier:
         return True
 
     def _send(self, blobs: list) -> bool:
-        blobs = self._coded(blobs)
-        if not blobs:
-            return False
         headers = [_core.blob_parse(b, verify_checksum=False) for b in blobs]
         names = [self.redis_key(h["key"], h["fingerprint"]) for h in headers]
 
@@ -266,9 +263,10 @@ class RemoteTier:
             pipe = self._client.pipeline(transaction=False)
             sent = 0
             for name, blob, there in zip(names, blobs, present):
-                if there:
+                coded = None if there else self._coded(blob)  # only what the store lacks is encoded
+                if coded is None:
                     continue
-                values = self._encode(blob)
+                values = self._encode(coded)
                 for j, value in enumerate(values[1:], start=1):  # parts before the manifest that names them
                     pipe.set(f"{name}:p{j}", value, ex=self._ttl())
                 pipe.set(name, values[0], ex=self._ttl())
@@ -283,18 +281,16 @@ class RemoteTier:
         self._stats["puts"] += sent
         return True
 
-    def _coded(self, blobs: list) -> list:
-        """The blobs in this tier's codec (encoding releases the GIL); unencodable ones are dropped."""
-        out = []
-        for blob in blobs:
-            try:
-                out.append(codecs.encode(blob, self.codec))
-            except _core.KDNError as e:
-                self._stats["dropped"] += 1
-                self._stats["encode_errors"] += 1
-                if self._stats["encode_errors"] == 1:
-                    log.warning("kdn remote tier cannot encode a chunk with %s (not sent): %s", self.codec, e)
-        return out
+    def _coded(self, blob):
+        """``blob`` in this tier's codec (encoding releases the GIL), or None (counted) if it cannot be."""
+        try:
+            return codecs.encode(blob, self.codec)
+        except _core.KDNError as e:
+            self._stats["dropped"] += 1
+            self._stats["encode_errors"] += 1
+            if self._stats["encode_errors"] == 1:
+                log.warning("kdn remote tier cannot encode a chunk with %s (not sent): %s", self.codec, e)
+            return None
 
     def _ttl(self):
         return int(self.ttl) if self.ttl else None
