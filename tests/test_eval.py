@@ -7,7 +7,16 @@ import json
 import pytest
 
 from kdn.cli import main as cli_main
-from kdn.eval import encode, line_accuracy, load_dataset, normalize_answer, qa_f1, run_eval, topic_accuracy
+from kdn.eval import (
+    DatasetNotFoundError,
+    encode,
+    line_accuracy,
+    load_dataset,
+    normalize_answer,
+    qa_f1,
+    run_eval,
+    topic_accuracy,
+)
 
 pytestmark = pytest.mark.eval
 
@@ -32,20 +41,37 @@ def test_topic_and_line_accuracy():
     assert line_accuracy("2416 ... no, 2417", "2416") == 0.0 and line_accuracy("no number", 1) == 0.0
 
 
-def test_datasets_load_with_their_gold_answers():
-    topics = load_dataset("longchat-topics-5")
+def test_dataset_slices_load_with_their_gold_answers():
+    """tests/data: the first records of each dataset kind, so a bare clone runs the evaluation tests."""
+    assert [len(load_dataset(name)) for name in ("longchat-topics-5", "longchat-lines-200", "cachegen-longchat",
+                                                   "musique")] == [3, 3, 3, 3]
+    assert load_dataset("musique")[0].answers == ("Exeter College",)
+    assert load_dataset("longchat-lines-200")[0].answers == ("2416",)
+
+
+def test_full_datasets_load_with_their_gold_answers(full_data):
+    topics = load_dataset("longchat-topics-5", data_dir=full_data)
     assert len(topics) == 50 and topics[0].answers == ("The psychology of creativity",)
     assert topics[0].query.strip().startswith("Now the record ends. What is the first topic")
     assert "I would like to discuss the topic of the psychology of creativity" in topics[0].segments[0]
-    lines = load_dataset("longchat-lines-200")
+    lines = load_dataset("longchat-lines-200", data_dir=full_data)
     assert len(lines) == 50 and lines[0].answers == ("2416",) and "torpid-kid" in lines[0].query
-    cachegen = load_dataset("cachegen-longchat", limit=3)
+    cachegen = load_dataset("cachegen-longchat", limit=3, data_dir=full_data)
     assert len(cachegen) == 3 and not cachegen[0].query.rstrip().endswith("ASSISTANT:")
-    musique = load_dataset("musique")
+    musique = load_dataset("musique", data_dir=full_data)
     assert len(musique) == 150 and len(musique[0].segments) == 10 and musique[0].answers == ("Exeter College",)
     assert "Hannibal and Scipio" in musique[0].query and musique[0].metric == "qa_f1"
     with pytest.raises(ValueError, match="known names"):
         load_dataset("no-such-set")
+
+
+def test_a_missing_dataset_names_where_it_looked(tmp_path, capsys):
+    with pytest.raises(DatasetNotFoundError, match=f"looked in: {tmp_path}"):
+        load_dataset("musique", data_dir=tmp_path)
+    assert cli_main(["eval", "musique", "--model", "stories260k", "--data-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(tmp_path / "CacheBlend" / "musique_s.json") in err
+    assert "Traceback" not in err
 
 
 def test_encode_keeps_segment_spans_and_truncates_the_context(stories):

@@ -1,13 +1,14 @@
 """Model loaders: stories260K weights and tokenizer against llama2.c references; SmolLM2 reuse."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import kdn
 from conftest import full_prefill
-from kdn import KDN, KDNConfig
-from kdn.models import ModelNotAvailableError, shared_dir
-from kdn.models.stories260k import read_tokenizer_pieces
+from kdn import KDN, InvalidInputError, KDNConfig
+from kdn.models.stories260k import model_dir, read_tokenizer_pieces
 
 TEXTS = [
     "Once upon a time, there was a little girl named Lily.",
@@ -38,7 +39,7 @@ def llama2c_encode(pieces, text: str) -> list[int]:
 @pytest.mark.parametrize("text", TEXTS)
 def test_stories_tokenizer_matches_llama2c(stories, text):
     _, tokenizer = stories
-    pieces = read_tokenizer_pieces(shared_dir() / "models" / "stories260K" / "tok512.bin")
+    pieces = read_tokenizer_pieces(model_dir() / "tok512.bin")
     ids = tokenizer(text).input_ids
     assert ids == llama2c_encode(pieces, text)
     assert tokenizer.decode(ids, skip_special_tokens=True) == text
@@ -60,12 +61,26 @@ def test_stories_nll_is_low_on_its_own_sample(stories):
     assert loss < 1.0  # README: 0.32 nats/token on the first sentences; random weights give ~6
 
 
-def test_missing_shared_folder_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setenv("KDN_SHARED", str(tmp_path))
-    with pytest.raises(ModelNotAvailableError, match="KDN_SHARED"):
-        kdn.models.load("stories260k")
-    with pytest.raises(ValueError, match="unknown model"):
+def test_stories260k_ships_in_the_package_and_loads_from_any_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("KDN_SHARED", str(tmp_path / "nothing-here"))
+    monkeypatch.chdir(tmp_path)
+    model, _ = kdn.models.load("stories260k")
+    assert model.config.num_hidden_layers == 5
+    assert (model_dir() / "LICENSE").read_text().startswith("MIT License")
+    assert Path(kdn.__file__).parent in model_dir().parents
+
+
+def test_an_unknown_model_lists_the_names_and_accepts_a_checkpoint_folder(tmp_path, stories):
+    with pytest.raises(InvalidInputError, match="stories260k, smollm2-135m.*HF checkpoint"):
         kdn.models.load("gpt-9")
+    model, tokenizer = stories
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded, tok = kdn.models.load(str(tmp_path))
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert tok(["Once upon a time"]).input_ids[0] == ids[0].tolist()
 
 
 @pytest.mark.slow

@@ -6,8 +6,6 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from kdn.models.paths import shared_dir
-
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
@@ -18,8 +16,8 @@ def outputs_text(nb) -> str:
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path, tmp_path, monkeypatch):
-    monkeypatch.setenv("KDN_SHARED", str(shared_dir()))  # the kernel runs in tmp_path
+def test_notebook_runs(path, tmp_path):
+    # the kernel runs in tmp_path and inherits KDN_DATA (conftest: the slices in tests/data)
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     text = outputs_text(nb)

@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 
 #include "kdn/common.h"
+#include "kdn/convert.h"
 #include "kdn/kv_copy.h"
 #include "kdn/parallel.h"
 
@@ -42,6 +43,7 @@ PYBIND11_MODULE(_core, m) {
   });
   m.def("cuda_compiled", &kdn::cuda_compiled, "True when the CUDA kernels were compiled in.");
   m.def("cuda_architectures", &kdn::cuda_architectures, "CUDA architectures compiled for ('' without CUDA).");
+  m.def("fp16_conversion", &kdn::fp16_conversion, "'f16c' (x86 F16C compiled in and present) or 'portable'.");
   m.def("default_num_threads", &kdn::default_num_threads, "Threads the core uses for copies.");
   kdn::bind_hash(m);
   kdn::bind_store(m);

@@ -9,11 +9,16 @@ Example:
     >>> out = cache.generate(model, ids, max_new_tokens=8)   # prefix served from kdn
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from kdn._core import BlobError, InvalidInputError, KDNError
 from kdn.api import KDN
 from kdn.config import KDNConfig
 
-__version__ = "0.1.0"
+try:  # the version lives in pyproject.toml only
+    __version__ = version("kdn")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 __all__ = ["KDN", "KDNConfig", "KDNError", "InvalidInputError", "BlobError", "__version__"]
 
 

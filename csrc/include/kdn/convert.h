@@ -11,4 +11,7 @@ namespace kdn {
 // Writes n floats as `dtype` elements at out + index * dtype_size.
 void store_floats(uint8_t* out, DType dtype, int64_t index, const float* values, int64_t n);
 
+// "f16c" when the x86 F16C path is compiled in and this CPU has it, else "portable".
+const char* fp16_conversion();
+
 }  // namespace kdn

@@ -1,7 +1,8 @@
 """Evaluation datasets: LongChat topic and line retrieval, multi-document QA in the CacheBlend schema.
 
 Every sample becomes context ``segments`` (cached by kdn), a ``query`` asked after them, the gold
-answers and the metric that scores them. Files are read in place from ``$KDN_SHARED/data``.
+answers and the metric that scores them. Files are read in place from a data folder: ``--data-dir``,
+else ``$KDN_DATA``, else ``$KDN_SHARED/data`` (see :func:`kdn.models.paths.data_dirs`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 from pathlib import Path
 
 from kdn._core import InvalidInputError
-from kdn.models.paths import shared_dir
+from kdn.models.paths import data_dirs
 
 QA_INSTRUCTION = ("Read the passages below, then answer the question that follows with a few words taken "
                   "from them.\n\n")
@@ -30,7 +31,7 @@ class Sample:
     metric: str
 
 
-# name -> (path under $KDN_SHARED/data, loader)
+# name -> path under the data folder
 DATASETS = {
     "longchat-topics-5": "LongChat/topics/5_topics.jsonl",
     "longchat-topics-10": "LongChat/topics/10_topics.jsonl",
@@ -90,20 +91,38 @@ def multidoc_qa(path: Path) -> list[Sample]:
     return samples
 
 
-def load_dataset(name_or_path: str, limit: int | None = None) -> list[Sample]:
+class DatasetNotFoundError(InvalidInputError):
+    """A named dataset is in none of the data folders, or a dataset file does not exist."""
+
+
+def dataset_path(name_or_path: str, data_dir=None) -> Path:
+    """The file of a named dataset (first data folder that has it) or the given file path."""
+    if name_or_path not in DATASETS:
+        path = Path(name_or_path)
+        if path.is_file():
+            return path
+        raise DatasetNotFoundError(f"dataset {name_or_path!r}: no such file; known names: {', '.join(DATASETS)}")
+    candidates = [d / DATASETS[name_or_path] for d in data_dirs(data_dir)]
+    for path in candidates:
+        if path.is_file():
+            return path
+    looked = ", ".join(str(p) for p in candidates)
+    raise DatasetNotFoundError(f"dataset {name_or_path!r} not found; looked in: {looked}. "
+                               "Point --data-dir (or $KDN_DATA) at the folder that holds it.")
+
+
+def load_dataset(name_or_path: str, limit: int | None = None, data_dir=None) -> list[Sample]:
     """Samples of a named dataset (see ``DATASETS``) or of a file in one of the three schemas.
+
+    ``data_dir`` overrides where named datasets are looked for (default: ``$KDN_DATA``, then
+    ``$KDN_SHARED/data``).
 
     Example:
         >>> samples = load_dataset("longchat-topics-5", limit=2)
         >>> samples[0].answers
         ('The psychology of creativity',)
     """
-    path = Path(name_or_path)
-    if name_or_path in DATASETS:
-        path = shared_dir() / "data" / DATASETS[name_or_path]
-    if not path.is_file():
-        known = ", ".join(DATASETS)
-        raise InvalidInputError(f"dataset {name_or_path!r}: no such file ({path}); known names: {known}")
+    path = dataset_path(name_or_path, data_dir)
     if path.suffix == ".json":
         samples = multidoc_qa(path)
     else:

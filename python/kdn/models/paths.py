@@ -1,4 +1,4 @@
-"""Where model files come from: $KDN_SHARED (default ../shared) and installed wheels."""
+"""Where data files come from: $KDN_DATA, $KDN_SHARED/data (default ../shared), and installed wheels."""
 
 from __future__ import annotations
 
@@ -11,5 +11,14 @@ class ModelNotAvailableError(RuntimeError):
 
 
 def shared_dir() -> Path:
-    """The shared data folder: ``$KDN_SHARED`` if set, else ``../shared`` from the working directory."""
+    """The shared folder: ``$KDN_SHARED`` if set, else ``../shared`` from the working directory."""
     return Path(os.environ.get("KDN_SHARED", "../shared")).expanduser().resolve()
+
+
+def data_dirs(data_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Folders searched for evaluation data, in order: ``data_dir`` if given (and then only it),
+    else ``$KDN_DATA`` (if set), then ``$KDN_SHARED/data`` (default ``../shared/data``)."""
+    if data_dir is not None:
+        return [Path(data_dir).expanduser().resolve()]
+    dirs = [Path(os.environ["KDN_DATA"]).expanduser().resolve()] if os.environ.get("KDN_DATA") else []
+    return dirs + [shared_dir() / "data"]

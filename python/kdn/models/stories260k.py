@@ -1,7 +1,8 @@
-"""stories260K (llama2.c checkpoint) as an HF LlamaForCausalLM plus a `tokenizers` tokenizer."""
+"""stories260K (llama2.c checkpoint shipped in this package) as an HF LlamaForCausalLM + `tokenizers` tokenizer."""
 
 from __future__ import annotations
 
+import importlib.resources
 import struct
 from pathlib import Path
 
@@ -9,18 +10,21 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from kdn.models.paths import ModelNotAvailableError, shared_dir
+from kdn.models.paths import ModelNotAvailableError
 
 _SPECIAL = {0: "<unk>", 1: "<s>", 2: "</s>"}
 
 
+def model_dir() -> Path:
+    """The folder inside the installed package that holds stories260K.bin, tok512.bin and their LICENSE."""
+    return Path(str(importlib.resources.files("kdn.models").joinpath("stories260K")))
+
+
 def _files() -> tuple[Path, Path]:
-    folder = shared_dir() / "models" / "stories260K"
+    folder = model_dir()
     weights, tok = folder / "stories260K.bin", folder / "tok512.bin"
     if not weights.exists() or not tok.exists():
-        raise ModelNotAvailableError(
-            f"stories260K not found in {folder}; set KDN_SHARED to the folder that holds models/stories260K"
-        )
+        raise ModelNotAvailableError(f"stories260K files are missing from {folder}; reinstall kdn")
     return weights, tok
 
 
