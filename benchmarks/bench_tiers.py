@@ -98,27 +98,34 @@ def bench_disk(model, ids, kv, repeats, fsync: bool):
     results = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("KDN_BENCH_DIR")) as tmp:
         tmp = Path(tmp)
-        cfg = KDNConfig(chunk_size=256, disk_dir=str(tmp / "kdn"), disk_fsync=fsync, write_policy="write-through")
-        cache = KDN(cfg)
-        info = cache._info(model)
+        def kdn_methods(name: str, secret: str | None):
+            """(store, load, reset, files) of a kdn disk tier; ``secret``: keyed BLAKE3 tags on the files."""
+            cfg = KDNConfig(chunk_size=256, disk_dir=str(tmp / name), disk_fsync=fsync, write_policy="write-through",
+                            secret=secret)
+            cache = KDN(cfg)
+            info = cache._info(model)
+            _, keys = cache._keys(info, ids[:, :n])
+            lay = info.layout
+            disk = cache.disk.store
+
+            def kdn_store():
+                for i, key in enumerate(keys):
+                    disk.put(key, _core.pack_chunk(kv, i * 256, 256, info.fingerprint, key))
+
+            def kdn_load():
+                blobs = disk.get_many(keys)
+                n_ok, err = _core.verify_chunks(blobs, keys, info.fingerprint, lay.dtype, lay.layers, lay.kv_heads,
+                                                lay.head_dim, 256)
+                assert n_ok == len(keys), err
+                dst = [torch.empty(1, lay.kv_heads, n, lay.head_dim, dtype=lay.torch_dtype) for _ in kv]
+                _core.unpack_chunks(blobs, dst, n)
+                return dst
+
+            return kdn_store, kdn_load, disk.clear, lambda: [disk.path_of(k) for k in keys]
+
         n = (ids.shape[1] // 256) * 256
-        _, keys = cache._keys(info, ids[:, :n])
-        lay = info.layout
-        disk = cache.disk.store
-
-        def kdn_store():
-            for i, key in enumerate(keys):
-                disk.put(key, _core.pack_chunk(kv, i * 256, 256, info.fingerprint, key))
-
-        def kdn_load():
-            blobs = disk.get_many(keys)
-            n_ok, err = _core.verify_chunks(blobs, keys, info.fingerprint, lay.dtype, lay.layers, lay.kv_heads,
-                                            lay.head_dim, 256)
-            assert n_ok == len(keys), err
-            dst = [torch.empty(1, lay.kv_heads, n, lay.head_dim, dtype=lay.torch_dtype) for _ in kv]
-            _core.unpack_chunks(blobs, dst, n)
-            return dst
-
+        kdn_plain, kdn_keyed = kdn_methods("kdn", None), kdn_methods("kdn-keyed", "bench-secret-123")
+        kdn_load = kdn_plain[1]
         kv_n = [t[:, :, :n].contiguous() for t in kv]
         torch_path, st_path = tmp / "kv.pt", tmp / "kv.safetensors"
 
@@ -132,8 +139,7 @@ def bench_disk(model, ids, kv, repeats, fsync: bool):
             if fsync:
                 fsync_file(st_path)
 
-        kdn_files = lambda: [disk.path_of(k) for k in keys]  # noqa: E731
-        methods = {"kdn": (kdn_store, kdn_load, disk.clear, kdn_files),
+        methods = {"kdn": kdn_plain, "kdn keyed (secret=)": kdn_keyed,
                    "torch.save": (torch_store, lambda: torch.load(torch_path), None, lambda: [torch_path]),
                    "safetensors": (st_store, lambda: st_load(st_path), None, lambda: [st_path])}
         for name, (store, load, reset, files) in methods.items():
@@ -216,7 +222,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|")
     for fs, res in disk.items():
         ours = res["kdn"]["store_s"] + res["kdn"]["load_warm_s"]
-        for name in ("kdn", "torch.save", "safetensors"):
+        for name in ("kdn", "kdn keyed (secret=)", "torch.save", "safetensors"):
             r = res[name]
             total = r["store_s"] + r["load_warm_s"]
             print(f"| {'on' if fs else 'off'} | {name} | {r['store_s']:.3f} | {r['load_warm_s']:.3f} | "

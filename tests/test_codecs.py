@@ -166,8 +166,12 @@ def test_codecs_keep_the_header_and_the_dtype(spec, dtype):
     blob = blob_of(kv)
     coded = codecs.encode(blob, spec)
     h, h0 = _core.blob_parse(coded), _core.blob_parse(blob)
-    assert {k: v for k, v in h.items() if k not in ("codec", "codec_params", "payload_bytes")} == \
-           {k: v for k, v in h0.items() if k not in ("codec", "codec_params", "payload_bytes")}
+    assert {k: v for k, v in h.items() if k not in ("codec", "codec_params", "payload_bytes", "key")} == \
+           {k: v for k, v in h0.items() if k not in ("codec", "codec_params", "payload_bytes", "key")}
+    # lossy KV is filed under its own key, exact codecs keep the chunk's key
+    assert h["key"] == (codecs.address(h0["key"], spec) if codecs.parse(spec).lossy else h0["key"])
+    assert (h["key"] != h0["key"]) == codecs.parse(spec).lossy
+    assert _core.blob_parse(codecs.encode(coded, "raw"))["key"] == h["key"]  # decoding keeps the lossy key
     assert codecs.codec_of(coded) == codecs.parse(spec)
     out = codecs.decode(coded)
     assert out.dtype == dtype and out.shape == canonical(kv).shape
@@ -225,7 +229,9 @@ def test_disk_codec_writes_coded_files_and_promotes_raw(tiny_llama, tmp_path):
     got, hit = second.retrieve(tiny_llama, ids, limit=39)
     assert hit == 39
     key = second.chunk_keys(tiny_llama, ids[0].tolist())[0]
-    assert codecs.codec_of(second.memory.get(key)).name == "raw"  # re-coded for memory on promotion
+    assert second.memory.get(key) is None  # lossy KV never sits under the exact key
+    promoted = second.memory.get(codecs.address(key, "cachegen:level=3"))
+    assert codecs.codec_of(promoted).name == "raw"  # decoded for memory on promotion, still filed as lossy
     with torch.inference_mode():
         logits = tiny_llama(ids[:, hit:], past_key_values=got).logits[0, -1]
     kl = torch.nn.functional.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="sum")

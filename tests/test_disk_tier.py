@@ -93,7 +93,7 @@ def test_disk_full_degrades_to_not_stored_with_one_warning(tmp_path, caplog):
     assert stats["errors"] == 3 and "No space left" in stats["last_error"]
     assert [tier.contains(key(i)) for i in range(7)] == [False] * 3 + [True] * 4
     assert len(blob_files(tmp_path)) == 4 and not list((tmp_path / "tmp").iterdir())
-    assert len([r for r in caplog.records if "writes failed" in r.message]) == 1
+    assert len([r for r in caplog.records if "file operations failed" in r.message]) == 1
 
 
 def test_a_vanished_directory_is_recreated_and_a_blocked_one_counts_errors(tmp_path):

@@ -97,11 +97,13 @@ def test_values_are_sent_in_the_tier_codec_and_promoted_raw(tiny_llama, redis_se
     first.flush()
     keys = first.chunk_keys(tiny_llama, ids[0].tolist())
     fingerprint = first._info(tiny_llama).fingerprint
-    stored = first.tiers.remote._client.get(first.tiers.remote.redis_key(keys[0], fingerprint))
+    lossy_key = codecs.address(keys[0], "int8")  # lossy KV is filed under its own key
+    assert first.tiers.remote._client.get(first.tiers.remote.redis_key(keys[0], fingerprint)) is None
+    stored = first.tiers.remote._client.get(first.tiers.remote.redis_key(lossy_key, fingerprint))
     assert codecs.codec_of(stored).spec == "int8" and len(stored) < 0.4 * len(first.memory.get(keys[0]))
     second = KDN(config)  # empty memory: served from the remote store, decoded, promoted raw
     got, hit = second.retrieve(tiny_llama, ids, limit=32)
-    assert hit == 32 and codecs.codec_of(second.memory.get(keys[0])).name == "raw"
+    assert hit == 32 and codecs.codec_of(second.memory.get(lossy_key)).name == "raw"
     with torch.inference_mode():
         logits = tiny_llama(ids[:, hit:], past_key_values=got).logits[0, -1]
     torch.testing.assert_close(logits.softmax(-1), reference.softmax(-1), atol=2e-3, rtol=0)

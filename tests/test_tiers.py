@@ -124,7 +124,7 @@ def test_generate_carries_on_when_the_disk_fails(tiny_llama, tmp_path, caplog):
             assert torch.equal(kdn.generate(tiny_llama, ids, max_new_tokens=4, do_sample=False), expected)
             kdn.flush()
     assert kdn.stats()["disk"]["errors"] > 0 and kdn.last_generate["hit_tokens"] == 24  # memory still serves
-    assert len([r for r in caplog.records if "writes failed" in r.getMessage()]) == 1
+    assert len([r for r in caplog.records if "file operations failed" in r.getMessage()]) == 1
 
 
 def test_clear_empties_every_tier(tiny_llama, tmp_path):

@@ -10,6 +10,8 @@ namespace py = pybind11;
 
 namespace kdn {
 
+Key128 key_arg(py::handle obj, const char* what);
+
 py::dict report_to_dict(const CodecReport& r) {
   py::dict d;
   d["symbols"] = r.symbols;
@@ -70,6 +72,29 @@ void bind_codec(py::module_& m) {
       py::arg("level"), py::arg("layer"), py::arg("layers"), py::arg("values"),
       "(step, range) of cachegen at a level for a layer's keys or values: the quantization its decoder inverts.");
 
+  m.def(
+      "lossy_key",
+      [](py::handle key, int codec, uint32_t params) {
+        codec_require(codec, params);
+        const Key128 k = lossy_key(key_arg(key, "key"), static_cast<uint8_t>(codec), params);
+        return codec_is_lossy(static_cast<uint8_t>(codec)) ? py::bytes(reinterpret_cast<const char*>(k.data()), 16)
+                                                           : py::reinterpret_borrow<py::object>(key);
+      },
+      py::arg("key"), py::arg("codec"), py::arg("params") = 0,
+      "Where a chunk coded with a lossy (codec, params) is filed; the key itself for raw and lossless.");
+  m.def(
+      "coded_key",
+      [](py::handle blob, int codec, uint32_t params) {
+        codec_require(codec, params);
+        ByteSpan span = bytes_from_object(blob, "blob");
+        BlobHeader h;
+        Status st = blob_parse(span.data, span.size, false, &h);
+        if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
+        const Key128 k = coded_key(h, static_cast<uint8_t>(codec), params);
+        return py::bytes(reinterpret_cast<const char*>(k.data()), 16);
+      },
+      py::arg("blob"), py::arg("codec"), py::arg("params") = 0,
+      "The key the blob will carry once coded with (codec, params) (see transcode).");
   m.def(
       "transcode",
       [](py::handle blob, int codec, uint32_t params, bool report, bool verify_checksum) -> py::object {

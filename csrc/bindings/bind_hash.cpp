@@ -20,19 +20,26 @@ Key128 key_arg(py::handle obj, const char* what) {
 void bind_hash(py::module_& m) {
   m.def(
       "blake3",
-      [](py::handle data, size_t out_len) {
+      [](py::handle data, size_t out_len, py::handle key) {
         KDN_CHECK_INPUT(out_len >= 1 && out_len <= 1024, "out_len must be in [1, 1024]");
         ByteSpan span = bytes_from_object(data, "data");
+        std::string mac_key;
+        if (!key.is_none()) {
+          ByteSpan k = bytes_from_object(key, "key");
+          KDN_CHECK_INPUT(k.size == 32, "blake3: a key must be 32 bytes");
+          mac_key.assign(reinterpret_cast<const char*>(k.data), 32);
+        }
         std::string out(out_len, '\0');
         {
           py::gil_scoped_release release;
-          Blake3 h;
+          Blake3 h = mac_key.empty() ? Blake3() : Blake3(reinterpret_cast<const uint8_t*>(mac_key.data()));
           h.update(span.data, span.size);
           h.finalize(reinterpret_cast<uint8_t*>(&out[0]), out_len);
         }
         return py::bytes(out);
       },
-      py::arg("data"), py::arg("out_len") = 32, "BLAKE3 hash of a bytes-like object.");
+      py::arg("data"), py::arg("out_len") = 32, py::arg("key") = py::none(),
+      "BLAKE3 hash of a bytes-like object (keyed-hash mode with a 32-byte key).");
   m.def(
       "xxh64",
       [](py::handle data, uint64_t seed) {

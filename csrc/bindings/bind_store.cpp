@@ -159,6 +159,12 @@ void bind_store(py::module_& m) {
             if (!disk) return s.set_spill(nullptr);
             s.set_spill([disk](const Key128& k, const BufferPtr& b) { disk->put_async(k, b); });
           }, py::arg("disk"), "Send evicted entries to a disk store's write-behind queue (None: drop them).")
+      .def("entries", [](const MemoryStore& s) {
+            py::list out;
+            for (const auto& [k, b] : s.entries())
+              out.append(py::make_tuple(py::bytes(reinterpret_cast<const char*>(k.data()), 16), b));
+            return out;
+          }, "A snapshot [(key, Buffer)] of every entry.")
       .def("__len__", [](const MemoryStore& s) { return s.stats().entries; })
       .def_property_readonly("capacity", &MemoryStore::capacity)
       .def_property_readonly("policy", &MemoryStore::policy)
@@ -168,15 +174,19 @@ void bind_store(py::module_& m) {
   py::class_<DiskStore, std::shared_ptr<DiskStore>>(m, "DiskStore",
                                                     "Local-disk blob store (thread-safe); see kdn/disk_store.h.")
       .def(py::init([](const std::string& dir, uint64_t capacity, const std::string& policy, uint64_t queue_bytes,
-                       int read_threads, bool fsync, int codec, uint32_t codec_params) {
+                       int read_threads, bool fsync, int codec, uint32_t codec_params, py::bytes mac_key,
+                       bool group_shared) {
              codec_require(codec, codec_params);
-             DiskStoreOptions o{dir, capacity, policy, queue_bytes, read_threads, fsync, static_cast<uint8_t>(codec), codec_params};
+             KDN_CHECK_INPUT(read_threads >= 1 && read_threads <= 256, "DiskStore: read_threads must be in [1, 256]");
+             DiskStoreOptions o{dir, capacity, policy, queue_bytes, read_threads, fsync, static_cast<uint8_t>(codec),
+                                codec_params, std::string(mac_key), group_shared};
              py::gil_scoped_release release;  // the index rebuild scans the directory
              return std::make_shared<DiskStore>(o);
            }),
            py::arg("dir"), py::arg("capacity_bytes"), py::arg("policy") = "lru",
            py::arg("queue_bytes") = 512ull << 20, py::arg("read_threads") = 4, py::arg("fsync") = true,
-           py::arg("codec") = 0, py::arg("codec_params") = 0)
+           py::arg("codec") = 0, py::arg("codec_params") = 0, py::arg("mac_key") = py::bytes(),
+           py::arg("group_shared") = false)
       .def("put", [](DiskStore& s, py::handle key, py::handle blob) {
             Key128 k = key_arg(key, "key");
             BufferPtr buf = buffer_from_object(blob);
@@ -189,7 +199,14 @@ void bind_store(py::module_& m) {
             py::gil_scoped_release release;
             return s.put_async(k, buf);
           }, py::arg("key"), py::arg("blob"))
-      .def("flush", &DiskStore::flush, py::call_guard<py::gil_scoped_release>())
+      .def("flush", [](DiskStore& s, double timeout) {
+            if (timeout < 0) {
+              s.flush();
+              return true;
+            }
+            return s.flush_for(timeout);
+          }, py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>(),
+          "Wait until queued writes are on disk (at most `timeout` s if >= 0); True if drained.")
       .def("get", [](DiskStore& s, py::handle key) -> py::object {
             Key128 k = key_arg(key, "key");
             BufferPtr buf;
@@ -251,6 +268,7 @@ void bind_store(py::module_& m) {
         d["corrupt"] = st.corrupt;
         d["dropped"] = st.dropped;
         d["adopted"] = st.adopted;
+        d["vanished"] = st.vanished;
         d["queued_entries"] = st.queued_entries;
         d["queued_bytes"] = st.queued_bytes;
         d["last_error"] = st.last_error;

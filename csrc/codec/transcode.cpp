@@ -2,13 +2,30 @@
 #include <cstring>
 
 #include "kdn/codec.h"
+#include "kdn/hash.h"
 
 namespace kdn {
+
+Key128 lossy_key(const Key128& key, uint8_t codec, uint32_t params) {
+  static constexpr char kTag[] = "kdn/lossy-key";
+  uint8_t msg[sizeof(kTag) - 1 + 16 + 1 + 4];
+  std::memcpy(msg, kTag, sizeof(kTag) - 1);
+  std::memcpy(msg + sizeof(kTag) - 1, key.data(), 16);
+  msg[sizeof(kTag) - 1 + 16] = codec;
+  for (int i = 0; i < 4; ++i) msg[sizeof(kTag) - 1 + 17 + i] = static_cast<uint8_t>(params >> (8 * i));
+  return blake3_128(msg, sizeof(msg));
+}
+
+Key128 coded_key(const BlobHeader& h, uint8_t codec, uint32_t params) {
+  if ((codec == h.codec && params == h.codec_params) || !codec_is_lossy(codec)) return h.key;
+  return lossy_key(h.key, codec, params);
+}
 
 BufferPtr blob_transcode(const BlobHeader& h, const uint8_t* blob, uint8_t codec, uint32_t params, int threads,
                          CodecReport* report) {
   codec_require(codec, params);
   BlobHeader out = h;
+  out.key = coded_key(h, codec, params);
   out.codec = codec;
   out.codec_params = params;
   const uint64_t raw_bytes = raw_payload_bytes(h);

@@ -1,4 +1,4 @@
-// Portable BLAKE3 (hash mode) written from the published specification.
+// Portable BLAKE3 (hash and keyed-hash modes) written from the published specification.
 #include <cstring>
 
 #include "kdn/hash.h"
@@ -8,8 +8,7 @@ namespace {
 
 constexpr uint32_t kIV[8] = {0x6A09E667, 0xBB67AE85, 0x3C6EF372, 0xA54FF53A,
                              0x510E527F, 0x9B05688C, 0x1F83D9AB, 0x5BE0CD19};
-constexpr uint8_t kPermutation[16] = {2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8};
-constexpr uint32_t kChunkStart = 1, kChunkEnd = 2, kParent = 4, kRoot = 8;
+constexpr uint32_t kChunkStart = 1, kChunkEnd = 2, kParent = 4, kRoot = 8, kKeyedHash = 16;
 constexpr size_t kBlockLen = 64, kChunkLen = 1024;
 
 inline uint32_t rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
@@ -25,25 +24,28 @@ inline void g(uint32_t* s, int a, int b, int c, int d, uint32_t mx, uint32_t my)
   s[b] = rotr(s[b] ^ s[c], 7);
 }
 
-void compress(const uint32_t cv[8], const uint32_t block[16], uint64_t counter,
+// Message word order of each of the 7 rounds (the permutation applied 0..6 times), precomputed.
+constexpr uint8_t kSchedule[7][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, {2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8},
+    {3, 4, 10, 12, 13, 2, 7, 14, 6, 5, 9, 0, 11, 15, 8, 1}, {10, 7, 12, 9, 14, 3, 13, 15, 4, 0, 11, 2, 5, 8, 1, 6},
+    {12, 13, 9, 11, 15, 10, 14, 8, 7, 2, 5, 3, 0, 1, 6, 4}, {9, 14, 11, 5, 8, 12, 15, 1, 13, 3, 0, 10, 2, 6, 4, 7},
+    {11, 15, 5, 0, 1, 9, 8, 6, 14, 10, 2, 12, 3, 4, 7, 13}};
+
+void compress(const uint32_t cv[8], const uint32_t m[16], uint64_t counter,
               uint32_t block_len, uint32_t flags, uint32_t out[16]) {
   uint32_t s[16] = {cv[0], cv[1], cv[2], cv[3], cv[4], cv[5], cv[6], cv[7],
                     kIV[0], kIV[1], kIV[2], kIV[3], static_cast<uint32_t>(counter),
                     static_cast<uint32_t>(counter >> 32), block_len, flags};
-  uint32_t m[16];
-  std::memcpy(m, block, sizeof(m));
   for (int round = 0; round < 7; ++round) {
-    g(s, 0, 4, 8, 12, m[0], m[1]);
-    g(s, 1, 5, 9, 13, m[2], m[3]);
-    g(s, 2, 6, 10, 14, m[4], m[5]);
-    g(s, 3, 7, 11, 15, m[6], m[7]);
-    g(s, 0, 5, 10, 15, m[8], m[9]);
-    g(s, 1, 6, 11, 12, m[10], m[11]);
-    g(s, 2, 7, 8, 13, m[12], m[13]);
-    g(s, 3, 4, 9, 14, m[14], m[15]);
-    uint32_t p[16];
-    for (int i = 0; i < 16; ++i) p[i] = m[kPermutation[i]];
-    std::memcpy(m, p, sizeof(m));
+    const uint8_t* w = kSchedule[round];
+    g(s, 0, 4, 8, 12, m[w[0]], m[w[1]]);
+    g(s, 1, 5, 9, 13, m[w[2]], m[w[3]]);
+    g(s, 2, 6, 10, 14, m[w[4]], m[w[5]]);
+    g(s, 3, 7, 11, 15, m[w[6]], m[w[7]]);
+    g(s, 0, 5, 10, 15, m[w[8]], m[w[9]]);
+    g(s, 1, 6, 11, 12, m[w[10]], m[w[11]]);
+    g(s, 2, 7, 8, 13, m[w[12]], m[w[13]]);
+    g(s, 3, 4, 9, 14, m[w[14]], m[w[15]]);
   }
   for (int i = 0; i < 8; ++i) {
     out[i] = s[i] ^ s[i + 8];
@@ -73,23 +75,33 @@ struct Output {
   }
 };
 
-Output parent_output(const uint32_t left[8], const uint32_t right[8]) {
+Output parent_output(const uint32_t key[8], uint32_t mode, const uint32_t left[8], const uint32_t right[8]) {
   Output o;
-  std::memcpy(o.input_cv, kIV, sizeof(kIV));
+  std::memcpy(o.input_cv, key, 8 * sizeof(uint32_t));
   std::memcpy(o.block, left, 32);
   std::memcpy(o.block + 8, right, 32);
   o.counter = 0;
   o.block_len = kBlockLen;
-  o.flags = kParent;
+  o.flags = kParent | mode;
   return o;
 }
 
 }  // namespace
 
-Blake3::Blake3() { chunk_reset(0); }
+Blake3::Blake3() {
+  std::memcpy(key_, kIV, sizeof(kIV));
+  chunk_reset(0);
+}
+
+Blake3::Blake3(const uint8_t key[32]) : mode_(kKeyedHash) {
+  for (int i = 0; i < 8; ++i)
+    key_[i] = uint32_t(key[4 * i]) | uint32_t(key[4 * i + 1]) << 8 | uint32_t(key[4 * i + 2]) << 16 |
+              uint32_t(key[4 * i + 3]) << 24;
+  chunk_reset(0);
+}
 
 void Blake3::chunk_reset(uint64_t counter) {
-  std::memcpy(chunk_.cv, kIV, sizeof(kIV));
+  std::memcpy(chunk_.cv, key_, sizeof(key_));
   chunk_.chunk_counter = counter;
   chunk_.block_len = 0;
   chunk_.blocks_compressed = 0;
@@ -101,7 +113,7 @@ void Blake3::push_cv(const uint32_t cv_in[8], uint64_t total_chunks) {
   std::memcpy(cv, cv_in, sizeof(cv));
   while ((total_chunks & 1) == 0) {
     --cv_stack_len_;
-    parent_output(cv_stack_[cv_stack_len_], cv).chaining_value(cv);
+    parent_output(key_, mode_, cv_stack_[cv_stack_len_], cv).chaining_value(cv);
     total_chunks >>= 1;
   }
   std::memcpy(cv_stack_[cv_stack_len_++], cv, sizeof(cv));
@@ -119,7 +131,7 @@ void Blake3::update(const void* data, size_t len) {
       std::memcpy(o.block, words, sizeof(words));
       o.counter = chunk_.chunk_counter;
       o.block_len = chunk_.block_len;
-      o.flags = kChunkEnd | (chunk_.blocks_compressed == 0 ? kChunkStart : 0);
+      o.flags = kChunkEnd | (chunk_.blocks_compressed == 0 ? kChunkStart : 0) | mode_;
       o.chaining_value(cv);
       uint64_t total = chunk_.chunk_counter + 1;
       push_cv(cv, total);
@@ -129,7 +141,7 @@ void Blake3::update(const void* data, size_t len) {
     if (chunk_.block_len == kBlockLen) {
       uint32_t words[16], out[16];
       words_from_le_bytes(chunk_.block, words);
-      uint32_t flags = chunk_.blocks_compressed == 0 ? kChunkStart : 0;
+      uint32_t flags = (chunk_.blocks_compressed == 0 ? kChunkStart : 0) | mode_;
       compress(chunk_.cv, words, chunk_.chunk_counter, kBlockLen, flags, out);
       std::memcpy(chunk_.cv, out, 8 * sizeof(uint32_t));
       ++chunk_.blocks_compressed;
@@ -153,11 +165,11 @@ void Blake3::finalize(uint8_t* out, size_t out_len) const {
   words_from_le_bytes(chunk_.block, o.block);
   o.counter = chunk_.chunk_counter;
   o.block_len = chunk_.block_len;
-  o.flags = kChunkEnd | (chunk_.blocks_compressed == 0 ? kChunkStart : 0);
+  o.flags = kChunkEnd | (chunk_.blocks_compressed == 0 ? kChunkStart : 0) | mode_;
   for (int i = cv_stack_len_ - 1; i >= 0; --i) {
     uint32_t cv[8];
     o.chaining_value(cv);
-    o = parent_output(cv_stack_[i], cv);
+    o = parent_output(key_, mode_, cv_stack_[i], cv);
   }
   uint64_t block_counter = 0;
   size_t written = 0;

@@ -58,8 +58,8 @@ void blob_seal(uint8_t* blob, size_t size) {
   put_le<uint64_t>(blob, size - kBlobTrailerBytes, xxh64(blob, size - kBlobTrailerBytes));
 }
 
-Status blob_parse(const uint8_t* data, size_t size, bool verify_checksum, BlobHeader* out) {
-  if (data == nullptr || size < kBlobHeaderBytes + kBlobTrailerBytes)
+Status blob_parse_header(const uint8_t* data, size_t size, BlobHeader* out) {
+  if (data == nullptr || size < kBlobHeaderBytes)
     return Status::Fail("blob truncated: " + std::to_string(size) + " bytes, header alone needs " +
                         std::to_string(kBlobHeaderBytes + kBlobTrailerBytes));
   if (std::memcmp(data, kMagic, 4) != 0) return Status::Fail("not a kdn blob (bad magic)");
@@ -91,6 +91,17 @@ Status blob_parse(const uint8_t* data, size_t size, bool verify_checksum, BlobHe
                            : h.payload_bytes > expected * kMaxCodedRatio || h.payload_bytes * kMaxDecodedRatio < expected)
     return Status::Fail("payload size " + std::to_string(h.payload_bytes) +
                         " does not match dimensions (" + std::to_string(expected) + ")");
+  *out = h;
+  return Status::Ok();
+}
+
+Status blob_parse(const uint8_t* data, size_t size, bool verify_checksum, BlobHeader* out) {
+  if (data == nullptr || size < kBlobHeaderBytes + kBlobTrailerBytes)
+    return Status::Fail("blob truncated: " + std::to_string(size) + " bytes, header alone needs " +
+                        std::to_string(kBlobHeaderBytes + kBlobTrailerBytes));
+  BlobHeader h;
+  Status st = blob_parse_header(data, size, &h);
+  if (!st.ok) return st;
   if (size != kBlobHeaderBytes + h.payload_bytes + kBlobTrailerBytes)
     return Status::Fail("blob size " + std::to_string(size) + " does not match its header (" +
                         std::to_string(kBlobHeaderBytes + h.payload_bytes + kBlobTrailerBytes) + ")");

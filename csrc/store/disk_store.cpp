@@ -2,6 +2,7 @@
 #include "kdn/disk_store.h"
 
 #include "kdn/codec.h"
+#include "kdn/hash.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -10,8 +11,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <system_error>
 
 namespace fs = std::filesystem;
 
@@ -57,32 +60,85 @@ bool write_all(int fd, const uint8_t* data, size_t size) {
   return true;
 }
 
-// Reads a whole blob file; nullptr with *missing set if it does not exist, or with *error set.
-BufferPtr read_file(const std::string& path, bool* missing, std::string* error) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+constexpr size_t kMacBytes = 32;
+
+void mac_of(const std::string& mac_key, const uint8_t* data, size_t size, uint8_t out[kMacBytes]) {
+  Blake3 h(reinterpret_cast<const uint8_t*>(mac_key.data()));
+  h.update(data, size);
+  h.finalize(out, kMacBytes);
+}
+
+bool mac_matches(const std::string& mac_key, const uint8_t* data, size_t size, const uint8_t tag[kMacBytes]) {
+  uint8_t want[kMacBytes];
+  mac_of(mac_key, data, size, want);
+  uint8_t diff = 0;  // constant time
+  for (size_t i = 0; i < kMacBytes; ++i) diff |= static_cast<uint8_t>(want[i] ^ tag[i]);
+  return diff == 0;
+}
+
+bool is_symlink(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode);
+}
+
+bool read_at(int fd, uint8_t* data, size_t size, size_t offset, const std::string& path, std::string* error) {
+  size_t done = 0;
+  while (done < size) {
+    ssize_t n = ::pread(fd, data + done, size - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      *error = n == 0 ? "blob file " + path + " shrank while being read" : errno_text("cannot read", path);
+      return false;
+    }
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// Reads a blob file: its header first, so a file whose size disagrees with its header (a foreign,
+// sparse or truncated file) is rejected before anything is allocated for it. Never follows a
+// symlink. nullptr with *missing set if it does not exist, or with *error set.
+// *bad is set when the file exists but is not a blob of this tier (size, header or tag wrong).
+BufferPtr read_file(const std::string& path, const std::string& mac_key, bool* missing, bool* bad,
+                   std::string* error) {
+  const uint64_t tag_bytes = mac_key.empty() ? 0 : kMacBytes;
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) {
     if (errno == ENOENT || errno == ENOTDIR) *missing = true;
+    else if (errno == ELOOP) *bad = true, *error = "blob file " + path + " is a symlink (not followed)";
     else *error = errno_text("cannot open", path);
     return nullptr;
   }
   struct stat st;
   BufferPtr buf;
+  uint8_t head[kBlobHeaderBytes];
+  BlobHeader h;
   if (::fstat(fd, &st) != 0) {
     *error = errno_text("cannot stat", path);
-  } else if (st.st_size <= 0 || static_cast<uint64_t>(st.st_size) > kMaxBlobFileBytes) {
-    *error = "blob file " + path + " has an impossible size " + std::to_string(st.st_size);
+  } else if (!S_ISREG(st.st_mode) || st.st_size <= 0 || static_cast<uint64_t>(st.st_size) > kMaxBlobFileBytes ||
+             static_cast<uint64_t>(st.st_size) < kBlobHeaderBytes) {
+    *bad = true;
+    *error = "blob file " + path + " is not a regular file of a possible size (" + std::to_string(st.st_size) + ")";
+  } else if (!read_at(fd, head, kBlobHeaderBytes, 0, path, error)) {
+    // I/O error (or shrank meanwhile): reported as such
+  } else if (Status hs = blob_parse_header(head, kBlobHeaderBytes, &h); !hs.ok) {
+    *bad = true;
+    *error = "blob file " + path + ": " + hs.message;
+  } else if (blob_total_bytes(h) + tag_bytes != static_cast<uint64_t>(st.st_size)) {
+    *bad = true;
+    *error = "blob file " + path + " has " + std::to_string(st.st_size) + " bytes, its header says " +
+             std::to_string(blob_total_bytes(h)) + (tag_bytes ? " + a 32-byte tag (keyed mode)" : "");
   } else {
-    buf = std::make_shared<Buffer>(static_cast<size_t>(st.st_size));
-    size_t done = 0;
-    while (done < buf->size()) {
-      ssize_t n = ::pread(fd, buf->data() + done, buf->size() - done, static_cast<off_t>(done));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        *error = n == 0 ? "blob file " + path + " shrank while being read" : errno_text("cannot read", path);
-        buf.reset();
-        break;
-      }
-      done += static_cast<size_t>(n);
+    buf = std::make_shared<Buffer>(static_cast<size_t>(blob_total_bytes(h)));
+    std::memcpy(buf->data(), head, kBlobHeaderBytes);
+    uint8_t tag[kMacBytes];
+    if (!read_at(fd, buf->data() + kBlobHeaderBytes, buf->size() - kBlobHeaderBytes, kBlobHeaderBytes, path, error) ||
+        (tag_bytes && !read_at(fd, tag, kMacBytes, buf->size(), path, error))) {
+      buf.reset();
+    } else if (tag_bytes && !mac_matches(mac_key, buf->data(), buf->size(), tag)) {
+      *bad = true;
+      *error = "blob file " + path + " fails its keyed tag (written without the secret, or altered)";
+      buf.reset();
     }
   }
   ::close(fd);
@@ -97,12 +153,23 @@ DiskStore::DiskStore(DiskStoreOptions options)
       readers_(std::max(1, options_.read_threads)) {
   KDN_CHECK_INPUT(!options_.dir.empty(), "DiskStore: the directory is empty");
   KDN_CHECK_INPUT(options_.capacity_bytes > 0, "DiskStore: capacity_bytes must be positive");
+  KDN_CHECK_INPUT(options_.mac_key.empty() || options_.mac_key.size() == kMacBytes,
+                  "DiskStore: mac_key must be 32 bytes (or empty)");
   std::error_code ec;
-  fs::create_directories(fs::path(options_.dir) / "tmp", ec);
-  if (ec) throw InputError("DiskStore: cannot create " + options_.dir + ": " + ec.message(), __FILE__, __LINE__);
+  if (!fs::exists(options_.dir, ec)) {
+    fs::create_directories(fs::path(options_.dir).parent_path(), ec);
+    std::string error;
+    if (!make_private_dir(options_.dir, &error)) throw InputError("DiskStore: " + error, __FILE__, __LINE__);
+  }
+  std::string error;
+  if (!make_private_dir(options_.dir + "/tmp", &error)) throw InputError("DiskStore: " + error, __FILE__, __LINE__);
   remove_stale_temporaries();
   rebuild_index();
-  writer_ = std::thread([this] { writer_loop(); });
+  try {
+    writer_ = std::thread([this] { writer_loop(); });
+  } catch (const std::system_error& e) {
+    throw Error(std::string("DiskStore: cannot start its writer thread (") + e.what() + ")", __FILE__, __LINE__);
+  }
 }
 
 DiskStore::~DiskStore() {
@@ -112,6 +179,43 @@ DiskStore::~DiskStore() {
   }
   queue_cv_.notify_all();
   writer_.join();
+}
+
+bool DiskStore::make_private_dir(const std::string& path, std::string* error) const {
+  const mode_t mode = options_.group_shared ? 02770 : 0700;
+  if (::mkdir(path.c_str(), mode) == 0) {
+    ::chmod(path.c_str(), mode);  // the umask must not widen or narrow what was asked
+    return true;
+  }
+  struct stat st;
+  if (errno == EEXIST && ::lstat(path.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) return true;
+    *error = "cannot create " + path + (S_ISLNK(st.st_mode) ? ": it is a symlink (not followed inside a disk tier)"
+                                                             : ": it exists and is not a directory");
+    return false;
+  }
+  *error = errno_text("cannot create", path);
+  return false;
+}
+
+uint64_t DiskStore::file_bytes(const Buffer& blob) const {
+  return blob.size() + (options_.mac_key.empty() ? 0 : kMacBytes);
+}
+
+bool DiskStore::file_present(const Key128& key) const {
+  const std::string path = path_of(key);
+  struct stat st;
+  return !is_symlink(path.substr(0, path.rfind('/'))) && ::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+         static_cast<uint64_t>(st.st_size) >= kBlobHeaderBytes + kBlobTrailerBytes;
+}
+
+bool DiskStore::held_locked(const Key128& key) {
+  if (pending_.count(key)) return true;
+  if (!index_.contains(key)) return false;
+  if (file_present(key)) return true;
+  index_.erase(key);  // another process evicted or removed it: the index must not claim it
+  ++stats_.vanished;
+  return false;
 }
 
 std::string DiskStore::path_of(const Key128& key) const {
@@ -142,7 +246,8 @@ void DiskStore::rebuild_index() {
   std::vector<Found> found;
   std::error_code ec;
   for (fs::directory_iterator shard(options_.dir, ec), end; !ec && shard != end; shard.increment(ec)) {
-    if (shard->path().filename().string().size() != 2) continue;
+    std::error_code ec1;
+    if (shard->path().filename().string().size() != 2 || shard->is_symlink(ec1)) continue;
     std::error_code ec2;
     for (fs::directory_iterator f(shard->path(), ec2); !ec2 && f != end; f.increment(ec2)) {
       std::string name = f->path().filename().string();
@@ -150,9 +255,11 @@ void DiskStore::rebuild_index() {
       if (name.size() != 32 + std::strlen(kSuffix) || name.substr(32) != kSuffix || !key_from_hex(name.substr(0, 32), &key))
         continue;
       std::error_code ec3;
+      const auto status = f->symlink_status(ec3);
+      if (ec3 || !fs::is_regular_file(status)) continue;  // symlinks and other oddities are not blobs
       uint64_t bytes = f->file_size(ec3);
       auto mtime = f->last_write_time(ec3);
-      if (!ec3) found.push_back({mtime, key, bytes});
+      if (!ec3 && bytes >= kBlobHeaderBytes + kBlobTrailerBytes) found.push_back({mtime, key, bytes});
     }
   }
   std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime < b.mtime; });
@@ -172,7 +279,10 @@ bool DiskStore::adopt_locked(const Key128& key, uint64_t bytes, std::vector<Key1
 }
 
 void DiskStore::unlink_keys(const std::vector<Key128>& keys) {
-  for (const auto& key : keys) ::unlink(path_of(key).c_str());
+  for (const auto& key : keys) {
+    const std::string path = path_of(key);
+    if (!is_symlink(path.substr(0, path.rfind('/')))) ::unlink(path.c_str());
+  }
 }
 
 void DiskStore::record_error(const std::string& error) {
@@ -190,19 +300,22 @@ bool DiskStore::write_file(const Key128& key, const BufferPtr& blob, std::string
   std::string tmp_dir = options_.dir + "/tmp";
   std::string tmp_path = tmp_dir + "/" + hex + "." + std::to_string(::getpid()) + "." +
                          std::to_string(tmp_counter_.fetch_add(1)) + ".tmp";
-  std::error_code ec;
-  fs::create_directories(tmp_dir, ec);
-  fs::create_directories(options_.dir + "/" + hex.substr(0, 2), ec);
-  if (ec) {
-    *error = "cannot create directories under " + options_.dir + ": " + ec.message();
+  if (!make_private_dir(options_.dir, error) || !make_private_dir(tmp_dir, error) ||
+      !make_private_dir(options_.dir + "/" + hex.substr(0, 2), error))
     return false;
-  }
-  int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  const mode_t mode = options_.group_shared ? 0660 : 0600;
+  int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, mode);
   if (fd < 0) {
     *error = errno_text("cannot create", tmp_path);
     return false;
   }
+  if (options_.group_shared) ::fchmod(fd, mode);
   bool ok = write_all(fd, blob->data(), blob->size());
+  if (ok && !options_.mac_key.empty()) {
+    uint8_t tag[kMacBytes];
+    mac_of(options_.mac_key, blob->data(), blob->size(), tag);
+    ok = write_all(fd, tag, kMacBytes);
+  }
   if (!ok) *error = errno_text("cannot write", tmp_path);
   if (ok && options_.fsync && ::fsync(fd) != 0) {
     ok = false;
@@ -253,13 +366,13 @@ bool DiskStore::write_blob(const Key128& key, const BufferPtr& queued) {
       return false;
     }
     if (!index_.contains(key)) {
-      if (!index_.make_room(blob->size(), &victims)) {
+      if (!index_.make_room(file_bytes(*blob), &victims)) {
         ++stats_.rejected;
         pending_.erase(key);
         return false;
       }
       stats_.evictions += victims.size();
-      index_.insert(key, blob->size());
+      index_.insert(key, file_bytes(*blob));
     }
   }
   unlink_keys(victims);
@@ -277,21 +390,30 @@ bool DiskStore::write_blob(const Key128& key, const BufferPtr& queued) {
   return ok;
 }
 
-bool DiskStore::put(const Key128& key, const BufferPtr& blob) {
+Key128 DiskStore::file_key(const Key128& key, const BufferPtr& blob) const {
+  BlobHeader h;
+  if (!blob_parse(blob->data(), blob->size(), false, &h).ok) return key;  // write_blob reports it
+  h.key = key;
+  return coded_key(h, options_.codec, options_.codec_params);
+}
+
+bool DiskStore::put(const Key128& given_key, const BufferPtr& blob) {
   KDN_CHECK(blob != nullptr, "DiskStore.put: blob is null");
+  const Key128 key = file_key(given_key, blob);
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (pending_.count(key) || index_.contains(key)) return true;  // content-addressed: same key, same bytes
+    if (held_locked(key)) return true;  // content-addressed: same key, same bytes
     pending_[key] = blob;
   }
   return write_blob(key, blob);
 }
 
-bool DiskStore::put_async(const Key128& key, const BufferPtr& blob) {
+bool DiskStore::put_async(const Key128& given_key, const BufferPtr& blob) {
   KDN_CHECK(blob != nullptr, "DiskStore.put_async: blob is null");
+  const Key128 key = file_key(given_key, blob);
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (pending_.count(key) || index_.contains(key)) return true;
+    if (held_locked(key)) return true;
     if (queued_bytes_ + blob->size() > options_.queue_bytes) {
       ++stats_.dropped;
       return false;
@@ -326,6 +448,12 @@ void DiskStore::flush() {
   idle_cv_.wait(lock, [this] { return queue_.empty() && !writing_; });
 }
 
+bool DiskStore::flush_for(double seconds) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  return idle_cv_.wait_for(lock, std::chrono::duration<double>(seconds > 0 ? seconds : 0),
+                           [this] { return queue_.empty() && !writing_; });
+}
+
 BufferPtr DiskStore::get(const Key128& key) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -336,9 +464,12 @@ BufferPtr DiskStore::get(const Key128& key) {
     }
   }
   std::string path = path_of(key), error;
-  bool missing = false, corrupt = false;
-  BufferPtr blob = read_file(path, &missing, &error);
-  if (blob) {
+  bool missing = is_symlink(path.substr(0, path.rfind('/'))), corrupt = false;  // a planted shard link: a miss
+  BufferPtr blob = missing ? nullptr : read_file(path, options_.mac_key, &missing, &corrupt, &error);
+  if (corrupt) {
+    error = "corrupt blob file (deleted): " + error;
+    if (!is_symlink(path.substr(0, path.rfind('/')))) ::unlink(path.c_str());
+  } else if (blob) {
     BlobHeader h;
     Status st = blob_parse(blob->data(), blob->size(), /*verify_checksum=*/true, &h);
     if (st.ok && h.key == key) {
@@ -355,13 +486,15 @@ BufferPtr DiskStore::get(const Key128& key) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (blob) {
       if (index_.contains(key)) index_.touch(key);
-      else adopt_locked(key, blob->size(), &victims);
+      else adopt_locked(key, file_bytes(*blob), &victims);
       ++stats_.hits;
     } else {
       if (!pending_.count(key)) index_.erase(key);  // gone (another process evicted it) or corrupt
       ++stats_.misses;
-      if (!missing) {
-        if (corrupt) ++stats_.corrupt;
+      if (corrupt) {  // counted once, as corrupt; `errors` counts failed I/O
+        ++stats_.corrupt;
+        stats_.last_error = error;
+      } else if (!missing) {
         record_error(error);
       }
     }
@@ -379,10 +512,10 @@ std::vector<BufferPtr> DiskStore::get_many(const std::vector<Key128>& keys) {
 bool DiskStore::contains(const Key128& key) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (pending_.count(key) || index_.contains(key)) return true;
+    if (held_locked(key)) return true;
   }
   struct stat st;
-  if (::stat(path_of(key).c_str(), &st) != 0 || st.st_size <= 0) return false;
+  if (!file_present(key) || ::lstat(path_of(key).c_str(), &st) != 0) return false;
   std::vector<Key128> victims;  // written by another process since start-up: adopt it
   bool adopted;
   {
@@ -433,10 +566,11 @@ void DiskStore::clear() {
   index_.clear();
   std::error_code ec;
   for (fs::directory_iterator shard(options_.dir, ec), end; !ec && shard != end; shard.increment(ec)) {
-    if (shard->path().filename().string().size() != 2) continue;
+    std::error_code ec1;
+    if (shard->path().filename().string().size() != 2 || shard->is_symlink(ec1)) continue;  // never followed
     std::error_code ec2;
     for (fs::directory_iterator f(shard->path(), ec2); !ec2 && f != end; f.increment(ec2))
-      if (f->path().extension() == kSuffix) ::unlink(f->path().c_str());
+      if (f->path().extension() == kSuffix) ::unlink(f->path().c_str());  // unlink never follows a link
   }
 }
 

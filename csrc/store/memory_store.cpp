@@ -86,6 +86,11 @@ void MemoryStore::clear() {
   dropped.swap(blobs_);
 }
 
+std::vector<std::pair<Key128, BufferPtr>> MemoryStore::entries() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return {blobs_.begin(), blobs_.end()};
+}
+
 void MemoryStore::set_spill(SpillFn spill) {
   std::lock_guard<std::mutex> lock(mutex_);
   spill_ = std::move(spill);

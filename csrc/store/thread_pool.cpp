@@ -1,12 +1,26 @@
 // Fixed-size thread pool (contract in kdn/thread_pool.h).
 #include "kdn/thread_pool.h"
 
+#include "kdn/common.h"
+
 #include <algorithm>
+#include <string>
+#include <system_error>
 
 namespace kdn {
 
 ThreadPool::ThreadPool(int num_threads) {
-  for (int i = 0; i < std::max(1, num_threads); ++i) workers_.emplace_back([this] { work(); });
+  try {
+    for (int i = 0; i < std::max(1, num_threads); ++i) workers_.emplace_back([this] { work(); });
+  } catch (const std::system_error& e) {  // a thread limit: stop what started, report it
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+    throw Error("cannot start " + std::to_string(num_threads) + " threads (" + e.what() + ")", __FILE__, __LINE__);
+  }
 }
 
 ThreadPool::~ThreadPool() {

@@ -43,8 +43,11 @@ bool TierIndex::pin(const Key128& key, double ttl_seconds) {
   auto it = sizes_.find(key);
   if (it == sizes_.end()) return false;
   auto deadline = Clock::time_point::max();
-  if (ttl_seconds > 0)
-    deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(ttl_seconds));
+  const auto now = Clock::now();
+  // Saturate: a TTL beyond what the clock can hold (inf, 1e30 s) pins until unpinned, never "already expired".
+  const double room = std::chrono::duration<double>(Clock::time_point::max() - now).count();
+  if (ttl_seconds > 0 && ttl_seconds < room * 0.5)
+    deadline = now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(ttl_seconds));
   if (!pins_.count(key)) {
     policy_->erase(key);
     pinned_bytes_ += it->second;

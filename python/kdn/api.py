@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 
 import torch
 
@@ -86,7 +87,12 @@ class KDN:
                                 len(blob))
                     break
             stored += chunk
-        return stored
+        retrievable = self.tiers.count_prefix(keys[: stored // chunk], info.fingerprint) * chunk
+        if retrievable < stored:  # the prompt's tail evicted its own head
+            log.warning("kdn: stored %d tokens but only the first %d can be retrieved: the prompt's KV is larger "
+                        "than the tiers hold (memory_bytes=%d; add a disk tier or raise memory_bytes)",
+                        stored, retrievable, self.config.memory_bytes)
+        return retrievable
 
     def retrieve(self, model, token_ids, limit: int | None = None):
         """Fetch the stored KV of the longest stored prefix of ``token_ids``.
@@ -97,20 +103,24 @@ class KDN:
         the last prompt token is always prefilled to produce logits). A corrupt, truncated or
         foreign blob ends the hit before it, is dropped from the store and logged once.
         """
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral)):
+            if not (isinstance(limit, float) and limit.is_integer()):
+                raise InvalidInputError(f"retrieve: limit must be a whole number of tokens or None, got {limit!r}")
         info = self._info(model)
         tokens, keys = self._keys(info, token_ids)
         limit = len(tokens) if limit is None else max(0, min(int(limit), len(tokens)))
         chunk = self.config.chunk_size
         wanted = min(self.tiers.count_prefix(keys, info.fingerprint), -(-limit // chunk))
-        blobs = self.tiers.get_many(keys[:wanted], info.fingerprint)  # may stop early: evicted since count_prefix
+        # may stop early (evicted since count_prefix); addresses: exact keys, or accepted lossy ones
+        blobs, addresses = self.tiers.fetch(keys[:wanted], info.fingerprint)
         layout = info.layout
         n_ok, error = _core.verify_chunks(
-            blobs, keys[: len(blobs)], info.fingerprint, layout.dtype,
+            blobs, addresses, info.fingerprint, layout.dtype,
             layout.layers, layout.kv_heads, layout.head_dim, chunk,
         )
         if error:
             log.warning("kdn: dropping an unusable stored chunk (treated as a miss): %s", error)
-            self.tiers.remove(keys[n_ok], info.fingerprint)
+            self.tiers.drop(addresses[n_ok], info.fingerprint)
         hit = min(n_ok * chunk, limit)
         if hit == 0:
             return None, 0
@@ -119,8 +129,8 @@ class KDN:
             _core.unpack_chunks(blobs[: -(-hit // chunk)], kv, hit)  # decodes coded chunks
         except BlobError as e:  # a coded payload that its checksum did not catch: a miss, never wrong KV
             log.warning("kdn: dropping undecodable stored chunks (treated as a miss): %s", e)
-            for key in keys[: -(-hit // chunk)]:
-                self.tiers.remove(key, info.fingerprint)
+            for address in addresses[: -(-hit // chunk)]:
+                self.tiers.drop(address, info.fingerprint)
             return None, 0
         device = next(model.parameters()).device
         if device.type != "cpu":
@@ -196,8 +206,9 @@ class KDN:
         from wherever they are stored; pins live in this process.
         Example: ``kdn.pin(model, document, tokenizer=tok, ttl=3600)``.
         """
-        if ttl is not None and not ttl > 0:
-            raise InvalidInputError(f"ttl must be a positive number of seconds or None, got {ttl!r}")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, numbers.Real) or not ttl > 0):
+            raise InvalidInputError(f"pin: ttl must be a positive number of seconds (inf: until unpinned) or None, "
+                                    f"got {ttl!r}")
         info = self._info(model)
         keys = self._prompt_keys(info, prompt, tokenizer)
         self.tiers.get_many(keys, info.fingerprint)  # promote into memory

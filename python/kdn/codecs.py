@@ -64,6 +64,11 @@ class Codec:
         return 0
 
     @property
+    def lossy(self) -> bool:
+        """True for int* and cachegen: decoding does not give back the exact KV."""
+        return self.id in (_KIVI, _CACHEGEN)
+
+    @property
     def spec(self) -> str:
         """The canonical spec string: defaults left out, so equal codecs have equal specs."""
         changed = [f"{k}={v}" for k, v in self.options if v != _OPTIONS[self.name][k]]
@@ -109,6 +114,25 @@ def codec_of(blob) -> Codec:
     if cid == _CACHEGEN:
         return parse(f"cachegen:level={params & 0xff},anchor={params >> 8}")
     return parse("raw" if cid == 0 else "lossless")
+
+
+def address(key: bytes, codec) -> bytes:
+    """Where a chunk of ``key`` coded with ``codec`` is filed: ``key`` for exact codecs, else its
+    lossy key (a hash of key, codec and parameters), so lossy KV never answers an exact lookup."""
+    c = parse(codec)
+    return _core.lossy_key(key, c.id, c.params)
+
+
+def key_of(blob) -> bytes:
+    """The chunk key in a blob's header (its address: lossy blobs carry their lossy key)."""
+    return _core.blob_parse(blob, verify_checksum=False)["key"]
+
+
+def stored_key(blob, codec) -> bytes:
+    """The key ``blob`` carries once coded with ``codec`` (what :func:`encode` gives it): its own
+    key unless ``codec`` is lossy and not already the blob's codec."""
+    c = parse(codec)
+    return _core.coded_key(blob, c.id, c.params)
 
 
 def encode(blob, codec, report: bool = False):

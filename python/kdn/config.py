@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import re
+import warnings
 from pathlib import Path
 
 from kdn._core import InvalidInputError
@@ -18,6 +20,12 @@ EVICTION_POLICIES = ("lru", "s3fifo")
 _SIZE_FIELDS = ("memory_bytes", "disk_bytes", "disk_queue_bytes", "remote_part_bytes", "remote_queue_bytes")
 _INT_FIELDS = ("chunk_size", "disk_read_threads")
 _SECONDS_FIELDS = ("remote_timeout", "remote_ttl", "remote_retry_seconds")
+MAX_BYTES = 1 << 60  # 1 EiB: larger sizes are typos, and overflow the C++ stores' arithmetic
+MAX_READ_THREADS = 64
+# KDN_* variables that are not settings (read by the build, the tests, CI and data lookup).
+_OTHER_ENV = {"KDN_CONFIG", "KDN_SHARED", "KDN_DATA", "KDN_CUDA", "KDN_BUFFER_POOL_BYTES", "KDN_REQUIRE_SERVERS",
+              "KDN_REQUIRE_DATA", "KDN_APT_PACKAGES", "KDN_BENCH_DIR"}
+_warned_env: set[str] = set()
 
 
 def parse_bytes(value, name: str = "size") -> int:
@@ -77,6 +85,19 @@ class KDNConfig:
             (``"cachegen:level=1..3"``). A typical split keeps memory raw and compresses what goes
             to disk and to the network. Disk encodes in its background writer, remote in its
             sender thread; a chunk read from a tier is re-coded to memory's codec when promoted.
+        disk_shared: share the disk tier with other users of a group: files 0660 and directories
+            2770 instead of 0600 / 0700, and a ``disk_dir`` owned by another user is accepted
+            (default False: a private cache, and another user's directory is refused).
+        secret: a passphrase (or ``$KDN_SECRET``) for tiers whose writers are not all trusted:
+            disk files and remote values then carry a keyed BLAKE3 tag, verified on every read,
+            so bytes written without the secret are misses. Never printed. Default None (plain
+            XXH64 checksums: they catch corruption, not forgery).
+        accept_codecs: lossy codecs whose chunks this process may be served although it did not
+            choose them for a tier (e.g. ``("int8", "cachegen:level=3")``, or a comma-separated
+            string). Default ``()``: exact KV only, plus the lossy codecs of this process's own
+            tiers. Lossy chunks are filed under their own keys (``kdn/codec.h``: ``lossy_key``), so
+            a reader that wants exact KV misses a lossy writer's chunks and stores exact ones
+            beside them, in every tier it shares.
 
     Sources, later wins: defaults, a YAML file, ``KDN_<FIELD>`` environment variables, keyword
     arguments (:meth:`load`).
@@ -106,6 +127,9 @@ class KDNConfig:
     memory_codec: str = "raw"
     disk_codec: str = "raw"
     remote_codec: str = "raw"
+    accept_codecs: tuple = ()
+    disk_shared: bool = False
+    secret: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         for name in _SIZE_FIELDS:
@@ -114,20 +138,31 @@ class KDNConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidInputError(f"KDNConfig.{name} must be a positive integer, got {value!r}")
+            if name in _SIZE_FIELDS and value > MAX_BYTES:
+                raise InvalidInputError(f"KDNConfig.{name}={value} is larger than 1 EiB; is it a typo?")
+        if self.disk_read_threads > MAX_READ_THREADS:
+            raise InvalidInputError(f"KDNConfig.disk_read_threads={self.disk_read_threads}: at most "
+                                    f"{MAX_READ_THREADS} (reads are bounded by the disk, not by threads)")
         if self.chunk_size > 1 << 20:
             raise InvalidInputError(f"KDNConfig.chunk_size={self.chunk_size} is too large (max 1048576)")
         for name, choices in (("memory_policy", EVICTION_POLICIES), ("disk_policy", EVICTION_POLICIES),
                               ("write_policy", WRITE_POLICIES)):
             if getattr(self, name) not in choices:
                 raise InvalidInputError(f"KDNConfig.{name}={getattr(self, name)!r}; choose one of {', '.join(choices)}")
-        if not isinstance(self.disk_fsync, bool):
-            raise InvalidInputError(f"KDNConfig.disk_fsync must be True or False, got {self.disk_fsync!r}")
+        for name in ("disk_fsync", "disk_shared"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInputError(f"KDNConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.secret is not None and (not isinstance(self.secret, (str, bytes)) or len(self.secret) < 8):
+            raise InvalidInputError("KDNConfig.secret must be a string or bytes of at least 8 characters (or None)")
         for name in _SECONDS_FIELDS:
             value = getattr(self, name)
             if value is None and name == "remote_ttl":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise InvalidInputError(f"KDNConfig.{name} must be a positive number of seconds, got {value!r}")
+        if self.remote_ttl is not None and self.remote_ttl < 0.001:
+            raise InvalidInputError(f"KDNConfig.remote_ttl={self.remote_ttl!r}: at least 0.001 s (the store "
+                                    "expires values in milliseconds), or None to keep them")
         from kdn import codecs
 
         for name in ("memory_codec", "disk_codec", "remote_codec"):
@@ -135,6 +170,15 @@ class KDNConfig:
                 object.__setattr__(self, name, codecs.parse(getattr(self, name)).spec)
             except InvalidInputError as e:
                 raise InvalidInputError(f"KDNConfig.{name}: {e}") from None
+        accept = self.accept_codecs
+        if isinstance(accept, str):
+            accept = [a for a in (s.strip() for s in accept.split(",")) if a]
+        if not isinstance(accept, (list, tuple)):
+            raise InvalidInputError(f"KDNConfig.accept_codecs must be a list of codec specs, got {accept!r}")
+        try:
+            object.__setattr__(self, "accept_codecs", tuple(dict.fromkeys(codecs.parse(a).spec for a in accept)))
+        except InvalidInputError as e:
+            raise InvalidInputError(f"KDNConfig.accept_codecs: {e}") from None
         if self.remote_url is not None:
             from kdn.storage.remote import SCHEMES, redact
 
@@ -151,7 +195,8 @@ class KDNConfig:
     def __repr__(self) -> str:  # never print a password from remote_url
         from kdn.storage.remote import redact
 
-        fields = {**self.to_dict(), "remote_url": redact(self.remote_url) if self.remote_url else None}
+        fields = {**self.to_dict(), "remote_url": redact(self.remote_url) if self.remote_url else None,
+                  "secret": "***" if self.secret is not None else None}
         return "KDNConfig(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
 
     # -- loading ----------------------------------------------------------------------------
@@ -175,9 +220,43 @@ class KDNConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def mac_key(self) -> bytes:
+        """The 32-byte key of the keyed tags (derived from ``secret``), or b"" when there is none."""
+        if self.secret is None:
+            return b""
+        from kdn import _core
+
+        raw = self.secret.encode() if isinstance(self.secret, str) else bytes(self.secret)
+        return _core.blake3(b"kdn/mac-key\0" + raw, 32)
+
+    def lossy_codecs(self) -> tuple:
+        """The lossy codec specs whose chunks this process reads: its tiers' own, then ``accept_codecs``."""
+        from kdn import codecs
+
+        specs = (self.memory_codec, self.disk_codec, self.remote_codec, *self.accept_codecs)
+        return tuple(dict.fromkeys(s for s in specs if codecs.parse(s).lossy))
+
 
 def _field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(KDNConfig)]
+
+
+def _checked_init(init):
+    """KDNConfig(unknown=...) is an InvalidInputError with a "did you mean", not a TypeError."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        for name in kwargs:
+            if name not in _field_names():
+                raise _unknown(name, "KDNConfig(...)")
+        if len(args) > len(_field_names()):
+            raise InvalidInputError(f"KDNConfig takes at most {len(_field_names())} settings, got {len(args)}")
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+KDNConfig.__init__ = _checked_init(KDNConfig.__init__)
 
 
 def _unknown(name: str, where: str) -> InvalidInputError:
@@ -187,6 +266,13 @@ def _unknown(name: str, where: str) -> InvalidInputError:
 
 
 def _env_values() -> dict:
+    for var in os.environ:
+        if var.startswith("KDN_") and var not in _OTHER_ENV and var[4:].lower() not in _field_names() \
+                and var not in _warned_env:
+            _warned_env.add(var)
+            close = difflib.get_close_matches(var[4:].lower(), _field_names(), n=1)
+            hint = f"; did you mean KDN_{close[0].upper()}?" if close else ""
+            warnings.warn(f"kdn: ignoring the unknown environment variable {var}{hint}", UserWarning, stacklevel=3)
     values = {}
     for name in _field_names():
         raw = os.environ.get(f"KDN_{name.upper()}")
@@ -203,7 +289,7 @@ def _from_text(name: str, raw: str, where: str):
             raise InvalidInputError(f"{where}={raw!r} is not an integer") from None
     if name in _SIZE_FIELDS:
         return parse_bytes(raw, where)
-    if name == "disk_fsync":
+    if name in ("disk_fsync", "disk_shared"):
         lowered = raw.strip().lower()
         if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
             raise InvalidInputError(f"{where}={raw!r} is not a boolean (true/false)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import weakref
 
@@ -12,12 +13,14 @@ from kdn import _core
 from kdn._core import InvalidInputError
 
 FORMAT_VERSION = 1
-_SAMPLES_PER_TENSOR = 4096
+# Bumped when what the fingerprint covers changes (2: every weight byte instead of a sample).
+FINGERPRINT_VERSION = 2
 # Runtime switches and names that do not change what the model computes.
 _CONFIG_IGNORED = {
     "use_cache", "return_dict", "output_attentions", "output_hidden_states", "torchscript",
     "transformers_version", "dtype", "torch_dtype", "quantization_config", "name_or_path",
 }
+# model -> (state signature, fingerprint)
 _fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -26,33 +29,59 @@ def _config_json(config) -> str:
     return json.dumps(items, sort_keys=True, default=str)
 
 
-def _weights_sample(tensor: torch.Tensor) -> bytes:
+def _state_signature(model: torch.nn.Module) -> tuple:
+    """Cheap identity of the model's current tensors: where they live, their dtype and their
+    in-place version counter. ``.to(dtype)``, ``load_state_dict`` and optimizer steps change it."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return tuple((t.data_ptr(), t.dtype, t.device, t._version) for t in tensors)
+
+
+def _tensor_bytes(name: str, tensor: torch.Tensor) -> memoryview:
+    if tensor.device.type == "meta":
+        raise InvalidInputError(f"model tensor {name!r} is on the meta device (weights not loaded); "
+                                "kdn needs the real weights to know which model it serves")
     flat = tensor.detach().reshape(-1)
-    if flat.numel() > _SAMPLES_PER_TENSOR:
-        index = torch.arange(_SAMPLES_PER_TENSOR, device=flat.device) * (flat.numel() - 1) // (_SAMPLES_PER_TENSOR - 1)
-        flat = flat[index]
-    return flat.to(torch.float32).cpu().numpy().tobytes()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return memoryview(flat.contiguous().view(torch.uint8).numpy())
 
 
 def model_fingerprint(model: torch.nn.Module, refresh: bool = False) -> bytes:
-    """16-byte identity of a model: architecture config, dtype and weights.
+    """16-byte identity of a model: architecture config, dtype and every weight byte.
 
-    The weights part hashes every tensor's name, shape, dtype and 4096 evenly spaced values
-    (all values of smaller tensors), so loading the same checkpoint anywhere gives the same
-    fingerprint while a different checkpoint or a fine-tune does not. The result is cached per
-    model object; pass ``refresh=True`` after changing weights in place.
+    BLAKE3 (multithreaded, the ``blake3`` package) over the config and, for every tensor of the
+    state dict, its name, shape, dtype and all its bytes; tensors that share storage (tied
+    embeddings) are hashed once. The same checkpoint in the same dtype gives the same fingerprint
+    in any process; a fine-tune that changes one value, or a cast to another dtype, does not.
+    Cost: one pass over the weights at memory bandwidth (SmolLM2-135M fp32, 538 MB: ~0.2 s here;
+    a 7B model in fp16, 14 GB: a few seconds), once per model object. The result is cached per
+    model object and recomputed when its tensors change (a new dtype or device, ``load_state_dict``,
+    in-place updates that bump tensor versions); pass ``refresh=True`` after writing weights through
+    ``.data``, which torch does not track.
 
     Example:
         >>> fp = model_fingerprint(model)   # b'\\x8f...' (16 bytes)
     """
-    if not refresh and model in _fingerprints:
-        return _fingerprints[model]
-    parts = [b"kdn/model", str(FORMAT_VERSION).encode(), _config_json(model.config).encode()]
+    import blake3
+
+    signature = _state_signature(model)
+    cached = _fingerprints.get(model)
+    if not refresh and cached is not None and cached[0] == signature:
+        return cached[1]
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    h.update(b"kdn/model\0%d\0" % FINGERPRINT_VERSION)
+    h.update(_config_json(model.config).encode())
+    seen: dict[tuple, str] = {}
     for name, tensor in model.state_dict().items():
-        parts += [name.encode(), str(tuple(tensor.shape)).encode(), str(tensor.dtype).encode()]
-        parts.append(_weights_sample(tensor))
-    digest = _core.blake3(b"\0".join(parts), 16)
-    _fingerprints[model] = digest
+        h.update(b"\0%s\0%s\0%s\0" % (name.encode(), str(tuple(tensor.shape)).encode(), str(tensor.dtype).encode()))
+        alias = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device)
+        if tensor.numel() and alias in seen:
+            h.update(b"same-as\0" + seen[alias].encode())
+            continue
+        seen[alias] = name
+        h.update(_tensor_bytes(name, tensor))
+    digest = h.digest(16)
+    _fingerprints[model] = (signature, digest)
     return digest
 
 
@@ -60,7 +89,10 @@ def token_array(token_ids, vocab_size: int) -> np.ndarray:
     """Validate token ids (list, numpy, torch; 1-D or batch-1 2-D) into a contiguous uint32 array."""
     if isinstance(token_ids, torch.Tensor):
         token_ids = token_ids.detach().cpu().numpy()
-    ids = np.asarray(token_ids)
+    try:
+        ids = np.asarray(token_ids)
+    except ValueError as e:  # ragged nested lists
+        raise InvalidInputError(f"token_ids must be a flat list (or [1, n]) of integers: {e}") from None
     if ids.ndim == 2 and ids.shape[0] == 1:
         ids = ids[0]
     if ids.ndim != 1:

@@ -77,6 +77,12 @@ def cache_to_kv_list(cache) -> list[torch.Tensor]:
     for i, (k, v) in enumerate(pairs):
         if k is None or v is None:
             raise InvalidInputError(f"past_key_values layer {i} is empty")
+        for name, t in (("keys", k), ("values", v)):
+            if not isinstance(t, torch.Tensor):
+                raise InvalidInputError(f"past_key_values layer {i} {name} must be a torch tensor, got "
+                                        f"{type(t).__name__}")
+            if t.device.type == "meta":
+                raise InvalidInputError(f"past_key_values layer {i} {name} is on the meta device (no data)")
         out += [k.detach(), v.detach()]
     return out
 

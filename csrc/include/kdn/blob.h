@@ -96,4 +96,11 @@ constexpr uint64_t kMaxCodedRatio = 4;
 constexpr uint64_t kMaxDecodedRatio = 4096;
 Status blob_parse(const uint8_t* data, size_t size, bool verify_checksum, BlobHeader* out);
 
+// The header checks of blob_parse alone (data holds at least kBlobHeaderBytes): what a reader
+// checks before it reads (or allocates for) the rest of a blob.
+Status blob_parse_header(const uint8_t* data, size_t size, BlobHeader* out);
+
+// Total bytes of the blob that a parsed header describes.
+inline uint64_t blob_total_bytes(const BlobHeader& h) { return kBlobHeaderBytes + h.payload_bytes + kBlobTrailerBytes; }
+
 }  // namespace kdn

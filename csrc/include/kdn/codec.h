@@ -68,8 +68,20 @@ bool cachegen_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t 
 
 namespace kdn {
 
+// True for codecs whose decode is not bit-exact (int*, cachegen); raw and lossless are exact.
+inline bool codec_is_lossy(uint8_t codec) { return codec == kCodecKivi || codec == kCodecCacheGen; }
+
+// Where lossy KV is filed: BLAKE3("kdn/lossy-key" | key | codec | params LE)[:16]. A chunk coded
+// with a lossy codec never lives under its exact key, so a reader that wants exact KV can never be
+// served lossy KV by a key lookup, and the fidelity a reader accepts is a set of key variants.
+Key128 lossy_key(const Key128& key, uint8_t codec, uint32_t params);
+
+// The key of the blob (h) once coded with (codec, params): unchanged when the codec is the blob's
+// own or exact, else lossy_key(h.key, ...) (every lossy coding step re-addresses the chunk).
+Key128 coded_key(const BlobHeader& h, uint8_t codec, uint32_t params);
+
 // A new sealed blob holding the chunk of the parsed blob (h, blob) coded with (codec, params):
-// decodes first unless the input is raw. Throws BlobError for a corrupt payload, InputError for
+// decodes first unless the input is raw; its key is coded_key(h, codec, params). Throws BlobError for a corrupt payload, InputError for
 // data the target codec cannot take.
 BufferPtr blob_transcode(const BlobHeader& h, const uint8_t* blob, uint8_t codec, uint32_t params, int threads,
                          CodecReport* report);

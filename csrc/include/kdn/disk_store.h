@@ -6,8 +6,14 @@
 //   is fsync'ed (unless disabled) and renamed into place, so a reader (in this or another
 //   process) sees the whole blob or nothing; a process killed mid-write leaves only a temporary
 //   file, removed by the next store that opens the directory once its writer is dead.
-// * Every read parses the blob and verifies its XXH64 checksum and key; a corrupt file is
-//   deleted and reported as a miss (counted as `corrupt`).
+// * Every read checks the header and the file size first (nothing is allocated for a file whose
+//   size disagrees with its header), then the XXH64 checksum and key; with a `mac_key` also the
+//   keyed BLAKE3 tag that follows the blob in the file. A corrupt file is deleted and reported as
+//   a miss (counted as `corrupt`).
+// * Trust: files are created 0600 and directories 0700 (0660 / 2770 with `group_shared`); a
+//   symlink inside the tier (a shard directory or a blob file) is never followed: reads, writes,
+//   eviction and clear() skip it. The index never claims a file that is gone: a lookup of an
+//   indexed key re-checks that its file exists, so another process's eviction is seen at once.
 // * The index (keys, sizes, eviction order by file mtime) is rebuilt at start-up; keys written by
 //   another process after that are adopted on first lookup. The capacity is enforced by this
 //   process's view (processes sharing a directory should use the same capacity).
@@ -45,10 +51,13 @@ struct DiskStoreOptions {
   bool fsync = true;
   uint8_t codec = kCodecRaw;  // blobs are written coded with (codec, codec_params), in the writer
   uint32_t codec_params = 0;  // thread for put_async (kdn/codec.h)
+  std::string mac_key;        // 32 bytes: files end with a keyed BLAKE3 tag of the blob; empty: off
+  bool group_shared = false;  // files 0660 and directories 2770 instead of 0600 / 0700
 };
 
 struct DiskStats : TierStats {
   uint64_t writes = 0, errors = 0, corrupt = 0, dropped = 0, adopted = 0;
+  uint64_t vanished = 0;  // indexed files found gone (another process evicted them)
   uint64_t queued_entries = 0, queued_bytes = 0;
   std::string last_error;
 };
@@ -60,9 +69,12 @@ class DiskStore {
   DiskStore(const DiskStore&) = delete;
   DiskStore& operator=(const DiskStore&) = delete;
 
+  // Both file the blob under coded_key(its header with `key`, the store's codec): a lossy disk
+  // codec files a chunk under its lossy key (kdn/codec.h), whoever hands it over (spills too).
   bool put(const Key128& key, const BufferPtr& blob);        // synchronous; false if not stored
   bool put_async(const Key128& key, const BufferPtr& blob);  // false if dropped or refused
   void flush();                                              // waits until the queue is written
+  bool flush_for(double seconds);                            // the same, at most `seconds`; true if drained
   BufferPtr get(const Key128& key);                          // verified blob, nullptr on miss
   std::vector<BufferPtr> get_many(const std::vector<Key128>& keys);  // in parallel
   bool contains(const Key128& key);
@@ -80,10 +92,15 @@ class DiskStore {
   void rebuild_index();
   void remove_stale_temporaries();
   BufferPtr encode(const BufferPtr& blob, std::string* error) const;  // with the store's codec
+  Key128 file_key(const Key128& key, const BufferPtr& blob) const;     // see put
   bool write_blob(const Key128& key, const BufferPtr& blob);  // key already in pending_
   bool write_file(const Key128& key, const BufferPtr& blob, std::string* error);
   bool adopt_locked(const Key128& key, uint64_t bytes, std::vector<Key128>* victims);
   void unlink_keys(const std::vector<Key128>& keys);
+  bool file_present(const Key128& key) const;
+  uint64_t file_bytes(const Buffer& blob) const;     // what the blob's file takes (tag included)        // a regular file (not a symlink) of blob size
+  bool make_private_dir(const std::string& path, std::string* error) const;
+  bool held_locked(const Key128& key);               // pending, or indexed with its file present
   void record_error(const std::string& error);
   void writer_loop();
 

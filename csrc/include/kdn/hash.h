@@ -18,10 +18,12 @@ struct Key128Hash {
   }
 };
 
-// Incremental BLAKE3 (default hash mode, portable implementation of the published spec).
+// Incremental BLAKE3 (portable implementation of the published spec): hash mode, or keyed-hash
+// mode (a MAC) with a 32-byte key.
 class Blake3 {
  public:
   Blake3();
+  explicit Blake3(const uint8_t key[32]);
   void update(const void* data, size_t len);
   // Writes out_len bytes of the extendable output (out_len <= 64 is all kdn needs).
   void finalize(uint8_t* out, size_t out_len) const;
@@ -37,6 +39,8 @@ class Blake3 {
   void chunk_reset(uint64_t counter);
   void push_cv(const uint32_t cv[8], uint64_t total_chunks);
 
+  uint32_t key_[8];     // the IV in hash mode
+  uint32_t mode_ = 0;   // kKeyedHash in keyed mode
   ChunkState chunk_;
   uint32_t cv_stack_[54][8];
   uint8_t cv_stack_len_ = 0;

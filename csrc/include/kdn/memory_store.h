@@ -37,6 +37,7 @@ class MemoryStore {
   bool unpin(const Key128& key);
   void clear();
   void set_spill(SpillFn spill);
+  std::vector<std::pair<Key128, BufferPtr>> entries() const;  // a snapshot (write-back's flush at exit)
   TierStats stats() const;
   uint64_t capacity() const { return index_.capacity(); }
   const std::string& policy() const { return policy_; }

@@ -13,6 +13,7 @@ prompt), ``naive`` (concatenate, no recompute) and ``blend`` (selective recomput
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 
 import torch
@@ -45,17 +46,19 @@ def segment_kv(kdn, model, info, prefix: list[int], segment: list[int]) -> tuple
     and stored. Returns (per-layer [1, kv_heads, len(segment), head_dim] CPU tensors, was_stored)."""
     fp, layout = info.fingerprint, info.layout
     key = segment_key(fp, token_array(prefix, layout.vocab_size), token_array(segment, layout.vocab_size))
-    blob = next(iter(kdn.tiers.get_many([key], fp)), None)
-    if blob is not None:
+    blobs, addresses = kdn.tiers.fetch([key], fp)
+    if blobs:
+        blob = blobs[0]
         try:
             h = _core.blob_parse(blob, verify_checksum=not getattr(blob, "verified", False))
-            if (h["fingerprint"], h["key"], h["tokens"], h["position"]) != (fp, key, len(segment), len(prefix)):
+            if (h["fingerprint"], h["key"], h["tokens"], h["position"]) != (fp, addresses[0], len(segment),
+                                                                            len(prefix)):
                 raise BlobError("segment blob header does not match the request")
             kv = empty_kv_list(layout, len(segment))
             _core.unpack_chunks([blob], kv, len(segment))
             return kv, True
         except (BlobError, InvalidInputError) as e:
-            kdn.tiers.remove(key, fp)
+            kdn.tiers.drop(addresses[0], fp)
             log.warning("kdn: dropping an unusable stored segment (a miss): %s", e)
     ids = torch.tensor([prefix + segment], device=next(model.parameters()).device)
     with torch.inference_mode():
@@ -91,8 +94,9 @@ def blend(kdn, model, segments, query, prefix=None, recompute_ratio: float = 0.1
     """
     if mode not in MODES:
         raise InvalidInputError(f"blend mode {mode!r}; choose one of {', '.join(MODES)}")
-    if not 0.0 <= float(recompute_ratio) <= 1.0:
-        raise InvalidInputError(f"recompute_ratio must be within [0, 1], got {recompute_ratio!r}")
+    if isinstance(recompute_ratio, bool) or not isinstance(recompute_ratio, numbers.Real) \
+            or not 0.0 <= recompute_ratio <= 1.0:
+        raise InvalidInputError(f"recompute_ratio must be a number within [0, 1], got {recompute_ratio!r}")
     info = kdn._info(model)
     check_supported(model)
     prefix, segs, query, ids = prompt_tokens(info, model, segments, query, prefix)

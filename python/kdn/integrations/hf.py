@@ -9,6 +9,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from kdn._core import InvalidInputError
+from kdn.layout import cache_to_kv_list, kv_list_to_cache
 
 log = logging.getLogger("kdn")
 
@@ -50,6 +51,19 @@ def _as_batch_one(model, input_ids) -> torch.Tensor:
     return ids.to(next(model.parameters()).device, dtype=torch.long)
 
 
+def _rows_per_prompt(model, generate_kwargs) -> int:
+    """How many rows ``model.generate`` expands one prompt into (beams, returned sequences)."""
+    config = generate_kwargs.get("generation_config") or model.generation_config
+    rows = []
+    for name in ("num_beams", "num_return_sequences"):
+        value = generate_kwargs.get(name, getattr(config, name, 1))
+        value = 1 if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidInputError(f"generate: {name} must be a positive integer, got {value!r}")
+        rows.append(value)
+    return max(rows)
+
+
 def generate(kdn, model, input_ids, **generate_kwargs):
     """Retrieve the prompt's stored prefix, let ``model.generate`` prefill only the rest, store the new KV.
 
@@ -74,16 +88,22 @@ def generate(kdn, model, input_ids, **generate_kwargs):
     if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
         raise InvalidInputError("generate: attention_mask with padding is not supported (batch size 1, no padding)")
     want_dict = generate_kwargs.pop("return_dict_in_generate", False)
+    rows = _rows_per_prompt(model, generate_kwargs)
     cache, hit = kdn.retrieve(model, ids[0], limit=ids.shape[1] - 1)
     if cache is not None:
+        if rows > 1:  # beams / several sequences: generate expands the prompt, so the cache too
+            cache.batch_repeat_interleave(rows)
         generate_kwargs["past_key_values"] = cache
     out = model.generate(ids, return_dict_in_generate=True, use_cache=True, **generate_kwargs)
     kdn.last_generate = {"hit_tokens": hit, "prompt_tokens": int(ids.shape[1])}
     try:
         final = out.past_key_values
-        if final is not None:
+        if final is not None and rows == 1:
             n_kv = final.get_seq_length()
             kdn.store(model, out.sequences[0, :n_kv], final)
+        elif final is not None:  # rows diverge after the prompt (and beams reorder): store the prompt
+            kv = [t[:1] for t in cache_to_kv_list(final)]
+            kdn.store(model, ids[0], kv_list_to_cache(model, kv))
     except Exception as exc:  # storing is best effort; the answer is already computed
         log.warning("kdn: storing the generated KV failed (%s); the result is returned unchanged", exc)
     return out if want_dict else out.sequences

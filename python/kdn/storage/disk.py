@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import weakref
 
 from kdn import _core, codecs
+from kdn._core import InvalidInputError
 from kdn.storage.base import StoreTier
 
 log = logging.getLogger("kdn")
+EXIT_FLUSH_SECONDS = 10.0  # queued writes get this long at interpreter exit; the rest is lost
 
 
 class DiskTier(StoreTier):
@@ -26,7 +29,12 @@ class DiskTier(StoreTier):
       "not stored", counted in ``stats()["errors"]``; one warning per kind of failure is logged.
     * Blobs are written coded with ``codec`` (:mod:`kdn.codecs`), encoded by the background
       writer (or by ``put(..., wait=True)``); reads return them as stored.
-    * Two processes may share a directory: each sees the other's files on lookup.
+    * Two processes may share a directory: each sees the other's files on lookup, and a file that
+      another process evicted is a miss at once (the index re-checks a file before claiming it).
+    * Trust: files 0600 and directories 0700 (``group_shared``: 0660 / 2770); a directory owned by
+      another user is refused unless ``group_shared``; symlinks inside the tier are never
+      followed. With ``mac_key`` (32 bytes) every file carries a keyed BLAKE3 tag that is
+      verified on read, so a writer without the secret cannot make this tier serve its bytes.
     * ``flush()`` waits for queued writes; it also runs at interpreter exit.
 
     Example:
@@ -39,11 +47,13 @@ class DiskTier(StoreTier):
     name = "disk"
 
     def __init__(self, directory: str, capacity_bytes: int, policy: str = "lru", queue_bytes: int = 512 << 20,
-                 read_threads: int = 4, fsync: bool = True, codec: str = "raw"):
+                 read_threads: int = 4, fsync: bool = True, codec: str = "raw", mac_key: bytes = b"",
+                 group_shared: bool = False):
         c = codecs.parse(codec)
         self.codec = c.spec
+        _check_owner(directory, group_shared)
         self._store = _core.DiskStore(str(directory), capacity_bytes, policy, queue_bytes, read_threads, fsync,
-                                      c.id, c.params)
+                                      c.id, c.params, mac_key, group_shared)
         self._warned: set[str] = set()
         atexit.register(_flush_at_exit, weakref.ref(self._store))
 
@@ -57,9 +67,11 @@ class DiskTier(StoreTier):
         self._report()
         return blobs
 
-    def flush(self) -> None:
-        self._store.flush()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued writes are on disk (at most ``timeout`` seconds); True if drained."""
+        drained = self._store.flush(-1.0 if timeout is None else max(0.0, timeout))
         self._report()
+        return drained
 
     def stats(self) -> dict:
         stats = self._store.stats()
@@ -69,13 +81,13 @@ class DiskTier(StoreTier):
     def _report(self, stats: dict | None = None) -> None:
         """Log one warning per kind of failure (errors, corrupt files, dropped writes)."""
         stats = stats or self._store.stats()
-        for kind, what in (("errors", "writes failed"), ("corrupt", "corrupt files were dropped"),
+        for kind, what in (("errors", "file operations failed"), ("corrupt", "corrupt files were dropped"),
                            ("dropped", "writes were dropped because the write queue was full"),
                            ("rejected", "chunks were larger than the free disk-tier capacity")):
             if stats[kind] and kind not in self._warned:
                 self._warned.add(kind)
                 detail = f" (last error: {stats['last_error']})" if stats["last_error"] else ""
-                log.warning("kdn disk tier %s: %d %s; they are not stored, generation goes on%s",
+                log.warning("kdn disk tier %s: %d %s; those chunks are misses, generation goes on%s",
                             self.directory, stats[kind], what, detail)
 
     @property
@@ -83,7 +95,21 @@ class DiskTier(StoreTier):
         return self._store.directory
 
 
+def _check_owner(directory, group_shared: bool) -> None:
+    """A disk tier in another user's directory would serve what that user wrote: refuse it unless
+    the tier is declared shared."""
+    try:
+        owner = os.stat(directory).st_uid
+    except FileNotFoundError:
+        return  # created by us
+    except OSError as e:
+        raise InvalidInputError(f"disk_dir {directory}: {e.strerror}") from None
+    if owner != os.geteuid() and not group_shared:
+        raise InvalidInputError(f"disk_dir {directory} belongs to uid {owner}, not to this user (uid {os.geteuid()}); "
+                                "pass disk_shared=True to share a disk tier between users, ideally with a secret")
+
+
 def _flush_at_exit(ref) -> None:
     store = ref()
     if store is not None:
-        store.flush()
+        store.flush(EXIT_FLUSH_SECONDS)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
+import hmac
 import logging
 import struct
 import threading
 import time
 import urllib.parse
+import weakref
 
 from kdn import _core, codecs
 from kdn._core import BlobError, InvalidInputError
@@ -18,15 +21,31 @@ SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
 FORMAT = 1  # bump when the key or value layout changes: old values become invisible, not misread
 _MANIFEST = struct.Struct("<4sIIQ")  # magic, format, parts, total bytes (the blob inside has its own checksum)
 _MANIFEST_MAGIC = b"KDNM"
+_TAG_BYTES = 32  # keyed mode: a BLAKE3 tag of the blob follows it in the value
+EXIT_FLUSH_SECONDS = 10.0  # queued stores get this long at interpreter exit
+
+
+_SECRET_PARAMS = {"password", "pass", "pwd", "auth", "token", "secret"}
 
 
 def redact(url: str) -> str:
-    """``url`` without its password, for logs and errors."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    """``url`` without any credential, for logs, errors, ``repr`` and ``stats()``: the password of
+    ``user:password@`` (or ``:password@``) and the values of query parameters such as ``?password=``
+    (redis-py's form for unix sockets)."""
+    try:
+        parts = urllib.parse.urlsplit(str(url))
+    except ValueError:
+        return "<unparsable url>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user = userinfo.split(":", 1)[0]
+        netloc = (f"{user}:***" if ":" in userinfo else "***" if not user else user) + "@" + host
+    query = parts.query
+    if query:
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+        query = "&".join(f"{k}={'***' if k.lower() in _SECRET_PARAMS else v}" for k, v in pairs)
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def connect(url: str, timeout: float):
@@ -106,8 +125,11 @@ class RemoteTier:
     name = "remote"
 
     def __init__(self, url: str, timeout: float = 1.0, ttl: float | None = None, part_bytes: int = 16 << 20,
-                 queue_bytes: int = 256 << 20, retry_seconds: float = 5.0, codec: str = "raw"):
+                 queue_bytes: int = 256 << 20, retry_seconds: float = 5.0, codec: str = "raw", mac_key: bytes = b""):
         self.codec = codecs.parse(codec).spec
+        if mac_key and len(mac_key) != 32:
+            raise InvalidInputError("remote tier: mac_key must be 32 bytes")
+        self._mac_key = bytes(mac_key)
         self.url, self.ttl, self.part_bytes, self.queue_bytes = url, ttl, part_bytes, queue_bytes
         self.cluster = "+cluster" in urllib.parse.urlsplit(url).scheme
         self._client = connect(url, timeout)
@@ -119,6 +141,7 @@ class RemoteTier:
         self._check_connection()
         self._writer = threading.Thread(target=self._write_loop, name="kdn-remote-writer", daemon=True)
         self._writer.start()
+        atexit.register(_flush_at_exit, weakref.ref(self))
 
     # -- keys and values ------------------------------------------------------------------------
     @staticmethod
@@ -126,8 +149,11 @@ class RemoteTier:
         return f"kdn:{FORMAT}:{{{fingerprint.hex()}:{key.hex()}}}"
 
     def _encode(self, blob) -> list:
-        """[value] or [manifest, part1, ...] for one blob, as views of its bytes (no copies)."""
+        """[value] or [manifest, part1, ...] for one blob, as views of its bytes (no copies; one
+        copy in keyed mode, where the blob's tag is appended)."""
         data = memoryview(blob).cast("B")
+        if self._mac_key:
+            data = memoryview(bytes(data) + _core.blake3(data, _TAG_BYTES, key=self._mac_key))
         if len(data) <= self.part_bytes:
             return [data]
         parts = [data[i:i + self.part_bytes] for i in range(0, len(data), self.part_bytes)]
@@ -135,6 +161,13 @@ class RemoteTier:
 
     def _decode(self, key: bytes, fingerprint: bytes, value):
         """A verified Buffer from a stored value (bytes, or the list of its parts), or None (counted as corrupt)."""
+        if self._mac_key:
+            value = b"".join(value) if isinstance(value, list) else bytes(value)
+            body, tag = value[:-_TAG_BYTES], value[-_TAG_BYTES:]
+            if len(value) <= _TAG_BYTES or not hmac.compare_digest(tag, _core.blake3(body, _TAG_BYTES,
+                                                                                      key=self._mac_key)):
+                return self._corrupt(key, "keyed tag mismatch (written without the secret, or altered)")
+            value = body
         try:
             blob = _core.buffer_join(value) if isinstance(value, list) else _core.Buffer(value)
             header = _core.blob_parse(blob)  # checksum; marks the Buffer verified
@@ -158,9 +191,15 @@ class RemoteTier:
         try:
             result = fn()
         except Exception as e:  # redis errors, socket errors, cluster errors: the store is unusable now
+            self._stats["errors"] += 1
             if _is_auth_error(e):
                 log.error("kdn remote tier %s: %s", redact(self.url), e)
-            self._stats["errors"] += 1
+            elif _is_refusal(e):  # the server answered: reachable, it refused this command (OOM, ACL, ...)
+                self._stats["refused"] += 1
+                if self._stats["refused"] == 1:
+                    log.warning("kdn remote tier %s refused a command (%s); that store or read is skipped",
+                                redact(self.url), e)
+                return default
             self._breaker.failure(e)
             return default
         self._breaker.success()
@@ -177,18 +216,22 @@ class RemoteTier:
             self._breaker.failure(e)
 
     # -- tier interface -------------------------------------------------------------------------
-    def count_prefix(self, keys: list[bytes], fingerprint: bytes) -> int:
-        """Number of leading ``keys`` stored, in one pipelined round trip."""
+    def present(self, keys: list[bytes], fingerprint: bytes) -> list[bool]:
+        """Whether each of ``keys`` is stored, in one pipelined round trip (all False when down)."""
         if not keys:
-            return 0
+            return []
 
         def run():
             pipe = self._client.pipeline(transaction=False)
             for k in keys:
                 pipe.exists(self.redis_key(k, fingerprint))
-            return pipe.execute()
+            return [bool(x) for x in pipe.execute()]
 
-        found = self._call(run, [])
+        return self._call(run, [False] * len(keys))
+
+    def count_prefix(self, keys: list[bytes], fingerprint: bytes) -> int:
+        """Number of leading ``keys`` stored, in one pipelined round trip."""
+        found = self.present(keys, fingerprint)
         n = 0
         while n < len(found) and found[n]:
             n += 1
@@ -209,13 +252,24 @@ class RemoteTier:
                 pipe.get(name)
             values = pipe.execute()
             split = [i for i, v in enumerate(values) if v is not None and v[:4] == _MANIFEST_MAGIC]
+            manifests = {i: values[i] for i in split}
             if split:
                 pipe = self._client.pipeline(transaction=False)
                 for i in split:
                     n = _MANIFEST.unpack_from(values[i])[2]
                     pipe.mget([f"{names[i]}:p{j}" for j in range(1, n + 1)])
+                broken = []
                 for i, parts in zip(split, pipe.execute()):
                     values[i] = self._join(values[i], parts)
+                    if values[i] is None:  # a part was evicted: drop the value so the next store rewrites it
+                        broken.append(i)
+                if broken:
+                    pipe = self._client.pipeline(transaction=False)
+                    for i in broken:
+                        n = _MANIFEST.unpack_from(manifests[i])[2]
+                        pipe.delete(names[i], *[f"{names[i]}:p{j}" for j in range(1, n + 1)])
+                    pipe.execute()
+                    self._stats["repaired"] += len(broken)
             return values
 
         values = self._call(run, [None] * len(keys))
@@ -238,7 +292,7 @@ class RemoteTier:
 
     def put(self, key: bytes, blob, wait: bool = False) -> bool:
         """Queue ``blob`` for the store (``wait=True``: send it now); False if dropped."""
-        del key  # the Redis key comes from the blob's own header (key and fingerprint)
+        del key  # the Redis key comes from the blob's header (key in this tier's codec, fingerprint)
         if wait:
             return self._send([blob])
         size = len(blob)
@@ -253,7 +307,7 @@ class RemoteTier:
 
     def _send(self, blobs: list) -> bool:
         headers = [_core.blob_parse(b, verify_checksum=False) for b in blobs]
-        names = [self.redis_key(h["key"], h["fingerprint"]) for h in headers]
+        names = [self.redis_key(codecs.stored_key(b, self.codec), h["fingerprint"]) for b, h in zip(blobs, headers)]
 
         def run():
             pipe = self._client.pipeline(transaction=False)
@@ -268,8 +322,8 @@ class RemoteTier:
                     continue
                 values = self._encode(coded)
                 for j, value in enumerate(values[1:], start=1):  # parts before the manifest that names them
-                    pipe.set(f"{name}:p{j}", value, ex=self._ttl())
-                pipe.set(name, values[0], ex=self._ttl())
+                    pipe.set(f"{name}:p{j}", value, px=self._ttl_ms())
+                pipe.set(name, values[0], px=self._ttl_ms())
                 sent += 1
             pipe.execute()
             return sent
@@ -292,8 +346,8 @@ class RemoteTier:
                 log.warning("kdn remote tier cannot encode a chunk with %s (not sent): %s", self.codec, e)
             return None
 
-    def _ttl(self):
-        return int(self.ttl) if self.ttl else None
+    def _ttl_ms(self):
+        return max(1, round(self.ttl * 1000)) if self.ttl else None
 
     def _write_loop(self) -> None:
         while True:
@@ -358,8 +412,22 @@ class RemoteTier:
         return {"hits": self._stats["hits"], "misses": self._stats["misses"], "puts": self._stats["puts"],
                 "dropped": self._stats["dropped"], "errors": self._stats["errors"],
                 "corrupt": self._stats["corrupt"], "skipped": self._stats["skipped"],
+                "refused": self._stats["refused"], "repaired": self._stats["repaired"],
                 "queued_entries": queued, "queued_bytes": queued_bytes, "state": self._breaker.state,
                 "url": redact(self.url), "cluster": self.cluster}
+
+
+def _is_refusal(error: Exception) -> bool:
+    """An error reply from a reachable server (OOM, READONLY, a rejected argument), not an outage."""
+    from redis.exceptions import ResponseError
+
+    return isinstance(error, ResponseError)
+
+
+def _flush_at_exit(ref) -> None:
+    tier = ref()
+    if tier is not None:
+        tier.flush(EXIT_FLUSH_SECONDS)
 
 
 def _is_auth_error(error: Exception) -> bool:
