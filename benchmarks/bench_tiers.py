@@ -103,8 +103,8 @@ def bench_disk(model, ids, kv, repeats, fsync: bool):
             cfg = KDNConfig(chunk_size=256, disk_dir=str(tmp / name), disk_fsync=fsync, write_policy="write-through",
                             secret=secret)
             cache = KDN(cfg)
-            info = cache._info(model)
-            _, keys = cache._keys(info, ids[:, :n])
+            info = cache.session(model)
+            keys = info.prefix_keys(info.tokens(ids[:, :n]))
             lay = info.layout
             disk = cache.disk.store
 

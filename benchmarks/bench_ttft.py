@@ -39,8 +39,8 @@ def retrieve_breakdown(model, cache: KDN, ids: torch.Tensor, repeats: int) -> tu
     """Medians of the two C++ steps inside retrieve: checksum/header verification and the layout copy."""
     from kdn import _core
 
-    info = cache._info(model)
-    _, keys = cache._keys(info, ids)
+    info = cache.session(model)
+    keys = info.prefix_keys(info.tokens(ids))
     blobs = [cache.memory.get(k) for k in keys]
     lay = info.layout
     verify_s, _ = timed(lambda: _core.verify_chunks(blobs, keys, info.fingerprint, lay.dtype, lay.layers,

@@ -12,7 +12,8 @@ import torch
 
 from conftest import full_prefill, random_ids
 from kdn import KDN, InvalidInputError, KDNConfig, _core
-from kdn.storage.remote import RemoteTier, redact
+from kdn.storage.remote import RemoteTier
+from kdn.urls import redact
 
 CHUNK = 16
 
@@ -66,15 +67,15 @@ def test_remote_ttl_is_validated(ttl, ok):
 
 def test_a_sub_second_ttl_stores_and_expires(redis_server):
     tier = RemoteTier(redis_server.url, ttl=0.5)
-    from disk_helpers import FINGERPRINT, blob_for, key
+    from disk_helpers import blob_for, key
 
     assert tier.put(key(1), blob_for(1), wait=True)
-    pttl = int(redis_server.cli("PTTL", tier.redis_key(key(1), FINGERPRINT)).stdout)
+    pttl = int(redis_server.cli("PTTL", tier.redis_key(key(1))).stdout)
     assert 0 < pttl <= 500 and tier.stats()["state"] == "ok"
 
 
 def test_a_refused_command_is_not_an_outage(redis_server, caplog):
-    from disk_helpers import FINGERPRINT, blob_for, key
+    from disk_helpers import blob_for, key
 
     tier = RemoteTier(redis_server.url)
     redis_server.cli("CONFIG", "SET", "maxmemory", "1")  # every write is refused with OOM
@@ -85,7 +86,7 @@ def test_a_refused_command_is_not_an_outage(redis_server, caplog):
         stats = tier.stats()
         assert stats["refused"] == 1 and stats["state"] == "ok"
         assert "unreachable" not in caplog.text and "refused a command" in caplog.text
-        assert tier.get_many([key(91)], FINGERPRINT) == [None] and tier.stats()["skipped"] == 0
+        assert tier.get_many([key(91)]) == [None] and tier.stats()["skipped"] == 0
     finally:
         redis_server.cli("CONFIG", "SET", "maxmemory", "0")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import full_prefill, random_ids
-from disk_helpers import FINGERPRINT, blob_for, key
+from disk_helpers import blob_for, key
 from kdn import KDN, InvalidInputError, KDNConfig, _core
 from kdn.storage import DiskTier
 from kdn.storage.remote import RemoteTier
@@ -34,14 +34,14 @@ def test_a_split_value_missing_a_part_is_deleted_and_rewritten(redis_server):
     tier = RemoteTier(redis_server.url, part_bytes=1000)
     blob = blob_for(7, tokens=64)  # ~16 KB: 17 parts behind a manifest
     tier.put(key(7), blob, wait=True)
-    name = tier.redis_key(key(7), FINGERPRINT)
+    name = tier.redis_key(key(7))
     redis_server.cli("DEL", f"{name}:p5")  # what maxmemory + allkeys-lru did to 357 of 752 values
-    assert tier.get_many([key(7)], FINGERPRINT) == [None]
+    assert tier.get_many([key(7)]) == [None]
     assert tier.stats()["repaired"] == 1
     assert redis_server.cli("EXISTS", name).stdout.strip() == "0"  # the manifest is gone too
     assert redis_server.cli("EXISTS", f"{name}:p1").stdout.strip() == "0"
     tier.put(key(7), blob, wait=True)  # so the next store is not skipped
-    assert bytes(tier.get_many([key(7)], FINGERPRINT)[0]) == bytes(blob)
+    assert bytes(tier.get_many([key(7)])[0]) == bytes(blob)
 
 
 # -- the disk index stays honest ----------------------------------------------------------------------

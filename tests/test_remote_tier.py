@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import full_prefill, random_ids
-from disk_helpers import FINGERPRINT, blob_for, key, python_process
+from disk_helpers import blob_for, key, python_process
 from kdn import KDN, InvalidInputError, KDNConfig
 from kdn.storage.remote import RemoteTier
 from redis_servers import RedisServer, require_redis
@@ -44,8 +44,8 @@ def test_put_and_pipelined_lookup_in_one_round_trip(redis_server, monkeypatch):
     tier.flush()
     keys = [key(i) for i in range(128)] + [key(999)]
     calls = count_round_trips(tier, monkeypatch)
-    assert tier.count_prefix(keys, FINGERPRINT) == 128
-    blobs = tier.get_many(keys, FINGERPRINT)
+    assert tier.count_prefix(keys) == 128
+    blobs = tier.get_many(keys)
     assert calls == ["pipeline", "pipeline"]  # one for the 129 lookups, one for the 129 reads
     assert [bytes(b) for b in blobs[:128]] == [bytes(blob_for(i)) for i in range(128)] and blobs[128] is None
     stats = tier.stats()
@@ -56,33 +56,32 @@ def test_large_values_are_split_and_reassembled(redis_server, monkeypatch):
     tier = fresh_tier(redis_server.url, part_bytes=1000)
     blob = blob_for(5, tokens=64)  # ~16 KB -> 17 parts
     assert tier.put(key(5), blob, wait=True)
-    name = tier.redis_key(key(5), FINGERPRINT)
+    name = tier.redis_key(key(5))
     assert redis_server.cli("EXISTS", f"{name}:p17").stdout.strip() == "1"
     calls = count_round_trips(tier, monkeypatch)
-    assert bytes(tier.get_many([key(5)], FINGERPRINT)[0]) == bytes(blob)
+    assert bytes(tier.get_many([key(5)])[0]) == bytes(blob)
     assert calls == ["pipeline", "pipeline"]
     redis_server.cli("DEL", f"{name}:p3")  # a part expired or evicted: a miss, not a wrong blob
-    assert tier.get_many([key(5)], FINGERPRINT) == [None]
+    assert tier.get_many([key(5)]) == [None]
 
 
 def test_garbage_or_foreign_values_are_misses(redis_server, caplog):
     tier = fresh_tier(redis_server.url)
     for i in range(3):
         tier.put(key(i), blob_for(i), wait=True)
-    redis_server.cli("SET", tier.redis_key(key(0), FINGERPRINT), "garbage")
-    other_model = b"O" * 16  # a valid blob stored under another model's name
-    tier._client.set(tier.redis_key(key(1), other_model), bytes(blob_for(1)))
+    redis_server.cli("SET", tier.redis_key(key(0)), "garbage")
+    tier._client.set(tier.redis_key(key(1)), bytes(blob_for(7)))  # a valid blob under another chunk's name
     with caplog.at_level(logging.WARNING, logger="kdn"):
-        assert tier.get_many([key(0)], FINGERPRINT) == [None]
-        assert tier.get_many([key(1)], other_model) == [None]
-    assert tier.stats()["corrupt"] == 2 and bytes(tier.get_many([key(2)], FINGERPRINT)[0]) == bytes(blob_for(2))
+        assert tier.get_many([key(0)]) == [None]
+        assert tier.get_many([key(1)]) == [None]
+    assert tier.stats()["corrupt"] == 2 and bytes(tier.get_many([key(2)])[0]) == bytes(blob_for(2))
     assert len([r for r in caplog.records if "unusable value" in r.getMessage()]) == 1
 
 
 def test_ttl_is_set(redis_server):
     tier = fresh_tier(redis_server.url, ttl=100)
     tier.put(key(1), blob_for(1), wait=True)
-    assert 0 < int(redis_server.cli("TTL", tier.redis_key(key(1), FINGERPRINT)).stdout) <= 100
+    assert 0 < int(redis_server.cli("TTL", tier.redis_key(key(1))).stdout) <= 100
 
 
 def test_values_are_sent_in_the_tier_codec_and_promoted_raw(tiny_llama, redis_server):
@@ -92,14 +91,13 @@ def test_values_are_sent_in_the_tier_codec_and_promoted_raw(tiny_llama, redis_se
     reference, cache = full_prefill(tiny_llama, ids)
     config = KDNConfig(chunk_size=CHUNK, remote_url=redis_server.url, remote_codec="int8")
     first = KDN(config)
-    first.tiers.remote.clear()
+    first.remote.clear()
     first.store(tiny_llama, ids, cache)
     first.flush()
     keys = first.chunk_keys(tiny_llama, ids[0].tolist())
-    fingerprint = first._info(tiny_llama).fingerprint
     lossy_key = codecs.address(keys[0], "int8")  # lossy KV is filed under its own key
-    assert first.tiers.remote._client.get(first.tiers.remote.redis_key(keys[0], fingerprint)) is None
-    stored = first.tiers.remote._client.get(first.tiers.remote.redis_key(lossy_key, fingerprint))
+    assert first.remote._client.get(first.remote.redis_key(keys[0])) is None
+    stored = first.remote._client.get(first.remote.redis_key(lossy_key))
     assert codecs.codec_of(stored).spec == "int8" and len(stored) < 0.4 * len(first.memory.get(keys[0]))
     second = KDN(config)  # empty memory: served from the remote store, decoded, promoted raw
     got, hit = second.retrieve(tiny_llama, ids, limit=32)

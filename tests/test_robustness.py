@@ -19,7 +19,7 @@ def stored(tiny_llama):
     kdn = KDN(KDNConfig(chunk_size=CHUNK))
     ids = random_ids(tiny_llama, 40, seed=5)
     kdn.store(tiny_llama, ids, full_prefill(tiny_llama, ids)[1])
-    keys = kdn._keys(kdn._info(tiny_llama), ids)[1]
+    keys = kdn.chunk_keys(tiny_llama, ids)
     return kdn, ids, keys
 
 
@@ -69,7 +69,7 @@ def test_foreign_fingerprint_inside_blob_is_a_miss(tiny_llama, stored):
     other = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16, seed=7)
     other_kdn = KDN(KDNConfig(chunk_size=CHUNK))
     other_kdn.store(other, ids, full_prefill(other, ids)[1])
-    other_keys = other_kdn._keys(other_kdn._info(other), ids)[1]
+    other_keys = other_kdn.chunk_keys(other, ids)
     kdn.memory.put(keys[0], bytes(other_kdn.memory.get(other_keys[0])))  # right key, wrong model inside
     assert kdn.retrieve(tiny_llama, ids) == (None, 0)
 

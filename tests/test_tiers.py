@@ -143,7 +143,7 @@ def test_threads_through_the_manager_only_see_what_was_stored(tmp_path, write_po
     import threading
     import time
 
-    from disk_helpers import FINGERPRINT, blob_for, key
+    from disk_helpers import blob_for, key
     from kdn.storage import TierManager
 
     size = len(blob_for(0))
@@ -160,7 +160,7 @@ def test_threads_through_the_manager_only_see_what_was_stored(tmp_path, write_po
                 tiers.put(key(i), blob_for(i))
             else:
                 ids = [key(j) for j in range(i, min(i + 3, 40))]
-                for j, blob in enumerate(tiers.get_many(ids, FINGERPRINT)):
+                for j, blob in enumerate(tiers.get_many(ids)):
                     if bytes(blob) != expected[i + j]:
                         errors.append(i + j)
             for t in tiers.tiers:

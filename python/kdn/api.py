@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import numbers
+import threading
 
 import torch
 
 from kdn import _core
-from kdn._core import BlobError, InvalidInputError
+from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
-from kdn.keys import model_fingerprint, prefix_keys, token_array
-from kdn.layout import ModelLayout, cache_to_kv_list, check_kv_matches, empty_kv_list, kv_list_to_cache
+from kdn.engine import ChunkIO, HFTarget, ModelSession, Sessions
+from kdn.layout import cache_to_kv_list, check_kv_matches, kv_list_to_cache
 from kdn.storage import TierManager
-
-log = logging.getLogger("kdn")
-
-
-@dataclasses.dataclass
-class _ModelInfo:
-    layout: ModelLayout
-    fingerprint: bytes
 
 
 class KDN:
@@ -29,6 +20,7 @@ class KDN:
 
     Keys are chained per chunk of ``config.chunk_size`` tokens and include the model fingerprint,
     so a different model never hits. Hits are whole chunks; the rest of a prompt is prefilled.
+    Built on the engine layer (:mod:`kdn.engine`): ``session(model)`` and ``chunks``.
 
     Example:
         >>> kdn = KDN(KDNConfig(chunk_size=256))
@@ -41,58 +33,54 @@ class KDN:
 
     def __init__(self, config: KDNConfig | None = None):
         self.config = config or KDNConfig()
-        self.tiers = TierManager(self.config)
-        self.memory, self.disk = self.tiers.memory, self.tiers.disk
-        self._models: dict[int, _ModelInfo] = {}
+        self.chunks = ChunkIO(TierManager(self.config))
+        self._sessions = Sessions(self.config.chunk_size)
+        self._local = threading.local()
 
-    # -- model identity ---------------------------------------------------------------------
-    def _info(self, model) -> _ModelInfo:
-        fingerprint = model_fingerprint(model)
-        info = self._models.get(id(model))
-        if info is None or info.fingerprint != fingerprint:
-            info = _ModelInfo(ModelLayout.of(model), fingerprint)
-            self._models[id(model)] = info
-        return info
+    # -- the engine -----------------------------------------------------------------------------
+    def session(self, model) -> ModelSession:
+        """The engine's view of ``model``: KV layout, fingerprint, prefix and segment keys."""
+        return self._sessions.of(model)
 
-    def _keys(self, info: _ModelInfo, token_ids):
-        tokens = token_array(token_ids, info.layout.vocab_size)
-        return tokens, prefix_keys(info.fingerprint, tokens, self.config.chunk_size)
+    @property
+    def memory(self):
+        """The memory tier (:class:`kdn.storage.MemoryTier`)."""
+        return self.chunks.tiers.memory
+
+    @property
+    def disk(self):
+        """The disk tier (:class:`kdn.storage.DiskTier`), or None."""
+        return self.chunks.tiers.disk
+
+    @property
+    def remote(self):
+        """The remote tier (:class:`kdn.storage.remote.RemoteTier`), or None."""
+        return self.chunks.tiers.remote
+
+    def _keys(self, session: ModelSession, token_ids):
+        tokens = session.tokens(token_ids)
+        return tokens, session.prefix_keys(tokens)
 
     # -- public API -------------------------------------------------------------------------
     def lookup(self, model, token_ids) -> int:
         """Number of leading tokens of ``token_ids`` whose KV is stored (a multiple of chunk_size)."""
-        info = self._info(model)
-        _, keys = self._keys(info, token_ids)
-        return self.tiers.count_prefix(keys, info.fingerprint) * self.config.chunk_size
+        session = self.session(model)
+        _, keys = self._keys(session, token_ids)
+        return self.chunks.available(session, keys) * self.config.chunk_size
 
     def store(self, model, token_ids, past_key_values) -> int:
         """Store the KV of the full chunks of ``token_ids`` from ``past_key_values``.
 
         ``past_key_values`` is the model's cache (DynamicCache or tuple of (k, v)) for at least
         ``len(token_ids)`` tokens, batch 1. Chunks already stored are skipped (idempotent).
-        Returns the number of leading tokens now stored.
+        Returns the number of leading tokens a retrieve can now serve (fewer than given, with one
+        warning, when the prompt's KV is larger than the tiers hold).
         """
-        info = self._info(model)
-        tokens, keys = self._keys(info, token_ids)
+        session = self.session(model)
+        tokens, keys = self._keys(session, token_ids)
         kv = cache_to_kv_list(past_key_values)
-        check_kv_matches(info.layout, kv, len(tokens))
-        kv = [t.cpu() for t in kv]
-        chunk = self.config.chunk_size
-        stored = 0
-        for i, key in enumerate(keys):
-            if not self.tiers.contains_local(key):
-                blob = _core.pack_chunk(kv, i * chunk, chunk, info.fingerprint, key)
-                if not self.tiers.put(key, blob):
-                    log.warning("kdn: chunk of %d bytes fits no tier (pinned entries hold the space?); not stored",
-                                len(blob))
-                    break
-            stored += chunk
-        retrievable = self.tiers.count_prefix(keys[: stored // chunk], info.fingerprint) * chunk
-        if retrievable < stored:  # the prompt's tail evicted its own head
-            log.warning("kdn: stored %d tokens but only the first %d can be retrieved: the prompt's KV is larger "
-                        "than the tiers hold (memory_bytes=%d; add a disk tier or raise memory_bytes)",
-                        stored, retrievable, self.config.memory_bytes)
-        return retrievable
+        check_kv_matches(session.layout, kv, len(tokens))
+        return self.chunks.write(session, keys, [t.cpu() for t in kv])
 
     def retrieve(self, model, token_ids, limit: int | None = None):
         """Fetch the stored KV of the longest stored prefix of ``token_ids``.
@@ -106,36 +94,17 @@ class KDN:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral)):
             if not (isinstance(limit, float) and limit.is_integer()):
                 raise InvalidInputError(f"retrieve: limit must be a whole number of tokens or None, got {limit!r}")
-        info = self._info(model)
-        tokens, keys = self._keys(info, token_ids)
+        session = self.session(model)
+        tokens, keys = self._keys(session, token_ids)
         limit = len(tokens) if limit is None else max(0, min(int(limit), len(tokens)))
-        chunk = self.config.chunk_size
-        wanted = min(self.tiers.count_prefix(keys, info.fingerprint), -(-limit // chunk))
-        # may stop early (evicted since count_prefix); addresses: exact keys, or accepted lossy ones
-        blobs, addresses = self.tiers.fetch(keys[:wanted], info.fingerprint)
-        layout = info.layout
-        n_ok, error = _core.verify_chunks(
-            blobs, addresses, info.fingerprint, layout.dtype,
-            layout.layers, layout.kv_heads, layout.head_dim, chunk,
-        )
-        if error:
-            log.warning("kdn: dropping an unusable stored chunk (treated as a miss): %s", error)
-            self.tiers.drop(addresses[n_ok], info.fingerprint)
-        hit = min(n_ok * chunk, limit)
-        if hit == 0:
-            return None, 0
-        kv = empty_kv_list(layout, hit)
-        try:
-            _core.unpack_chunks(blobs[: -(-hit // chunk)], kv, hit)  # decodes coded chunks
-        except BlobError as e:  # a coded payload that its checksum did not catch: a miss, never wrong KV
-            log.warning("kdn: dropping undecodable stored chunks (treated as a miss): %s", e)
-            for address in addresses[: -(-hit // chunk)]:
-                self.tiers.drop(address, info.fingerprint)
-            return None, 0
-        device = next(model.parameters()).device
-        if device.type != "cpu":
-            kv = [t.to(device, non_blocking=True) for t in kv]
-        return kv_list_to_cache(model, kv), hit
+        kv, hit = self.chunks.read(session, keys, limit, HFTarget(next(model.parameters()).device))
+        return (kv_list_to_cache(model, kv), hit) if hit else (None, 0)
+
+    @property
+    def last_generate(self) -> dict | None:
+        """``{"hit_tokens", "prompt_tokens"}`` of this thread's last :meth:`generate` (also in the
+        output of ``generate(..., return_dict_in_generate=True)`` as ``kdn_stats``)."""
+        return getattr(self._local, "last_generate", None)
 
     def generate(self, model, input_ids, **generate_kwargs):
         """``model.generate`` with the prompt's stored prefix served from kdn and the new KV stored.
@@ -144,7 +113,9 @@ class KDN:
         """
         from kdn.integrations.hf import generate
 
-        return generate(self, model, input_ids, **generate_kwargs)
+        out, stats = generate(self, model, input_ids, **generate_kwargs)
+        self._local.last_generate = stats
+        return out
 
     # -- blending ---------------------------------------------------------------------------
     def store_segments(self, model, segments, prefix=None) -> dict:
@@ -181,7 +152,7 @@ class KDN:
         from kdn.blend import blend, prompt_tokens
 
         cache, stats = blend(self, model, segments, query, prefix, recompute_ratio, mode)
-        ids = prompt_tokens(self._info(model), model, segments, query, prefix)[3]
+        ids = prompt_tokens(self.session(model), model, segments, query, prefix)[3]
         ids = torch.tensor([ids], device=next(model.parameters()).device)
         kwargs = {"past_key_values": cache} if cache is not None else {}
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs, **generate_kwargs)
@@ -190,14 +161,14 @@ class KDN:
     # -- management -------------------------------------------------------------------------
     def chunk_keys(self, model, prompt, tokenizer=None) -> list[bytes]:
         """Keys of the full chunks of ``prompt`` (token ids, or text with ``tokenizer``)."""
-        return self._prompt_keys(self._info(model), prompt, tokenizer)
+        return self._prompt_keys(self.session(model), prompt, tokenizer)
 
-    def _prompt_keys(self, info: _ModelInfo, prompt, tokenizer) -> list[bytes]:
+    def _prompt_keys(self, session: ModelSession, prompt, tokenizer) -> list[bytes]:
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise InvalidInputError("a text prompt needs tokenizer=... to find its chunks (or pass token ids)")
             prompt = tokenizer(prompt)["input_ids"]
-        return self._keys(info, prompt)[1]
+        return self._keys(session, prompt)[1]
 
     def pin(self, model, prompt, tokenizer=None, ttl: float | None = None) -> int:
         """Keep the stored chunks of ``prompt`` from eviction (for ``ttl`` seconds if given).
@@ -209,36 +180,37 @@ class KDN:
         if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, numbers.Real) or not ttl > 0):
             raise InvalidInputError(f"pin: ttl must be a positive number of seconds (inf: until unpinned) or None, "
                                     f"got {ttl!r}")
-        info = self._info(model)
-        keys = self._prompt_keys(info, prompt, tokenizer)
-        self.tiers.get_many(keys, info.fingerprint)  # promote into memory
+        session = self.session(model)
+        keys = self._prompt_keys(session, prompt, tokenizer)
+        tiers = self.chunks.tiers
+        tiers.get_many(keys)  # promote into memory
         n = 0
-        while n < len(keys) and self.tiers.pin(keys[n], ttl or 0.0):
+        while n < len(keys) and tiers.pin(keys[n], ttl or 0.0):
             n += 1
         return n * self.config.chunk_size
 
     def unpin(self, model, prompt, tokenizer=None) -> int:
         """Make the chunks of ``prompt`` evictable again; returns the number of chunks unpinned."""
-        return sum(self.tiers.unpin(k) for k in self.chunk_keys(model, prompt, tokenizer))
+        return sum(self.chunks.tiers.unpin(k) for k in self.chunk_keys(model, prompt, tokenizer))
 
     def evict(self, model, prompt, tokenizer=None) -> int:
         """Remove the chunks of ``prompt`` from every tier (the remote store too); returns how many were held."""
-        info = self._info(model)
-        return sum(self.tiers.remove(k, info.fingerprint) for k in self._prompt_keys(info, prompt, tokenizer))
+        session = self.session(model)
+        return self.chunks.remove(session, self._prompt_keys(session, prompt, tokenizer))
 
     def flush(self) -> None:
         """Wait until queued disk writes are on disk and queued remote stores are sent."""
-        self.tiers.flush()
+        self.chunks.tiers.flush()
 
     def stats(self) -> dict:
         """Per-tier counters: ``{"memory": {...}, "disk": {...}, "remote": {...}}`` with hits, misses,
         puts, evictions, rejected, entries, used/capacity/pinned bytes (disk also: writes, errors,
         corrupt, dropped, queued bytes, last_error; remote: errors, dropped, corrupt, skipped,
         state "ok"/"down")."""
-        return self.tiers.stats()
+        return self.chunks.tiers.stats()
 
     def clear(self) -> None:
         """Drop every stored chunk from every tier (the disk tier's files included) and hand the
         process's idle pooled buffers back to the system allocator."""
-        self.tiers.clear()
+        self.chunks.tiers.clear()
         _core.buffer_pool_trim()

@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 from kdn._core import InvalidInputError
+from kdn.urls import SCHEMES, redact
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": KiB, "m": 1000**2, "mb": 1000**2, "mib": MiB,
@@ -180,8 +181,6 @@ class KDNConfig:
         except InvalidInputError as e:
             raise InvalidInputError(f"KDNConfig.accept_codecs: {e}") from None
         if self.remote_url is not None:
-            from kdn.storage.remote import SCHEMES, redact
-
             scheme = str(self.remote_url).split("://", 1)[0] if "://" in str(self.remote_url) else ""
             if scheme not in SCHEMES:
                 raise InvalidInputError(f"KDNConfig.remote_url={redact(str(self.remote_url))!r}: expected a URL "
@@ -193,8 +192,6 @@ class KDNConfig:
             object.__setattr__(self, "disk_dir", str(path.absolute()))
 
     def __repr__(self) -> str:  # never print a password from remote_url
-        from kdn.storage.remote import redact
-
         fields = {**self.to_dict(), "remote_url": redact(self.remote_url) if self.remote_url else None,
                   "secret": "***" if self.secret is not None else None}
         return "KDNConfig(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"

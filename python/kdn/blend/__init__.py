@@ -12,21 +12,17 @@ prompt), ``naive`` (concatenate, no recompute) and ``blend`` (selective recomput
 
 from __future__ import annotations
 
-import logging
 import numbers
 import time
 
 import torch
 
-from kdn import _core
-from kdn._core import BlobError, InvalidInputError
+from kdn._core import InvalidInputError
 from kdn.blend.recompute import check_supported, selective_prefill
 from kdn.blend.rope import UnsupportedModelError, shift_keys
-from kdn.keys import segment_key, token_array
-from kdn.layout import cache_to_kv_list, empty_kv_list, kv_list_to_cache
+from kdn.layout import cache_to_kv_list, kv_list_to_cache
 
 MODES = ("full", "prefix", "naive", "blend")
-log = logging.getLogger("kdn")
 
 
 def default_prefix(model) -> list[int]:
@@ -34,54 +30,42 @@ def default_prefix(model) -> list[int]:
     return [int(bos)] if isinstance(bos, int) else []
 
 
-def _tokens(ids, info, what: str) -> list[int]:
-    tokens = token_array(ids, info.layout.vocab_size)
+def _tokens(ids, session, what: str) -> list[int]:
+    tokens = session.tokens(ids)
     if what != "prefix" and len(tokens) == 0:
         raise InvalidInputError(f"{what} is empty")
     return tokens.tolist()
 
 
-def segment_kv(kdn, model, info, prefix: list[int], segment: list[int]) -> tuple[list[torch.Tensor], bool]:
+def segment_kv(kdn, model, session, prefix: list[int], segment: list[int]) -> tuple[list[torch.Tensor], bool]:
     """The KV of ``segment`` computed behind ``prefix`` (positions len(prefix)...), from kdn or computed
     and stored. Returns (per-layer [1, kv_heads, len(segment), head_dim] CPU tensors, was_stored)."""
-    fp, layout = info.fingerprint, info.layout
-    key = segment_key(fp, token_array(prefix, layout.vocab_size), token_array(segment, layout.vocab_size))
-    blobs, addresses = kdn.tiers.fetch([key], fp)
-    if blobs:
-        blob = blobs[0]
-        try:
-            h = _core.blob_parse(blob, verify_checksum=not getattr(blob, "verified", False))
-            if (h["fingerprint"], h["key"], h["tokens"], h["position"]) != (fp, addresses[0], len(segment),
-                                                                            len(prefix)):
-                raise BlobError("segment blob header does not match the request")
-            kv = empty_kv_list(layout, len(segment))
-            _core.unpack_chunks([blob], kv, len(segment))
-            return kv, True
-        except (BlobError, InvalidInputError) as e:
-            kdn.tiers.drop(addresses[0], fp)
-            log.warning("kdn: dropping an unusable stored segment (a miss): %s", e)
+    key = session.segment_key(session.tokens(prefix), session.tokens(segment))
+    kv = kdn.chunks.read_segment(session, key, len(prefix), len(segment))
+    if kv is not None:
+        return kv, True
     ids = torch.tensor([prefix + segment], device=next(model.parameters()).device)
     with torch.inference_mode():
         kv_full = [t.cpu() for t in cache_to_kv_list(model(ids, use_cache=True).past_key_values)]
-    kdn.tiers.put(key, _core.pack_chunk(kv_full, len(prefix), len(segment), fp, key))
+    kdn.chunks.write_segment(session, key, kv_full, len(prefix), len(segment))
     return [t[:, :, len(prefix):].contiguous() for t in kv_full], False
 
 
-def prompt_tokens(info, model, segments, query, prefix=None):
+def prompt_tokens(session, model, segments, query, prefix=None):
     """Checked token lists ``(prefix, segments, query)`` and the whole prompt ``prefix + segments + query``."""
-    prefix = default_prefix(model) if prefix is None else _tokens(prefix, info, "prefix")
-    segs = [_tokens(s, info, "segment") for s in segments]
-    query = _tokens(query, info, "query")
+    prefix = default_prefix(model) if prefix is None else _tokens(prefix, session, "prefix")
+    segs = [_tokens(s, session, "segment") for s in segments]
+    query = _tokens(query, session, "query")
     return prefix, segs, query, prefix + [t for s in segs for t in s] + query
 
 
 def store_segments(kdn, model, segments, prefix=None) -> dict:
     """Compute (or find) and store every segment's KV; returns counts of computed and already stored."""
-    info = kdn._info(model)
+    session = kdn.session(model)
     check_supported(model)
-    prefix = default_prefix(model) if prefix is None else _tokens(prefix, info, "prefix")
-    jobs = ([([], prefix)] if prefix else []) + [(prefix, _tokens(s, info, "segment")) for s in segments]
-    hits = [segment_kv(kdn, model, info, behind, seg)[1] for behind, seg in jobs]
+    prefix = default_prefix(model) if prefix is None else _tokens(prefix, session, "prefix")
+    jobs = ([([], prefix)] if prefix else []) + [(prefix, _tokens(s, session, "segment")) for s in segments]
+    hits = [segment_kv(kdn, model, session, behind, seg)[1] for behind, seg in jobs]
     return {"already_stored": sum(hits), "computed": len(hits) - sum(hits)}
 
 
@@ -97,9 +81,10 @@ def blend(kdn, model, segments, query, prefix=None, recompute_ratio: float = 0.1
     if isinstance(recompute_ratio, bool) or not isinstance(recompute_ratio, numbers.Real) \
             or not 0.0 <= recompute_ratio <= 1.0:
         raise InvalidInputError(f"recompute_ratio must be a number within [0, 1], got {recompute_ratio!r}")
-    info = kdn._info(model)
+    session = kdn.session(model)
+    layout = session.layout
     check_supported(model)
-    prefix, segs, query, ids = prompt_tokens(info, model, segments, query, prefix)
+    prefix, segs, query, ids = prompt_tokens(session, model, segments, query, prefix)
     n_ctx, device = len(ids) - len(query), next(model.parameters()).device
     stats = {"mode": mode, "prompt_tokens": len(ids), "context_tokens": n_ctx, "segments": len(segs)}
     t0 = time.perf_counter()
@@ -110,17 +95,17 @@ def blend(kdn, model, segments, query, prefix=None, recompute_ratio: float = 0.1
         return cache, {**stats, "tokens": hit, "segment_hits": 0, "blend_s": time.perf_counter() - t0}
     parts, hits, offset = [], 0, 0
     if prefix:
-        kv, hit = segment_kv(kdn, model, info, [], prefix)
+        kv, hit = segment_kv(kdn, model, session, [], prefix)
         parts.append(kv)
         hits, offset = hits + hit, len(prefix)
     for seg in segs:
-        kv, hit = segment_kv(kdn, model, info, prefix, seg)
+        kv, hit = segment_kv(kdn, model, session, prefix, seg)
         shift_keys(model, kv, offset - len(prefix))  # stored at len(prefix), used at offset
         parts.append(kv)
         hits, offset = hits + hit, offset + len(seg)
     n = n_ctx if mode == "naive" else len(ids) - 1
-    kv = [torch.empty((1, info.layout.kv_heads, n, info.layout.head_dim), dtype=info.layout.torch_dtype,
-                      device=device) for _ in range(2 * info.layout.layers)]
+    kv = [torch.empty((1, layout.kv_heads, n, layout.head_dim), dtype=layout.torch_dtype, device=device)
+          for _ in range(2 * layout.layers)]
     for i, t in enumerate(kv):
         t[:, :, :n_ctx] = torch.cat([p[i].to(device) for p in parts], dim=2)
     stats.update(segment_hits=hits)

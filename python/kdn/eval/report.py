@@ -6,8 +6,6 @@ import csv
 import json
 from pathlib import Path
 
-from kdn.eval.runner import save_jsonl
-
 COLUMNS = ["method", "available", "n", "quality", "ttft_mean_s", "ttft_median_s", "prefill_tokens_mean",
            "prompt_tokens_mean", "inject_s_mean", "stored_bytes_mean", "identical_to_full", "reason"]
 
@@ -77,3 +75,9 @@ def write_reports(result: dict, out_dir: Path) -> dict[str, Path]:
     paths["summary.md"].write_text(markdown_table(result))
     plot(result, paths["quality_vs_ttft.png"])
     return paths
+
+
+def save_jsonl(records: list[dict], path: Path) -> None:
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
@@ -133,9 +132,3 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
             "identical_to_full": statistics.fmean(same) if same else None,
         }
     return summary
-
-
-def save_jsonl(records: list[dict], path: Path) -> None:
-    with open(path, "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")

@@ -74,9 +74,11 @@ def generate(kdn, model, input_ids, **generate_kwargs):
         **generate_kwargs: passed to ``model.generate`` (``past_key_values`` is kdn's to provide;
             an ``attention_mask``, if given, must be all ones).
 
-    Returns what ``model.generate`` returns (``sequences`` tensor, or the dict output when
-    ``return_dict_in_generate=True``). Storing never raises: a failure is logged and generation's
-    result is returned. ``kdn.last_generate`` records ``{"hit_tokens", "prompt_tokens"}``.
+    Returns ``(output, stats)``: what ``model.generate`` returns (``sequences`` tensor, or the dict
+    output when ``return_dict_in_generate=True``, which then also carries ``kdn_stats``) and
+    ``stats = {"hit_tokens", "prompt_tokens"}``. Storing never raises: a failure is logged and
+    generation's result is returned. (:meth:`kdn.KDN.generate` returns the output alone and keeps
+    the stats per thread in ``KDN.last_generate``.)
 
     Example:
         >>> out = kdn.generate(model, tokenizer(doc + q, return_tensors="pt").input_ids, max_new_tokens=32)
@@ -95,7 +97,7 @@ def generate(kdn, model, input_ids, **generate_kwargs):
             cache.batch_repeat_interleave(rows)
         generate_kwargs["past_key_values"] = cache
     out = model.generate(ids, return_dict_in_generate=True, use_cache=True, **generate_kwargs)
-    kdn.last_generate = {"hit_tokens": hit, "prompt_tokens": int(ids.shape[1])}
+    stats = {"hit_tokens": hit, "prompt_tokens": int(ids.shape[1])}
     try:
         final = out.past_key_values
         if final is not None and rows == 1:
@@ -106,4 +108,7 @@ def generate(kdn, model, input_ids, **generate_kwargs):
             kdn.store(model, ids[0], kv_list_to_cache(model, kv))
     except Exception as exc:  # storing is best effort; the answer is already computed
         log.warning("kdn: storing the generated KV failed (%s); the result is returned unchanged", exc)
-    return out if want_dict else out.sequences
+    if want_dict:
+        out["kdn_stats"] = stats
+        return out, stats
+    return out.sequences, stats

@@ -1,7 +1,9 @@
-"""Storage tiers of kdn: host memory, local disk, and the manager that composes them."""
+"""Storage tiers of kdn (one protocol: :class:`Tier`): host memory, local disk, a remote store,
+and the manager that composes them."""
 
+from kdn.storage.base import Tier
 from kdn.storage.disk import DiskTier
-from kdn.storage.manager import TierManager
+from kdn.storage.manager import TierManager, build_tiers
 from kdn.storage.memory import MemoryTier
 
-__all__ = ["DiskTier", "MemoryTier", "TierManager"]
+__all__ = ["DiskTier", "MemoryTier", "Tier", "TierManager", "build_tiers"]

@@ -1,13 +1,81 @@
-"""The tier interface: the methods every tier delegates to its C++ store in the same way."""
+"""The tier protocol every tier implements alike (memory, disk, remote), and the helper base of the
+tiers that sit on a C++ store."""
 
 from __future__ import annotations
 
+import abc
 
-class StoreTier:
-    """Base of the tiers: ``put/get/contains/count_prefix/remove/pin/unpin/clear/stats`` over a C++
-    store in ``self._store``. Subclasses state their threading and failure contract."""
 
-    name = "tier"
+class Tier(abc.ABC):
+    """One storage tier of chunk blobs under 16-byte chunk keys (keys derive from the model
+    fingerprint, so they carry the model's identity; every blob also names its model and key).
+
+    Contract shared by all tiers: thread-safe; no method raises for I/O or capacity (failures are
+    misses or "not stored", counted in ``stats()``); ``put`` may queue and return at once, what it
+    queued is readable at once and written by ``flush``; a blob read back is verified.
+
+    ``name`` (``"memory"``, ``"disk"``, ``"remote"``) names it in ``stats()``; ``local`` tiers
+    (this machine) follow the write policy and hold pins, a non-local tier is shared by machines
+    and always written through; ``codec`` is the codec spec it stores blobs in.
+    """
+
+    name: str = "tier"
+    local: bool = True
+    codec: str = "raw"
+
+    @abc.abstractmethod
+    def contains(self, key: bytes) -> bool: ...
+
+    def count_prefix(self, keys: list[bytes]) -> int:
+        """Number of leading ``keys`` present (the longest stored prefix, in chunks)."""
+        n = 0
+        for present in self.present(keys):
+            if not present:
+                break
+            n += 1
+        return n
+
+    def present(self, keys: list[bytes]) -> list[bool]:
+        """Whether each key is stored (one round trip for a remote tier)."""
+        return [self.contains(k) for k in keys]
+
+    @abc.abstractmethod
+    def get_many(self, keys: list[bytes]) -> list:
+        """Verified blobs of ``keys`` (None for each miss)."""
+
+    @abc.abstractmethod
+    def put(self, key: bytes, blob) -> bool:
+        """Store (or queue) ``blob`` under ``key``; False if it is not stored."""
+
+    @abc.abstractmethod
+    def remove(self, key: bytes) -> bool: ...
+
+    def pin(self, key: bytes, ttl_seconds: float = 0.0) -> bool:
+        """Keep ``key`` from eviction (for ``ttl_seconds`` if > 0); False if not held or not pinnable."""
+        return False
+
+    def unpin(self, key: bytes) -> bool:
+        return False
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued writes are done (at most ``timeout`` seconds); True if drained."""
+        return True
+
+    @abc.abstractmethod
+    def stats(self) -> dict: ...
+
+    @abc.abstractmethod
+    def clear(self) -> None:
+        """Drop every blob this tier holds."""
+
+    def close(self) -> None:
+        """Write what is queued; the tier may still be used (nothing is torn down)."""
+        self.flush()
+
+
+class StoreTier(Tier):
+    """A tier over a C++ store in ``self._store`` (kdn._core.MemoryStore or DiskStore)."""
+
     _store = None
 
     def put(self, key: bytes, blob) -> bool:
@@ -16,18 +84,19 @@ class StoreTier:
     def get(self, key: bytes):
         return self._store.get(key)
 
+    def get_many(self, keys: list[bytes]) -> list:
+        return [self._store.get(k) for k in keys]
+
     def contains(self, key: bytes) -> bool:
         return self._store.contains(key)
 
     def count_prefix(self, keys: list[bytes]) -> int:
-        """Number of leading ``keys`` present (the longest stored prefix, in chunks)."""
         return self._store.count_prefix(keys)
 
     def remove(self, key: bytes) -> bool:
         return self._store.remove(key)
 
     def pin(self, key: bytes, ttl_seconds: float = 0.0) -> bool:
-        """Keep ``key`` from eviction (for ``ttl_seconds`` if > 0); False if it is not stored."""
         return self._store.pin(key, ttl_seconds)
 
     def unpin(self, key: bytes) -> bool:

@@ -63,6 +63,7 @@ class DiskTier(StoreTier):
         return ok
 
     def get_many(self, keys: list[bytes]) -> list:
+        """Verified blobs of ``keys`` (None for each miss), read in parallel."""
         blobs = self._store.get_many(keys)
         self._report()
         return blobs

@@ -1,4 +1,4 @@
-"""Tier manager: longest-prefix lookup across memory, disk and remote; promotion, write policy, pins, stats."""
+"""Tier manager: a list of tiers behind one protocol; longest-prefix lookup, promotion, write policy, pins."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import time
 import weakref
 
 from kdn import codecs
-from kdn._core import KDNError
+from kdn._core import InvalidInputError, KDNError
 from kdn.config import KDNConfig
+from kdn.storage.base import Tier
 from kdn.storage.disk import DiskTier
 from kdn.storage.memory import MemoryTier
 
@@ -17,18 +18,36 @@ log = logging.getLogger("kdn")
 EXIT_FLUSH_SECONDS = 10.0  # at interpreter exit, queued and write-back data get this long to land
 
 
-class TierManager:
-    """Composes the tiers of a KDN: memory, then the local disk, then a remote store (each optional
-    but memory).
+def build_tiers(config: KDNConfig) -> list[Tier]:
+    """The tiers a config asks for, fastest first: memory, then the disk (``disk_dir``), then a
+    remote store (``remote_url``)."""
+    tiers: list[Tier] = [MemoryTier(config.memory_bytes, config.memory_policy, config.memory_codec)]
+    if config.disk_dir is not None:
+        tiers.append(DiskTier(config.disk_dir, config.disk_bytes, config.disk_policy, config.disk_queue_bytes,
+                              config.disk_read_threads, config.disk_fsync, config.disk_codec, config.mac_key(),
+                              config.disk_shared))
+    if config.remote_url is not None:
+        from kdn.storage.remote import RemoteTier  # needs redis-py only when asked for
 
-    * ``count_prefix`` is the number of leading chunk keys held by *some* tier (the remote store is
-      asked about the chunks the local tiers lack, in one round trip).
-    * ``get_many`` returns the blobs of leading keys: memory, then disk (read in parallel), then
-      remote (one pipelined round trip). Disk hits are promoted into memory; remote hits into
-      memory and (unless memory-only) the disk.
-    * ``put`` follows ``config.write_policy`` for the disk: write-through (queued for disk as
-      stored in memory), write-back (disk receives what memory evicts) or memory-only. A remote
-      store always gets an asynchronous write-through.
+        tiers.append(RemoteTier(config.remote_url, config.remote_timeout, config.remote_ttl, config.remote_part_bytes,
+                                config.remote_queue_bytes, config.remote_retry_seconds, config.remote_codec,
+                                config.mac_key()))
+    return tiers
+
+
+class TierManager:
+    """Composes a list of tiers (:func:`build_tiers`), fastest first; the first is the memory tier.
+
+    * ``count_prefix`` is the number of leading chunk keys held by *some* tier (each lower tier is
+      asked, in one call, about the chunks the tiers above it lack).
+    * ``fetch`` / ``get_many`` return the blobs of leading keys: each tier is asked for what the
+      tiers above it missed (a disk reads in parallel, a remote store in one pipelined round trip).
+      A hit is promoted into memory (re-coded to memory's codec) and, unless the write policy is
+      memory-only, into the local tiers above the one that held it.
+    * ``put`` follows ``config.write_policy`` for the local tiers below memory: write-through
+      (queued as stored in memory), write-back (they receive what memory evicts, and what memory
+      holds at exit) or memory-only. A non-local (remote) tier always gets an asynchronous
+      write-through.
     * Each tier stores its own codec (``memory_codec``, ``disk_codec``, ``remote_codec``); blobs
       are self-describing, so any reader decodes any of them.
     * Fidelity is part of the address: a chunk coded with a lossy codec is filed under its lossy
@@ -37,36 +56,36 @@ class TierManager:
       so a process never reads KV lossier than it accepts, whoever wrote the shared tiers.
     * ``pin``/``unpin`` apply to the local tiers; ``remove``/``clear`` to every tier.
 
-    Keys are chunk keys; ``fingerprint`` (the model's) namespaces them in the remote store.
     Thread-safe as its tiers are; never raises for I/O (tiers count failures instead).
     """
 
-    def __init__(self, config: KDNConfig):
+    def __init__(self, config: KDNConfig, tiers: list[Tier] | None = None):
         self.config = config
         self.lossy = config.lossy_codecs()
-        self.memory = MemoryTier(config.memory_bytes, config.memory_policy)
-        self.disk = self.remote = None
-        if config.disk_dir is not None:
-            self.disk = DiskTier(config.disk_dir, config.disk_bytes, config.disk_policy, config.disk_queue_bytes,
-                                 config.disk_read_threads, config.disk_fsync, config.disk_codec, config.mac_key(),
-                                 config.disk_shared)
-            if config.write_policy == "write-back":
-                self.memory.spill_to(self.disk)
-                atexit.register(_write_back_at_exit, weakref.ref(self))
-        if config.remote_url is not None:
-            from kdn.storage.remote import RemoteTier
+        self.tiers = tiers if tiers is not None else build_tiers(config)
+        if not self.tiers or not isinstance(self.tiers[0], MemoryTier):
+            raise InvalidInputError("TierManager: the first tier must be a MemoryTier")
+        self.memory = self.tiers[0]
+        below = next((t for t in self.tiers[1:] if t.local), None)
+        if below is not None and config.write_policy == "write-back":
+            self.memory.spill_to(below)
+            atexit.register(_write_back_at_exit, weakref.ref(self))
 
-            self.remote = RemoteTier(config.remote_url, config.remote_timeout, config.remote_ttl,
-                                     config.remote_part_bytes, config.remote_queue_bytes, config.remote_retry_seconds,
-                                     config.remote_codec, config.mac_key())
+    def tier(self, name: str):
+        """The tier called ``name`` ("memory", "disk", "remote"), or None."""
+        return next((t for t in self.tiers if t.name == name), None)
 
     @property
-    def local_tiers(self) -> list:
-        return [t for t in (self.memory, self.disk) if t is not None]
+    def disk(self):
+        return self.tier("disk")
 
     @property
-    def tiers(self) -> list:
-        return self.local_tiers + ([self.remote] if self.remote is not None else [])
+    def remote(self):
+        return self.tier("remote")
+
+    @property
+    def local_tiers(self) -> list[Tier]:
+        return [t for t in self.tiers if t.local]
 
     def addresses(self, key: bytes) -> list[bytes]:
         """Where ``key``'s chunk may be filed for this process: the exact key, then the lossy keys
@@ -82,41 +101,36 @@ class TierManager:
     def contains_local(self, key: bytes) -> bool:
         return self._local_address(key) is not None
 
-    def count_prefix(self, keys: list[bytes], fingerprint: bytes) -> int:
-        if not self.lossy:  # one address per chunk: the tiers' own prefix counts
-            n = self.memory.count_prefix(keys)
-            if self.disk is not None:
-                while n < len(keys) and (self.memory.contains(keys[n]) or self.disk.contains(keys[n])):
-                    n += 1
-            if self.remote is not None and n < len(keys):
-                n += self.remote.count_prefix(keys[n:], fingerprint)
-            return n
+    def count_prefix(self, keys: list[bytes]) -> int:
+        variants = [self.addresses(k) for k in keys]
+        held = [False] * len(keys)
         n = 0
-        while n < len(keys) and self._local_address(keys[n]) is not None:
-            n += 1
-        if self.remote is not None and n < len(keys):
-            rest = [self.addresses(k) for k in keys[n:]]
-            present = iter(self.remote.present([a for group in rest for a in group], fingerprint))
-            for group in rest:
-                if not any([next(present) for _ in group]):
-                    break
+        for tier in self.tiers:
+            if n == len(keys):
+                break
+            todo = [i for i in range(n, len(keys)) if not held[i]]
+            flags = iter(tier.present([a for i in todo for a in variants[i]]))
+            for i in todo:
+                held[i] = any([next(flags) for _ in variants[i]])
+            while n < len(keys) and held[n]:
                 n += 1
         return n
 
-    def get_many(self, keys: list[bytes], fingerprint: bytes) -> list:
+    def get_many(self, keys: list[bytes]) -> list:
         """Blobs of the leading ``keys`` that are stored (stops at the first miss)."""
-        return self.fetch(keys, fingerprint)[0]
+        return self.fetch(keys)[0]
 
-    def fetch(self, keys: list[bytes], fingerprint: bytes) -> tuple[list, list[bytes]]:
+    def fetch(self, keys: list[bytes]) -> tuple[list, list[bytes]]:
         """``(blobs, addresses)`` of the leading ``keys`` that are stored (stops at the first miss):
-        each blob with the address it was found under (its header key; see :meth:`addresses`)."""
+        each blob with the address it was found under (its header key; see :meth:`addresses`).
+        Keys derive from the model fingerprint; readers verify it in every blob."""
         variants = [self.addresses(k) for k in keys]
         found: list = [None] * len(keys)  # (blob, address) per chunk
-        for tier in [self.memory, *(t for t in (self.disk, self.remote) if t is not None)]:
+        for level, tier in enumerate(self.tiers):
             lead = next((i for i, f in enumerate(found) if f is None), len(keys))
             if lead == len(keys):
                 break
-            if tier is not self.memory:  # hold memory's later chunks before promotions can evict them
+            if level > 0:  # hold memory's later chunks before promotions can evict them
                 for i in range(lead + 1, len(keys)):
                     found[i] = found[i] or self._memory_get(variants[i])
             for v in range(len(variants[0]) if variants else 0):  # exact first, then each lossy codec
@@ -124,16 +138,9 @@ class TierManager:
                 if not todo:
                     break
                 wanted = [variants[i][v] for i in todo]
-                if tier is self.memory:
-                    blobs = [tier.get(a) for a in wanted]
-                elif tier is self.disk:
-                    blobs = tier.get_many(wanted)
-                else:
-                    blobs = tier.get_many(wanted, fingerprint)
-                for i, address, blob in zip(todo, wanted, blobs):
+                for i, address, blob in zip(todo, wanted, tier.get_many(wanted)):
                     if blob is not None:
-                        found[i] = ((blob, address) if tier is self.memory
-                                    else self._promote(address, blob, lossy=v > 0, from_remote=tier is self.remote))
+                        found[i] = (blob, address) if level == 0 else self._promote(address, blob, v > 0, level)
         blobs, addresses = [], []
         for f in found:
             if f is None:
@@ -149,13 +156,15 @@ class TierManager:
                 return blob, address
         return None
 
-    def _promote(self, address: bytes, blob, lossy: bool, from_remote: bool) -> tuple:
-        """Copies a lower tier's hit into memory; returns ``(what memory now holds, its address)``.
-        The chunk is re-coded to memory's codec (a lossy one decoded to raw keeps its lossy address,
-        which names the coding it went through), except that a lossy chunk is never re-coded with
-        another lossy codec: it keeps its bytes and address."""
-        if from_remote and self.disk is not None and self.config.write_policy != "memory-only":
-            self.disk.put(address, blob)
+    def _promote(self, address: bytes, blob, lossy: bool, level: int) -> tuple:
+        """Copies a hit of tier ``level`` into memory and (unless memory-only) into the local tiers
+        between; returns ``(what memory now holds, its address)``. The chunk is re-coded to memory's
+        codec (a lossy one decoded to raw keeps its lossy address, which names the coding it went
+        through), except that a lossy chunk is never re-coded with another lossy codec."""
+        if self.config.write_policy != "memory-only":
+            for tier in self.tiers[1:level]:
+                if tier.local:
+                    tier.put(address, blob)
         try:
             keep = lossy and codecs.parse(self.config.memory_codec).lossy
             coded = blob if keep else codecs.encode(blob, self.config.memory_codec)
@@ -168,28 +177,25 @@ class TierManager:
 
     def put(self, key: bytes, blob) -> bool:
         """Store ``blob`` per the write policy; True if some tier holds it (or will: queued).
-        Memory gets it in ``memory_codec`` now; disk and remote encode in their own threads, each
+        Memory gets it in ``memory_codec`` now; the other tiers encode in their own threads, each
         filing it under the address its codec gives (see :func:`kdn.codecs.address`)."""
         coded = codecs.encode(blob, self.config.memory_codec)
         in_memory = self.memory.put(codecs.key_of(coded) if coded is not blob else key, coded)
         stored = in_memory
-        if self.disk is not None and self.config.write_policy != "memory-only":
-            if self.config.write_policy == "write-through" or not in_memory:
-                stored = self.disk.put(key, blob) or stored
-        if self.remote is not None:
-            stored = self.remote.put(key, blob) or stored
+        policy = self.config.write_policy
+        for tier in self.tiers[1:]:
+            if tier.local and (policy == "memory-only" or (policy == "write-back" and in_memory)):
+                continue  # write-back: the tier receives memory's evictions instead
+            stored = tier.put(key, blob) or stored
         return stored
 
-    def remove(self, key: bytes, fingerprint: bytes) -> bool:
+    def remove(self, key: bytes) -> bool:
         """Drop ``key``'s chunk at every address this process reads, from every tier."""
-        return any([self.drop(address, fingerprint) for address in self.addresses(key)])
+        return any([self.drop(address) for address in self.addresses(key)])
 
-    def drop(self, address: bytes, fingerprint: bytes) -> bool:
+    def drop(self, address: bytes) -> bool:
         """Drop what is filed under ``address`` (one of :meth:`addresses`) from every tier."""
-        removed = [t.remove(address) for t in self.local_tiers]
-        if self.remote is not None:
-            removed.append(self.remote.remove(address, fingerprint))
-        return any(removed)
+        return any([t.remove(address) for t in self.tiers])
 
     def pin(self, key: bytes, ttl_seconds: float = 0.0) -> bool:
         """Pin ``key`` in every local tier that holds it (KDN.pin promotes it into memory first)."""
@@ -199,25 +205,26 @@ class TierManager:
         return any([t.unpin(a) for a in self.addresses(key) for t in self.local_tiers])
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait for queued disk writes and remote stores (at most ``timeout`` seconds in all)."""
+        """Wait for queued writes of every tier (at most ``timeout`` seconds in all)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for t in (self.disk, self.remote):
-            if t is not None:
-                t.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        for t in self.tiers:
+            t.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def write_back(self, timeout: float = EXIT_FLUSH_SECONDS) -> int:
-        """Write every memory entry the disk lacks to the disk now (write-back keeps chunks only in
-        memory until evicted); bounded by ``timeout`` seconds. Returns how many were written."""
-        if self.disk is None:
+        """Write every memory entry to the first local tier below memory now (write-back keeps
+        chunks only in memory until evicted); bounded by ``timeout`` seconds. Returns how many
+        were written."""
+        below = next((t for t in self.tiers[1:] if t.local), None)
+        if below is None:
             return 0
         deadline, written = time.monotonic() + timeout, 0
         entries = self.memory.store.entries()
         for key, blob in entries:
             if time.monotonic() > deadline:
-                log.warning("kdn: write-back at exit ran out of time; %d of %d memory chunks not written to disk",
+                log.warning("kdn: write-back at exit ran out of time; %d of %d memory chunks not written",
                             len(entries) - written, len(entries))
                 break
-            written += bool(self.disk.put(key, blob, wait=True))
+            written += bool(below.put(key, blob, wait=True))
         return written
 
     def clear(self) -> None:

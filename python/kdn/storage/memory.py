@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kdn import _core
+from kdn import _core, codecs
 from kdn.storage.base import StoreTier
 
 
@@ -27,7 +27,8 @@ class MemoryTier(StoreTier):
 
     name = "memory"
 
-    def __init__(self, capacity_bytes: int, policy: str = "lru"):
+    def __init__(self, capacity_bytes: int, policy: str = "lru", codec: str = "raw"):
+        self.codec = codecs.parse(codec).spec
         self._store = _core.MemoryStore(capacity_bytes, policy)
 
     def spill_to(self, disk) -> None:

@@ -14,38 +14,17 @@ import weakref
 
 from kdn import _core, codecs
 from kdn._core import BlobError, InvalidInputError
+from kdn.storage.base import Tier
+from kdn.urls import SCHEMES, redact
 
 log = logging.getLogger("kdn")
 
-SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
-FORMAT = 1  # bump when the key or value layout changes: old values become invisible, not misread
+FORMAT = 2  # bump when the key or value layout changes: old values become invisible, not misread
+# (2: names carry the chunk key alone; it derives from the model fingerprint, and blobs name both)
 _MANIFEST = struct.Struct("<4sIIQ")  # magic, format, parts, total bytes (the blob inside has its own checksum)
 _MANIFEST_MAGIC = b"KDNM"
 _TAG_BYTES = 32  # keyed mode: a BLAKE3 tag of the blob follows it in the value
 EXIT_FLUSH_SECONDS = 10.0  # queued stores get this long at interpreter exit
-
-
-_SECRET_PARAMS = {"password", "pass", "pwd", "auth", "token", "secret"}
-
-
-def redact(url: str) -> str:
-    """``url`` without any credential, for logs, errors, ``repr`` and ``stats()``: the password of
-    ``user:password@`` (or ``:password@``) and the values of query parameters such as ``?password=``
-    (redis-py's form for unix sockets)."""
-    try:
-        parts = urllib.parse.urlsplit(str(url))
-    except ValueError:
-        return "<unparsable url>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        user = userinfo.split(":", 1)[0]
-        netloc = (f"{user}:***" if ":" in userinfo else "***" if not user else user) + "@" + host
-    query = parts.query
-    if query:
-        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-        query = "&".join(f"{k}={'***' if k.lower() in _SECRET_PARAMS else v}" for k, v in pairs)
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def connect(url: str, timeout: float):
@@ -96,8 +75,8 @@ class _Breaker:
         return "ok" if self.down_since is None else "down"
 
 
-class RemoteTier:
-    """KV blobs in a Redis-protocol store under ``kdn:<format>:{<fingerprint>:<key>}``.
+class RemoteTier(Tier):
+    """KV blobs in a Redis-protocol store under ``kdn:<format>:{<chunk key>}``.
 
     Contract:
 
@@ -112,17 +91,19 @@ class RemoteTier:
       password is an :class:`InvalidInputError` (an unreachable server is only a warning).
     * Values above ``part_bytes`` are split into parts stored under the same hash tag (one cluster
       slot) behind a manifest with the total size and checksum. Every value read is checked (blob
-      checksum, key, model fingerprint, format); one that fails is a miss, counted as ``corrupt``.
+      checksum, key, format); one that fails is a miss, counted as ``corrupt`` (readers check the
+      model fingerprint too).
     * ``ttl`` (seconds) expires values in the store; ``None`` keeps them until the store evicts.
 
     Example:
         >>> tier = RemoteTier("redis://127.0.0.1:6379/0")
         >>> tier.put(key, blob); tier.flush()
-        >>> tier.count_prefix([key], fingerprint)
+        >>> tier.count_prefix([key])
         1
     """
 
     name = "remote"
+    local = False
 
     def __init__(self, url: str, timeout: float = 1.0, ttl: float | None = None, part_bytes: int = 16 << 20,
                  queue_bytes: int = 256 << 20, retry_seconds: float = 5.0, codec: str = "raw", mac_key: bytes = b""):
@@ -145,8 +126,8 @@ class RemoteTier:
 
     # -- keys and values ------------------------------------------------------------------------
     @staticmethod
-    def redis_key(key: bytes, fingerprint: bytes) -> str:
-        return f"kdn:{FORMAT}:{{{fingerprint.hex()}:{key.hex()}}}"
+    def redis_key(key: bytes) -> str:
+        return f"kdn:{FORMAT}:{{{key.hex()}}}"
 
     def _encode(self, blob) -> list:
         """[value] or [manifest, part1, ...] for one blob, as views of its bytes (no copies; one
@@ -159,7 +140,7 @@ class RemoteTier:
         parts = [data[i:i + self.part_bytes] for i in range(0, len(data), self.part_bytes)]
         return [_MANIFEST.pack(_MANIFEST_MAGIC, FORMAT, len(parts), len(data))] + parts
 
-    def _decode(self, key: bytes, fingerprint: bytes, value):
+    def _decode(self, key: bytes, value):
         """A verified Buffer from a stored value (bytes, or the list of its parts), or None (counted as corrupt)."""
         if self._mac_key:
             value = b"".join(value) if isinstance(value, list) else bytes(value)
@@ -173,8 +154,8 @@ class RemoteTier:
             header = _core.blob_parse(blob)  # checksum; marks the Buffer verified
         except BlobError as e:
             return self._corrupt(key, str(e))
-        if header["key"] != key or header["fingerprint"] != fingerprint:
-            return self._corrupt(key, "value belongs to another key or model")
+        if header["key"] != key:
+            return self._corrupt(key, "value belongs to another key")
         return blob
 
     def _corrupt(self, key: bytes, why: str):
@@ -216,7 +197,7 @@ class RemoteTier:
             self._breaker.failure(e)
 
     # -- tier interface -------------------------------------------------------------------------
-    def present(self, keys: list[bytes], fingerprint: bytes) -> list[bool]:
+    def present(self, keys: list[bytes]) -> list[bool]:
         """Whether each of ``keys`` is stored, in one pipelined round trip (all False when down)."""
         if not keys:
             return []
@@ -224,27 +205,19 @@ class RemoteTier:
         def run():
             pipe = self._client.pipeline(transaction=False)
             for k in keys:
-                pipe.exists(self.redis_key(k, fingerprint))
+                pipe.exists(self.redis_key(k))
             return [bool(x) for x in pipe.execute()]
 
         return self._call(run, [False] * len(keys))
 
-    def count_prefix(self, keys: list[bytes], fingerprint: bytes) -> int:
-        """Number of leading ``keys`` stored, in one pipelined round trip."""
-        found = self.present(keys, fingerprint)
-        n = 0
-        while n < len(found) and found[n]:
-            n += 1
-        return n
+    def contains(self, key: bytes) -> bool:
+        return self.present([key]) == [True]
 
-    def contains(self, key: bytes, fingerprint: bytes) -> bool:
-        return self.count_prefix([key], fingerprint) == 1
-
-    def get_many(self, keys: list[bytes], fingerprint: bytes) -> list:
+    def get_many(self, keys: list[bytes]) -> list:
         """Verified blobs of ``keys`` (None for a miss), in one round trip (two if some are split)."""
         if not keys:
             return []
-        names = [self.redis_key(k, fingerprint) for k in keys]
+        names = [self.redis_key(k) for k in keys]
 
         def run():
             pipe = self._client.pipeline(transaction=False)
@@ -275,7 +248,7 @@ class RemoteTier:
         values = self._call(run, [None] * len(keys))
         blobs = []
         for key, value in zip(keys, values):
-            blob = self._decode(key, fingerprint, value) if value is not None else None
+            blob = self._decode(key, value) if value is not None else None
             self._stats["hits" if blob is not None else "misses"] += 1
             blobs.append(blob)
         return blobs
@@ -292,7 +265,7 @@ class RemoteTier:
 
     def put(self, key: bytes, blob, wait: bool = False) -> bool:
         """Queue ``blob`` for the store (``wait=True``: send it now); False if dropped."""
-        del key  # the Redis key comes from the blob's header (key in this tier's codec, fingerprint)
+        del key  # the Redis key is the blob's key in this tier's codec (a lossy codec re-addresses it)
         if wait:
             return self._send([blob])
         size = len(blob)
@@ -306,8 +279,7 @@ class RemoteTier:
         return True
 
     def _send(self, blobs: list) -> bool:
-        headers = [_core.blob_parse(b, verify_checksum=False) for b in blobs]
-        names = [self.redis_key(codecs.stored_key(b, self.codec), h["fingerprint"]) for b, h in zip(blobs, headers)]
+        names = [self.redis_key(codecs.stored_key(b, self.codec)) for b in blobs]
 
         def run():
             pipe = self._client.pipeline(transaction=False)
@@ -367,13 +339,13 @@ class RemoteTier:
                     self._sending = False
                     self._cv.notify_all()
 
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until queued blobs have been sent (or dropped)."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued blobs have been sent (or dropped); True if the queue drained."""
         with self._cv:
-            self._cv.wait_for(lambda: not self._queue and not self._sending, timeout)
+            return self._cv.wait_for(lambda: not self._queue and not self._sending, timeout)
 
-    def remove(self, key: bytes, fingerprint: bytes) -> bool:
-        name = self.redis_key(key, fingerprint)
+    def remove(self, key: bytes) -> bool:
+        name = self.redis_key(key)
 
         def run():
             manifest = self._client.get(name)
@@ -386,12 +358,6 @@ class RemoteTier:
             return any(pipe.execute())
 
         return bool(self._call(run, False))
-
-    def pin(self, key: bytes, ttl_seconds: float = 0.0) -> bool:
-        return False  # the shared store's eviction is its own (maxmemory-policy); pins are local
-
-    def unpin(self, key: bytes) -> bool:
-        return False
 
     def clear(self) -> None:
         """Delete every kdn value of this format from the store (all nodes of a cluster)."""
