@@ -8,7 +8,6 @@ Segments are stored before timing (as in a RAG deployment). Prints a table, writ
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from kdn import KDN, KDNConfig
 from kdn.eval import load_dataset
 from kdn.eval.metrics import qa_f1
 from kdn.eval.runner import encode
+from timing import save_result
 
 
 def kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
@@ -96,8 +96,7 @@ def main() -> None:
               f"{kl_ratio:.1f}x (target >= 3); F1 gap {summary['full']['f1'] - b['f1']:+.3f}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_blend.json").write_text(json.dumps({"questions": args.questions, "summary": summary,
-                                                          "per_question": rows}, indent=2))
+    save_result(out_dir / "bench_blend.json", {"questions": args.questions, "summary": summary, "per_question": rows})
     print(f"wrote {out_dir / 'bench_blend.json'}")
 
 

@@ -13,7 +13,6 @@ token; KL is KL(reference || codec) at the same positions, in nats. Speeds count
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 from kdn import KDN, KDNConfig, _core, codecs
 from kdn.eval import load_dataset
 from kdn.layout import cache_to_kv_list
-from timing import timed
+from timing import save_result, timed
 
 CODECS = ["lossless", "int8", "int4", "int2", "cachegen:level=1", "cachegen", "cachegen:level=3",
           "cachegen:anchor=1"]
@@ -250,7 +249,7 @@ def main() -> None:
         print_limits(results["models"][name])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_codecs.json").write_text(json.dumps(results, indent=1))
+    save_result(out / "bench_codecs.json", results, indent=1)
     print(f"\nwrote {out / 'bench_codecs.json'}")
 
 

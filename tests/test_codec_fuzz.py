@@ -55,6 +55,7 @@ def mutate(blob: bytes, mutation) -> bytearray:
     return out
 
 
+@pytest.mark.slow  # ~18 s per codec: CI runs it; `-m "not slow"` (the inner loop) leaves it out
 @pytest.mark.parametrize("spec", SPECS)
 def test_decoder_survives_10000_corrupt_payloads(spec):
     base = BASES[spec]

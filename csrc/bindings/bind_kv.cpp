@@ -1,11 +1,9 @@
-// Python bindings that move KV between a model's per-layer tensors and blobs (pack / verify / unpack).
+// Python bindings of the chunk layout (kdn/chunk.h, kdn/kv_copy.h): convert arguments, release the GIL, call.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <cstring>
-
 #include "kdn/blob.h"
-#include "kdn/codec.h"
+#include "kdn/chunk.h"
 #include "kdn/kv_copy.h"
 #include "kdn/parallel.h"
 #include "tensor.h"
@@ -62,22 +60,21 @@ KvViews kv_views(const py::sequence& kv, bool need_writable) {
   return out;
 }
 
-struct Expect {
-  Key128 fingerprint;
-  DType dtype;
-  uint32_t layers, kv_heads, head_dim, chunk_tokens;
-};
+DType dtype_arg(const std::string& dtype) {
+  if (dtype == "float16") return DType::kFloat16;
+  if (dtype == "bfloat16") return DType::kBFloat16;
+  KDN_CHECK_INPUT(dtype == "float32", "unsupported dtype " + dtype);
+  return DType::kFloat32;
+}
 
-Status check_header(const BlobHeader& h, const Expect& e, const Key128& key, uint32_t position) {
-  if (h.fingerprint != e.fingerprint) return Status::Fail("blob belongs to another model (fingerprint mismatch)");
-  if (h.key != key) return Status::Fail("blob was stored under another key");
-  if (h.dtype != e.dtype) return Status::Fail(std::string("blob dtype ") + dtype_name(h.dtype) + " != model dtype " + dtype_name(e.dtype));
-  if (h.layers != e.layers || h.kv_heads != e.kv_heads || h.head_dim != e.head_dim)
-    return Status::Fail("blob layout [" + std::to_string(h.layers) + " layers, " + std::to_string(h.kv_heads) + " heads, " +
-                        std::to_string(h.head_dim) + " dim] does not match the model");
-  if (h.tokens != e.chunk_tokens) return Status::Fail("blob holds " + std::to_string(h.tokens) + " tokens, expected " + std::to_string(e.chunk_tokens));
-  if (h.position != position) return Status::Fail("blob position " + std::to_string(h.position) + " != " + std::to_string(position));
-  return Status::Ok();
+std::vector<ChunkBytes> chunk_bytes(const py::list& blobs, std::vector<ByteSpan>* keep) {
+  std::vector<ChunkBytes> out;
+  for (size_t i = 0; i < py::len(blobs); ++i) {
+    keep->push_back(bytes_from_object(blobs[i], "blob"));
+    Buffer* buffer = py::isinstance<Buffer>(blobs[i]) ? &blobs[i].cast<Buffer&>() : nullptr;
+    out.push_back(ChunkBytes{keep->back().data, keep->back().size, buffer});
+  }
+  return out;
 }
 
 }  // namespace
@@ -88,32 +85,10 @@ void bind_kv(py::module_& m) {
       [](const py::sequence& kv, int64_t start, int64_t count, py::handle fingerprint, py::handle key) {
         KvViews v = kv_views(kv, false);
         KDN_CHECK_INPUT(v.device == DeviceType::kCPU, "pack_chunk: tensors must be on the CPU (move them, or use the CUDA copy)");
-        KDN_CHECK_INPUT(start >= 0 && count > 0 && start + count <= v.seq,
-                        "pack_chunk: tokens [" + std::to_string(start) + ", " + std::to_string(start + count) +
-                            ") are outside the cache (" + std::to_string(v.seq) + " tokens)");
-        BlobHeader h;
-        h.dtype = v.dtype;
-        h.layers = static_cast<uint32_t>(v.layers);
-        h.kv_heads = static_cast<uint32_t>(v.heads);
-        h.head_dim = static_cast<uint32_t>(v.dim);
-        h.tokens = static_cast<uint32_t>(count);
-        h.position = static_cast<uint32_t>(start);
-        h.fingerprint = key_arg(fingerprint, "fingerprint");
-        h.key = key_arg(key, "key");
-        h.payload_bytes = raw_payload_bytes(h);
-        KDN_CHECK_INPUT(h.payload_bytes > 0, "pack_chunk: dimensions out of range");
-        const size_t size = kBlobHeaderBytes + h.payload_bytes + kBlobTrailerBytes;
-        auto blob = std::make_shared<Buffer>(size);
-        {
-          py::gil_scoped_release release;
-          blob_write_header(h, blob->data());
-          KvShape shape{v.layers, count, v.heads, v.dim};
-          kv_copy_cpu(shape, v.table(), blob->data() + kBlobHeaderBytes, dtype_size(v.dtype), start, count,
-                      CopyDirection::kCacheToChunk, default_num_threads());
-          blob_seal(blob->data(), size);
-          blob->mark_verified();
-        }
-        return blob;
+        const Key128 fp = key_arg(fingerprint, "fingerprint"), k = key_arg(key, "key");
+        py::gil_scoped_release release;
+        return pack_chunk(KvShape{v.layers, v.seq, v.heads, v.dim}, v.table(), v.dtype, start, count, fp, k,
+                          default_num_threads());
       },
       py::arg("kv"), py::arg("start"), py::arg("count"), py::arg("fingerprint"), py::arg("key"),
       "Pack tokens [start, start+count) of a per-layer KV list into one raw blob.");
@@ -123,32 +98,19 @@ void bind_kv(py::module_& m) {
       [](const py::list& blobs, const py::list& keys, py::handle fingerprint, const std::string& dtype,
          uint32_t layers, uint32_t kv_heads, uint32_t head_dim, uint32_t chunk_tokens) {
         KDN_CHECK_INPUT(py::len(blobs) == py::len(keys), "verify_chunks: blobs and keys differ in length");
-        Expect e{key_arg(fingerprint, "fingerprint"), DType::kFloat32, layers, kv_heads, head_dim, chunk_tokens};
-        if (dtype == "float16") e.dtype = DType::kFloat16;
-        else if (dtype == "bfloat16") e.dtype = DType::kBFloat16;
-        else KDN_CHECK_INPUT(dtype == "float32", "verify_chunks: unsupported dtype " + dtype);
-        std::vector<ByteSpan> spans;
+        const ChunkExpect e{key_arg(fingerprint, "fingerprint"), dtype_arg(dtype), layers, kv_heads, head_dim,
+                            chunk_tokens};
+        std::vector<ByteSpan> keep;
+        const std::vector<ChunkBytes> spans = chunk_bytes(blobs, &keep);
         std::vector<Key128> ks;
-        std::vector<Buffer*> buffers(py::len(blobs), nullptr);  // kdn Buffers remember a verified checksum
-        for (size_t i = 0; i < py::len(blobs); ++i) {
-          spans.push_back(bytes_from_object(blobs[i], "blob"));
-          ks.push_back(key_arg(keys[i], "key"));
-          if (py::isinstance<Buffer>(blobs[i])) buffers[i] = &blobs[i].cast<Buffer&>();
-        }
-        std::vector<Status> status(spans.size());
+        for (size_t i = 0; i < py::len(keys); ++i) ks.push_back(key_arg(keys[i], "key"));
+        std::string error;
+        int64_t n_ok;
         {
           py::gil_scoped_release release;
-          parallel_for(static_cast<int64_t>(spans.size()), default_num_threads(), [&](int64_t i) {
-            BlobHeader h;
-            bool hash = !(buffers[i] && buffers[i]->verified());
-            status[i] = blob_parse(spans[i].data, spans[i].size, hash, &h);
-            if (status[i].ok && hash && buffers[i]) buffers[i]->mark_verified();
-            if (status[i].ok) status[i] = check_header(h, e, ks[i], static_cast<uint32_t>(i * chunk_tokens));
-          });
+          n_ok = verify_chunks(spans, ks, e, default_num_threads(), &error);
         }
-        for (size_t i = 0; i < status.size(); ++i)
-          if (!status[i].ok) return py::make_tuple(py::int_(i), "chunk " + std::to_string(i) + ": " + status[i].message);
-        return py::make_tuple(py::int_(status.size()), std::string());
+        return py::make_tuple(py::int_(n_ok), error);
       },
       py::arg("blobs"), py::arg("keys"), py::arg("fingerprint"), py::arg("dtype"), py::arg("layers"),
       py::arg("kv_heads"), py::arg("head_dim"), py::arg("chunk_tokens"),
@@ -159,40 +121,11 @@ void bind_kv(py::module_& m) {
       [](const py::list& blobs, const py::sequence& kv, int64_t count) {
         KvViews v = kv_views(kv, true);
         KDN_CHECK_INPUT(v.device == DeviceType::kCPU, "unpack_chunks: tensors must be on the CPU");
-        KDN_CHECK_INPUT(count >= 0 && count <= v.seq, "unpack_chunks: count exceeds the destination length");
-        std::vector<ByteSpan> spans;
-        std::vector<BlobHeader> headers;
-        int64_t available = 0;
-        for (size_t i = 0; i < py::len(blobs); ++i) {
-          spans.push_back(bytes_from_object(blobs[i], "blob"));
-          BlobHeader h;
-          Status st = blob_parse(spans.back().data, spans.back().size, false, &h);
-          if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
-          KDN_CHECK_INPUT(h.dtype == v.dtype && h.layers == v.layers && h.kv_heads == v.heads && h.head_dim == v.dim,
-                          "unpack_chunks: blob " + std::to_string(i) + " layout does not match the destination");
-          headers.push_back(h);
-          available += h.tokens;
-        }
-        KDN_CHECK_INPUT(available >= count, "unpack_chunks: blobs hold " + std::to_string(available) +
-                                                " tokens, fewer than count=" + std::to_string(count));
+        std::vector<ByteSpan> keep;
+        const std::vector<ChunkBytes> spans = chunk_bytes(blobs, &keep);
         py::gil_scoped_release release;
-        // Parallelism is inside each chunk's copy (over layers x heads), chunks run in order.
-        int64_t pos = 0;
-        for (size_t i = 0; i < spans.size() && pos < count; ++i) {
-          const int64_t n = std::min<int64_t>(headers[i].tokens, count - pos);
-          KvShape shape{v.layers, headers[i].tokens, v.heads, v.dim};
-          uint8_t* chunk = const_cast<uint8_t*>(spans[i].data) + kBlobHeaderBytes;
-          BufferPtr decoded;  // coded blobs are decoded into a pooled buffer, then copied like raw ones
-          if (headers[i].codec != kCodecRaw) {
-            decoded = std::make_shared<Buffer>(raw_payload_bytes(headers[i]));
-            Status st = codec_decode(headers[i], chunk, headers[i].payload_bytes, decoded->data(), default_num_threads());
-            if (!st.ok) throw BlobError("unpack_chunks: blob " + std::to_string(i) + ": " + st.message, __FILE__, __LINE__);
-            chunk = decoded->data();
-          }
-          kv_copy_cpu(shape, v.table(), chunk, dtype_size(v.dtype), pos, n, CopyDirection::kChunkToCache,
+        unpack_chunks(spans, KvShape{v.layers, v.seq, v.heads, v.dim}, v.table(), v.dtype, count,
                       default_num_threads());
-          pos += n;
-        }
       },
       py::arg("blobs"), py::arg("kv"), py::arg("count"),
       "Copy the first `count` tokens held by consecutive blobs into per-layer KV tensors.");

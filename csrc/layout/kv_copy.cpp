@@ -1,16 +1,10 @@
 // CPU copy between per-layer KV tensors and the canonical chunk layout (oracle of the CUDA twin).
 #include <cstring>
-#include <thread>
 
 #include "kdn/kv_copy.h"
 #include "kdn/parallel.h"
 
 namespace kdn {
-
-int default_num_threads() {
-  unsigned n = std::thread::hardware_concurrency();
-  return n == 0 ? 1 : static_cast<int>(n > 8 ? 8 : n);
-}
 
 void kv_copy_cpu(const KvShape& shape, const KvTable& table, void* chunk, int64_t elem_size,
                  int64_t cache_start, int64_t count, CopyDirection dir, int num_threads) {

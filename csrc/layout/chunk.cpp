@@ -1,0 +1,110 @@
+// Pack, verify and unpack KV chunks (kdn/chunk.h).
+#include "kdn/chunk.h"
+
+#include <algorithm>
+
+#include "kdn/codec.h"
+#include "kdn/kv_copy.h"
+#include "kdn/parallel.h"
+
+namespace kdn {
+
+BufferPtr pack_chunk(const KvShape& shape, const KvTable& table, DType dtype, int64_t start, int64_t count,
+                     const Key128& fingerprint, const Key128& key, int threads) {
+  KDN_CHECK_INPUT(start >= 0 && count > 0 && start + count <= shape.tokens,
+                  "pack_chunk: tokens [" + std::to_string(start) + ", " + std::to_string(start + count) +
+                      ") are outside the cache (" + std::to_string(shape.tokens) + " tokens)");
+  BlobHeader h;
+  h.dtype = dtype;
+  h.layers = static_cast<uint32_t>(shape.layers);
+  h.kv_heads = static_cast<uint32_t>(shape.kv_heads);
+  h.head_dim = static_cast<uint32_t>(shape.head_dim);
+  h.tokens = static_cast<uint32_t>(count);
+  h.position = static_cast<uint32_t>(start);
+  h.fingerprint = fingerprint;
+  h.key = key;
+  h.payload_bytes = raw_payload_bytes(h);
+  KDN_CHECK_INPUT(h.payload_bytes > 0, "pack_chunk: dimensions out of range");
+  const size_t size = blob_total_bytes(h);
+  auto blob = std::make_shared<Buffer>(size);
+  blob_write_header(h, blob->data());
+  const KvShape chunk{shape.layers, count, shape.kv_heads, shape.head_dim};
+  kv_copy_cpu(chunk, table, blob->data() + kBlobHeaderBytes, dtype_size(dtype), start, count,
+              CopyDirection::kCacheToChunk, threads);
+  blob_seal(blob->data(), size);
+  blob->mark_verified();
+  return blob;
+}
+
+Status check_chunk_header(const BlobHeader& h, const ChunkExpect& e, const Key128& key, uint32_t position) {
+  if (h.fingerprint != e.fingerprint) return Status::Fail("blob belongs to another model (fingerprint mismatch)");
+  if (h.key != key) return Status::Fail("blob was stored under another key");
+  if (h.dtype != e.dtype)
+    return Status::Fail(std::string("blob dtype ") + dtype_name(h.dtype) + " != model dtype " + dtype_name(e.dtype));
+  if (h.layers != e.layers || h.kv_heads != e.kv_heads || h.head_dim != e.head_dim)
+    return Status::Fail("blob layout [" + std::to_string(h.layers) + " layers, " + std::to_string(h.kv_heads) +
+                        " heads, " + std::to_string(h.head_dim) + " dim] does not match the model");
+  if (h.tokens != e.chunk_tokens)
+    return Status::Fail("blob holds " + std::to_string(h.tokens) + " tokens, expected " +
+                        std::to_string(e.chunk_tokens));
+  if (h.position != position)
+    return Status::Fail("blob position " + std::to_string(h.position) + " != " + std::to_string(position));
+  return Status::Ok();
+}
+
+int64_t verify_chunks(const std::vector<ChunkBytes>& blobs, const std::vector<Key128>& keys, const ChunkExpect& e,
+                      int threads, std::string* error) {
+  KDN_CHECK_INPUT(blobs.size() == keys.size(), "verify_chunks: blobs and keys differ in length");
+  std::vector<Status> status(blobs.size());
+  parallel_for(static_cast<int64_t>(blobs.size()), threads, [&](int64_t i) {
+    BlobHeader h;
+    const bool hash = !(blobs[i].buffer && blobs[i].buffer->verified());
+    status[i] = blob_parse(blobs[i].data, blobs[i].size, hash, &h);
+    if (status[i].ok && hash && blobs[i].buffer) blobs[i].buffer->mark_verified();
+    if (status[i].ok) status[i] = check_chunk_header(h, e, keys[i], static_cast<uint32_t>(i * e.chunk_tokens));
+  });
+  for (size_t i = 0; i < status.size(); ++i) {
+    if (!status[i].ok) {
+      *error = "chunk " + std::to_string(i) + ": " + status[i].message;
+      return static_cast<int64_t>(i);
+    }
+  }
+  error->clear();
+  return static_cast<int64_t>(status.size());
+}
+
+void unpack_chunks(const std::vector<ChunkBytes>& blobs, const KvShape& shape, const KvTable& table, DType dtype,
+                   int64_t count, int threads) {
+  KDN_CHECK_INPUT(count >= 0 && count <= shape.tokens, "unpack_chunks: count exceeds the destination length");
+  std::vector<BlobHeader> headers(blobs.size());
+  int64_t available = 0;
+  for (size_t i = 0; i < blobs.size(); ++i) {
+    Status st = blob_parse(blobs[i].data, blobs[i].size, false, &headers[i]);
+    if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
+    const BlobHeader& h = headers[i];
+    KDN_CHECK_INPUT(h.dtype == dtype && h.layers == shape.layers && h.kv_heads == shape.kv_heads &&
+                        h.head_dim == shape.head_dim,
+                    "unpack_chunks: blob " + std::to_string(i) + " layout does not match the destination");
+    available += h.tokens;
+  }
+  KDN_CHECK_INPUT(available >= count, "unpack_chunks: blobs hold " + std::to_string(available) +
+                                          " tokens, fewer than count=" + std::to_string(count));
+  // Parallelism is inside each chunk's copy (over layers x heads); chunks run in order.
+  int64_t pos = 0;
+  for (size_t i = 0; i < blobs.size() && pos < count; ++i) {
+    const int64_t n = std::min<int64_t>(headers[i].tokens, count - pos);
+    const KvShape chunk_shape{shape.layers, headers[i].tokens, shape.kv_heads, shape.head_dim};
+    uint8_t* chunk = const_cast<uint8_t*>(blobs[i].data) + kBlobHeaderBytes;
+    BufferPtr decoded;  // coded blobs are decoded into a pooled buffer, then copied like raw ones
+    if (headers[i].codec != kCodecRaw) {
+      decoded = std::make_shared<Buffer>(raw_payload_bytes(headers[i]));
+      Status st = codec_decode(headers[i], chunk, headers[i].payload_bytes, decoded->data(), threads);
+      if (!st.ok) throw BlobError("unpack_chunks: blob " + std::to_string(i) + ": " + st.message, __FILE__, __LINE__);
+      chunk = decoded->data();
+    }
+    kv_copy_cpu(chunk_shape, table, chunk, dtype_size(dtype), pos, n, CopyDirection::kChunkToCache, threads);
+    pos += n;
+  }
+}
+
+}  // namespace kdn

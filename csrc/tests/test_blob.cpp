@@ -1,0 +1,123 @@
+// The blob format: a sealed chunk parses back, and every kind of damage is a failed Status.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "kdn/blob.h"
+#include "kdn/chunk.h"
+#include "kdn/codec.h"
+
+namespace kdn {
+namespace {
+
+// Four float tensors [1, heads=2, seq, dim=8] (2 layers) with values that name their position.
+struct Cache {
+  explicit Cache(int64_t seq) : seq(seq), data(4, std::vector<float>(2 * seq * 8)) {
+    for (size_t t = 0; t < data.size(); ++t)
+      for (size_t i = 0; i < data[t].size(); ++i) data[t][i] = static_cast<float>(t * 1000 + i) / 64.0f;  // distinct, within fp16 range
+    for (size_t t = 0; t < data.size(); ++t) {
+      ptrs.push_back(data[t].data());
+      strides.push_back(seq * 8);  // head stride (elements)
+      strides.push_back(8);        // seq stride
+    }
+  }
+  KvShape shape() const { return KvShape{2, seq, 2, 8}; }
+  KvTable table() const { return KvTable{ptrs.data(), strides.data()}; }
+  int64_t seq;
+  std::vector<std::vector<float>> data;
+  std::vector<void*> ptrs;
+  std::vector<int64_t> strides;
+};
+
+Key128 key_of(uint8_t b) {
+  Key128 k{};
+  k.fill(b);
+  return k;
+}
+
+TEST(Blob, PackedChunksParseVerifyAndUnpackBackToTheSameValues) {
+  Cache cache(40);
+  std::vector<BufferPtr> blobs;
+  std::vector<ChunkBytes> spans;
+  std::vector<Key128> keys;
+  for (int i = 0; i < 2; ++i) {
+    keys.push_back(key_of(static_cast<uint8_t>(i + 1)));
+    blobs.push_back(pack_chunk(cache.shape(), cache.table(), DType::kFloat32, i * 16, 16, key_of(9), keys.back(), 2));
+    spans.push_back(ChunkBytes{blobs.back()->data(), blobs.back()->size(), blobs.back().get()});
+  }
+  BlobHeader h;
+  ASSERT_TRUE(blob_parse(blobs[1]->data(), blobs[1]->size(), true, &h).ok);
+  EXPECT_EQ(h.tokens, 16u);
+  EXPECT_EQ(h.position, 16u);
+  EXPECT_EQ(h.fingerprint, key_of(9));
+  const ChunkExpect expect{key_of(9), DType::kFloat32, 2, 2, 8, 16};
+  std::string error;
+  EXPECT_EQ(verify_chunks(spans, keys, expect, 2, &error), 2);
+  // unpack the first 20 tokens into a fresh cache: they equal the source
+  Cache out(20);
+  for (auto& t : out.data) std::fill(t.begin(), t.end(), -1.0f);
+  unpack_chunks(spans, out.shape(), out.table(), DType::kFloat32, 20, 2);
+  for (size_t t = 0; t < 4; ++t)
+    for (int64_t head = 0; head < 2; ++head)
+      for (int64_t s = 0; s < 20; ++s)
+        for (int64_t d = 0; d < 8; ++d)
+          ASSERT_EQ(out.data[t][head * 20 * 8 + s * 8 + d], cache.data[t][head * 40 * 8 + s * 8 + d]);
+}
+
+TEST(Blob, EveryKindOfDamageIsAFailedStatus) {
+  Cache cache(16);
+  BufferPtr blob = pack_chunk(cache.shape(), cache.table(), DType::kFloat32, 0, 16, key_of(9), key_of(1), 1);
+  std::vector<uint8_t> bytes(blob->data(), blob->data() + blob->size());
+  BlobHeader h;
+  for (size_t at : {size_t{0}, size_t{4}, size_t{9}, size_t{12}, size_t{70}, size_t{200}, bytes.size() - 1}) {
+    std::vector<uint8_t> bad = bytes;
+    bad[at] ^= 0x40;
+    EXPECT_FALSE(blob_parse(bad.data(), bad.size(), true, &h).ok) << "flip at " << at;
+  }
+  EXPECT_FALSE(blob_parse(bytes.data(), bytes.size() / 2, true, &h).ok);
+  EXPECT_FALSE(blob_parse(bytes.data(), 10, true, &h).ok);
+  EXPECT_FALSE(blob_parse(nullptr, 0, true, &h).ok);
+  // header-first reads: the header alone states the total size
+  ASSERT_TRUE(blob_parse_header(bytes.data(), kBlobHeaderBytes, &h).ok);
+  EXPECT_EQ(blob_total_bytes(h), bytes.size());
+}
+
+TEST(Blob, AReaderRejectsAnotherModelKeyPositionOrLayout) {
+  Cache cache(16);
+  BufferPtr blob = pack_chunk(cache.shape(), cache.table(), DType::kFloat32, 0, 16, key_of(9), key_of(1), 1);
+  BlobHeader h;
+  ASSERT_TRUE(blob_parse(blob->data(), blob->size(), true, &h).ok);
+  const ChunkExpect ok{key_of(9), DType::kFloat32, 2, 2, 8, 16};
+  EXPECT_TRUE(check_chunk_header(h, ok, key_of(1), 0).ok);
+  EXPECT_FALSE(check_chunk_header(h, ok, key_of(2), 0).ok);
+  EXPECT_FALSE(check_chunk_header(h, ok, key_of(1), 16).ok);
+  ChunkExpect other = ok;
+  other.fingerprint = key_of(8);
+  EXPECT_FALSE(check_chunk_header(h, other, key_of(1), 0).ok);
+  other = ok;
+  other.dtype = DType::kFloat16;
+  EXPECT_FALSE(check_chunk_header(h, other, key_of(1), 0).ok);
+}
+
+TEST(Blob, LossyCodingReaddressesTheChunkAndExactCodingDoesNot) {
+  Cache cache(16);
+  BufferPtr blob = pack_chunk(cache.shape(), cache.table(), DType::kFloat32, 0, 16, key_of(9), key_of(1), 1);
+  BlobHeader h;
+  ASSERT_TRUE(blob_parse(blob->data(), blob->size(), true, &h).ok);
+  EXPECT_EQ(coded_key(h, kCodecLossless, 0), h.key);
+  const uint32_t int8 = 8u | (32u << 16);
+  EXPECT_EQ(coded_key(h, kCodecKivi, int8), lossy_key(h.key, kCodecKivi, int8));
+  EXPECT_NE(lossy_key(h.key, kCodecKivi, int8), h.key);
+  EXPECT_NE(lossy_key(h.key, kCodecKivi, int8), lossy_key(h.key, kCodecKivi, 4u | (32u << 16)));
+  BufferPtr coded = blob_transcode(h, blob->data(), kCodecKivi, int8, 1, nullptr);
+  BlobHeader c;
+  ASSERT_TRUE(blob_parse(coded->data(), coded->size(), true, &c).ok);
+  EXPECT_EQ(c.key, lossy_key(h.key, kCodecKivi, int8));
+  BufferPtr back = blob_transcode(c, coded->data(), kCodecRaw, 0, 1, nullptr);  // decoding keeps the lossy key
+  ASSERT_TRUE(blob_parse(back->data(), back->size(), true, &c).ok);
+  EXPECT_EQ(c.key, lossy_key(h.key, kCodecKivi, int8));
+}
+
+}  // namespace
+}  // namespace kdn

@@ -1,0 +1,88 @@
+// The tier index and eviction: LRU order against a reference, S3-FIFO keeps the hot set through a
+// scan, pins (also for ever: ttl = inf) survive eviction pressure, capacity is never exceeded.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <list>
+#include <random>
+
+#include "kdn/memory_store.h"
+#include "kdn/tier_index.h"
+
+namespace kdn {
+namespace {
+
+Key128 key(uint32_t i) {
+  Key128 k{};
+  std::memcpy(k.data(), &i, sizeof(i));
+  return k;
+}
+
+bool put(TierIndex* index, uint32_t i, uint64_t bytes, std::vector<Key128>* victims) {
+  if (index->contains(key(i))) {
+    index->touch(key(i));
+    return true;
+  }
+  if (!index->make_room(bytes, victims)) return false;
+  index->insert(key(i), bytes);
+  return true;
+}
+
+TEST(TierIndex, LruEvictsInReferenceOrder) {
+  TierIndex index(10 * 100, "lru");
+  std::list<uint32_t> reference;  // front = most recent
+  std::mt19937 rng(5);
+  for (int step = 0; step < 2000; ++step) {
+    const uint32_t i = rng() % 25;
+    std::vector<Key128> victims;
+    ASSERT_TRUE(put(&index, i, 100, &victims));
+    reference.remove(i);
+    reference.push_front(i);
+    std::vector<Key128> expected;
+    while (reference.size() > 10) {
+      expected.push_back(key(reference.back()));
+      reference.pop_back();
+    }
+    ASSERT_EQ(victims, expected) << "step " << step;
+    ASSERT_LE(index.used_bytes(), index.capacity());
+  }
+}
+
+TEST(TierIndex, S3FifoKeepsTheHotSetThroughAScan) {
+  TierIndex index(20 * 100, "s3fifo");
+  std::vector<Key128> victims;
+  for (int round = 0; round < 5; ++round)
+    for (uint32_t i = 0; i < 10; ++i) put(&index, i, 100, &victims);  // hot, reused
+  for (uint32_t i = 1000; i < 1200; ++i) put(&index, i, 100, &victims);  // a one-shot scan
+  int hot_kept = 0;
+  for (uint32_t i = 0; i < 10; ++i) hot_kept += index.contains(key(i));
+  EXPECT_GE(hot_kept, 8);
+}
+
+TEST(TierIndex, PinsHoldUnderPressureEvenForEver) {
+  for (double ttl : {0.0, 3600.0, 1e10, 1e30, std::numeric_limits<double>::infinity()}) {
+    TierIndex index(5 * 100, "lru");
+    std::vector<Key128> victims;
+    put(&index, 0, 100, &victims);
+    ASSERT_TRUE(index.pin(key(0), ttl));
+    for (uint32_t i = 1; i < 50; ++i) put(&index, i, 100, &victims);
+    EXPECT_TRUE(index.contains(key(0))) << "ttl " << ttl;
+    EXPECT_EQ(index.pinned_bytes(), 100u);
+  }
+}
+
+TEST(MemoryStore, ABlobLargerThanTheTierIsRefusedAndCapacityHolds) {
+  MemoryStore store(1000);
+  auto blob = [](size_t n) { return std::make_shared<Buffer>(n); };
+  EXPECT_FALSE(store.put(key(1), blob(2000)));
+  for (uint32_t i = 0; i < 30; ++i) ASSERT_TRUE(store.put(key(i), blob(300)));
+  EXPECT_LE(store.stats().used_bytes, 1000u);
+  EXPECT_EQ(store.stats().rejected, 1u);
+  EXPECT_TRUE(store.contains(key(29)));
+  EXPECT_FALSE(store.contains(key(0)));
+}
+
+}  // namespace
+}  // namespace kdn
