@@ -16,6 +16,7 @@
 #include "kdn/cachegen.h"
 #include "kdn/codec.h"
 #include "kdn/quant.h"
+#include "launch.cuh"
 
 namespace kdn {
 namespace {
@@ -117,14 +118,12 @@ bool parse_cachegen_plane(const uint8_t* payload, uint64_t offset, uint32_t size
   return r.ok() && r.remaining() == 0;
 }
 
-std::string cuda_error(cudaError_t err) { return err == cudaSuccess ? "" : cudaGetErrorString(err); }
-
 }  // namespace
 
-std::string codec_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size, void* out, uintptr_t stream) {
-  if (h.codec != kCodecKivi && h.codec != kCodecCacheGen) return "this codec decodes on the CPU only";
+Status codec_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size, void* out, uintptr_t stream) {
+  if (h.codec != kCodecKivi && h.codec != kCodecCacheGen) return Status::Fail("this codec decodes on the CPU only");
   Status st = codec_check(h.codec, h.codec_params);
-  if (!st.ok) return st.message;
+  if (!st.ok) return st;
   const Geometry g{h.tokens, int64_t(h.kv_heads) * h.head_dim, 2 * int64_t(h.layers), h.dtype};
   const int64_t n = g.tokens * g.channels;
   const bool anchor = h.codec == kCodecCacheGen && (h.codec_params >> 8) & 1;
@@ -137,12 +136,12 @@ std::string codec_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_
   for (int64_t p = 0; p < g.planes; ++p) {
     PlaneInfo& info = planes[p];
     info.offset = size - r.remaining();
-    if (!r.take(sizes[p])) return "codec payload: plane sizes do not match the payload";
+    if (!r.take(sizes[p])) return Status::Fail("codec payload: plane sizes do not match the payload");
     if (h.codec == kCodecKivi) {
       const int bits = h.codec_params & 0xff;
       const int64_t group = h.codec_params >> 16;
       const int64_t groups = (p & 1) ? g.tokens * ((g.channels + group - 1) / group) : ((g.tokens + group - 1) / group) * g.channels;
-      if (sizes[p] != uint64_t(4 * groups + (n * bits + 7) / 8)) return "codec payload: bad int plane size";
+      if (sizes[p] != uint64_t(4 * groups + (n * bits + 7) / 8)) return Status::Fail("codec payload: bad int plane size");
       continue;
     }
     const CacheGenStep step = cachegen_step(h.codec_params & 0xff, static_cast<int>(p / 2), static_cast<int>(h.layers), (p & 1) != 0);
@@ -157,29 +156,24 @@ std::string codec_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_
       for (int k = 0; k < kCacheGenModels; ++k) tables.push_back(cachegen_table(k, step.range));
     }
     if (!parse_cachegen_plane(payload, info.offset, sizes[p], g.tokens, g.channels, anchor, &info))
-      return "codec payload: plane " + std::to_string(p) + " is corrupt";
+      return Status::Fail("codec payload: plane " + std::to_string(p) + " is corrupt");
   }
-  if (!r.ok() || r.remaining() != 0) return "codec payload: plane sizes do not match the payload";
+  if (!r.ok() || r.remaining() != 0) return Status::Fail("codec payload: plane sizes do not match the payload");
 
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  const size_t plane_bytes = planes.size() * sizeof(PlaneInfo), table_bytes = tables.size() * sizeof(RansTable);
   const size_t q_bytes = h.codec == kCodecCacheGen ? size_t(g.planes * n) * sizeof(int16_t) : 0;
-  uint8_t* device = nullptr;
-  const size_t total = size + plane_bytes + table_bytes + q_bytes + sizeof(int) + 64;
-  cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&device), total, s);
-  if (err != cudaSuccess) return cuda_error(err);
-  auto aligned = [](size_t x) { return (x + 15) & ~size_t(15); };
-  uint8_t* d_payload = device;
-  auto* d_planes = reinterpret_cast<PlaneInfo*>(device + aligned(size));
-  auto* d_tables = reinterpret_cast<RansTable*>(reinterpret_cast<uint8_t*>(d_planes) + aligned(plane_bytes));
-  auto* d_q = reinterpret_cast<int16_t*>(reinterpret_cast<uint8_t*>(d_tables) + aligned(table_bytes));
-  auto* d_bad = reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(d_q) + aligned(q_bytes));
-  cudaMemcpyAsync(d_payload, payload, size, cudaMemcpyHostToDevice, s);
-  cudaMemcpyAsync(d_planes, planes.data(), plane_bytes, cudaMemcpyHostToDevice, s);
-  if (table_bytes) cudaMemcpyAsync(d_tables, tables.data(), table_bytes, cudaMemcpyHostToDevice, s);
-  cudaMemsetAsync(d_bad, 0, sizeof(int), s);
-  const int threads = 256;
-  const int blocks = static_cast<int>(std::min<int64_t>((g.planes * n + threads - 1) / threads, 65535));
+  DeviceStaging staged(s, {{payload, size},
+                           {planes.data(), planes.size() * sizeof(PlaneInfo)},
+                           {tables.data(), tables.size() * sizeof(RansTable)},
+                           {nullptr, q_bytes},
+                           {nullptr, sizeof(int)}});
+  if (staged.error() != cudaSuccess) return failed(staged.error(), "codec_decode_cuda");
+  const auto* d_payload = staged.part<const uint8_t>(0);
+  const auto* d_planes = staged.part<const PlaneInfo>(1);
+  const auto* d_tables = staged.part<const RansTable>(2);
+  auto* d_q = staged.part<int16_t>(3);
+  auto* d_bad = staged.part<int>(4);
+  const int threads = 256, blocks = grid_for(g.planes * n, threads);
   auto* dst = static_cast<uint8_t*>(out);
   if (h.codec == kCodecKivi) {
     kivi_kernel<<<blocks, threads, 0, s>>>(g, d_payload, d_planes, h.codec_params & 0xff, h.codec_params >> 16, dst);
@@ -189,12 +183,12 @@ std::string codec_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_
     cachegen_values_kernel<<<blocks, threads, 0, s>>>(g, d_payload, d_planes, anchor, d_q, dst);
   }
   int bad = 0;
-  err = cudaGetLastError();
+  cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess) err = cudaMemcpyAsync(&bad, d_bad, sizeof(int), cudaMemcpyDeviceToHost, s);
-  cudaFreeAsync(device, s);
-  if (err == cudaSuccess) err = cudaStreamSynchronize(s);  // host vectors must outlive the uploads
-  if (err != cudaSuccess) return cuda_error(err);
-  return bad ? "codec payload: an entropy-coded lane is corrupt" : "";
+  if (err != cudaSuccess) return failed(err, "codec_decode_cuda");
+  st = finish(s, "codec_decode_cuda");  // host vectors must outlive the uploads
+  if (!st.ok) return st;
+  return bad ? Status::Fail("codec payload: an entropy-coded lane is corrupt") : Status::Ok();
 }
 
 }  // namespace kdn

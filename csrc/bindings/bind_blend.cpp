@@ -64,18 +64,18 @@ void bind_blend(py::module_& m) {
         }
         const bool cuda = held.front().view.device == DeviceType::kCUDA;
         KDN_CHECK_INPUT(cuda || held.front().view.device == DeviceType::kCPU, "rope_shift: CPU or CUDA tensors only");
-        std::string err;
+        Status st;
         {
           py::gil_scoped_release release;
           std::vector<float> table(static_cast<size_t>(shape.tokens * (shape.head_dim / 2) * 2));
           rope_angle_table(shape, static_cast<const float*>(f.view.data), delta_values.data(), table.data());
           if (cuda)
-            err = rope_shift_cuda(shape, ptrs.data(), strides.data(), held.front().view.dtype, table.data(), stream);
+            st = rope_shift_cuda(shape, ptrs.data(), strides.data(), held.front().view.dtype, table.data(), stream);
           else
             rope_shift_cpu(shape, ptrs.data(), strides.data(), held.front().view.dtype, table.data(),
                            default_num_threads());
         }
-        if (!err.empty()) throw Error("rope_shift: " + err, __FILE__, __LINE__);
+        if (!st.ok) throw Error("rope_shift: " + st.message, __FILE__, __LINE__);
       },
       py::arg("keys"), py::arg("inv_freq"), py::arg("deltas"), py::arg("style") = "rotate_half", py::arg("stream") = 0,
       "Re-rotate cached keys in place: token t of every tensor moves by deltas[t] positions (an int: all tokens).\n"

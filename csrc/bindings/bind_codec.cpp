@@ -42,12 +42,11 @@ void bind_codec(py::module_& m) {
         KDN_CHECK_INPUT(dst.view.dtype == h.dtype && static_cast<uint64_t>(dst.view.numel() * dtype_size(h.dtype)) ==
                                                          raw_payload_bytes(h),
                         "codec_decode_cuda: out must hold [layers, 2, tokens, kv_heads, head_dim] in the blob dtype");
-        std::string err;
         {
           py::gil_scoped_release release;
-          err = codec_decode_cuda(h, span.data + kBlobHeaderBytes, h.payload_bytes, dst.view.data, stream);
+          st = codec_decode_cuda(h, span.data + kBlobHeaderBytes, h.payload_bytes, dst.view.data, stream);
         }
-        if (!err.empty()) throw BlobError("codec_decode_cuda: " + err, __FILE__, __LINE__);
+        if (!st.ok) throw BlobError("codec_decode_cuda: " + st.message, __FILE__, __LINE__);
       },
       py::arg("blob"), py::arg("out"), py::arg("stream") = 0,
       "Decode an int*/cachegen blob on the GPU into `out` (a CUDA tensor [layers, 2, tokens, kv_heads, head_dim]).");

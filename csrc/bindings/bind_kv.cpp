@@ -150,16 +150,16 @@ void bind_kv(py::module_& m) {
                           fn + ": token range out of bounds");
           const KvShape shape{v.layers, chunk_tokens, v.heads, v.dim};
           const CopyDirection dir = to_chunk ? CopyDirection::kCacheToChunk : CopyDirection::kChunkToCache;
-          std::string err;
+          Status st;
           {
             py::gil_scoped_release release;
             if (cuda)
-              err = kv_copy_cuda(shape, v.table(), c.view.data, dtype_size(v.dtype), cache_start, count, dir, stream);
+              st = kv_copy_cuda(shape, v.table(), c.view.data, dtype_size(v.dtype), cache_start, count, dir, stream);
             else
               kv_copy_cpu(shape, v.table(), c.view.data, dtype_size(v.dtype), cache_start, count, dir,
                           default_num_threads());
           }
-          if (!err.empty()) throw Error(fn + ": " + err, __FILE__, __LINE__);
+          if (!st.ok) throw Error(fn + ": " + st.message, __FILE__, __LINE__);
         },
         py::arg("kv"), py::arg("chunk"), py::arg("chunk_tokens"), py::arg("cache_start"), py::arg("count"),
         py::arg("to_chunk"), py::arg("stream") = 0, doc);

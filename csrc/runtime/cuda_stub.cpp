@@ -5,15 +5,14 @@
 
 namespace kdn {
 
-const char* kv_copy_cuda(const KvShape&, const KvTable&, void*, int64_t, int64_t, int64_t,
-                         CopyDirection, uintptr_t) {
-  return "kdn was built without CUDA";
+Status kv_copy_cuda(const KvShape&, const KvTable&, void*, int64_t, int64_t, int64_t, CopyDirection, uintptr_t) {
+  return Status::Fail("kdn was built without CUDA");
 }
-const char* rope_shift_cuda(const RopeShift&, void* const*, const int64_t*, DType, const float*, uintptr_t) {
-  return "kdn was built without CUDA";
+Status rope_shift_cuda(const RopeShift&, void* const*, const int64_t*, DType, const float*, uintptr_t) {
+  return Status::Fail("kdn was built without CUDA");
 }
-std::string codec_decode_cuda(const BlobHeader&, const uint8_t*, size_t, void*, uintptr_t) {
-  return "kdn was built without CUDA";
+Status codec_decode_cuda(const BlobHeader&, const uint8_t*, size_t, void*, uintptr_t) {
+  return Status::Fail("kdn was built without CUDA");
 }
 bool cuda_compiled() { return false; }
 const char* cuda_architectures() { return ""; }

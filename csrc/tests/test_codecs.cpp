@@ -95,3 +95,18 @@ TEST(Codecs, BadParametersAreRefused) {
 
 }  // namespace
 }  // namespace kdn
+
+namespace kdn {
+namespace {
+
+#ifndef KDN_WITH_CUDA
+TEST(CudaStandIns, ABuildWithoutNvccReportsItInsteadOfCrashing) {
+  BlobHeader h = header(DType::kFloat32, 8, kCodecKivi, 4u | (32u << 16));
+  const Status st = codec_decode_cuda(h, nullptr, 0, nullptr, 0);
+  EXPECT_FALSE(st.ok);
+  EXPECT_NE(st.message.find("without CUDA"), std::string::npos);
+}
+#endif
+
+}  // namespace
+}  // namespace kdn

@@ -92,7 +92,7 @@ namespace kdn {
 
 // CUDA twin of codec_decode for `int*` and `cachegen` payloads (compiled with nvcc only): the
 // payload is in host memory (validated here, then uploaded on `stream`), `out` is device memory of
-// raw_payload_bytes(h). Returns "" on success, else the reason (corrupt payload, CUDA error).
-std::string codec_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size, void* out, uintptr_t stream);
+// raw_payload_bytes(h). A failed Status says why (corrupt payload, CUDA error).
+Status codec_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size, void* out, uintptr_t stream);
 
 }  // namespace kdn

@@ -13,10 +13,9 @@ void kv_copy_cpu(const KvShape& shape, const KvTable& table, void* chunk, int64_
                  int64_t cache_start, int64_t count, CopyDirection dir, int num_threads);
 
 // CUDA twin (compiled only with nvcc). `table` is in host memory and is uploaded on `stream`;
-// the tensors and `chunk` are device memory. Returns "" on success, else the CUDA error text.
-const char* kv_copy_cuda(const KvShape& shape, const KvTable& table, void* chunk,
-                         int64_t elem_size, int64_t cache_start, int64_t count,
-                         CopyDirection dir, uintptr_t stream);
+// the tensors and `chunk` are device memory. A failed Status carries the CUDA error text.
+Status kv_copy_cuda(const KvShape& shape, const KvTable& table, void* chunk, int64_t elem_size, int64_t cache_start,
+                    int64_t count, CopyDirection dir, uintptr_t stream);
 
 bool cuda_compiled();
 const char* cuda_architectures();

@@ -73,8 +73,8 @@ void rope_shift_cpu(const RopeShift& shape, void* const* ptrs, const int64_t* st
                     const float* angle_table, int num_threads);
 
 // CUDA twin: ptrs/strides/angle_table in host memory (uploaded on `stream`), keys on the device.
-// Returns "" on success, else the CUDA error text.
-const char* rope_shift_cuda(const RopeShift& shape, void* const* ptrs, const int64_t* strides, DType dtype,
-                            const float* angle_table, uintptr_t stream);
+// A failed Status carries the CUDA error text.
+Status rope_shift_cuda(const RopeShift& shape, void* const* ptrs, const int64_t* strides, DType dtype,
+                       const float* angle_table, uintptr_t stream);
 
 }  // namespace kdn
