@@ -35,12 +35,9 @@ Status rope_shift_cuda(const RopeShift& shape, void* const* ptrs, const int64_t*
   auto d_strides = staged.part<const int64_t>(1);
   auto d_table = staged.part<const float>(2);
   const int threads = 256, blocks = grid_for(total, threads);
-  if (dtype == DType::kFloat32)
-    rope_shift_kernel<float><<<blocks, threads, 0, s>>>(shape, d_ptrs, d_strides, d_table);
-  else if (dtype == DType::kFloat16)
-    rope_shift_kernel<Fp16><<<blocks, threads, 0, s>>>(shape, d_ptrs, d_strides, d_table);
-  else
-    rope_shift_kernel<Bf16><<<blocks, threads, 0, s>>>(shape, d_ptrs, d_strides, d_table);
+  dispatch_dtype(dtype, [&](auto tag) {
+    rope_shift_kernel<decltype(tag)><<<blocks, threads, 0, s>>>(shape, d_ptrs, d_strides, d_table);
+  });
   return finish(s, "rope_shift_cuda");
 }
 

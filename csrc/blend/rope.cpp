@@ -37,11 +37,7 @@ void shift_all(const RopeShift& shape, void* const* ptrs, const int64_t* strides
 
 void rope_shift_cpu(const RopeShift& shape, void* const* ptrs, const int64_t* strides, DType dtype,
                     const float* angle_table, int num_threads) {
-  switch (dtype) {
-    case DType::kFloat32: return shift_all<float>(shape, ptrs, strides, angle_table, num_threads);
-    case DType::kFloat16: return shift_all<Fp16>(shape, ptrs, strides, angle_table, num_threads);
-    case DType::kBFloat16: return shift_all<Bf16>(shape, ptrs, strides, angle_table, num_threads);
-  }
+  dispatch_dtype(dtype, [&](auto tag) { shift_all<decltype(tag)>(shape, ptrs, strides, angle_table, num_threads); });
 }
 
 }  // namespace kdn

@@ -65,4 +65,26 @@ KDN_HD uint16_t float_to_fp16(float f) {
   return static_cast<uint16_t>(sign | (v >> 13));
 }
 
+// Element types as distinct C++ types so that overloads pick the conversion.
+struct Fp16 { uint16_t bits; };
+struct Bf16 { uint16_t bits; };
+KDN_HD float to_float(float x) { return x; }
+KDN_HD float to_float(Fp16 x) { return fp16_to_float(x.bits); }
+KDN_HD float to_float(Bf16 x) { return bf16_to_float(x.bits); }
+KDN_HD void from_float(float v, float* out) { *out = v; }
+KDN_HD void from_float(float v, Fp16* out) { out->bits = float_to_fp16(v); }
+KDN_HD void from_float(float v, Bf16* out) { out->bits = float_to_bf16(v); }
+
+// The one place a DType becomes a C++ element type: calls f(T{}) with T = float, Fp16 or Bf16.
+// Example: dispatch_dtype(dtype, [&](auto tag) { run<decltype(tag)>(...); });
+template <typename F>
+decltype(auto) dispatch_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat16: return f(Fp16{});
+    case DType::kBFloat16: return f(Bf16{});
+    case DType::kFloat32: break;
+  }
+  return f(float{});
+}
+
 }  // namespace kdn

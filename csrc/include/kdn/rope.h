@@ -34,16 +34,6 @@ KDN_HD void rope_turn(float* xa, float* xb, float c, float s) {
   *xb = b * c + a * s;
 }
 
-// Element types as distinct C++ types so that overloads pick the conversion.
-struct Fp16 { uint16_t bits; };
-struct Bf16 { uint16_t bits; };
-KDN_HD float to_float(float x) { return x; }
-KDN_HD float to_float(Fp16 x) { return fp16_to_float(x.bits); }
-KDN_HD float to_float(Bf16 x) { return bf16_to_float(x.bits); }
-KDN_HD void from_float(float v, float* out) { *out = v; }
-KDN_HD void from_float(float v, Fp16* out) { out->bits = float_to_fp16(v); }
-KDN_HD void from_float(float v, Bf16* out) { out->bits = float_to_bf16(v); }
-
 // Rotates pair `pair` of the key at (head, token) of one [heads, tokens, head_dim] tensor.
 template <typename T>
 KDN_HD void rope_shift_one(T* keys, int64_t stride_head, int64_t stride_seq, int64_t head_dim, int64_t head,
