@@ -158,11 +158,11 @@ DiskStore::DiskStore(DiskStoreOptions options)
   std::error_code ec;
   if (!fs::exists(options_.dir, ec)) {
     fs::create_directories(fs::path(options_.dir).parent_path(), ec);
-    std::string error;
-    if (!make_private_dir(options_.dir, &error)) throw InputError("DiskStore: " + error, __FILE__, __LINE__);
+    Status st = make_private_dir(options_.dir);
+    if (!st.ok) throw InputError("DiskStore: " + st.message, __FILE__, __LINE__);
   }
-  std::string error;
-  if (!make_private_dir(options_.dir + "/tmp", &error)) throw InputError("DiskStore: " + error, __FILE__, __LINE__);
+  Status st = make_private_dir(options_.dir + "/tmp");
+  if (!st.ok) throw InputError("DiskStore: " + st.message, __FILE__, __LINE__);
   remove_stale_temporaries();
   rebuild_index();
   try {
@@ -181,21 +181,20 @@ DiskStore::~DiskStore() {
   writer_.join();
 }
 
-bool DiskStore::make_private_dir(const std::string& path, std::string* error) const {
+Status DiskStore::make_private_dir(const std::string& path) const {
   const mode_t mode = options_.group_shared ? 02770 : 0700;
   if (::mkdir(path.c_str(), mode) == 0) {
     ::chmod(path.c_str(), mode);  // the umask must not widen or narrow what was asked
-    return true;
+    return Status::Ok();
   }
   struct stat st;
   if (errno == EEXIST && ::lstat(path.c_str(), &st) == 0) {
-    if (S_ISDIR(st.st_mode)) return true;
-    *error = "cannot create " + path + (S_ISLNK(st.st_mode) ? ": it is a symlink (not followed inside a disk tier)"
-                                                             : ": it exists and is not a directory");
-    return false;
+    if (S_ISDIR(st.st_mode)) return Status::Ok();
+    return Status::Fail("cannot create " + path + (S_ISLNK(st.st_mode)
+                                                       ? ": it is a symlink (not followed inside a disk tier)"
+                                                       : ": it exists and is not a directory"));
   }
-  *error = errno_text("cannot create", path);
-  return false;
+  return Status::Fail(errno_text("cannot create", path));
 }
 
 uint64_t DiskStore::file_bytes(const Buffer& blob) const {
@@ -290,25 +289,21 @@ void DiskStore::record_error(const std::string& error) {
   stats_.last_error = error;
 }
 
-bool DiskStore::write_file(const Key128& key, const BufferPtr& blob, std::string* error) {
-  if (inject_failures_.load() > 0 && inject_failures_.fetch_sub(1) > 0) {
-    *error = "injected write failure (No space left on device)";
-    return false;
-  }
+Status DiskStore::write_file(const Key128& key, const BufferPtr& blob) {
+  if (inject_failures_.load() > 0 && inject_failures_.fetch_sub(1) > 0)
+    return Status::Fail("injected write failure (No space left on device)");
   std::string hex = key_hex(key);
   std::string final_path = path_of(key);
   std::string tmp_dir = options_.dir + "/tmp";
   std::string tmp_path = tmp_dir + "/" + hex + "." + std::to_string(::getpid()) + "." +
                          std::to_string(tmp_counter_.fetch_add(1)) + ".tmp";
-  if (!make_private_dir(options_.dir, error) || !make_private_dir(tmp_dir, error) ||
-      !make_private_dir(options_.dir + "/" + hex.substr(0, 2), error))
-    return false;
+  for (const std::string& dir : {options_.dir, tmp_dir, options_.dir + "/" + hex.substr(0, 2)}) {
+    Status st = make_private_dir(dir);
+    if (!st.ok) return st;
+  }
   const mode_t mode = options_.group_shared ? 0660 : 0600;
   int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, mode);
-  if (fd < 0) {
-    *error = errno_text("cannot create", tmp_path);
-    return false;
-  }
+  if (fd < 0) return Status::Fail(errno_text("cannot create", tmp_path));
   if (options_.group_shared) ::fchmod(fd, mode);
   bool ok = write_all(fd, blob->data(), blob->size());
   if (ok && !options_.mac_key.empty()) {
@@ -316,21 +311,13 @@ bool DiskStore::write_file(const Key128& key, const BufferPtr& blob, std::string
     mac_of(options_.mac_key, blob->data(), blob->size(), tag);
     ok = write_all(fd, tag, kMacBytes);
   }
-  if (!ok) *error = errno_text("cannot write", tmp_path);
-  if (ok && options_.fsync && ::fsync(fd) != 0) {
-    ok = false;
-    *error = errno_text("cannot fsync", tmp_path);
-  }
-  if (::close(fd) != 0 && ok) {
-    ok = false;
-    *error = errno_text("cannot close", tmp_path);
-  }
-  if (ok && ::rename(tmp_path.c_str(), final_path.c_str()) != 0) {
-    ok = false;
-    *error = errno_text("cannot rename into", final_path);
-  }
-  if (!ok) ::unlink(tmp_path.c_str());
-  return ok;
+  Status st = ok ? Status::Ok() : Status::Fail(errno_text("cannot write", tmp_path));
+  if (st.ok && options_.fsync && ::fsync(fd) != 0) st = Status::Fail(errno_text("cannot fsync", tmp_path));
+  if (::close(fd) != 0 && st.ok) st = Status::Fail(errno_text("cannot close", tmp_path));
+  if (st.ok && ::rename(tmp_path.c_str(), final_path.c_str()) != 0)
+    st = Status::Fail(errno_text("cannot rename into", final_path));
+  if (!st.ok) ::unlink(tmp_path.c_str());
+  return st;
 }
 
 BufferPtr DiskStore::encode(const BufferPtr& blob, std::string* error) const {
@@ -376,18 +363,18 @@ bool DiskStore::write_blob(const Key128& key, const BufferPtr& queued) {
     }
   }
   unlink_keys(victims);
-  bool ok = write_file(key, blob, &error);
+  const Status written = write_file(key, blob);
   std::lock_guard<std::mutex> lock(mutex_);
   pending_.erase(key);
-  if (!ok) {
+  if (!written.ok) {
     index_.erase(key);
-    record_error(error);
+    record_error(written.message);
   } else if (!index_.contains(key)) {  // removed or evicted while being written
     ::unlink(path_of(key).c_str());
   } else {
     ++stats_.writes;
   }
-  return ok;
+  return written.ok;
 }
 
 Key128 DiskStore::file_key(const Key128& key, const BufferPtr& blob) const {

@@ -94,12 +94,12 @@ class DiskStore {
   BufferPtr encode(const BufferPtr& blob, std::string* error) const;  // with the store's codec
   Key128 file_key(const Key128& key, const BufferPtr& blob) const;     // see put
   bool write_blob(const Key128& key, const BufferPtr& blob);  // key already in pending_
-  bool write_file(const Key128& key, const BufferPtr& blob, std::string* error);
+  Status write_file(const Key128& key, const BufferPtr& blob);
   bool adopt_locked(const Key128& key, uint64_t bytes, std::vector<Key128>* victims);
   void unlink_keys(const std::vector<Key128>& keys);
   bool file_present(const Key128& key) const;
   uint64_t file_bytes(const Buffer& blob) const;     // what the blob's file takes (tag included)        // a regular file (not a symlink) of blob size
-  bool make_private_dir(const std::string& path, std::string* error) const;
+  Status make_private_dir(const std::string& path) const;  // 0700 (2770 group-shared); never a symlink
   bool held_locked(const Key128& key);               // pending, or indexed with its file present
   void record_error(const std::string& error);
   void writer_loop();
