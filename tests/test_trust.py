@@ -76,7 +76,7 @@ def test_meta_weights_are_a_clear_error():
         model_fingerprint(meta)
 
 
-def writer_and_reader(model, tmp_path, writer_codec="int2", **reader):
+def writer_and_reader(tmp_path, writer_codec="int2", **reader):
     """Two KDNs sharing one disk folder: an int2 writer, and a reader configured by ``reader``."""
     shared = {"chunk_size": CHUNK, "disk_dir": str(tmp_path / "kv")}
     writer = KDN(KDNConfig(**shared, memory_codec=writer_codec, disk_codec=writer_codec))
@@ -85,7 +85,7 @@ def writer_and_reader(model, tmp_path, writer_codec="int2", **reader):
 
 def test_an_exact_reader_never_gets_a_lossy_writers_chunks(model, tmp_path):
     ids = random_ids(model, 4 * CHUNK + 3, seed=3)
-    writer, reader = writer_and_reader(model, tmp_path)
+    writer, reader = writer_and_reader(tmp_path)
     writer.store(model, ids, full_prefill(model, ids)[1])
     writer.flush()
     assert writer.lookup(model, ids) == 4 * CHUNK  # the writer reads its own int2 chunks
@@ -104,7 +104,7 @@ def test_an_exact_reader_never_gets_a_lossy_writers_chunks(model, tmp_path):
 
 def test_a_reader_that_accepts_a_lossy_codec_is_served_it(model, tmp_path):
     ids = random_ids(model, 4 * CHUNK + 3, seed=4)
-    writer, reader = writer_and_reader(model, tmp_path, accept_codecs="int2")
+    writer, reader = writer_and_reader(tmp_path, accept_codecs="int2")
     writer.store(model, ids, full_prefill(model, ids)[1])
     writer.flush()
     assert reader.lookup(model, ids) == 4 * CHUNK
@@ -114,7 +114,7 @@ def test_a_reader_that_accepts_a_lossy_codec_is_served_it(model, tmp_path):
     assert hit == 4 * CHUNK and torch.allclose(got, lossy_ref, atol=1e-5, rtol=0)
     assert not torch.allclose(got, ref, atol=1e-3, rtol=0)  # int2: really the lossy chunks
     # an int8-accepting reader does not take int2 either
-    _, int8_reader = writer_and_reader(model, tmp_path, accept_codecs=["int8"])
+    _, int8_reader = writer_and_reader(tmp_path, accept_codecs=["int8"])
     assert int8_reader.lookup(model, ids) == 0
 
 

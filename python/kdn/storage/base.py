@@ -4,6 +4,23 @@ tiers that sit on a C++ store."""
 from __future__ import annotations
 
 import abc
+import atexit
+import weakref
+
+EXIT_FLUSH_SECONDS = 10.0  # at interpreter exit, queued and write-back data get this long to land
+
+
+def at_exit(obj, method: str) -> None:
+    """Call ``obj.<method>(EXIT_FLUSH_SECONDS)`` at interpreter exit, unless ``obj`` is gone by then
+    (handlers run last-registered first: a manager's write-back before its disk tier's flush)."""
+    ref = weakref.ref(obj)
+
+    def run() -> None:
+        target = ref()
+        if target is not None:
+            getattr(target, method)(EXIT_FLUSH_SECONDS)
+
+    atexit.register(run)
 
 
 class Tier(abc.ABC):

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import weakref
 
 from kdn import _core, codecs
 from kdn._core import InvalidInputError
-from kdn.storage.base import StoreTier
+from kdn.storage.base import StoreTier, at_exit
 
 log = logging.getLogger("kdn")
-EXIT_FLUSH_SECONDS = 10.0  # queued writes get this long at interpreter exit; the rest is lost
 
 
 class DiskTier(StoreTier):
@@ -55,7 +52,7 @@ class DiskTier(StoreTier):
         self._store = _core.DiskStore(str(directory), capacity_bytes, policy, queue_bytes, read_threads, fsync,
                                       c.id, c.params, mac_key, group_shared)
         self._warned: set[str] = set()
-        atexit.register(_flush_at_exit, weakref.ref(self._store))
+        at_exit(self, "flush")
 
     def put(self, key: bytes, blob, wait: bool = False) -> bool:
         ok = self._store.put(key, blob) if wait else self._store.put_async(key, blob)
@@ -109,8 +106,3 @@ def _check_owner(directory, group_shared: bool) -> None:
         raise InvalidInputError(f"disk_dir {directory} belongs to uid {owner}, not to this user (uid {os.geteuid()}); "
                                 "pass disk_shared=True to share a disk tier between users, ideally with a secret")
 
-
-def _flush_at_exit(ref) -> None:
-    store = ref()
-    if store is not None:
-        store.flush(EXIT_FLUSH_SECONDS)

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
 import time
-import weakref
 
 from kdn import codecs
 from kdn._core import InvalidInputError, KDNError
 from kdn.config import KDNConfig
-from kdn.storage.base import Tier
+from kdn.storage.base import EXIT_FLUSH_SECONDS, Tier, at_exit
 from kdn.storage.disk import DiskTier
 from kdn.storage.memory import MemoryTier
 
 log = logging.getLogger("kdn")
-EXIT_FLUSH_SECONDS = 10.0  # at interpreter exit, queued and write-back data get this long to land
 
 
 def build_tiers(config: KDNConfig) -> list[Tier]:
@@ -69,7 +66,7 @@ class TierManager:
         below = next((t for t in self.tiers[1:] if t.local), None)
         if below is not None and config.write_policy == "write-back":
             self.memory.spill_to(below)
-            atexit.register(_write_back_at_exit, weakref.ref(self))
+            at_exit(self, "write_back")
 
     def tier(self, name: str):
         """The tier called ``name`` ("memory", "disk", "remote"), or None."""
@@ -233,9 +230,3 @@ class TierManager:
 
     def stats(self) -> dict:
         return {t.name: t.stats() for t in self.tiers}
-
-
-def _write_back_at_exit(ref) -> None:
-    manager = ref()
-    if manager is not None:
-        manager.write_back(EXIT_FLUSH_SECONDS)

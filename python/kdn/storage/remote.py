@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import collections
 import hmac
 import logging
@@ -10,11 +9,10 @@ import struct
 import threading
 import time
 import urllib.parse
-import weakref
 
 from kdn import _core, codecs
 from kdn._core import BlobError, InvalidInputError
-from kdn.storage.base import Tier
+from kdn.storage.base import Tier, at_exit
 from kdn.urls import SCHEMES, redact
 
 log = logging.getLogger("kdn")
@@ -24,7 +22,6 @@ FORMAT = 2  # bump when the key or value layout changes: old values become invis
 _MANIFEST = struct.Struct("<4sIIQ")  # magic, format, parts, total bytes (the blob inside has its own checksum)
 _MANIFEST_MAGIC = b"KDNM"
 _TAG_BYTES = 32  # keyed mode: a BLAKE3 tag of the blob follows it in the value
-EXIT_FLUSH_SECONDS = 10.0  # queued stores get this long at interpreter exit
 
 
 def connect(url: str, timeout: float):
@@ -122,7 +119,7 @@ class RemoteTier(Tier):
         self._check_connection()
         self._writer = threading.Thread(target=self._write_loop, name="kdn-remote-writer", daemon=True)
         self._writer.start()
-        atexit.register(_flush_at_exit, weakref.ref(self))
+        at_exit(self, "flush")
 
     # -- keys and values ------------------------------------------------------------------------
     @staticmethod
@@ -388,12 +385,6 @@ def _is_refusal(error: Exception) -> bool:
     from redis.exceptions import ResponseError
 
     return isinstance(error, ResponseError)
-
-
-def _flush_at_exit(ref) -> None:
-    tier = ref()
-    if tier is not None:
-        tier.flush(EXIT_FLUSH_SECONDS)
 
 
 def _is_auth_error(error: Exception) -> bool:
