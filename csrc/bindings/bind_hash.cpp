@@ -17,6 +17,29 @@ Key128 key_arg(py::handle obj, const char* what) {
   return k;
 }
 
+namespace {
+
+struct TokenSpan {
+  const uint32_t* data;
+  int64_t size;
+};
+
+TokenSpan token_span(py::handle tokens) {
+  py::buffer_info info = py::reinterpret_borrow<py::buffer>(tokens).request(false);
+  KDN_CHECK_INPUT(info.ndim == 1 && info.itemsize == 4 && (info.format == "I" || info.format == "=I" || info.format == "<I"),
+                  "tokens must be a 1-D contiguous uint32 array");
+  KDN_CHECK_INPUT(info.shape[0] == 0 || info.strides[0] == 4, "tokens must be contiguous");
+  return TokenSpan{static_cast<const uint32_t*>(info.ptr), static_cast<int64_t>(info.shape[0])};
+}
+
+py::list key_list(const std::vector<Key128>& keys) {
+  py::list out;
+  for (const auto& k : keys) out.append(py::bytes(reinterpret_cast<const char*>(k.data()), 16));
+  return out;
+}
+
+}  // namespace
+
 void bind_hash(py::module_& m) {
   m.def(
       "blake3",
@@ -51,24 +74,35 @@ void bind_hash(py::module_& m) {
   m.def(
       "prefix_chunk_keys",
       [](py::handle fingerprint, py::handle tokens, int64_t chunk_size, bool include_partial) {
-        Key128 fp = key_arg(fingerprint, "fingerprint");
-        py::buffer_info info = py::reinterpret_borrow<py::buffer>(tokens).request(false);
-        KDN_CHECK_INPUT(info.ndim == 1 && info.itemsize == 4 && (info.format == "I" || info.format == "=I" || info.format == "<I"),
-                        "tokens must be a 1-D contiguous uint32 array");
-        KDN_CHECK_INPUT(info.strides[0] == 4, "tokens must be contiguous");
+        const Key128 fp = key_arg(fingerprint, "fingerprint");
+        const TokenSpan t = token_span(tokens);
         std::vector<Key128> keys;
         {
           py::gil_scoped_release release;
-          keys = prefix_chunk_keys(fp, static_cast<const uint32_t*>(info.ptr), info.shape[0],
-                                   chunk_size, include_partial);
+          keys = prefix_chunk_keys(fp, t.data, t.size, chunk_size, include_partial);
         }
-        py::list out;
-        for (const auto& k : keys) out.append(py::bytes(reinterpret_cast<const char*>(k.data()), 16));
-        return out;
+        return key_list(keys);
       },
-      py::arg("fingerprint"), py::arg("tokens"), py::arg("chunk_size"),
-      py::arg("include_partial") = false,
-      "Chained 16-byte prefix keys, one per full chunk of `tokens` (uint32).");
+      py::arg("fingerprint"), py::arg("tokens"), py::arg("chunk_size"), py::arg("include_partial") = false,
+      "Chained 16-byte prefix keys, one per full chunk of `tokens` (uint32), and one for a trailing partial "
+      "chunk with include_partial.");
+  m.def(
+      "chunk_key",
+      [](py::handle fingerprint, py::handle parent, py::handle tokens) {
+        const TokenSpan t = token_span(tokens);
+        const Key128 k = chunk_key(key_arg(fingerprint, "fingerprint"), key_arg(parent, "parent"), t.data, t.size);
+        return py::bytes(reinterpret_cast<const char*>(k.data()), 16);
+      },
+      py::arg("fingerprint"), py::arg("parent"), py::arg("tokens"),
+      "The key of one chunk of `tokens` (uint32) behind the chunk keyed `parent` (16 zero bytes: the first).");
+  m.def(
+      "probe_keys",
+      [](py::handle fingerprint, py::handle parent, py::handle tokens, int64_t step) {
+        const TokenSpan t = token_span(tokens);
+        return key_list(probe_keys(key_arg(fingerprint, "fingerprint"), key_arg(parent, "parent"), t.data, t.size, step));
+      },
+      py::arg("fingerprint"), py::arg("parent"), py::arg("tokens"), py::arg("step"),
+      "Probe keys of the first step, 2*step, ... tokens of a chunk behind `parent` (see kdn/keys.h).");
 }
 
 }  // namespace kdn

@@ -1,4 +1,5 @@
 // Python bindings of the chunk layout (kdn/chunk.h, kdn/kv_copy.h): convert arguments, release the GIL, call.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -96,7 +97,7 @@ void bind_kv(py::module_& m) {
   m.def(
       "verify_chunks",
       [](const py::list& blobs, const py::list& keys, py::handle fingerprint, const std::string& dtype,
-         uint32_t layers, uint32_t kv_heads, uint32_t head_dim, uint32_t chunk_tokens) {
+         uint32_t layers, uint32_t kv_heads, uint32_t head_dim, uint32_t chunk_tokens, uint32_t last_tokens) {
         KDN_CHECK_INPUT(py::len(blobs) == py::len(keys), "verify_chunks: blobs and keys differ in length");
         const ChunkExpect e{key_arg(fingerprint, "fingerprint"), dtype_arg(dtype), layers, kv_heads, head_dim,
                             chunk_tokens};
@@ -108,13 +109,42 @@ void bind_kv(py::module_& m) {
         int64_t n_ok;
         {
           py::gil_scoped_release release;
-          n_ok = verify_chunks(spans, ks, e, default_num_threads(), &error);
+          n_ok = verify_chunks(spans, ks, e, last_tokens, default_num_threads(), &error);
         }
         return py::make_tuple(py::int_(n_ok), error);
       },
       py::arg("blobs"), py::arg("keys"), py::arg("fingerprint"), py::arg("dtype"), py::arg("layers"),
-      py::arg("kv_heads"), py::arg("head_dim"), py::arg("chunk_tokens"),
-      "Validate consecutive prefix-chunk blobs; returns (number of leading valid blobs, first error).");
+      py::arg("kv_heads"), py::arg("head_dim"), py::arg("chunk_tokens"), py::arg("last_tokens") = 0,
+      "Validate consecutive prefix-chunk blobs (the last holding `last_tokens` when not 0); returns (number of\n"
+      "leading valid blobs, first error).");
+
+  m.def(
+      "pack_pointer",
+      [](py::handle fingerprint, py::handle key, py::handle target, uint32_t position, py::array_t<uint32_t> tokens) {
+        KDN_CHECK_INPUT(tokens.ndim() == 1, "pack_pointer: tokens must be 1-D");
+        const auto t = tokens.unchecked<1>();
+        std::vector<uint32_t> ids(t.data(0), t.data(0) + t.shape(0));
+        return pack_pointer(key_arg(fingerprint, "fingerprint"), key_arg(key, "key"), key_arg(target, "target"),
+                            position, ids.data(), static_cast<int64_t>(ids.size()));
+      },
+      py::arg("fingerprint"), py::arg("key"), py::arg("target"), py::arg("position"), py::arg("tokens"),
+      "A sealed pointer blob, filed under `key`, to the chunk keyed `target` holding `tokens` from `position`.");
+  m.def(
+      "read_pointer",
+      [](py::handle blob, py::handle fingerprint, py::handle key) {
+        std::vector<ByteSpan> keep;
+        py::list one;
+        one.append(blob);
+        const ChunkBytes bytes = chunk_bytes(one, &keep)[0];
+        Pointer p;
+        const Status st = read_pointer(bytes, key_arg(fingerprint, "fingerprint"), key_arg(key, "key"), &p);
+        if (!st.ok) throw BlobError("pointer: " + st.message, __FILE__, __LINE__);
+        py::array_t<uint32_t> tokens(static_cast<py::ssize_t>(p.tokens.size()));
+        std::copy(p.tokens.begin(), p.tokens.end(), tokens.mutable_data());
+        return py::make_tuple(py::bytes(reinterpret_cast<const char*>(p.target.data()), 16), p.position, tokens);
+      },
+      py::arg("blob"), py::arg("fingerprint"), py::arg("key"),
+      "(target key, position, tokens) of a verified pointer blob; BlobError if it is damaged or not this one.");
 
   m.def(
       "unpack_chunks",

@@ -26,6 +26,7 @@ BufferPtr buffer_from_object(py::handle obj) {
 
 py::dict header_to_dict(const BlobHeader& h) {
   py::dict d;
+  d["kind"] = h.kind == kBlobKindKV ? "kv" : "pointer";
   d["codec"] = h.codec;
   d["codec_params"] = h.codec_params;
   d["dtype"] = dtype_name(h.dtype);

@@ -17,13 +17,18 @@ Key128 lossy_key(const Key128& key, uint8_t codec, uint32_t params) {
 }
 
 Key128 coded_key(const BlobHeader& h, uint8_t codec, uint32_t params) {
-  if ((codec == h.codec && params == h.codec_params) || !codec_is_lossy(codec)) return h.key;
+  if ((codec == h.codec && params == h.codec_params) || !codec_is_lossy(codec) || h.kind != kBlobKindKV) return h.key;
   return lossy_key(h.key, codec, params);
 }
 
 BufferPtr blob_transcode(const BlobHeader& h, const uint8_t* blob, uint8_t codec, uint32_t params, int threads,
                          CodecReport* report) {
   codec_require(codec, params);
+  if (h.kind != kBlobKindKV) {  // only KV is coded: other kinds are copied as they are
+    auto copy = std::make_shared<Buffer>(blob_total_bytes(h));
+    std::memcpy(copy->data(), blob, copy->size());
+    return copy;
+  }
   BlobHeader out = h;
   out.key = coded_key(h, codec, params);
   out.codec = codec;

@@ -26,6 +26,10 @@ T get_le(const uint8_t* in, size_t offset) {
 }  // namespace
 
 uint64_t raw_payload_bytes(const BlobHeader& h) {
+  if (h.kind == kBlobKindPointer) {
+    if (h.layers || h.kv_heads || h.head_dim || h.tokens == 0 || h.tokens > kMaxTokens) return 0;
+    return 16 + 4 * uint64_t(h.tokens);
+  }
   if (h.layers == 0 || h.kv_heads == 0 || h.head_dim == 0 || h.tokens == 0) return 0;
   if (h.layers > kMaxDim || h.kv_heads > kMaxDim || h.head_dim > kMaxDim || h.tokens > kMaxTokens)
     return 0;
@@ -42,7 +46,7 @@ void blob_write_header(const BlobHeader& h, uint8_t* out) {
   put_le<uint16_t>(out, 6, static_cast<uint16_t>(kBlobHeaderBytes));
   out[8] = h.codec;
   out[9] = static_cast<uint8_t>(h.dtype);
-  put_le<uint16_t>(out, 10, 0);
+  put_le<uint16_t>(out, 10, h.kind);
   put_le<uint32_t>(out, 12, h.layers);
   put_le<uint32_t>(out, 16, h.kv_heads);
   put_le<uint32_t>(out, 20, h.head_dim);
@@ -68,7 +72,10 @@ Status blob_parse_header(const uint8_t* data, size_t size, BlobHeader* out) {
     return Status::Fail("unsupported blob format version " + std::to_string(version));
   if (get_le<uint16_t>(data, 6) != kBlobHeaderBytes) return Status::Fail("bad blob header size");
   BlobHeader h;
+  h.kind = get_le<uint16_t>(data, 10);
+  if (h.kind != kBlobKindKV && h.kind != kBlobKindPointer) return Status::Fail("unknown blob kind " + std::to_string(h.kind));
   h.codec = data[8];
+  if (h.kind == kBlobKindPointer && h.codec != kCodecRaw) return Status::Fail("a pointer blob must be raw");
   h.codec_params = get_le<uint32_t>(data, 32);
   if (h.codec == kCodecRaw && h.codec_params != 0) return Status::Fail("raw blob with codec parameters");
   if (h.codec != kCodecRaw) {

@@ -2,6 +2,7 @@
 #include "kdn/chunk.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "kdn/codec.h"
 #include "kdn/kv_copy.h"
@@ -36,7 +37,9 @@ BufferPtr pack_chunk(const KvShape& shape, const KvTable& table, DType dtype, in
   return blob;
 }
 
-Status check_chunk_header(const BlobHeader& h, const ChunkExpect& e, const Key128& key, uint32_t position) {
+Status check_chunk_header(const BlobHeader& h, const ChunkExpect& e, const Key128& key, uint32_t position,
+                          uint32_t tokens) {
+  if (h.kind != kBlobKindKV) return Status::Fail("blob is not a KV chunk (kind " + std::to_string(h.kind) + ")");
   if (h.fingerprint != e.fingerprint) return Status::Fail("blob belongs to another model (fingerprint mismatch)");
   if (h.key != key) return Status::Fail("blob was stored under another key");
   if (h.dtype != e.dtype)
@@ -44,24 +47,27 @@ Status check_chunk_header(const BlobHeader& h, const ChunkExpect& e, const Key12
   if (h.layers != e.layers || h.kv_heads != e.kv_heads || h.head_dim != e.head_dim)
     return Status::Fail("blob layout [" + std::to_string(h.layers) + " layers, " + std::to_string(h.kv_heads) +
                         " heads, " + std::to_string(h.head_dim) + " dim] does not match the model");
-  if (h.tokens != e.chunk_tokens)
-    return Status::Fail("blob holds " + std::to_string(h.tokens) + " tokens, expected " +
-                        std::to_string(e.chunk_tokens));
+  if (h.tokens != tokens)
+    return Status::Fail("blob holds " + std::to_string(h.tokens) + " tokens, expected " + std::to_string(tokens));
   if (h.position != position)
     return Status::Fail("blob position " + std::to_string(h.position) + " != " + std::to_string(position));
   return Status::Ok();
 }
 
 int64_t verify_chunks(const std::vector<ChunkBytes>& blobs, const std::vector<Key128>& keys, const ChunkExpect& e,
-                      int threads, std::string* error) {
+                      uint32_t last_tokens, int threads, std::string* error) {
   KDN_CHECK_INPUT(blobs.size() == keys.size(), "verify_chunks: blobs and keys differ in length");
+  KDN_CHECK_INPUT(last_tokens <= e.chunk_tokens, "verify_chunks: last_tokens exceeds chunk_tokens");
+  const int64_t last = static_cast<int64_t>(blobs.size()) - 1;
   std::vector<Status> status(blobs.size());
   parallel_for(static_cast<int64_t>(blobs.size()), threads, [&](int64_t i) {
     BlobHeader h;
     const bool hash = !(blobs[i].buffer && blobs[i].buffer->verified());
     status[i] = blob_parse(blobs[i].data, blobs[i].size, hash, &h);
     if (status[i].ok && hash && blobs[i].buffer) blobs[i].buffer->mark_verified();
-    if (status[i].ok) status[i] = check_chunk_header(h, e, keys[i], static_cast<uint32_t>(i * e.chunk_tokens));
+    const uint32_t tokens = i == last && last_tokens ? last_tokens : e.chunk_tokens;
+    if (status[i].ok)
+      status[i] = check_chunk_header(h, e, keys[i], static_cast<uint32_t>(i * e.chunk_tokens), tokens);
   });
   for (size_t i = 0; i < status.size(); ++i) {
     if (!status[i].ok) {
@@ -105,6 +111,42 @@ void unpack_chunks(const std::vector<ChunkBytes>& blobs, const KvShape& shape, c
     kv_copy_cpu(chunk_shape, table, chunk, dtype_size(dtype), pos, n, CopyDirection::kChunkToCache, threads);
     pos += n;
   }
+}
+
+BufferPtr pack_pointer(const Key128& fingerprint, const Key128& key, const Key128& target, uint32_t position,
+                       const uint32_t* tokens, int64_t count) {
+  BlobHeader h;
+  h.kind = kBlobKindPointer;
+  h.tokens = static_cast<uint32_t>(count);
+  h.position = position;
+  h.fingerprint = fingerprint;
+  h.key = key;
+  h.payload_bytes = raw_payload_bytes(h);
+  KDN_CHECK_INPUT(count > 0 && h.payload_bytes > 0, "pack_pointer: bad token count " + std::to_string(count));
+  auto blob = std::make_shared<Buffer>(blob_total_bytes(h));
+  blob_write_header(h, blob->data());
+  std::memcpy(blob->data() + kBlobHeaderBytes, target.data(), 16);
+  std::memcpy(blob->data() + kBlobHeaderBytes + 16, tokens, static_cast<size_t>(count) * 4);
+  blob_seal(blob->data(), blob->size());
+  blob->mark_verified();
+  return blob;
+}
+
+Status read_pointer(const ChunkBytes& blob, const Key128& fingerprint, const Key128& key, Pointer* out) {
+  BlobHeader h;
+  const bool hash = !(blob.buffer && blob.buffer->verified());
+  Status st = blob_parse(blob.data, blob.size, hash, &h);
+  if (!st.ok) return st;
+  if (hash && blob.buffer) blob.buffer->mark_verified();
+  if (h.kind != kBlobKindPointer) return Status::Fail("blob is not a pointer (kind " + std::to_string(h.kind) + ")");
+  if (h.fingerprint != fingerprint) return Status::Fail("pointer belongs to another model (fingerprint mismatch)");
+  if (h.key != key) return Status::Fail("pointer was stored under another key");
+  const uint8_t* payload = blob.data + kBlobHeaderBytes;
+  std::memcpy(out->target.data(), payload, 16);
+  out->position = h.position;
+  out->tokens.resize(h.tokens);
+  std::memcpy(out->tokens.data(), payload + 16, size_t(h.tokens) * 4);
+  return Status::Ok();
 }
 
 }  // namespace kdn

@@ -53,7 +53,7 @@ TEST(Blob, PackedChunksParseVerifyAndUnpackBackToTheSameValues) {
   EXPECT_EQ(h.fingerprint, key_of(9));
   const ChunkExpect expect{key_of(9), DType::kFloat32, 2, 2, 8, 16};
   std::string error;
-  EXPECT_EQ(verify_chunks(spans, keys, expect, 2, &error), 2);
+  EXPECT_EQ(verify_chunks(spans, keys, expect, 0, 2, &error), 2);
   // unpack the first 20 tokens into a fresh cache: they equal the source
   Cache out(20);
   for (auto& t : out.data) std::fill(t.begin(), t.end(), -1.0f);
@@ -89,15 +89,16 @@ TEST(Blob, AReaderRejectsAnotherModelKeyPositionOrLayout) {
   BlobHeader h;
   ASSERT_TRUE(blob_parse(blob->data(), blob->size(), true, &h).ok);
   const ChunkExpect ok{key_of(9), DType::kFloat32, 2, 2, 8, 16};
-  EXPECT_TRUE(check_chunk_header(h, ok, key_of(1), 0).ok);
-  EXPECT_FALSE(check_chunk_header(h, ok, key_of(2), 0).ok);
-  EXPECT_FALSE(check_chunk_header(h, ok, key_of(1), 16).ok);
+  EXPECT_TRUE(check_chunk_header(h, ok, key_of(1), 0, 16).ok);
+  EXPECT_FALSE(check_chunk_header(h, ok, key_of(2), 0, 16).ok);
+  EXPECT_FALSE(check_chunk_header(h, ok, key_of(1), 16, 16).ok);
+  EXPECT_FALSE(check_chunk_header(h, ok, key_of(1), 0, 8).ok);
   ChunkExpect other = ok;
   other.fingerprint = key_of(8);
-  EXPECT_FALSE(check_chunk_header(h, other, key_of(1), 0).ok);
+  EXPECT_FALSE(check_chunk_header(h, other, key_of(1), 0, 16).ok);
   other = ok;
   other.dtype = DType::kFloat16;
-  EXPECT_FALSE(check_chunk_header(h, other, key_of(1), 0).ok);
+  EXPECT_FALSE(check_chunk_header(h, other, key_of(1), 0, 16).ok);
 }
 
 TEST(Blob, LossyCodingReaddressesTheChunkAndExactCodingDoesNot) {
@@ -120,4 +121,34 @@ TEST(Blob, LossyCodingReaddressesTheChunkAndExactCodingDoesNot) {
 }
 
 }  // namespace
+TEST(Blob, APointerRoundTripsAndNeverReadsAsKV) {
+  const uint32_t tokens[5] = {7, 8, 9, 10, 11};
+  BufferPtr blob = pack_pointer(key_of(9), key_of(3), key_of(4), 256, tokens, 5);
+  const ChunkBytes bytes{blob->data(), blob->size(), nullptr};
+  Pointer p;
+  ASSERT_TRUE(read_pointer(bytes, key_of(9), key_of(3), &p).ok);
+  EXPECT_EQ(p.target, key_of(4));
+  EXPECT_EQ(p.position, 256u);
+  EXPECT_EQ(p.tokens, std::vector<uint32_t>(tokens, tokens + 5));
+  EXPECT_FALSE(read_pointer(bytes, key_of(8), key_of(3), &p).ok);  // another model
+  EXPECT_FALSE(read_pointer(bytes, key_of(9), key_of(2), &p).ok);  // filed under another key
+  std::vector<uint8_t> bad(blob->data(), blob->data() + blob->size());
+  bad[kBlobHeaderBytes + 17] ^= 1;  // a token changed in transit
+  EXPECT_FALSE(read_pointer(ChunkBytes{bad.data(), bad.size(), nullptr}, key_of(9), key_of(3), &p).ok);
+  BlobHeader h;
+  ASSERT_TRUE(blob_parse(blob->data(), blob->size(), true, &h).ok);
+  EXPECT_EQ(h.kind, kBlobKindPointer);
+  const ChunkExpect expect{key_of(9), DType::kFloat32, 2, 2, 8, 16};
+  EXPECT_FALSE(check_chunk_header(h, expect, key_of(3), 256, 5).ok);
+  // coding never touches a pointer: same key, same bytes
+  EXPECT_EQ(coded_key(h, kCodecKivi, 8u | (32u << 16)), h.key);
+  BufferPtr copy = blob_transcode(h, blob->data(), kCodecLossless, 0, 1, nullptr);
+  ASSERT_EQ(copy->size(), blob->size());
+  EXPECT_EQ(std::memcmp(copy->data(), blob->data(), blob->size()), 0);
+  // a KV chunk is not a pointer
+  Cache cache(16);
+  BufferPtr chunk = pack_chunk(cache.shape(), cache.table(), DType::kFloat32, 0, 16, key_of(9), key_of(3), 1);
+  EXPECT_FALSE(read_pointer(ChunkBytes{chunk->data(), chunk->size(), nullptr}, key_of(9), key_of(3), &p).ok);
+}
+
 }  // namespace kdn

@@ -103,5 +103,22 @@ TEST(PrefixKeys, AreChainedAndDependOnEveryEarlierToken) {
   EXPECT_NE(prefix_chunk_keys(fp, tokens.data(), tokens.size(), 16, false)[0], changed[0]);
 }
 
+TEST(PrefixKeys, ProbesOfSharedTokensAgreeAndChunkKeyIsOneLink) {
+  Key128 fp{};
+  std::vector<uint32_t> a(40), b(40);
+  for (uint32_t i = 0; i < a.size(); ++i) a[i] = b[i] = i + 100;
+  b[21] = 5;  // b leaves a after 21 tokens
+  const auto keys = prefix_chunk_keys(fp, a.data(), a.size(), 16, true);
+  ASSERT_EQ(keys.size(), 3u);
+  EXPECT_EQ(chunk_key(fp, keys[0], a.data() + 16, 16), keys[1]);
+  EXPECT_EQ(chunk_key(fp, keys[1], a.data() + 32, 8), keys[2]);  // a trailing partial chunk
+  const auto pa = probe_keys(fp, keys[0], a.data() + 16, 24, 4);
+  const auto pb = probe_keys(fp, keys[0], b.data() + 16, 24, 4);
+  ASSERT_EQ(pa.size(), 6u);
+  for (size_t j = 0; j < pa.size(); ++j) EXPECT_EQ(pa[j] == pb[j], (j + 1) * 4 <= 5) << "probe " << j;
+  EXPECT_NE(probe_keys(fp, keys[1], a.data() + 16, 4, 4)[0], pa[0]);  // another parent
+  EXPECT_NE(pa[3], keys[1]);  // probes never alias chunk keys
+}
+
 }  // namespace
 }  // namespace kdn

@@ -19,14 +19,16 @@ class KDN:
     """Stores the KV caches a model computes and serves them back for prompts that share a prefix.
 
     Keys are chained per chunk of ``config.chunk_size`` tokens and include the model fingerprint,
-    so a different model never hits. Hits are whole chunks; the rest of a prompt is prefilled.
+    so a different model never hits. Hits are token-granular: a prompt is served every leading token
+    it shares with a stored prompt (found through pointers every ``config.probe_step`` tokens); the
+    rest of it is prefilled.
     Built on the engine layer (:mod:`kdn.engine`): ``session(model)`` and ``chunks``.
 
     Example:
         >>> kdn = KDN(KDNConfig(chunk_size=256))
         >>> out = model(ids, use_cache=True)
         >>> kdn.store(model, ids, out.past_key_values)
-        >>> kdn.lookup(model, ids_with_question)        # tokens available, a multiple of 256
+        >>> kdn.lookup(model, ids_with_question)        # tokens available: all that ids shares
         >>> cache, hit = kdn.retrieve(model, ids_with_question)
         >>> logits = model(ids_with_question[:, hit:], past_key_values=cache).logits
     """
@@ -34,7 +36,7 @@ class KDN:
     def __init__(self, config: KDNConfig | None = None):
         self.config = config or KDNConfig()
         self.chunks = ChunkIO(TierManager(self.config))
-        self._sessions = Sessions(self.config.chunk_size)
+        self._sessions = Sessions(self.config.chunk_size, min(self.config.probe_step, self.config.chunk_size))
         self._local = threading.local()
 
     # -- the engine -----------------------------------------------------------------------------
@@ -57,19 +59,15 @@ class KDN:
         """The remote tier (:class:`kdn.storage.remote.RemoteTier`), or None."""
         return self.chunks.tiers.remote
 
-    def _keys(self, session: ModelSession, token_ids):
-        tokens = session.tokens(token_ids)
-        return tokens, session.prefix_keys(tokens)
-
     # -- public API -------------------------------------------------------------------------
     def lookup(self, model, token_ids) -> int:
-        """Number of leading tokens of ``token_ids`` whose KV is stored (a multiple of chunk_size)."""
+        """Number of leading tokens of ``token_ids`` whose KV is stored (no KV is read)."""
         session = self.session(model)
-        _, keys = self._keys(session, token_ids)
-        return self.chunks.available(session, keys) * self.config.chunk_size
+        return self.chunks.available(session, session.tokens(token_ids))
 
     def store(self, model, token_ids, past_key_values) -> int:
-        """Store the KV of the full chunks of ``token_ids`` from ``past_key_values``.
+        """Store the KV of ``token_ids`` from ``past_key_values`` (its full chunks, and a tail of at
+        least ``config.probe_step`` tokens).
 
         ``past_key_values`` is the model's cache (DynamicCache or tuple of (k, v)) for at least
         ``len(token_ids)`` tokens, batch 1. Chunks already stored are skipped (idempotent).
@@ -77,10 +75,10 @@ class KDN:
         warning, when the prompt's KV is larger than the tiers hold).
         """
         session = self.session(model)
-        tokens, keys = self._keys(session, token_ids)
+        tokens = session.tokens(token_ids)
         kv = cache_to_kv_list(past_key_values)
         check_kv_matches(session.layout, kv, len(tokens))
-        return self.chunks.write(session, keys, [t.cpu() for t in kv])
+        return self.chunks.write(session, tokens, [t.cpu() for t in kv])
 
     def retrieve(self, model, token_ids, limit: int | None = None):
         """Fetch the stored KV of the longest stored prefix of ``token_ids``.
@@ -95,9 +93,9 @@ class KDN:
             if not (isinstance(limit, float) and limit.is_integer()):
                 raise InvalidInputError(f"retrieve: limit must be a whole number of tokens or None, got {limit!r}")
         session = self.session(model)
-        tokens, keys = self._keys(session, token_ids)
+        tokens = session.tokens(token_ids)
         limit = len(tokens) if limit is None else max(0, min(int(limit), len(tokens)))
-        kv, hit = self.chunks.read(session, keys, limit, HFTarget(next(model.parameters()).device))
+        kv, hit = self.chunks.read(session, tokens, limit, HFTarget(next(model.parameters()).device))
         return (kv_list_to_cache(model, kv), hit) if hit else (None, 0)
 
     @property
@@ -164,11 +162,14 @@ class KDN:
         return self._prompt_keys(self.session(model), prompt, tokenizer)
 
     def _prompt_keys(self, session: ModelSession, prompt, tokenizer) -> list[bytes]:
+        return session.prefix_keys(self._prompt_tokens(session, prompt, tokenizer))
+
+    def _prompt_tokens(self, session: ModelSession, prompt, tokenizer):
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise InvalidInputError("a text prompt needs tokenizer=... to find its chunks (or pass token ids)")
             prompt = tokenizer(prompt)["input_ids"]
-        return self._keys(session, prompt)[1]
+        return session.tokens(prompt)
 
     def pin(self, model, prompt, tokenizer=None, ttl: float | None = None) -> int:
         """Keep the stored chunks of ``prompt`` from eviction (for ``ttl`` seconds if given).
@@ -196,7 +197,7 @@ class KDN:
     def evict(self, model, prompt, tokenizer=None) -> int:
         """Remove the chunks of ``prompt`` from every tier (the remote store too); returns how many were held."""
         session = self.session(model)
-        return self.chunks.remove(session, self._prompt_keys(session, prompt, tokenizer))
+        return self.chunks.remove(session, self._prompt_tokens(session, prompt, tokenizer))
 
     def flush(self) -> None:
         """Wait until queued disk writes are on disk and queued remote stores are sent."""

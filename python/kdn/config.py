@@ -51,7 +51,12 @@ class KDNConfig:
     """Settings of a :class:`kdn.KDN`.
 
     Attributes:
-        chunk_size: tokens per stored chunk; prefix hits are whole chunks (default 256).
+        chunk_size: tokens per stored chunk (default 256): the unit of storage and of lookup.
+        probe_step: hits are token-granular: a prompt that leaves the stored chunks inside a
+            chunk is served the tokens it shares with a stored chunk, found through small pointer
+            blobs filed under probes of every ``probe_step`` leading tokens of each stored chunk
+            (default 16: a shared run of at least 16 tokens is found, then served to the token;
+            at most ``chunk_size`` is used). 0: whole chunks only (no pointers are written or read).
         memory_bytes: capacity of the host-memory tier (default 4 GiB). Sizes accept ints or
             strings such as ``"512MiB"``.
         memory_policy: eviction order of the memory tier, ``"lru"`` (default) or ``"s3fifo"``
@@ -110,6 +115,7 @@ class KDNConfig:
     """
 
     chunk_size: int = 256
+    probe_step: int = 16
     memory_bytes: int = 4 * GiB
     memory_policy: str = "lru"
     disk_dir: str | None = None
@@ -144,6 +150,9 @@ class KDNConfig:
         if self.disk_read_threads > MAX_READ_THREADS:
             raise InvalidInputError(f"KDNConfig.disk_read_threads={self.disk_read_threads}: at most "
                                     f"{MAX_READ_THREADS} (reads are bounded by the disk, not by threads)")
+        if isinstance(self.probe_step, bool) or not isinstance(self.probe_step, int) or self.probe_step < 0:
+            raise InvalidInputError(f"KDNConfig.probe_step must be a non-negative integer (0: whole-chunk hits only), "
+                                    f"got {self.probe_step!r}")
         if self.chunk_size > 1 << 20:
             raise InvalidInputError(f"KDNConfig.chunk_size={self.chunk_size} is too large (max 1048576)")
         for name, choices in (("memory_policy", EVICTION_POLICIES), ("disk_policy", EVICTION_POLICIES),

@@ -108,9 +108,10 @@ def token_array(token_ids, vocab_size: int) -> np.ndarray:
     return np.ascontiguousarray(ids, dtype=np.uint32)
 
 
-def prefix_keys(fingerprint: bytes, tokens: np.ndarray, chunk_size: int) -> list[bytes]:
-    """Chained 16-byte keys of the full chunks of ``tokens`` (see csrc/include/kdn/keys.h)."""
-    return _core.prefix_chunk_keys(fingerprint, tokens, chunk_size)
+def prefix_keys(fingerprint: bytes, tokens: np.ndarray, chunk_size: int, include_partial: bool = False) -> list[bytes]:
+    """Chained 16-byte keys of the full chunks of ``tokens`` (and of a trailing partial chunk with
+    ``include_partial``; see csrc/include/kdn/keys.h)."""
+    return _core.prefix_chunk_keys(fingerprint, tokens, chunk_size, include_partial)
 
 
 SEGMENT_KEY_VERSION = 1

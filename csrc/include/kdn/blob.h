@@ -6,13 +6,18 @@
 //   6  u16      header bytes (80)     68 u64    payload bytes
 //   8  u8       codec id (0 = raw)    76 u32    reserved (0)
 //   9  u8       dtype (kdn::DType)    80 ...    payload
-//  10  u16      flags (0)             end-8 u64 XXH64 of everything before it
+//  10  u16      kind (below)          end-8 u64 XXH64 of everything before it
 //  12  u32      layers
 //  16  u32      kv heads
 //  20  u32      head dim
 //  24  u32      tokens
 //  28  u32      first position
 //  32  u32      codec parameters (kdn/codec.h; 0 for raw)
+//
+// Kinds: 0 = a KV chunk (payload: [layers, 2, tokens, kv_heads, head_dim] in `dtype`, or coded);
+// 1 = a pointer (raw; layers, kv heads and head dim 0; payload: the 16-byte key of a stored
+// chunk, then its `tokens` token ids as u32; see kdn/chunk.h). Readers of format 1 that predate
+// kind 1 reject a pointer (its dimensions are 0), so it never reads as KV.
 #pragma once
 
 #include <atomic>
@@ -29,8 +34,11 @@ constexpr uint16_t kBlobVersion = 1;
 constexpr size_t kBlobHeaderBytes = 80;
 constexpr size_t kBlobTrailerBytes = 8;
 constexpr uint8_t kCodecRaw = 0;
+constexpr uint16_t kBlobKindKV = 0;
+constexpr uint16_t kBlobKindPointer = 1;
 
 struct BlobHeader {
+  uint16_t kind = kBlobKindKV;
   uint8_t codec = kCodecRaw;
   uint32_t codec_params = 0;
   DType dtype = DType::kFloat32;
@@ -79,7 +87,7 @@ class Buffer {
 };
 using BufferPtr = std::shared_ptr<Buffer>;
 
-// Raw-codec payload size for a header, or 0 if the dimensions overflow or are out of range.
+// Raw-codec payload size for a header (of either kind), or 0 if the dimensions overflow or are out of range.
 uint64_t raw_payload_bytes(const BlobHeader& h);
 
 // Writes the header into out[0, kBlobHeaderBytes).

@@ -1,6 +1,7 @@
 // Chunks of a model's KV: pack per-layer tensors into a sealed raw blob, verify a run of prefix
-// chunks against what a reader expects, and unpack (decoding coded chunks) into per-layer tensors.
-// The product logic behind the pack_chunk / verify_chunks / unpack_chunks bindings.
+// chunks against what a reader expects, and unpack (decoding coded chunks) into per-layer tensors;
+// and pointers, the small blobs that let a reader find a stored chunk sharing only some of its
+// tokens (kdn/keys.h: probe_keys). The product logic behind the chunk bindings.
 #pragma once
 
 #include <string>
@@ -30,13 +31,32 @@ struct ChunkBytes {
 BufferPtr pack_chunk(const KvShape& shape, const KvTable& table, DType dtype, int64_t start, int64_t count,
                      const Key128& fingerprint, const Key128& key, int threads);
 
-// OK if a parsed header is chunk `position / chunk_tokens` of the expected model under `key`.
-Status check_chunk_header(const BlobHeader& h, const ChunkExpect& e, const Key128& key, uint32_t position);
+// OK if a parsed header is a KV chunk of `tokens` tokens at `position` of the expected model under `key`.
+Status check_chunk_header(const BlobHeader& h, const ChunkExpect& e, const Key128& key, uint32_t position,
+                          uint32_t tokens);
 
-// Checks consecutive prefix chunks (parse, checksum unless already verified, header) in parallel.
-// Returns the number of leading valid chunks; *error names the first invalid one.
+// Checks consecutive prefix chunks (parse, checksum unless already verified, header) in parallel:
+// chunk i sits at i * chunk_tokens and holds chunk_tokens tokens, except that the last holds
+// `last_tokens` when that is not 0 (a chunk that ends a stored prompt). Returns the number of
+// leading valid chunks; *error names the first invalid one.
 int64_t verify_chunks(const std::vector<ChunkBytes>& blobs, const std::vector<Key128>& keys, const ChunkExpect& e,
-                      int threads, std::string* error);
+                      uint32_t last_tokens, int threads, std::string* error);
+
+// A pointer to the chunk keyed `target` (tokens [position, position + count)), filed under `key`
+// (one of the chunk's probe keys): a sealed blob of kind kBlobKindPointer holding the key and the
+// chunk's tokens, so a reader can measure how many tokens it shares with its own.
+BufferPtr pack_pointer(const Key128& fingerprint, const Key128& key, const Key128& target, uint32_t position,
+                       const uint32_t* tokens, int64_t count);
+
+struct Pointer {
+  Key128 target{};
+  uint32_t position = 0;
+  std::vector<uint32_t> tokens;
+};
+
+// Parses and verifies (checksum, kind, model, key) a pointer blob. A pointer is trusted for nothing:
+// a reader recomputes the target's key from its parent and the tokens (kdn/keys.h: chunk_key).
+Status read_pointer(const ChunkBytes& blob, const Key128& fingerprint, const Key128& key, Pointer* out);
 
 // Copies the first `count` tokens held by consecutive blobs (any codec: coded ones are decoded
 // into a pooled buffer first) into the per-layer tensors of `table` (shape.tokens = their

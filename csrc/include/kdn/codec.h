@@ -78,11 +78,13 @@ Key128 lossy_key(const Key128& key, uint8_t codec, uint32_t params);
 
 // The key of the blob (h) once coded with (codec, params): unchanged when the codec is the blob's
 // own or exact, else lossy_key(h.key, ...) (every lossy coding step re-addresses the chunk).
+// Blobs that are not KV (pointers) are never coded: their key never changes.
 Key128 coded_key(const BlobHeader& h, uint8_t codec, uint32_t params);
 
 // A new sealed blob holding the chunk of the parsed blob (h, blob) coded with (codec, params):
-// decodes first unless the input is raw; its key is coded_key(h, codec, params). Throws BlobError for a corrupt payload, InputError for
-// data the target codec cannot take.
+// decodes first unless the input is raw; its key is coded_key(h, codec, params). A blob that is not
+// KV comes back as an unchanged copy. Throws BlobError for a corrupt payload, InputError for data
+// the target codec cannot take.
 BufferPtr blob_transcode(const BlobHeader& h, const uint8_t* blob, uint8_t codec, uint32_t params, int threads,
                          CodecReport* report);
 

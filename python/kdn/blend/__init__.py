@@ -20,6 +20,7 @@ import torch
 from kdn._core import InvalidInputError
 from kdn.blend.recompute import check_supported, selective_prefill
 from kdn.blend.rope import UnsupportedModelError, shift_keys
+from kdn.engine import HFTarget
 from kdn.layout import cache_to_kv_list, kv_list_to_cache
 
 MODES = ("full", "prefix", "naive", "blend")
@@ -39,15 +40,17 @@ def _tokens(ids, session, what: str) -> list[int]:
 
 def segment_kv(kdn, model, session, prefix: list[int], segment: list[int]) -> tuple[list[torch.Tensor], bool]:
     """The KV of ``segment`` computed behind ``prefix`` (positions len(prefix)...), from kdn or computed
-    and stored. Returns (per-layer [1, kv_heads, len(segment), head_dim] CPU tensors, was_stored)."""
+    and stored. Returns (per-layer [1, kv_heads, len(segment), head_dim] tensors on the model's device,
+    was_stored)."""
+    device = next(model.parameters()).device
     key = session.segment_key(session.tokens(prefix), session.tokens(segment))
-    kv = kdn.chunks.read_segment(session, key, len(prefix), len(segment))
+    kv = kdn.chunks.read_segment(session, key, len(prefix), len(segment), HFTarget(device))
     if kv is not None:
         return kv, True
-    ids = torch.tensor([prefix + segment], device=next(model.parameters()).device)
+    ids = torch.tensor([prefix + segment], device=device)
     with torch.inference_mode():
-        kv_full = [t.cpu() for t in cache_to_kv_list(model(ids, use_cache=True).past_key_values)]
-    kdn.chunks.write_segment(session, key, kv_full, len(prefix), len(segment))
+        kv_full = cache_to_kv_list(model(ids, use_cache=True).past_key_values)
+    kdn.chunks.write_segment(session, key, [t.cpu() for t in kv_full], len(prefix), len(segment))
     return [t[:, :, len(prefix):].contiguous() for t in kv_full], False
 
 

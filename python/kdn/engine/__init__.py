@@ -1,7 +1,8 @@
 """The engine under every face of kdn (the KDN facade, blending, the HF integration, evaluation):
 model sessions (identity, layout, keys) and the chunk reader/writer between the tiers and a target."""
 
-from kdn.engine.chunks import ChunkIO, HFTarget
+from kdn.engine.chunks import ChunkIO
 from kdn.engine.session import ModelSession, Sessions
+from kdn.engine.targets import HFTarget
 
 __all__ = ["ChunkIO", "HFTarget", "ModelSession", "Sessions"]

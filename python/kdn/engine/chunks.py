@@ -7,69 +7,114 @@ logged once; it is never served.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
+import numpy as np
 import torch
 
 from kdn import _core
 from kdn._core import BlobError, InvalidInputError
-from kdn.engine.session import ModelSession
-from kdn.layout import empty_kv_list
+from kdn.engine.session import ROOT, ModelSession
+from kdn.engine.targets import HFTarget
 from kdn.storage import TierManager
 
 log = logging.getLogger("kdn")
 
 
-class HFTarget:
-    """Decodes chunks into HF's per-layer KV tensors (``2 * layers`` of ``[1, kv_heads, n, head_dim]``,
-    K then V per layer), on ``device`` (CPU decode, then one copy to the device)."""
+@dataclasses.dataclass
+class Prefix:
+    """Where the stored KV of a prompt's prefix lives: ``keys`` of the chunks that hold it, in order
+    (the last reached through a pointer when ``last_tokens`` is not 0: a chunk of that many tokens
+    that the prompt shares only partly) and the ``tokens`` of the prompt they cover."""
 
-    def __init__(self, device: torch.device | str | None = None):
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-
-    def receive(self, session: ModelSession, blobs: list, num_tokens: int) -> list[torch.Tensor]:
-        """The first ``num_tokens`` tokens of the verified ``blobs`` in this target's layout."""
-        kv = empty_kv_list(session.layout, num_tokens)
-        _core.unpack_chunks(blobs, kv, num_tokens)  # decodes coded chunks; BlobError if one cannot be
-        if self.device.type != "cpu":
-            kv = [t.to(self.device, non_blocking=True) for t in kv]
-        return kv
+    keys: list
+    tokens: int
+    last_tokens: int = 0
 
 
 class ChunkIO:
     """Reads and writes a model's chunks through a :class:`~kdn.storage.TierManager`.
+
+    Hits are token-granular: a stored prompt is a chain of full chunks and, where it ends inside a
+    chunk, a partial one; beside each chunk sit pointers filed under probes of its leading tokens
+    (``probe_step``, 2 ``probe_step``, ...; :meth:`ModelSession.probe_keys`). A reader follows the
+    chain as far as its own chunk keys go, then probes with its own next tokens: the longest probe
+    held names a stored chunk that shares that many tokens or more, and the KV of the tokens it
+    shares (exactly: the pointer carries the chunk's tokens) is valid for the reader whatever
+    follows, attention being causal. Pointers are blobs like chunks (checksummed, bounded, evicted,
+    in every tier), so this works across processes (disk) and machines (remote); a pointer is
+    trusted for nothing: the chunk's key is recomputed from its parent and the pointer's tokens.
 
     Thread-safe as the tiers are. Never raises for storage faults: what cannot be read is a miss,
     what cannot be written is reported (and the count of retrievable tokens says so).
 
     Example:
         >>> io = ChunkIO(TierManager(KDNConfig()))
-        >>> io.write(session, keys, kv)               # kv: 2 * layers tensors [1, heads, >= n, dim]
-        >>> kv, hit = io.read(session, keys, limit=n - 1)
+        >>> io.write(session, tokens, kv)           # kv: 2 * layers tensors [1, heads, >= n, dim]
+        >>> kv, hit = io.read(session, tokens, limit=n - 1)
     """
 
     def __init__(self, tiers: TierManager):
         self.tiers = tiers
 
     # -- prefix chunks --------------------------------------------------------------------------
-    def available(self, session: ModelSession, keys: list[bytes]) -> int:
-        """Leading chunks of ``keys`` held by some tier (no data is read)."""
-        return self.tiers.count_prefix(keys)
+    def available(self, session: ModelSession, tokens: np.ndarray, limit: int | None = None) -> int:
+        """Leading tokens of ``tokens`` (at most ``limit``) whose KV some tier holds (only pointers
+        are read, no KV)."""
+        return self.find(session, tokens, len(tokens) if limit is None else limit).tokens
 
-    def read(self, session: ModelSession, keys: list[bytes], limit: int, target: HFTarget | None = None):
-        """``(kv, hit)``: the KV of the longest stored prefix of ``keys``, at most ``limit`` tokens,
+    def find(self, session: ModelSession, tokens: np.ndarray, limit: int) -> Prefix:
+        """The stored chunks that serve the longest prefix of ``tokens``, at most ``limit`` tokens."""
+        chunk = session.chunk_size
+        limit = max(0, min(limit, len(tokens)))
+        keys = session.prefix_keys(tokens)[: -(-limit // chunk)]
+        n = self.tiers.count_prefix(keys)
+        full = Prefix(keys[:n], min(n * chunk, limit))
+        start = n * chunk
+        if start >= limit:
+            return full
+        rest = tokens[start:min(start + chunk, limit)]
+        if len(rest) < max(session.probe_step, 1):
+            return full
+        parent = keys[n - 1] if n else ROOT
+        probes = session.probe_keys(parent, rest)
+        held = [i for i, flag in enumerate(self.tiers.held(probes)) if flag]
+        if not held:
+            return full
+        probe = probes[held[-1]]
+        blobs, _ = self.tiers.fetch([probe], exact=True)
+        try:
+            if not blobs:
+                raise BlobError("evicted since it was found")
+            target, position, chunk_tokens = _core.read_pointer(blobs[0], session.fingerprint, probe)
+            if position != start or session.chunk_key(parent, chunk_tokens) != target:
+                raise BlobError("it does not name a chunk of its tokens at its position")
+        except BlobError as e:
+            log.warning("kdn: dropping an unusable stored pointer (a shorter hit): %s", e)
+            self.tiers.drop(probe)
+            return full
+        differ = np.flatnonzero(chunk_tokens[: len(rest)] != rest[: len(chunk_tokens)])
+        shared = int(differ[0]) if differ.size else min(len(rest), len(chunk_tokens))
+        if shared == 0:
+            return full
+        return Prefix(full.keys + [target], start + shared, len(chunk_tokens))
+
+    def read(self, session: ModelSession, tokens: np.ndarray, limit: int, target: HFTarget | None = None):
+        """``(kv, hit)``: the KV of the longest stored prefix of ``tokens``, at most ``limit`` tokens,
         in ``target``'s layout (default HF per-layer tensors on the CPU); ``(None, 0)`` on a miss."""
         chunk = session.chunk_size
-        wanted = min(self.available(session, keys), -(-limit // chunk))
-        # may stop early (evicted since the count); addresses: exact keys, or accepted lossy ones
-        blobs, addresses = self.tiers.fetch(keys[:wanted])
+        found = self.find(session, tokens, limit)
+        # may stop early (evicted since the lookup); addresses: exact keys, or accepted lossy ones
+        blobs, addresses = self.tiers.fetch(found.keys)
         layout = session.layout
+        last_tokens = found.last_tokens if len(blobs) == len(found.keys) else 0
         n_ok, error = _core.verify_chunks(blobs, addresses, session.fingerprint, layout.dtype, layout.layers,
-                                          layout.kv_heads, layout.head_dim, chunk)
+                                          layout.kv_heads, layout.head_dim, chunk, last_tokens)
         if error:
             log.warning("kdn: dropping an unusable stored chunk (treated as a miss): %s", error)
             self.tiers.drop(addresses[n_ok])
-        hit = min(n_ok * chunk, limit)
+        hit = found.tokens if n_ok == len(found.keys) else min(n_ok * chunk, found.tokens)
         if hit == 0:
             return None, 0
         used = -(-hit // chunk)
@@ -81,35 +126,60 @@ class ChunkIO:
                 self.tiers.drop(address)
             return None, 0
 
-    def write(self, session: ModelSession, keys: list[bytes], kv: list[torch.Tensor]) -> int:
-        """Store the chunks of ``keys`` from ``kv`` (CPU per-layer tensors holding at least
-        ``len(keys) * chunk_size`` tokens); chunks already held are skipped. Returns the leading
-        tokens a :meth:`read` can now serve, with one warning when that is fewer than were given."""
+    def write(self, session: ModelSession, tokens: np.ndarray, kv: list[torch.Tensor]) -> int:
+        """Store the KV of ``tokens`` from ``kv`` (CPU per-layer tensors holding at least
+        ``len(tokens)`` tokens): its full chunks, a trailing partial chunk of at least
+        ``probe_step`` tokens, and their pointers; chunks already held are skipped. Returns the
+        leading tokens a :meth:`read` can now serve, with one warning when that is fewer than given."""
         chunk = session.chunk_size
+        keys = session.prefix_keys(tokens, include_partial=session.probe_step > 0)
+        if len(tokens) % chunk and len(tokens) % chunk < session.probe_step:
+            keys = keys[:-1]  # too short a tail for a probe to find
         written = 0
         for i, key in enumerate(keys):
+            start = i * chunk
+            count = min(chunk, len(tokens) - start)
             if not self.tiers.contains_local(key):
-                blob = _core.pack_chunk(kv, i * chunk, chunk, session.fingerprint, key)
+                blob = _core.pack_chunk(kv, start, count, session.fingerprint, key)
                 if not self.tiers.put(key, blob):
                     log.warning("kdn: chunk of %d bytes fits no tier (pinned entries hold the space?); not stored",
                                 len(blob))
                     break
-            written += chunk
-        retrievable = self.available(session, keys[: written // chunk]) * chunk
+                self._point_to(session, keys[i - 1] if i else ROOT, key, tokens[start:start + count], start)
+            written += count
+        stored = -(-written // chunk)
+        retrievable = written if self.tiers.count_prefix(keys[:stored]) == stored else \
+            self.tiers.count_prefix(keys[:stored]) * chunk
         if retrievable < written:  # the prompt's tail evicted its own head
             log.warning("kdn: stored %d tokens but only the first %d can be retrieved: the prompt's KV is larger "
                         "than the tiers hold (memory_bytes=%d; add a disk tier or raise memory_bytes)",
                         written, retrievable, self.tiers.config.memory_bytes)
         return retrievable
 
-    def remove(self, session: ModelSession, keys: list[bytes]) -> int:
-        """Drop the chunks of ``keys`` from every tier; returns how many were held."""
-        return sum(self.tiers.remove(k) for k in keys)
+    def _point_to(self, session: ModelSession, parent: bytes, key: bytes, tokens: np.ndarray, position: int) -> None:
+        """File pointers to the chunk ``key`` under the probes of its tokens (not the probe of a whole
+        chunk: its own key answers that); a probe already filed keeps its first chunk."""
+        probes = session.probe_keys(parent, tokens[: session.chunk_size - 1])
+        for probe, held in zip(probes, self.tiers.held(probes)):
+            if not held:
+                self.tiers.put(probe, _core.pack_pointer(session.fingerprint, probe, key, position, tokens))
+
+    def remove(self, session: ModelSession, tokens: np.ndarray) -> int:
+        """Drop the chunks of ``tokens`` (and their pointers) from every tier; returns how many chunks were held."""
+        chunk = session.chunk_size
+        keys = session.prefix_keys(tokens, include_partial=True)
+        held = 0
+        for i, key in enumerate(keys):
+            held += self.tiers.remove(key)
+            for probe in session.probe_keys(keys[i - 1] if i else ROOT, tokens[i * chunk:(i + 1) * chunk]):
+                self.tiers.drop(probe)
+        return held
 
     # -- segments (blending) --------------------------------------------------------------------
-    def read_segment(self, session: ModelSession, key: bytes, position: int, tokens: int):
-        """The stored KV of a segment (``tokens`` long, computed at ``position``) as CPU per-layer
-        tensors, or None (a miss; an unusable blob is dropped and logged)."""
+    def read_segment(self, session: ModelSession, key: bytes, position: int, tokens: int,
+                     target: HFTarget | None = None):
+        """The stored KV of a segment (``tokens`` long, computed at ``position``) in ``target``'s
+        layout (default CPU per-layer tensors), or None (a miss; an unusable blob is dropped and logged)."""
         blobs, addresses = self.tiers.fetch([key])
         if not blobs:
             return None
@@ -119,7 +189,7 @@ class ChunkIO:
             if (h["fingerprint"], h["key"], h["tokens"], h["position"]) != (session.fingerprint, addresses[0],
                                                                             tokens, position):
                 raise BlobError("segment blob header does not match the request")
-            return HFTarget().receive(session, [blob], tokens)
+            return (target or HFTarget()).receive(session, [blob], tokens)
         except (BlobError, InvalidInputError) as e:
             self.tiers.drop(addresses[0])
             log.warning("kdn: dropping an unusable stored segment (a miss): %s", e)

@@ -7,14 +7,18 @@ import weakref
 
 import numpy as np
 
+from kdn import _core
 from kdn.keys import model_fingerprint, prefix_keys, segment_key, token_array
 from kdn.layout import ModelLayout
+
+ROOT = bytes(16)  # the parent key of a prompt's first chunk
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSession:
     """One model as the engine sees it: its KV ``layout``, its ``fingerprint`` (config, dtype and
-    every weight byte) and the ``chunk_size`` its prefix keys are chained over.
+    every weight byte), the ``chunk_size`` its prefix keys are chained over and the ``probe_step``
+    of its token-granular lookups (0: whole chunks only).
 
     Example:
         >>> session = kdn.session(model)
@@ -24,14 +28,27 @@ class ModelSession:
     layout: ModelLayout
     fingerprint: bytes
     chunk_size: int
+    probe_step: int = 0
 
     def tokens(self, token_ids) -> np.ndarray:
         """Validated uint32 token ids (list, numpy or torch; 1-D or [1, n])."""
         return token_array(token_ids, self.layout.vocab_size)
 
-    def prefix_keys(self, tokens: np.ndarray) -> list[bytes]:
-        """Chained keys of the full chunks of ``tokens`` (from :meth:`tokens`)."""
-        return prefix_keys(self.fingerprint, tokens, self.chunk_size)
+    def prefix_keys(self, tokens: np.ndarray, include_partial: bool = False) -> list[bytes]:
+        """Chained keys of the full chunks of ``tokens`` (from :meth:`tokens`), and of a trailing
+        partial chunk with ``include_partial``."""
+        return prefix_keys(self.fingerprint, tokens, self.chunk_size, include_partial)
+
+    def chunk_key(self, parent: bytes, tokens: np.ndarray) -> bytes:
+        """The key of a chunk holding ``tokens`` behind the chunk keyed ``parent`` (:data:`ROOT` first)."""
+        return _core.chunk_key(self.fingerprint, parent, tokens)
+
+    def probe_keys(self, parent: bytes, tokens: np.ndarray) -> list[bytes]:
+        """Probe keys of the first ``probe_step``, ``2 * probe_step``, ... of ``tokens`` (a chunk's
+        tokens, or a reader's tokens where it leaves the stored chain) behind ``parent``."""
+        if not self.probe_step:
+            return []
+        return _core.probe_keys(self.fingerprint, parent, tokens, self.probe_step)
 
     def segment_key(self, prefix: np.ndarray, tokens: np.ndarray) -> bytes:
         """Key of a segment's KV computed behind ``prefix`` (position independent; for blending)."""
@@ -42,14 +59,15 @@ class Sessions:
     """The :class:`ModelSession` of each live model object, rebuilt when the model changes (a new
     dtype or device, new weights): the fingerprint is re-checked on every call (cheap when cached)."""
 
-    def __init__(self, chunk_size: int):
+    def __init__(self, chunk_size: int, probe_step: int = 0):
         self.chunk_size = chunk_size
+        self.probe_step = probe_step
         self._by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def of(self, model) -> ModelSession:
         fingerprint = model_fingerprint(model)
         session = self._by_model.get(model)
         if session is None or session.fingerprint != fingerprint:
-            session = ModelSession(ModelLayout.of(model), fingerprint, self.chunk_size)
+            session = ModelSession(ModelLayout.of(model), fingerprint, self.chunk_size, self.probe_step)
             self._by_model[model] = session
         return session

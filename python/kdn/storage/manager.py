@@ -113,15 +113,27 @@ class TierManager:
                 n += 1
         return n
 
+    def held(self, keys: list[bytes]) -> list[bool]:
+        """Per key: whether some tier holds a blob filed under exactly that key (no data is read)."""
+        flags = [False] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, flag in enumerate(flags) if not flag]
+            if not todo:
+                break
+            for i, flag in zip(todo, tier.present([keys[i] for i in todo])):
+                flags[i] = bool(flag)
+        return flags
+
     def get_many(self, keys: list[bytes]) -> list:
         """Blobs of the leading ``keys`` that are stored (stops at the first miss)."""
         return self.fetch(keys)[0]
 
-    def fetch(self, keys: list[bytes]) -> tuple[list, list[bytes]]:
+    def fetch(self, keys: list[bytes], exact: bool = False) -> tuple[list, list[bytes]]:
         """``(blobs, addresses)`` of the leading ``keys`` that are stored (stops at the first miss):
-        each blob with the address it was found under (its header key; see :meth:`addresses`).
+        each blob with the address it was found under (its header key; see :meth:`addresses`;
+        ``exact``: the keys alone, for blobs that are never coded, such as pointers).
         Keys derive from the model fingerprint; readers verify it in every blob."""
-        variants = [self.addresses(k) for k in keys]
+        variants = [[k] if exact else self.addresses(k) for k in keys]
         found: list = [None] * len(keys)  # (blob, address) per chunk
         for level, tier in enumerate(self.tiers):
             lead = next((i for i, f in enumerate(found) if f is None), len(keys))

@@ -1,0 +1,89 @@
+"""Retrieve, generate and blending with the model on a CUDA device, against the CPU path (the oracle).
+
+Skipped without a CUDA device; the kernels' own index math is shared with the CPU code and checked
+there by every other test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kdn
+from conftest import full_prefill, random_ids
+from kdn import KDN, KDNConfig, codecs
+from kdn.engine import HFTarget
+from kdn.layout import cache_to_kv_list
+from kdn.models.tiny import tiny_model
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+
+CODECS = ["raw", "lossless", "int4", "int8:group=64", "cachegen:level=3", "cachegen:level=1,anchor=1"]
+
+
+def _provider(codec: str) -> KDN:
+    lossy = codecs.parse(codec).lossy
+    return KDN(KDNConfig(chunk_size=32, memory_codec=codec, accept_codecs=(codec,) if lossy else ()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("codec", CODECS)
+def test_chunks_laid_out_on_the_device_equal_the_cpu_layout(codec, dtype):
+    """The same stored chunks (raw staged through pinned memory, lossless decoded on the host,
+    int*/cachegen decoded by the CUDA decoders), laid out on the GPU and on the CPU."""
+    model = tiny_model("llama", layers=3, heads=4, kv_heads=2, head_dim=32).to(dtype)
+    provider = _provider(codec)
+    ids = random_ids(model, 120)
+    with torch.inference_mode():
+        provider.store(model, ids, model(ids, use_cache=True).past_key_values)
+    session = provider.session(model)
+    tokens = session.tokens(ids)
+    for limit in (96, 75, 120):  # whole chunks, a hit that ends inside one, a stored partial chunk
+        cpu, hit = provider.chunks.read(session, tokens, limit, HFTarget("cpu"))
+        gpu, hit_gpu = provider.chunks.read(session, tokens, limit, HFTarget("cuda"))
+        assert hit == hit_gpu == limit
+        for got, want in zip(gpu, cpu):
+            assert got.is_cuda and got.shape == want.shape
+            if codecs.parse(codec).lossy:  # same math; the GPU may fuse a multiply-add
+                torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(got.cpu(), want)
+
+
+def test_generate_on_the_gpu_hits_and_matches_full_prefill(stories):
+    cpu_model, tok = stories
+    model = kdn.models.load("stories260k")[0].to("cuda")
+    provider = KDN(KDNConfig(chunk_size=32))
+    doc = tok("Once upon a time there was a little dog who liked to run in the park. " * 6,
+              return_tensors="pt").input_ids
+    question = tok(" The dog", return_tensors="pt").input_ids[:, 1:]
+    ids = torch.cat([doc, question], dim=1).to("cuda")
+    provider.generate(model, doc.to("cuda"), max_new_tokens=1, do_sample=False)
+    out = provider.generate(model, ids, max_new_tokens=8, do_sample=False)
+    assert provider.last_generate["hit_tokens"] >= 32
+    want = cpu_model.generate(ids.cpu(), max_new_tokens=8, do_sample=False)
+    assert torch.equal(out.cpu(), want)
+    cache, hit = provider.retrieve(model, ids, limit=ids.shape[1] - 1)
+    with torch.inference_mode():
+        logits = model(ids[:, hit:], past_key_values=cache).logits[0, -1]
+    torch.testing.assert_close(logits.cpu(), full_prefill(cpu_model, ids.cpu())[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["naive", "blend"])
+def test_blending_on_the_gpu_equals_blending_on_the_cpu(stories, mode):
+    """Segments come back onto the device and their keys are re-rotated there (rope_shift's CUDA
+    twin); the blended cache equals the CPU one."""
+    cpu_model, tok = stories
+    gpu_model = kdn.models.load("stories260k")[0].to("cuda")
+    segments = [tok(t).input_ids[1:] for t in ("The cat sat on the mat.", "A bird sang in the tall tree.",
+                                                "Tom found a red ball under the bed.")]
+    query = tok(" Where was the ball?").input_ids[1:]
+    caches = []
+    for model in (cpu_model, gpu_model):
+        provider = KDN(KDNConfig(chunk_size=32))
+        provider.store_segments(model, segments)  # the second blend reads every segment back
+        cache, stats = provider.blend(model, segments, query, recompute_ratio=0.3, mode=mode)
+        assert stats["segment_hits"] == len(segments) + 1
+        caches.append(cache_to_kv_list(cache))
+    for got, want in zip(caches[1], caches[0]):
+        assert got.is_cuda
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
