@@ -119,6 +119,21 @@ void bind_kv(py::module_& m) {
       "leading valid blobs, first error).");
 
   m.def(
+      "decode_chunks",
+      [](const py::list& blobs, py::handle out) {
+        HeldView dst = view_from_object(out, "out");
+        KDN_CHECK_INPUT(dst.view.device == DeviceType::kCPU && dst.view.is_contiguous() && dst.view.writable,
+                        "decode_chunks: out must be a contiguous writable CPU tensor or array");
+        std::vector<ByteSpan> keep;
+        const std::vector<ChunkBytes> spans = chunk_bytes(blobs, &keep);
+        const size_t bytes = static_cast<size_t>(dst.view.numel()) * dtype_size(dst.view.dtype);
+        py::gil_scoped_release release;
+        decode_chunks(spans, static_cast<uint8_t*>(dst.view.data), bytes, default_num_threads());
+      },
+      py::arg("blobs"), py::arg("out"),
+      "Write the canonical (raw) bytes of each blob, one after the other, into `out` (coded blobs decoded).");
+
+  m.def(
       "pack_pointer",
       [](py::handle fingerprint, py::handle key, py::handle target, uint32_t position, py::array_t<uint32_t> tokens) {
         KDN_CHECK_INPUT(tokens.ndim() == 1, "pack_pointer: tokens must be 1-D");

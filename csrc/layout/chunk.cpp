@@ -113,6 +113,31 @@ void unpack_chunks(const std::vector<ChunkBytes>& blobs, const KvShape& shape, c
   }
 }
 
+void decode_chunks(const std::vector<ChunkBytes>& blobs, uint8_t* out, size_t out_bytes, int threads) {
+  std::vector<BlobHeader> headers(blobs.size());
+  std::vector<size_t> offsets(blobs.size() + 1, 0);
+  for (size_t i = 0; i < blobs.size(); ++i) {
+    Status st = blob_parse(blobs[i].data, blobs[i].size, false, &headers[i]);
+    if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
+    KDN_CHECK_INPUT(headers[i].kind == kBlobKindKV, "decode_chunks: blob " + std::to_string(i) + " is not KV");
+    offsets[i + 1] = offsets[i] + raw_payload_bytes(headers[i]);
+  }
+  KDN_CHECK_INPUT(offsets.back() == out_bytes, "decode_chunks: out holds " + std::to_string(out_bytes) +
+                                                   " bytes, the chunks " + std::to_string(offsets.back()));
+  std::vector<Status> status(blobs.size());
+  const int inner = std::max(1, threads / std::max<int>(1, static_cast<int>(blobs.size())));
+  parallel_for(static_cast<int64_t>(blobs.size()), threads, [&](int64_t i) {
+    const BlobHeader& h = headers[i];
+    const uint8_t* payload = blobs[i].data + kBlobHeaderBytes;
+    if (h.codec == kCodecRaw)
+      std::memcpy(out + offsets[i], payload, h.payload_bytes);
+    else
+      status[i] = codec_decode(h, payload, h.payload_bytes, out + offsets[i], inner);
+  });
+  for (size_t i = 0; i < status.size(); ++i)
+    if (!status[i].ok) throw BlobError("decode_chunks: blob " + std::to_string(i) + ": " + status[i].message, __FILE__, __LINE__);
+}
+
 BufferPtr pack_pointer(const Key128& fingerprint, const Key128& key, const Key128& target, uint32_t position,
                        const uint32_t* tokens, int64_t count) {
   BlobHeader h;

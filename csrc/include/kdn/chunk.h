@@ -42,6 +42,12 @@ Status check_chunk_header(const BlobHeader& h, const ChunkExpect& e, const Key12
 int64_t verify_chunks(const std::vector<ChunkBytes>& blobs, const std::vector<Key128>& keys, const ChunkExpect& e,
                       uint32_t last_tokens, int threads, std::string* error);
 
+// Writes the canonical bytes ([layers, 2, tokens, kv_heads, head_dim], raw) of each blob, one
+// after the other, into `out` (decoding coded ones), blobs in parallel: the host half of a copy to
+// a device. `out_bytes` must equal the sum of their raw payload sizes. Throws BlobError for an
+// undecodable payload.
+void decode_chunks(const std::vector<ChunkBytes>& blobs, uint8_t* out, size_t out_bytes, int threads);
+
 // A pointer to the chunk keyed `target` (tokens [position, position + count)), filed under `key`
 // (one of the chunk's probe keys): a sealed blob of kind kBlobKindPointer holding the key and the
 // chunk's tokens, so a reader can measure how many tokens it shares with its own.

@@ -9,8 +9,10 @@ from kdn import _core
 from kdn.engine.session import ModelSession
 from kdn.layout import ModelLayout, empty_kv_list
 
-_BLOB_HEADER_BYTES = 80  # kdn/blob.h: kBlobHeaderBytes
-_GPU_DECODED_CODECS = (2, 3)  # int* (KIVI) and cachegen have CUDA decoders (kernels/codec.cu)
+# Codecs decoded by their CUDA decoder (kernels/codec.cu) on this path: int* (KIVI). cachegen has
+# one too, but its rANS lanes decode one chunk at a time and ran 1.3x slower than the host
+# threads on an H100 machine (benchmarks/results/gpu), so cachegen chunks are decoded on the host.
+_GPU_DECODED_CODECS = (2,)
 
 
 class HFTarget:
@@ -18,11 +20,11 @@ class HFTarget:
     K then V per layer) on ``device``.
 
     On the CPU the C++ core decodes and copies in its worker threads (the reference path). On a CUDA
-    device each chunk goes to the device as it is stored, and is decoded and laid out there:
-    int*/cachegen chunks are decoded by the CUDA decoders, raw chunks are staged through pinned host
-    memory (torch's pinned pool) and copied, lossless chunks are decoded on the CPU first; then the
-    CUDA layout kernel scatters the canonical chunk into the per-layer tensors. Nothing but the
-    finished tensors is ever allocated on the device for the whole prefix.
+    device the chunks go to the device in their canonical layout and are laid out there: int*
+    chunks travel coded and are decoded by the CUDA decoder; the others are copied (raw) or
+    decoded (lossless, cachegen) by the host threads straight into pinned memory (torch's pinned
+    pool) and copied over; then the CUDA layout kernel scatters each chunk into the per-layer
+    tensors. The device holds the canonical chunks and the finished tensors until it returns.
 
     Example:
         >>> kv = HFTarget("cuda").receive(session, blobs, num_tokens)   # [k0, v0, k1, v1, ...] on the GPU
@@ -45,26 +47,36 @@ class HFTarget:
 
 
 def _receive_cuda(layout: ModelLayout, blobs: list, num_tokens: int, device: torch.device) -> list[torch.Tensor]:
+    headers, used = [], 0
+    for blob in blobs:  # the chunks that hold the first num_tokens tokens
+        if used >= num_tokens:
+            break
+        headers.append(_core.blob_parse(blob, verify_checksum=False))  # the reader verified them already
+        used += headers[-1]["tokens"]
+    blobs = blobs[: len(headers)]
+    per_token = layout.bytes_per_token() // layout.torch_dtype.itemsize
+    sizes = [h["tokens"] * per_token for h in headers]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    slab = torch.empty(offsets[-1], dtype=layout.torch_dtype, device=device)  # canonical chunks, back to back
+    stream = torch.cuda.current_stream(device).cuda_stream
+    on_host = [i for i, h in enumerate(headers) if h["codec"] not in _GPU_DECODED_CODECS]
+    if on_host:  # decoded (or copied) by the host threads straight into pinned memory, then one copy each
+        staged = torch.empty(sum(sizes[i] for i in on_host), dtype=layout.torch_dtype, pin_memory=True)
+        _core.decode_chunks([blobs[i] for i in on_host], staged)
+        at = 0
+        for i in on_host:
+            slab[offsets[i]:offsets[i + 1]].copy_(staged[at:at + sizes[i]], non_blocking=True)
+            at += sizes[i]
+    chunks = [slab[offsets[i]:offsets[i + 1]].view(layout.layers, 2, h["tokens"], layout.kv_heads, layout.head_dim)
+              for i, h in enumerate(headers)]
+    for i, h in enumerate(headers):
+        if h["codec"] in _GPU_DECODED_CODECS:
+            _core.codec_decode_cuda(blobs[i], chunks[i], stream)
     shape = (2 * layout.layers, 1, layout.kv_heads, num_tokens, layout.head_dim)
     kv = list(torch.empty(shape, dtype=layout.torch_dtype, device=device).unbind(0))
-    stream = torch.cuda.current_stream(device).cuda_stream
     pos = 0
-    for blob in blobs:
-        if pos >= num_tokens:
-            break
-        h = _core.blob_parse(blob, verify_checksum=False)  # the reader verified it already
-        tokens = h["tokens"]
-        chunk = torch.empty((layout.layers, 2, tokens, layout.kv_heads, layout.head_dim), dtype=layout.torch_dtype,
-                            device=device)
-        if h["codec"] in _GPU_DECODED_CODECS:
-            _core.codec_decode_cuda(blob, chunk, stream)
-        else:
-            raw = blob if h["codec"] == 0 else _core.transcode(blob, 0, 0, verify_checksum=False)
-            nbytes = chunk.numel() * chunk.element_size()
-            staged = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            staged.numpy()[:] = np.frombuffer(raw, dtype=np.uint8, count=nbytes, offset=_BLOB_HEADER_BYTES)
-            chunk.view(-1).view(torch.uint8).copy_(staged, non_blocking=True)
-        count = min(tokens, num_tokens - pos)
-        _core.kv_copy_cuda(kv, chunk, tokens, pos, count, False, stream)
+    for chunk, h in zip(chunks, headers):
+        count = min(h["tokens"], num_tokens - pos)
+        _core.kv_copy_cuda(kv, chunk, h["tokens"], pos, count, False, stream)
         pos += count
     return kv
