@@ -4,10 +4,11 @@ import copy
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from conftest import full_prefill, random_ids
 from kdn import KDN, InvalidInputError, KDNConfig
-from kdn.keys import model_fingerprint
+from kdn.keys import checkpoint_fingerprint, model_fingerprint
 from kdn.storage.remote import RemoteTier
 
 CHUNK = 16
@@ -65,6 +66,31 @@ def test_fingerprint_is_stable_for_the_same_weights(tiny_llama, model):
     assert model_fingerprint(model) == model_fingerprint(tiny_llama)  # a deep copy: same bytes
     model.load_state_dict(tiny_llama.state_dict())
     assert model_fingerprint(model) == model_fingerprint(tiny_llama)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["tiny", "stories260k"])
+def test_a_checkpoints_files_give_the_loaded_models_fingerprint(tmp_path, tiny_llama, stories, name, dtype):
+    """A serving engine's scheduler has no weights: it fingerprints the checkpoint's files, and gets
+    what an HF process that loaded them gets (stories260K ties its output embedding to its input)."""
+    model = tiny_llama if name == "tiny" else stories[0]
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
+    assert checkpoint_fingerprint(tmp_path, dtype) == model_fingerprint(loaded)
+    assert checkpoint_fingerprint(tmp_path, dtype) != checkpoint_fingerprint(tmp_path, torch.float16)
+
+
+@pytest.mark.slow
+def test_smollm2s_converted_checkpoint_gives_the_loaded_models_fingerprint(smollm2):
+    from kdn.models import smollm2 as smollm2_files
+
+    folder = smollm2_files.converted_dir(smollm2_files.gguf_path())
+    assert checkpoint_fingerprint(folder, torch.float32) == model_fingerprint(smollm2[0])
+
+
+def test_a_folder_that_is_not_a_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(InvalidInputError, match="not an HF checkpoint folder"):
+        checkpoint_fingerprint(tmp_path, torch.float32)
 
 
 def test_meta_weights_are_a_clear_error():

@@ -73,5 +73,6 @@ def run_demo(num_questions: int = 3, max_new_tokens: int = 32, loaded=None) -> i
               f"(mean over {len(speedups)} cached questions); first question prefilled in full and stored.")
     print("answers identical to full prefill: " + ("yes" if all_match else "NO"))
     stats = cache.stats()["memory"]
-    print(f"kdn memory tier: {stats['entries']} chunks, {stats['used_bytes'] / 2**20:.1f} MiB")
+    print(f"kdn memory tier: {stats['entries']} entries (KV chunks and their pointers), "
+          f"{stats['used_bytes'] / 2**20:.1f} MiB")
     return 0 if all_match else 1

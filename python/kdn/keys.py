@@ -13,8 +13,9 @@ from kdn import _core
 from kdn._core import InvalidInputError
 
 FORMAT_VERSION = 1
-# Bumped when what the fingerprint covers changes (2: every weight byte instead of a sample).
-FINGERPRINT_VERSION = 2
+# Bumped when what the fingerprint covers changes (2: every weight byte instead of a sample; 3: the
+# tensors a checkpoint holds, by sorted name, so a checkpoint's files give the same fingerprint).
+FINGERPRINT_VERSION = 3
 # Runtime switches and names that do not change what the model computes.
 _CONFIG_IGNORED = {
     "use_cache", "return_dict", "output_attentions", "output_hidden_states", "torchscript",
@@ -46,13 +47,36 @@ def _tensor_bytes(name: str, tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.contiguous().view(torch.uint8).numpy())
 
 
+def _checkpoint_names(model: torch.nn.Module) -> list[str]:
+    """The names of the tensors a checkpoint of ``model`` holds, sorted: its state dict less the
+    tied aliases that ``save_pretrained`` leaves out (an output embedding tied to the input one)."""
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    return sorted(name for name in model.state_dict() if name not in tied)
+
+
+def _fingerprint(config, names: list[str], tensor_of) -> bytes:
+    """BLAKE3 over the config and, for each name in order, its shape, dtype and bytes."""
+    import blake3
+
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    h.update(b"kdn/model\0%d\0" % FINGERPRINT_VERSION)
+    h.update(_config_json(config).encode())
+    for name in names:
+        tensor = tensor_of(name)
+        h.update(b"\0%s\0%s\0%s\0" % (name.encode(), str(tuple(tensor.shape)).encode(), str(tensor.dtype).encode()))
+        h.update(_tensor_bytes(name, tensor))
+    return h.digest(16)
+
+
 def model_fingerprint(model: torch.nn.Module, refresh: bool = False) -> bytes:
     """16-byte identity of a model: architecture config, dtype and every weight byte.
 
-    BLAKE3 (multithreaded, the ``blake3`` package) over the config and, for every tensor of the
-    state dict, its name, shape, dtype and all its bytes; tensors that share storage (tied
-    embeddings) are hashed once. The same checkpoint in the same dtype gives the same fingerprint
-    in any process; a fine-tune that changes one value, or a cast to another dtype, does not.
+    BLAKE3 (multithreaded, the ``blake3`` package) over the config and, for every tensor a checkpoint
+    of the model holds (its state dict less tied aliases), by sorted name: its name, shape, dtype and
+    all its bytes. The same checkpoint in the same dtype gives the same fingerprint in any process,
+    and :func:`checkpoint_fingerprint` gives it from the checkpoint's files without loading the
+    model (what a serving engine's scheduler does); a fine-tune that changes one value, or a cast to
+    another dtype, does not.
     Cost: one pass over the weights at memory bandwidth (SmolLM2-135M fp32, 538 MB: ~0.2 s here;
     a 7B model in fp16, 14 GB: a few seconds), once per model object. The result is cached per
     model object and recomputed when its tensors change (a new dtype or device, ``load_state_dict``,
@@ -62,27 +86,52 @@ def model_fingerprint(model: torch.nn.Module, refresh: bool = False) -> bytes:
     Example:
         >>> fp = model_fingerprint(model)   # b'\\x8f...' (16 bytes)
     """
-    import blake3
-
     signature = _state_signature(model)
     cached = _fingerprints.get(model)
     if not refresh and cached is not None and cached[0] == signature:
         return cached[1]
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    h.update(b"kdn/model\0%d\0" % FINGERPRINT_VERSION)
-    h.update(_config_json(model.config).encode())
-    seen: dict[tuple, str] = {}
-    for name, tensor in model.state_dict().items():
-        h.update(b"\0%s\0%s\0%s\0" % (name.encode(), str(tuple(tensor.shape)).encode(), str(tensor.dtype).encode()))
-        alias = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device)
-        if tensor.numel() and alias in seen:
-            h.update(b"same-as\0" + seen[alias].encode())
-            continue
-        seen[alias] = name
-        h.update(_tensor_bytes(name, tensor))
-    digest = h.digest(16)
+    state = model.state_dict()
+    digest = _fingerprint(model.config, _checkpoint_names(model), state.__getitem__)
     _fingerprints[model] = (signature, digest)
     return digest
+
+
+def checkpoint_fingerprint(folder, dtype: torch.dtype | str) -> bytes:
+    """:func:`model_fingerprint` of the HF checkpoint in ``folder`` (``config.json`` and
+    ``*.safetensors``) loaded in ``dtype``, computed from the files: the model is built on the meta
+    device (for its tensor names), and each tensor is read, cast to ``dtype`` and hashed.
+
+    Example:
+        >>> checkpoint_fingerprint("/models/SmolLM2-135M", torch.float32) == model_fingerprint(model)
+        True
+    """
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(folder)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise InvalidInputError(f"checkpoint_fingerprint: unknown dtype {dtype!r}")
+    files = sorted(folder.glob("*.safetensors"))
+    if not (folder / "config.json").is_file() or not files:
+        raise InvalidInputError(f"{folder} is not an HF checkpoint folder (config.json and *.safetensors)")
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    where = {}
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    for handle in handles:
+        for name in handle.keys():
+            where[name] = handle
+    names = _checkpoint_names(skeleton)
+    missing = [n for n in names if n not in where]
+    if missing:
+        raise InvalidInputError(f"{folder}: the checkpoint lacks {len(missing)} tensors of the model, "
+                                f"e.g. {missing[0]!r}")
+    return _fingerprint(skeleton.config, names, lambda name: where[name].get_tensor(name).to(dtype))
 
 
 def token_array(token_ids, vocab_size: int) -> np.ndarray:

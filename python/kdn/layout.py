@@ -26,10 +26,14 @@ class ModelLayout:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelLayout:
-        config = model.config.get_text_config()
+        return cls.from_config(model.config, next(model.parameters()).dtype)
+
+    @classmethod
+    def from_config(cls, config, dtype: torch.dtype) -> ModelLayout:
+        """The layout of a model of HF ``config`` run in ``dtype`` (what a serving engine knows)."""
+        config = config.get_text_config()
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        dtype = next(model.parameters()).dtype
         if dtype not in _DTYPES:
             raise InvalidInputError(f"model dtype {dtype} is not supported (float32, float16, bfloat16)")
         return cls(

@@ -1,0 +1,346 @@
+"""kdn as a vLLM KV connector: engines look up, load and store prompt KV through kdn's tiers.
+
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    llm = LLM(model="/models/SmolLM2-135M-Instruct", dtype="float32", enable_prefix_caching=False,
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="KDNConnector", kv_connector_module_path="kdn.integrations.vllm",
+                  kv_role="kv_both", kv_connector_extra_config={"disk_dir": "/var/cache/kdn"}))
+
+``kv_connector_extra_config`` holds :class:`kdn.KDNConfig` settings (an unknown one stops the engine
+at start-up with kdn's "did you mean"). The scheduler asks kdn how many leading prompt tokens it
+holds (token-granular, never the last prompt token); the worker loads them into vLLM's paged
+blocks before the forward that needs them and, once a prompt's prefill is done, copies its KV out
+of the blocks and stores it from a background thread. Keys come from the checkpoint's files
+(:func:`kdn.keys.checkpoint_fingerprint`), so an HF process serving the same checkpoint in the same
+dtype shares hits with the engine both ways. A chunk that cannot be loaded is reported to vLLM,
+which recomputes its blocks: never wrong KV. A model kdn cannot serve (sliding window, MLA, hybrid
+or mamba layers, a KV layout it does not know) is logged once at start-up and served nothing.
+Scheduler and worker share one kdn store per process (vLLM's CPU engine runs both in one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import re
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kdn.config import KDNConfig
+from kdn.engine import ChunkIO, ModelSession
+from kdn.keys import checkpoint_fingerprint
+from kdn.layout import ModelLayout
+from kdn.storage import TierManager
+
+log = logging.getLogger("kdn")
+
+# one store per (config, model) in a process: the scheduler's lookups see the worker's stores
+_stores: dict[tuple, tuple[ChunkIO, ModelSession]] = {}
+_stores_lock = threading.Lock()
+_counters = {"lookups": 0, "hit_tokens": 0, "loads": 0, "loaded_tokens": 0, "load_errors": 0, "stores": 0,
+             "stored_tokens": 0, "load_seconds": 0.0, "store_seconds": 0.0}
+
+
+_connectors: weakref.WeakSet = weakref.WeakSet()
+
+
+def drain() -> None:
+    """Wait until every connector of this process has stored what it queued (tests, benchmarks)."""
+    for connector in list(_connectors):
+        connector._saves.join()
+
+
+def stats() -> dict:
+    """This process' connector counters (lookups, hit/loaded/stored tokens, load errors, seconds)
+    and the tiers' own counters: ``{"connector": {...}, "memory": {...}, "disk": {...}, ...}``."""
+    with _stores_lock:
+        tiers = {name: s for io, _ in _stores.values() for name, s in io.tiers.stats().items()}
+        return {"connector": dict(_counters), **tiers}
+
+
+def _count(**deltas) -> None:
+    with _stores_lock:
+        for name, value in deltas.items():
+            _counters[name] += value
+
+
+@dataclasses.dataclass
+class LoadSpec:
+    """Load tokens [start, end) of ``tokens`` from kdn into ``block_ids``."""
+
+    req_id: str
+    tokens: list
+    start: int
+    end: int
+    block_ids: list
+
+
+@dataclasses.dataclass
+class SaveSpec:
+    """Store the KV of ``tokens`` (a finished prefill), held in ``block_ids``."""
+
+    req_id: str
+    tokens: list
+    block_ids: list
+
+
+@dataclasses.dataclass
+class KDNConnectorMetadata(KVConnectorMetadata):
+    loads: list = dataclasses.field(default_factory=list)
+    saves: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Request:
+    tokens: list
+    block_ids: list
+    loaded: int = 0
+    saved: bool = False
+
+
+def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
+    """Why kdn cannot serve this engine's model, or None."""
+    model = vllm_config.model_config
+    hf = model.hf_text_config
+    if getattr(model, "use_mla", False):
+        return "MLA attention (latent KV) is not supported"
+    if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
+        return "sliding-window attention is not supported (its KV is not a plain prefix)"
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        return "hybrid models (several KV cache groups: mamba or mixed attention) are not supported"
+    if groups and type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec":
+        return f"{type(groups[0].kv_cache_spec).__name__} layers are not supported (full attention only)"
+    folder = Path(model.model)
+    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
+        return f"{model.model} is not a local HF checkpoint folder (kdn fingerprints the checkpoint's files)"
+    return None
+
+
+def _store_for(config: KDNConfig, vllm_config) -> tuple[ChunkIO, ModelSession]:
+    model = vllm_config.model_config
+    key = (repr(config), str(model.model), str(model.dtype))
+    with _stores_lock:
+        if key not in _stores:
+            layout = ModelLayout.from_config(model.hf_config, model.dtype)
+            session = ModelSession(layout, checkpoint_fingerprint(model.model, model.dtype), config.chunk_size,
+                                   min(config.probe_step, config.chunk_size))
+            _stores[key] = (ChunkIO(TierManager(config)), session)
+        return _stores[key]
+
+
+class KDNConnector(KVConnectorBase_V1):
+    """vLLM's ``KVConnectorBase_V1`` served by kdn (see the module docstring)."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.config = KDNConfig(**extra)  # an unknown setting: InvalidInputError with "did you mean"
+        self.block_size = vllm_config.cache_config.block_size
+        self.reason = unsupported_reason(vllm_config, kv_cache_config)
+        self.io = self.session = None
+        if self.reason:
+            if role == KVConnectorRole.SCHEDULER:
+                log.warning("kdn: not serving %s: %s; requests run without kdn", vllm_config.model_config.model,
+                            self.reason)
+        else:
+            self.io, self.session = _store_for(self.config, vllm_config)
+        # scheduler side
+        self._pending: dict[str, int] = {}  # req_id -> external tokens to load
+        self._requests: dict[str, _Request] = {}
+        # worker side
+        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._errors: set[int] = set()
+        self._saves: queue.Queue = queue.Queue(maxsize=8)
+        self._saver: threading.Thread | None = None
+        _connectors.add(self)
+
+    # -- scheduler side ---------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        if self.io is None:
+            return 0, False
+        tokens = np.asarray(request.prompt_token_ids or [], dtype=np.uint32)
+        hit = self.io.available(self.session, tokens, limit=len(tokens) - 1)  # the last token is computed
+        _count(lookups=1)
+        return max(0, hit - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self._pending[request.request_id] = num_external_tokens
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = KDNConnectorMetadata()
+        if self.io is None:
+            return meta
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            req = self._requests[new.req_id] = _Request(list(new.prompt_token_ids or []), list(new.block_ids[0]))
+            external = self._pending.pop(new.req_id, 0)
+            if external:
+                start = new.num_computed_tokens - external
+                meta.loads.append(LoadSpec(new.req_id, req.tokens[:new.num_computed_tokens], start,
+                                           new.num_computed_tokens, req.block_ids))
+                req.loaded = new.num_computed_tokens
+            self._maybe_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            req = self._requests.get(req_id)
+            if req is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if new_blocks is not None:
+                resumed = req_id in cached.resumed_req_ids
+                req.block_ids = list(new_blocks[0]) if resumed else req.block_ids + list(new_blocks[0])
+            external = self._pending.pop(req_id, 0)
+            if external:  # resumed after preemption with a fresh load
+                done = cached.num_computed_tokens[i]
+                meta.loads.append(LoadSpec(req_id, req.tokens[:done], done - external, done, req.block_ids))
+            self._maybe_save(meta, req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return meta
+
+    def _maybe_save(self, meta: KDNConnectorMetadata, req_id: str, computed_after_step: int) -> None:
+        """Once a prompt's prefill completes in this step, its KV is stored (unless kdn served it)."""
+        req = self._requests[req_id]
+        n = len(req.tokens)
+        if req.saved or computed_after_step < n:
+            return
+        req.saved = True
+        if req.loaded < n - max(self.session.probe_step, 1):  # kdn did not already hold it
+            blocks = req.block_ids[: -(-n // self.block_size)]
+            meta.saves.append(SaveSpec(req_id, req.tokens, blocks))
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        self._pending.pop(request.request_id, None)
+        return False, None  # the KV was copied out in the step that finished the prefill
+
+    # -- worker side ------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.io is None:
+            return
+        ordered = sorted(kv_caches.items(), key=lambda item: _layer_index(item[0]))
+        layout = self.session.layout
+        want = (layout.kv_heads, self.block_size, 2 * layout.head_dim)
+        bad = [name for name, t in ordered if t.dim() != 4 or tuple(t.shape[1:]) != want or not t.is_contiguous()]
+        isa = _cpu_attention_isa(self._vllm_config, layout)
+        if len(ordered) != layout.layers or bad or isa != "vec":
+            self.reason = (f"vLLM's KV layout ({len(ordered)} layers, e.g. {tuple(ordered[0][1].shape)}, CPU attention "
+                           f"kernel {isa!r}) is not the one kdn reads: [blocks, {want[0]}, {want[1]}, {want[2]}] "
+                           "on the 'vec' kernel")
+            log.warning("kdn: not serving this engine: %s", self.reason)
+            self.io = None
+            return
+        # vLLM's CPU 'vec' kernel: each (block, head) holds K transposed, [head_dim, block_size], then
+        # V, [block_size, head_dim] (measured against HF's cache: tests/test_vllm.py)
+        bs, dim = self.block_size, layout.head_dim
+        self._layers = []
+        for _, t in ordered:
+            flat = t.view(t.shape[0], t.shape[1], 2 * bs * dim)
+            self._layers.append((flat[:, :, : bs * dim].view(t.shape[0], t.shape[1], dim, bs),
+                                 flat[:, :, bs * dim:].view(t.shape[0], t.shape[1], bs, dim)))
+
+    def _slots(self, block_ids: list, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(start, end)
+        return torch.tensor(block_ids, dtype=torch.long)[positions // self.block_size], positions % self.block_size
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        if self.io is None or not self.has_connector_metadata():
+            return
+        for spec in self._get_connector_metadata().loads:
+            began = time.perf_counter()
+            kv, hit = self.io.read(self.session, np.asarray(spec.tokens, dtype=np.uint32), spec.end)
+            upto = min(hit, spec.end)
+            if upto > spec.start:
+                blocks, offsets = self._slots(spec.block_ids, spec.start, upto)
+                for i, (keys, values) in enumerate(self._layers):  # [n, heads, head_dim] per side
+                    keys[blocks, :, :, offsets] = kv[2 * i][0, :, spec.start:upto].transpose(0, 1)
+                    values[blocks, :, offsets] = kv[2 * i + 1][0, :, spec.start:upto].transpose(0, 1)
+            if upto < spec.end:  # evicted or unusable since the lookup: vLLM recomputes these blocks
+                first = max(upto, spec.start) // self.block_size
+                self._errors.update(spec.block_ids[first: -(-spec.end // self.block_size)])
+                log.warning("kdn: %d of %d tokens could not be loaded (evicted or damaged since the lookup); "
+                            "vLLM recomputes them", spec.end - upto, spec.end - spec.start)
+                _count(load_errors=1)
+            _count(loads=1, loaded_tokens=max(0, upto - spec.start), hit_tokens=max(0, upto - spec.start),
+                   load_seconds=time.perf_counter() - began)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loads every layer before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # wait_for_save copies finished prompts out after the forward
+
+    def wait_for_save(self) -> None:
+        if self.io is None or not self.has_connector_metadata():
+            return
+        for spec in self._get_connector_metadata().saves:
+            n = len(spec.tokens)
+            blocks, offsets = self._slots(spec.block_ids, 0, n)
+            kv = []
+            for keys, values in self._layers:  # copies: the blocks are vLLM's to reuse once this returns
+                kv.append(keys[blocks, :, :, offsets].transpose(0, 1).unsqueeze(0))
+                kv.append(values[blocks, :, offsets].transpose(0, 1).unsqueeze(0))
+            self._start_saver()
+            self._saves.put((np.asarray(spec.tokens, dtype=np.uint32), kv))
+
+    def _start_saver(self) -> None:
+        if self._saver is None:
+            self._saver = threading.Thread(target=self._save_loop, name="kdn-vllm-store", daemon=True)
+            self._saver.start()
+
+    def _save_loop(self) -> None:
+        while True:
+            item = self._saves.get()
+            if item is None:
+                return
+            began = time.perf_counter()
+            try:
+                tokens, kv = item
+                stored = self.io.write(self.session, tokens, kv)
+                self.io.tiers.flush()
+                _count(stores=1, stored_tokens=stored, store_seconds=time.perf_counter() - began)
+            except Exception as exc:  # storing is best effort; the request is answered already
+                log.warning("kdn: storing a prompt's KV failed (%s)", exc)
+            finally:
+                self._saves.task_done()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        """Finish queued stores (they are on disk / sent when this returns)."""
+        if self._saver is not None:
+            self._saves.join()
+            self._saves.put(None)
+            self._saver.join(timeout=30)
+            self._saver = None
+
+
+def _cpu_attention_isa(vllm_config, layout: ModelLayout) -> str:
+    """The CPU attention kernel vLLM picks for this engine ('vec', 'vec16', 'amx', 'neon', ...)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:  # not vLLM's CPU build
+        return "unknown (not vLLM's CPU backend)"
+    return _get_attn_isa(vllm_config.model_config.dtype, vllm_config.cache_config.block_size, layout.head_dim,
+                         vllm_config.cache_config.cache_dtype)
+
+
+def _layer_index(name: str) -> int:
+    match = re.search(r"layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else 0

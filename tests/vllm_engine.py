@@ -1,0 +1,71 @@
+"""One vLLM engine (CPU, in this process) over token prompts, with or without kdn's connector;
+prints one JSON line. Run in the vLLM venv (.ci/vllm-env) by tests/test_vllm.py and
+benchmarks/bench_vllm.py:
+
+    python tests/vllm_engine.py --model DIR --prompts prompts.json --kdn '{"disk_dir": "/tmp/kv"}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompts", required=True, help="JSON file: a list of token-id lists, asked in order")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--kdn", default="", help="kv_connector_extra_config as JSON; empty: no connector")
+    parser.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache (default off)")
+    parser.add_argument("--drop-after-lookup", action="store_true",
+                        help="evict everything kdn holds right after each lookup (a load that fails)")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler + worker here: stats readable
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    transfer = None
+    if args.kdn:
+        transfer = KVTransferConfig(kv_connector="KDNConnector", kv_connector_module_path="kdn.integrations.vllm",
+                                    kv_role="kv_both", kv_connector_extra_config=json.loads(args.kdn))
+    if args.drop_after_lookup:
+        from kdn.integrations import vllm as connector
+
+        lookup = connector.KDNConnector.get_num_new_matched_tokens
+
+        def lookup_then_drop(self, request, num_computed_tokens):
+            found = lookup(self, request, num_computed_tokens)
+            if self.io is not None:
+                self.io.tiers.clear()
+            return found
+
+        connector.KDNConnector.get_num_new_matched_tokens = lookup_then_drop
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, dtype="float32", enforce_eager=True, enable_prefix_caching=args.prefix_caching,
+              kv_transfer_config=transfer, max_model_len=8192, seed=0)
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    results = []
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    for ids in prompts:
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        results.append({"tokens": list(out.outputs[0].token_ids), "seconds": time.perf_counter() - t0})
+    stats = {}
+    if transfer is not None:
+        from kdn.integrations import vllm as connector
+
+        connector.drain()
+        stats = connector.stats()
+    print("KDN-RESULT " + json.dumps({"load_seconds": load_s, "results": results, "stats": stats}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
