@@ -33,7 +33,8 @@ def main() -> None:
     transfer = None
     if args.kdn:
         transfer = KVTransferConfig(kv_connector="KDNConnector", kv_connector_module_path="kdn.integrations.vllm",
-                                    kv_role="kv_both", kv_connector_extra_config=json.loads(args.kdn))
+                                    kv_role="kv_both", kv_connector_extra_config=json.loads(args.kdn),
+                                    kv_load_failure_policy="recompute")
     if args.drop_after_lookup:
         from kdn.integrations import vllm as connector
 

