@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kdn.config import KDNConfig
 from kdn.engine import ChunkIO, ModelSession
@@ -73,10 +74,48 @@ def stats() -> dict:
         return {"connector": dict(_counters), **tiers}
 
 
+_reported = dict(_counters)  # what get_kv_connector_stats last reported
+
+
 def _count(**deltas) -> None:
     with _stores_lock:
         for name, value in deltas.items():
             _counters[name] += value
+
+
+class KDNStats(KVConnectorStats):
+    """The connector counters' increments over one interval (what vLLM logs and puts on /metrics)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KDNPromMetrics(KVConnectorPromMetrics):
+    """kdn's counters as Prometheus counters ``vllm:kdn_<name>`` (per engine), on vLLM's /metrics."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {}
+        for name in _counters:
+            counter = self._counter_cls(name=f"vllm:kdn_{name}", labelnames=labelnames,
+                                        documentation=f"kdn connector: {name.replace('_', ' ')}")
+            self._counters[name] = {i: counter.labels(*values) for i, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            if name in self._counters and value > 0:
+                self._counters[name][engine_idx].inc(value)
 
 
 @dataclasses.dataclass
@@ -327,6 +366,23 @@ class KDNConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    # -- metrics ----------------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.role != KVConnectorRole.WORKER:
+            return None
+        with _stores_lock:
+            delta = {name: _counters[name] - _reported[name] for name in _counters}
+            _reported.update(_counters)
+        return KDNStats(data=delta) if any(delta.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> KVConnectorStats | None:
+        return KDNStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KDNPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         """Finish queued stores (they are on disk / sent when this returns)."""

@@ -1,0 +1,48 @@
+"""Asks a running `vllm serve` the same document twice through the real openai client (streamed,
+so the first chunk's arrival is the TTFT) and reads its /metrics; prints one JSON line. Run in the
+vLLM venv by tests/test_vllm.py:
+
+    python tests/vllm_client.py --url http://127.0.0.1:8000 --model DIR --document doc.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import urllib.request
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--document", required=True)
+    args = parser.parse_args()
+    from openai import OpenAI
+
+    client = OpenAI(base_url=args.url + "/v1", api_key="unused")
+    document = open(args.document).read()
+    answers = []
+    for question in ("Who founded the city?", "How long does the ferry take?"):
+        t0 = time.perf_counter()
+        ttft, text = None, ""
+        stream = client.completions.create(model=args.model, prompt=document + "\nQuestion: " + question,
+                                           max_tokens=8, temperature=0, stream=True)
+        for chunk in stream:
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            text += chunk.choices[0].text
+        answers.append({"ttft": ttft, "text": text})
+    metrics = urllib.request.urlopen(args.url + "/metrics", timeout=30).read().decode()
+    kdn = {}
+    for line in metrics.splitlines():
+        if line.startswith("vllm:kdn_") and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            name = name.split("{")[0]
+            kdn[name] = kdn.get(name, 0.0) + float(value)
+    print("KDN-RESULT " + json.dumps({"answers": answers, "metrics": kdn}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
