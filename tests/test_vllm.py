@@ -197,3 +197,20 @@ def test_vllm_serve_answers_through_openai_with_kdn_counters_on_metrics(setup, t
     assert second["ttft"] < first["ttft"] and first["text"] and second["text"]
     assert out["metrics"].get("vllm:kdn_loaded_tokens_total", 0) > 1000
     assert out["metrics"].get("vllm:kdn_stores_total", 0) >= 1
+
+
+def test_redis_going_down_mid_run_costs_hits_not_answers(setup, reference, tmp_path):
+    """The store dies after the first prompt: the second prompt's lookup misses (counted by the
+    remote tier), vLLM prefills it, and the answer is unchanged."""
+    from redis_servers import RedisServer, require_redis
+
+    require_redis()
+    server = RedisServer(tmp_path / "redis")
+    try:
+        out = engine(setup, {"remote_url": server.url, "remote_timeout": 0.5, "memory_bytes": 1},
+                     "--kill-after-first", str(server.proc.pid))
+    finally:
+        server.stop()
+    assert [r["tokens"] for r in out["results"]] == reference
+    assert out["stats"]["connector"]["loads"] == 0  # nothing reachable to load
+    assert out["stats"]["remote"]["errors"] >= 1 and out["stats"]["remote"]["state"] == "down"

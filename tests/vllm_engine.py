@@ -22,6 +22,8 @@ def main() -> None:
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache (default off)")
     parser.add_argument("--drop-after-lookup", action="store_true",
                         help="evict everything kdn holds right after each lookup (a load that fails)")
+    parser.add_argument("--kill-after-first", type=int, default=0,
+                        help="a process to kill (SIGKILL) once the first prompt is answered: a store going down")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -59,6 +61,14 @@ def main() -> None:
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
         results.append({"tokens": list(out.outputs[0].token_ids), "seconds": time.perf_counter() - t0})
+        if args.kill_after_first and len(results) == 1:
+            import signal
+
+            if transfer is not None:
+                from kdn.integrations import vllm as connector
+
+                connector.drain()  # the first prompt is stored before the store goes down
+            os.kill(args.kill_after_first, signal.SIGKILL)
     stats = {}
     if transfer is not None:
         from kdn.integrations import vllm as connector
