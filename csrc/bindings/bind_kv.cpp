@@ -119,6 +119,40 @@ void bind_kv(py::module_& m) {
       "leading valid blobs, first error).");
 
   m.def(
+      "unpack_chunks_paged",
+      [](const py::list& blobs, const py::sequence& layers, py::array_t<int64_t, py::array::c_style> block_ids,
+         int64_t from, int64_t count) {
+        const size_t n = py::len(layers);
+        KDN_CHECK_INPUT(n > 0, "unpack_chunks_paged: no layers");
+        std::vector<HeldView> held;
+        std::vector<void*> ptrs;
+        PagedShape paged{static_cast<int64_t>(n), 0, 0, 0, 0};
+        for (size_t i = 0; i < n; ++i) {
+          held.push_back(view_from_object(layers[i], "layers[" + std::to_string(i) + "]"));
+          const TensorView& v = held.back().view;
+          KDN_CHECK_INPUT(v.device == DeviceType::kCPU && v.ndim == 4 && v.is_contiguous() && v.writable &&
+                              v.shape[3] % 2 == 0,
+                          "unpack_chunks_paged: layers must be writable contiguous CPU tensors [blocks, kv_heads, "
+                          "block_size, 2 * head_dim], got " + v.shape_str());
+          if (i == 0) paged = PagedShape{static_cast<int64_t>(n), v.shape[1], v.shape[3] / 2, v.shape[2], v.shape[0]};
+          KDN_CHECK_INPUT(v.dtype == held.front().view.dtype && v.shape[0] == paged.num_blocks &&
+                              v.shape[1] == paged.kv_heads && v.shape[2] == paged.block_size &&
+                              v.shape[3] == 2 * paged.head_dim,
+                          "unpack_chunks_paged: layers differ in shape or dtype");
+          ptrs.push_back(v.data);
+        }
+        KDN_CHECK_INPUT(block_ids.ndim() == 1, "unpack_chunks_paged: block_ids must be 1-D");
+        std::vector<ByteSpan> keep;
+        const std::vector<ChunkBytes> spans = chunk_bytes(blobs, &keep);
+        const DType dtype = held.front().view.dtype;
+        py::gil_scoped_release release;
+        unpack_chunks_paged(spans, paged, ptrs.data(), block_ids.data(), block_ids.shape(0), dtype, from, count,
+                            default_num_threads());
+      },
+      py::arg("blobs"), py::arg("layers"), py::arg("block_ids"), py::arg("start"), py::arg("count"),
+      "Copy tokens [start, count) of consecutive blobs into vLLM's paged CPU KV blocks (layout in kdn/paged.h).");
+
+  m.def(
       "decode_chunks",
       [](const py::list& blobs, py::handle out) {
         HeldView dst = view_from_object(out, "out");

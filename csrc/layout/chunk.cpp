@@ -113,6 +113,38 @@ void unpack_chunks(const std::vector<ChunkBytes>& blobs, const KvShape& shape, c
   }
 }
 
+void unpack_chunks_paged(const std::vector<ChunkBytes>& blobs, const PagedShape& paged, void* const* layers,
+                         const int64_t* block_ids, int64_t num_block_ids, DType dtype, int64_t from, int64_t count,
+                         int threads) {
+  KDN_CHECK_INPUT(from >= 0 && from <= count, "unpack_chunks_paged: bad token range");
+  int64_t start = 0;  // sequence position of the current blob's first token
+  for (size_t i = 0; i < blobs.size() && start < count; ++i) {
+    BlobHeader h;
+    Status st = blob_parse(blobs[i].data, blobs[i].size, false, &h);
+    if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
+    KDN_CHECK_INPUT(h.kind == kBlobKindKV && h.dtype == dtype && h.layers == paged.layers &&
+                        h.kv_heads == paged.kv_heads && h.head_dim == paged.head_dim,
+                    "unpack_chunks_paged: blob " + std::to_string(i) + " layout does not match the paged layers");
+    const int64_t end = std::min<int64_t>(start + h.tokens, count);
+    if (end > from) {
+      uint8_t* chunk = const_cast<uint8_t*>(blobs[i].data) + kBlobHeaderBytes;
+      BufferPtr decoded;
+      if (h.codec != kCodecRaw) {
+        decoded = std::make_shared<Buffer>(raw_payload_bytes(h));
+        st = codec_decode(h, chunk, h.payload_bytes, decoded->data(), threads);
+        if (!st.ok) throw BlobError("unpack_chunks_paged: blob " + std::to_string(i) + ": " + st.message, __FILE__, __LINE__);
+        chunk = decoded->data();
+      }
+      const int64_t first = std::max(from, start);
+      const KvShape shape{paged.layers, h.tokens, paged.kv_heads, paged.head_dim};
+      paged_copy_cpu(shape, paged, layers, block_ids, num_block_ids, chunk, dtype_size(dtype), first - start, first,
+                     end - first, CopyDirection::kChunkToCache, threads);
+    }
+    start += h.tokens;
+  }
+  KDN_CHECK_INPUT(start >= count, "unpack_chunks_paged: the blobs hold fewer than count tokens");
+}
+
 void decode_chunks(const std::vector<ChunkBytes>& blobs, uint8_t* out, size_t out_bytes, int threads) {
   std::vector<BlobHeader> headers(blobs.size());
   std::vector<size_t> offsets(blobs.size() + 1, 0);

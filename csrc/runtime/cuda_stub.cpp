@@ -1,11 +1,16 @@
 // Stand-ins for the CUDA entry points when kdn is built without nvcc (KDN_CUDA=OFF or not found).
 #include "kdn/codec.h"
 #include "kdn/kv_copy.h"
+#include "kdn/paged.h"
 #include "kdn/rope.h"
 
 namespace kdn {
 
 Status kv_copy_cuda(const KvShape&, const KvTable&, void*, int64_t, int64_t, int64_t, CopyDirection, uintptr_t) {
+  return Status::Fail("kdn was built without CUDA");
+}
+Status paged_copy_cuda(const KvShape&, const PagedShape&, void* const*, const int64_t*, int64_t, void*, int64_t, int64_t,
+                       int64_t, int64_t, CopyDirection, uintptr_t) {
   return Status::Fail("kdn was built without CUDA");
 }
 Status rope_shift_cuda(const RopeShift&, void* const*, const int64_t*, DType, const float*, uintptr_t) {

@@ -9,6 +9,7 @@
 
 #include "kdn/blob.h"
 #include "kdn/kv_layout.h"
+#include "kdn/paged.h"
 
 namespace kdn {
 
@@ -41,6 +42,12 @@ Status check_chunk_header(const BlobHeader& h, const ChunkExpect& e, const Key12
 // leading valid chunks; *error names the first invalid one.
 int64_t verify_chunks(const std::vector<ChunkBytes>& blobs, const std::vector<Key128>& keys, const ChunkExpect& e,
                       uint32_t last_tokens, int threads, std::string* error);
+
+// As unpack_chunks, into paged KV blocks (kdn/paged.h): tokens [from, count) of the run the blobs
+// hold go to sequence positions [from, count) of the paged `layers`. Coded blobs are decoded first.
+void unpack_chunks_paged(const std::vector<ChunkBytes>& blobs, const PagedShape& paged, void* const* layers,
+                         const int64_t* block_ids, int64_t num_block_ids, DType dtype, int64_t from, int64_t count,
+                         int threads);
 
 // Writes the canonical bytes ([layers, 2, tokens, kv_heads, head_dim], raw) of each blob, one
 // after the other, into `out` (decoding coded ones), blobs in parallel: the host half of a copy to

@@ -102,7 +102,8 @@ class ChunkIO:
 
     def read(self, session: ModelSession, tokens: np.ndarray, limit: int, target: HFTarget | None = None):
         """``(kv, hit)``: the KV of the longest stored prefix of ``tokens``, at most ``limit`` tokens,
-        in ``target``'s layout (default HF per-layer tensors on the CPU); ``(None, 0)`` on a miss."""
+        as ``target.receive`` lays it out (default :class:`HFTarget`: HF per-layer tensors on the CPU;
+        vLLM's connector passes its paged blocks); ``(None, 0)`` on a miss."""
         chunk = session.chunk_size
         found = self.find(session, tokens, limit)
         # may stop early (evicted since the lookup); addresses: exact keys, or accepted lossy ones

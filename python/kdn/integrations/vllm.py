@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from kdn import _core
 from kdn.config import KDNConfig
 from kdn.engine import ChunkIO, ModelSession
 from kdn.keys import checkpoint_fingerprint
@@ -149,6 +150,20 @@ class _Request:
     tokens: list
     block_ids: list
     saved: bool = False
+
+
+class PagedBlocks:
+    """A chunk target (like :class:`kdn.engine.HFTarget`): vLLM's paged CPU KV blocks of one request.
+    Tokens from ``start`` on are decoded and laid straight into its blocks by kdn's C++ core."""
+
+    def __init__(self, layers: list[torch.Tensor], block_ids: list, start: int):
+        self.layers = layers
+        self.block_ids = np.asarray(block_ids, dtype=np.int64)
+        self.start = start
+
+    def receive(self, session: ModelSession, blobs: list, num_tokens: int) -> int:
+        _core.unpack_chunks_paged(blobs, self.layers, self.block_ids, self.start, num_tokens)
+        return num_tokens
 
 
 def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
@@ -289,6 +304,7 @@ class KDNConnector(KVConnectorBase_V1):
         # vLLM's CPU 'vec' kernel: each (block, head) holds K transposed, [head_dim, block_size], then
         # V, [block_size, head_dim] (measured against HF's cache: tests/test_vllm.py)
         bs, dim = self.block_size, layout.head_dim
+        self._blocks = [t for _, t in ordered]  # what kdn's C++ core lays chunks into (kdn/paged.h)
         self._layers = []
         for _, t in ordered:
             flat = t.view(t.shape[0], t.shape[1], 2 * bs * dim)
@@ -304,13 +320,9 @@ class KDNConnector(KVConnectorBase_V1):
             return
         for spec in self._get_connector_metadata().loads:
             began = time.perf_counter()
-            kv, hit = self.io.read(self.session, np.asarray(spec.tokens, dtype=np.uint32), spec.end)
+            target = PagedBlocks(self._blocks, spec.block_ids, spec.start)
+            _, hit = self.io.read(self.session, np.asarray(spec.tokens, dtype=np.uint32), spec.end, target)
             upto = min(hit, spec.end)
-            if upto > spec.start:
-                blocks, offsets = self._slots(spec.block_ids, spec.start, upto)
-                for i, (keys, values) in enumerate(self._layers):  # [n, heads, head_dim] per side
-                    keys[blocks, :, :, offsets] = kv[2 * i][0, :, spec.start:upto].transpose(0, 1)
-                    values[blocks, :, offsets] = kv[2 * i + 1][0, :, spec.start:upto].transpose(0, 1)
             self._served[spec.req_id] = upto if upto == spec.end else 0
             if upto < spec.end:  # evicted or unusable since the lookup: vLLM recomputes these blocks
                 first = max(upto, spec.start) // self.block_size
