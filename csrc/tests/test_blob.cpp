@@ -151,4 +151,35 @@ TEST(Blob, APointerRoundTripsAndNeverReadsAsKV) {
   EXPECT_FALSE(read_pointer(ChunkBytes{chunk->data(), chunk->size(), nullptr}, key_of(9), key_of(3), &p).ok);
 }
 
+TEST(Paged, ChunksLandWhereVllmsCpuKernelReadsThemAndComeBackTheSame) {
+  // 2 layers, 2 heads, dim 8; 40 tokens into blocks of 16 scattered over a pool of 5
+  Cache cache(40);
+  BufferPtr blob = pack_chunk(cache.shape(), cache.table(), DType::kFloat32, 0, 40, key_of(9), key_of(1), 1);
+  const PagedShape paged{2, 2, 8, 16, 5};
+  std::vector<std::vector<float>> layers(2, std::vector<float>(5 * 2 * 2 * 16 * 8, -1.0f));
+  std::vector<void*> ptrs{layers[0].data(), layers[1].data()};
+  const int64_t block_ids[3] = {4, 0, 2};
+  unpack_chunks_paged({ChunkBytes{blob->data(), blob->size(), blob.get()}}, paged, ptrs.data(), block_ids, 3,
+                      DType::kFloat32, 3, 40, 2);
+  for (int64_t layer = 0; layer < 2; ++layer)
+    for (int64_t kv = 0; kv < 2; ++kv)
+      for (int64_t head = 0; head < 2; ++head)
+        for (int64_t p = 0; p < 40; ++p)
+          for (int64_t d = 0; d < 8; ++d) {
+            const float got = layers[layer][paged_offset(paged, block_ids[p / 16], kv, p % 16, head, d)];
+            const float want = p < 3 ? -1.0f : cache.data[layer * 2 + kv][head * 40 * 8 + p * 8 + d];
+            ASSERT_EQ(got, want) << "layer " << layer << " kv " << kv << " head " << head << " token " << p;
+          }
+  // and back out: the canonical chunk of tokens [3, 40)
+  std::vector<float> chunk(2 * 2 * 37 * 2 * 8);
+  paged_copy_cpu(KvShape{2, 37, 2, 8}, paged, ptrs.data(), block_ids, 3, chunk.data(), 4, 0, 3, 37,
+                 CopyDirection::kCacheToChunk, 2);
+  const float* raw = reinterpret_cast<const float*>(blob->data() + kBlobHeaderBytes);
+  for (int64_t layer = 0; layer < 2; ++layer)
+    for (int64_t kv = 0; kv < 2; ++kv)
+      for (int64_t t = 0; t < 37; ++t)
+        for (int64_t i = 0; i < 16; ++i)  // heads x dim
+          ASSERT_EQ(chunk[((layer * 2 + kv) * 37 + t) * 16 + i], raw[((layer * 2 + kv) * 40 + t + 3) * 16 + i]);
+}
+
 }  // namespace kdn
