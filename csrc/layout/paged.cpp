@@ -7,6 +7,22 @@
 #include "kdn/parallel.h"
 
 namespace kdn {
+namespace {
+
+// One token's K (head_dim values, contiguous in the chunk at byte offset c) <-> its column of the
+// block's transposed K.
+template <typename T>
+void copy_column(uint8_t* base, const PagedShape& paged, int64_t block, int64_t offset, int64_t head, void* chunk,
+                 int64_t c, int64_t dim, CopyDirection dir) {
+  T* column = reinterpret_cast<T*>(base) + paged_offset(paged, block, 0, offset, head, 0);
+  T* row = reinterpret_cast<T*>(static_cast<uint8_t*>(chunk) + c);
+  if (dir == CopyDirection::kChunkToCache)
+    for (int64_t d = 0; d < dim; ++d) column[d * paged.block_size] = row[d];
+  else
+    for (int64_t d = 0; d < dim; ++d) row[d] = column[d * paged.block_size];
+}
+
+}  // namespace
 
 void paged_copy_cpu(const KvShape& chunk_shape, const PagedShape& paged, void* const* layers, const int64_t* block_ids,
                     int64_t num_block_ids, void* chunk, int64_t elem_size, int64_t from,
@@ -39,13 +55,11 @@ void paged_copy_cpu(const KvShape& chunk_shape, const PagedShape& paged, void* c
           std::memcpy(static_cast<uint8_t*>(chunk) + c, m, row_bytes);
         continue;
       }
-      for (int64_t d = 0; d < dim; ++d) {  // K is transposed in the block: a column per token
-        uint8_t* m = base + paged_offset(paged, block, 0, offset, head, d) * elem_size;
-        if (dir == CopyDirection::kChunkToCache)
-          std::memcpy(m, static_cast<const uint8_t*>(chunk) + c + d * elem_size, elem_size);
-        else
-          std::memcpy(static_cast<uint8_t*>(chunk) + c + d * elem_size, m, elem_size);
-      }
+      // K is transposed in the block: one column per token (typed copies, not a memcpy call each)
+      if (elem_size == 4)
+        copy_column<uint32_t>(base, paged, block, offset, head, chunk, c, dim, dir);
+      else
+        copy_column<uint16_t>(base, paged, block, offset, head, chunk, c, dim, dir);
     }
   });
 }
