@@ -54,3 +54,19 @@ def test_positions_beyond_the_blocks_given_are_refused_before_any_write():
     with pytest.raises(ValueError, match="outside"):
         _core.unpack_chunks_paged([blob], paged, torch.tensor([0, 9]).numpy(), 0, 32)
     assert all(not t.any() for t in paged)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_requests_kv_gathered_out_of_the_blocks_is_what_was_laid_in(dtype):
+    """What vLLM computed into its blocks comes back in the canonical layout (what kdn stores)."""
+    layers, heads, dim, block_size = 2, 3, 16, 16
+    kv = [torch.randn(1, heads, 40, dim).to(dtype) for _ in range(2 * layers)]
+    blob = _core.pack_chunk(kv, 0, 40, FP, bytes(16))
+    block_ids = torch.tensor([3, 0, 5]).numpy()
+    paged = [torch.zeros(6, heads, block_size, 2 * dim, dtype=dtype) for _ in range(layers)]
+    _core.unpack_chunks_paged([blob], paged, block_ids, 0, 40)
+    out = torch.empty(layers, 2, 40, heads, dim, dtype=dtype)
+    _core.gather_paged(paged, block_ids, out)
+    assert torch.equal(out, codecs.decode(blob))
+    with pytest.raises(ValueError, match="out must be"):
+        _core.gather_paged(paged, block_ids, torch.empty(layers, 2, 40, heads, dim + 1, dtype=dtype))

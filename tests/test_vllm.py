@@ -214,3 +214,35 @@ def test_redis_going_down_mid_run_costs_hits_not_answers(setup, reference, tmp_p
     assert [r["tokens"] for r in out["results"]] == reference
     assert out["stats"]["connector"]["loads"] == 0  # nothing reachable to load
     assert out["stats"]["remote"]["errors"] >= 1 and out["stats"]["remote"]["state"] == "down"
+
+
+REFUSALS = """
+import json, sys
+from types import SimpleNamespace as NS
+from kdn.integrations.vllm import unsupported_reason
+
+folder = sys.argv[1]
+def engine(hf=None, use_mla=False, groups=("FullAttentionSpec",), model=folder):
+    specs = [NS(kv_cache_spec=type(name, (), {})()) for name in groups]
+    config = NS(model_config=NS(use_mla=use_mla, hf_text_config=hf or NS(), model=model))
+    return unsupported_reason(config, NS(kv_cache_groups=specs))
+print(json.dumps({
+    "plain": engine(),
+    "sliding": engine(NS(sliding_window=4096)),
+    "sliding_off": engine(NS(sliding_window=4096, use_sliding_window=False)),
+    "mla": engine(use_mla=True),
+    "hybrid": engine(groups=("FullAttentionSpec", "MambaSpec")),
+    "swa_group": engine(groups=("SlidingWindowSpec",)),
+    "hub_name": engine(model="HuggingFaceTB/SmolLM2-135M"),
+}))
+"""
+
+
+def test_models_kdn_cannot_serve_are_named_and_served_nothing(setup):
+    python, folder, _ = setup
+    proc = subprocess.run([python, "-c", REFUSALS, folder], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    why = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert why["plain"] is None and why["sliding_off"] is None
+    assert "sliding-window" in why["sliding"] and "MLA" in why["mla"] and "hybrid" in why["hybrid"]
+    assert "SlidingWindowSpec" in why["swa_group"] and "not a local HF checkpoint" in why["hub_name"]

@@ -61,6 +61,36 @@ KvViews kv_views(const py::sequence& kv, bool need_writable) {
   return out;
 }
 
+// vLLM's paged CPU KV tensors, one per layer: [blocks, kv_heads, block_size, 2 * head_dim] (kdn/paged.h).
+struct PagedLayers {
+  std::vector<HeldView> held;
+  std::vector<void*> ptrs;
+  PagedShape shape{};
+  DType dtype = DType::kFloat32;
+};
+
+PagedLayers paged_layers(const py::sequence& layers) {
+  PagedLayers out;
+  const size_t n = py::len(layers);
+  KDN_CHECK_INPUT(n > 0, "paged layers: none given");
+  for (size_t i = 0; i < n; ++i) {
+    out.held.push_back(view_from_object(layers[i], "layers[" + std::to_string(i) + "]"));
+    const TensorView& v = out.held.back().view;
+    KDN_CHECK_INPUT(v.device == DeviceType::kCPU && v.ndim == 4 && v.is_contiguous() && v.writable && v.shape[3] % 2 == 0,
+                    "paged layers must be writable contiguous CPU tensors [blocks, kv_heads, block_size, 2 * head_dim], "
+                    "got " + v.shape_str());
+    if (i == 0) {
+      out.shape = PagedShape{static_cast<int64_t>(n), v.shape[1], v.shape[3] / 2, v.shape[2], v.shape[0]};
+      out.dtype = v.dtype;
+    }
+    KDN_CHECK_INPUT(v.dtype == out.dtype && v.shape[0] == out.shape.num_blocks && v.shape[1] == out.shape.kv_heads &&
+                        v.shape[2] == out.shape.block_size && v.shape[3] == 2 * out.shape.head_dim,
+                    "paged layers differ in shape or dtype");
+    out.ptrs.push_back(v.data);
+  }
+  return out;
+}
+
 DType dtype_arg(const std::string& dtype) {
   if (dtype == "float16") return DType::kFloat16;
   if (dtype == "bfloat16") return DType::kBFloat16;
@@ -122,35 +152,36 @@ void bind_kv(py::module_& m) {
       "unpack_chunks_paged",
       [](const py::list& blobs, const py::sequence& layers, py::array_t<int64_t, py::array::c_style> block_ids,
          int64_t from, int64_t count) {
-        const size_t n = py::len(layers);
-        KDN_CHECK_INPUT(n > 0, "unpack_chunks_paged: no layers");
-        std::vector<HeldView> held;
-        std::vector<void*> ptrs;
-        PagedShape paged{static_cast<int64_t>(n), 0, 0, 0, 0};
-        for (size_t i = 0; i < n; ++i) {
-          held.push_back(view_from_object(layers[i], "layers[" + std::to_string(i) + "]"));
-          const TensorView& v = held.back().view;
-          KDN_CHECK_INPUT(v.device == DeviceType::kCPU && v.ndim == 4 && v.is_contiguous() && v.writable &&
-                              v.shape[3] % 2 == 0,
-                          "unpack_chunks_paged: layers must be writable contiguous CPU tensors [blocks, kv_heads, "
-                          "block_size, 2 * head_dim], got " + v.shape_str());
-          if (i == 0) paged = PagedShape{static_cast<int64_t>(n), v.shape[1], v.shape[3] / 2, v.shape[2], v.shape[0]};
-          KDN_CHECK_INPUT(v.dtype == held.front().view.dtype && v.shape[0] == paged.num_blocks &&
-                              v.shape[1] == paged.kv_heads && v.shape[2] == paged.block_size &&
-                              v.shape[3] == 2 * paged.head_dim,
-                          "unpack_chunks_paged: layers differ in shape or dtype");
-          ptrs.push_back(v.data);
-        }
+        PagedLayers paged = paged_layers(layers);
         KDN_CHECK_INPUT(block_ids.ndim() == 1, "unpack_chunks_paged: block_ids must be 1-D");
         std::vector<ByteSpan> keep;
         const std::vector<ChunkBytes> spans = chunk_bytes(blobs, &keep);
-        const DType dtype = held.front().view.dtype;
         py::gil_scoped_release release;
-        unpack_chunks_paged(spans, paged, ptrs.data(), block_ids.data(), block_ids.shape(0), dtype, from, count,
-                            default_num_threads());
+        unpack_chunks_paged(spans, paged.shape, paged.ptrs.data(), block_ids.data(), block_ids.shape(0), paged.dtype,
+                            from, count, default_num_threads());
       },
       py::arg("blobs"), py::arg("layers"), py::arg("block_ids"), py::arg("start"), py::arg("count"),
       "Copy tokens [start, count) of consecutive blobs into vLLM's paged CPU KV blocks (layout in kdn/paged.h).");
+
+  m.def(
+      "gather_paged",
+      [](const py::sequence& layers, py::array_t<int64_t, py::array::c_style> block_ids, py::handle out) {
+        PagedLayers paged = paged_layers(layers);
+        HeldView dst = view_from_object(out, "out");
+        const TensorView& v = dst.view;
+        KDN_CHECK_INPUT(v.device == DeviceType::kCPU && v.is_contiguous() && v.writable && v.dtype == paged.dtype &&
+                            v.ndim == 5 && v.shape[0] == paged.shape.layers && v.shape[1] == 2 &&
+                            v.shape[3] == paged.shape.kv_heads && v.shape[4] == paged.shape.head_dim,
+                        "gather_paged: out must be a contiguous CPU tensor [layers, 2, tokens, kv_heads, head_dim] "
+                        "in the layers' dtype, got " + v.shape_str());
+        KDN_CHECK_INPUT(block_ids.ndim() == 1, "gather_paged: block_ids must be 1-D");
+        const KvShape shape{paged.shape.layers, v.shape[2], paged.shape.kv_heads, paged.shape.head_dim};
+        py::gil_scoped_release release;
+        paged_copy_cpu(shape, paged.shape, paged.ptrs.data(), block_ids.data(), block_ids.shape(0), v.data,
+                       dtype_size(paged.dtype), 0, 0, shape.tokens, CopyDirection::kCacheToChunk, default_num_threads());
+      },
+      py::arg("layers"), py::arg("block_ids"), py::arg("out"),
+      "Copy a request's first out.shape[2] tokens out of vLLM's paged CPU KV blocks into a canonical chunk `out`.");
 
   m.def(
       "decode_chunks",

@@ -222,7 +222,7 @@ class KDNConnector(KVConnectorBase_V1):
         self._pending: dict[str, int] = {}  # req_id -> external tokens to load
         self._requests: dict[str, _Request] = {}
         # worker side
-        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._blocks: list[torch.Tensor] = []
         self._errors: set[int] = set()
         self._served: dict[str, int] = {}  # req_id -> tokens kdn loaded for it
         self._saves: queue.Queue = queue.Queue(maxsize=8)
@@ -302,18 +302,9 @@ class KDNConnector(KVConnectorBase_V1):
             self.io = None
             return
         # vLLM's CPU 'vec' kernel: each (block, head) holds K transposed, [head_dim, block_size], then
-        # V, [block_size, head_dim] (measured against HF's cache: tests/test_vllm.py)
-        bs, dim = self.block_size, layout.head_dim
-        self._blocks = [t for _, t in ordered]  # what kdn's C++ core lays chunks into (kdn/paged.h)
-        self._layers = []
-        for _, t in ordered:
-            flat = t.view(t.shape[0], t.shape[1], 2 * bs * dim)
-            self._layers.append((flat[:, :, : bs * dim].view(t.shape[0], t.shape[1], dim, bs),
-                                 flat[:, :, bs * dim:].view(t.shape[0], t.shape[1], bs, dim)))
-
-    def _slots(self, block_ids: list, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(start, end)
-        return torch.tensor(block_ids, dtype=torch.long)[positions // self.block_size], positions % self.block_size
+        # V, [block_size, head_dim] (measured against HF's cache); kdn's C++ core copies chunks in and
+        # out of it (kdn/paged.h)
+        self._blocks = [t for _, t in ordered]
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         if self.io is None or not self.has_connector_metadata():
@@ -346,11 +337,10 @@ class KDNConnector(KVConnectorBase_V1):
             n = len(spec.tokens)
             if self._served.pop(spec.req_id, 0) >= n - max(self.session.probe_step, 1):
                 continue  # kdn served this prompt: it holds its KV already
-            blocks, offsets = self._slots(spec.block_ids, 0, n)
-            kv = []
-            for keys, values in self._layers:  # copies: the blocks are vLLM's to reuse once this returns
-                kv.append(keys[blocks, :, :, offsets].transpose(0, 1).unsqueeze(0))
-                kv.append(values[blocks, :, offsets].transpose(0, 1).unsqueeze(0))
+            layout = self.session.layout  # a copy: the blocks are vLLM's to reuse once this returns
+            chunk = torch.empty(layout.layers, 2, n, layout.kv_heads, layout.head_dim, dtype=self._blocks[0].dtype)
+            _core.gather_paged(self._blocks, np.asarray(spec.block_ids, dtype=np.int64), chunk)
+            kv = [chunk[i, side].transpose(0, 1).unsqueeze(0) for i in range(layout.layers) for side in (0, 1)]
             self._start_saver()
             self._saves.put((np.asarray(spec.tokens, dtype=np.uint32), kv))
 
