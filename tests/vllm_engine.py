@@ -45,7 +45,7 @@ def main() -> None:
         def lookup_then_drop(self, request, num_computed_tokens):
             found = lookup(self, request, num_computed_tokens)
             if self.io is not None:
-                self.io.tiers.clear()
+                self.io.clear()
             return found
 
         connector.KDNConnector.get_num_new_matched_tokens = lookup_then_drop

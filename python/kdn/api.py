@@ -201,17 +201,17 @@ class KDN:
 
     def flush(self) -> None:
         """Wait until queued disk writes are on disk and queued remote stores are sent."""
-        self.chunks.tiers.flush()
+        self.chunks.flush()
 
     def stats(self) -> dict:
         """Per-tier counters: ``{"memory": {...}, "disk": {...}, "remote": {...}}`` with hits, misses,
         puts, evictions, rejected, entries, used/capacity/pinned bytes (disk also: writes, errors,
         corrupt, dropped, queued bytes, last_error; remote: errors, dropped, corrupt, skipped,
         state "ok"/"down")."""
-        return self.chunks.tiers.stats()
+        return self.chunks.stats()
 
     def clear(self) -> None:
         """Drop every stored chunk from every tier (the disk tier's files included) and hand the
         process's idle pooled buffers back to the system allocator."""
-        self.chunks.tiers.clear()
+        self.chunks.clear()
         _core.buffer_pool_trim()

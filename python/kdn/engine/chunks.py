@@ -136,7 +136,7 @@ class ChunkIO:
         keys = session.prefix_keys(tokens, include_partial=session.probe_step > 0)
         if len(tokens) % chunk and len(tokens) % chunk < session.probe_step:
             keys = keys[:-1]  # too short a tail for a probe to find
-        written = 0
+        written, pointers = 0, []
         for i, key in enumerate(keys):
             start = i * chunk
             count = min(chunk, len(tokens) - start)
@@ -146,24 +146,39 @@ class ChunkIO:
                     log.warning("kdn: chunk of %d bytes fits no tier (pinned entries hold the space?); not stored",
                                 len(blob))
                     break
-                self._point_to(session, keys[i - 1] if i else ROOT, key, tokens[start:start + count], start)
+                pointers.append((keys[i - 1] if i else ROOT, key, tokens[start:start + count], start))
             written += count
+        self._point_to(session, pointers)
         stored = -(-written // chunk)
-        retrievable = written if self.tiers.count_prefix(keys[:stored]) == stored else \
-            self.tiers.count_prefix(keys[:stored]) * chunk
+        held = self.tiers.count_prefix(keys[:stored])
+        retrievable = written if held == stored else held * chunk
         if retrievable < written:  # the prompt's tail evicted its own head
             log.warning("kdn: stored %d tokens but only the first %d can be retrieved: the prompt's KV is larger "
                         "than the tiers hold (memory_bytes=%d; add a disk tier or raise memory_bytes)",
                         written, retrievable, self.tiers.config.memory_bytes)
         return retrievable
 
-    def _point_to(self, session: ModelSession, parent: bytes, key: bytes, tokens: np.ndarray, position: int) -> None:
-        """File pointers to the chunk ``key`` under the probes of its tokens (not the probe of a whole
-        chunk: its own key answers that); a probe already filed keeps its first chunk."""
-        probes = session.probe_keys(parent, tokens[: session.chunk_size - 1])
-        for probe, held in zip(probes, self.tiers.held(probes)):
+    def _point_to(self, session: ModelSession, chunks: list) -> None:
+        """File pointers to each new chunk ``(parent, key, tokens, position)`` under the probes of its
+        tokens (not the probe of a whole chunk: its own key answers that), with one existence check
+        for all of them; a probe already filed keeps its first chunk."""
+        filed = [(probe, chunk) for chunk in chunks
+                 for probe in session.probe_keys(chunk[0], chunk[2][: session.chunk_size - 1])]
+        for (probe, (_, key, tokens, position)), held in zip(filed, self.tiers.held([p for p, _ in filed])):
             if not held:
                 self.tiers.put(probe, _core.pack_pointer(session.fingerprint, probe, key, position, tokens))
+
+    def flush(self) -> None:
+        """Wait until queued disk writes are on disk and queued remote stores are sent."""
+        self.tiers.flush()
+
+    def stats(self) -> dict:
+        """Per-tier counters (see :meth:`kdn.KDN.stats`)."""
+        return self.tiers.stats()
+
+    def clear(self) -> None:
+        """Drop every stored chunk and pointer from every tier."""
+        self.tiers.clear()
 
     def remove(self, session: ModelSession, tokens: np.ndarray) -> int:
         """Drop the chunks of ``tokens`` (and their pointers) from every tier; returns how many chunks were held."""

@@ -71,7 +71,7 @@ def stats() -> dict:
     """This process' connector counters (lookups, hit/loaded/stored tokens, load errors, seconds)
     and the tiers' own counters: ``{"connector": {...}, "memory": {...}, "disk": {...}, ...}``."""
     with _stores_lock:
-        tiers = {name: s for io, _ in _stores.values() for name, s in io.tiers.stats().items()}
+        tiers = {name: s for io, _ in _stores.values() for name, s in io.stats().items()}
         return {"connector": dict(_counters), **tiers}
 
 
@@ -358,7 +358,7 @@ class KDNConnector(KVConnectorBase_V1):
             try:
                 tokens, kv = item
                 stored = self.io.write(self.session, tokens, kv)
-                self.io.tiers.flush()
+                self.io.flush()
                 _count(stores=1, stored_tokens=stored, store_seconds=time.perf_counter() - began)
             except Exception as exc:  # storing is best effort; the request is answered already
                 log.warning("kdn: storing a prompt's KV failed (%s)", exc)

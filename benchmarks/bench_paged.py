@@ -1,0 +1,58 @@
+"""Laying a stored prefix into vLLM's paged CPU KV blocks (kdn/paged.h) against laying it into HF's
+per-layer tensors, for SmolLM2-135M-shaped fp32 KV (30 layers, 3 KV heads, head dim 64); and the
+model fingerprint from a checkpoint's files against the loaded model's.
+
+    python benchmarks/bench_paged.py --out benchmarks/results/paged
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import numpy as np
+import torch
+
+from kdn import KDN, KDNConfig, _core
+from kdn.keys import checkpoint_fingerprint, model_fingerprint
+from kdn.models.tiny import tiny_model
+from timing import save_result, timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="bench_out/paged")
+    args = parser.parse_args()
+    n = args.tokens
+    model = tiny_model("llama", layers=30, heads=9, kv_heads=3, head_dim=64, vocab_size=512)
+    kdn = KDN(KDNConfig(chunk_size=256))
+    session = kdn.session(model)
+    tokens = session.tokens(torch.randint(3, 512, (1, n)))
+    kdn.chunks.write(session, tokens, [torch.randn(1, 3, n, 64) for _ in range(60)])
+    blobs = [kdn.memory.get(key) for key in session.prefix_keys(tokens)]
+    hf = [torch.empty(1, 3, n, 64) for _ in range(60)]
+    blocks = [torch.zeros(-(-n // 128) + 8, 3, 128, 128) for _ in range(30)]
+    block_ids = np.arange(-(-n // 128), dtype=np.int64)[::-1].copy()  # a request's blocks, out of order
+    hf_s = timed(lambda: _core.unpack_chunks(blobs, hf, n), args.repeats)
+    paged_s = timed(lambda: _core.unpack_chunks_paged(blobs, blocks, block_ids, 0, n), args.repeats)
+    out = torch.empty(30, 2, n, 3, 64)
+    gather_s = timed(lambda: _core.gather_paged(blocks, block_ids, out), args.repeats)
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        files_s = timed(lambda: checkpoint_fingerprint(folder, torch.float32), args.repeats)
+        loaded_s = timed(lambda: model_fingerprint(model, refresh=True), args.repeats)
+    mib = n * 30 * 2 * 3 * 64 * 4 / 2**20
+    print(f"{n} tokens, {mib:.0f} MiB of KV: into HF tensors {hf_s * 1e3:.1f} ms, into vLLM's paged blocks "
+          f"{paged_s * 1e3:.1f} ms, out of them {gather_s * 1e3:.1f} ms")
+    print(f"fingerprint of a {sum(p.numel() for p in model.parameters()) * 4 / 2**20:.0f} MiB model: from its "
+          f"checkpoint files {files_s * 1e3:.0f} ms, from the loaded model {loaded_s * 1e3:.0f} ms")
+    print("saved", save_result(f"{args.out}/bench_paged.json", {
+        "tokens": n, "kv_mib": mib, "unpack_hf_ms": hf_s * 1e3, "unpack_paged_ms": paged_s * 1e3,
+        "gather_paged_ms": gather_s * 1e3, "fingerprint_files_ms": files_s * 1e3,
+        "fingerprint_loaded_ms": loaded_s * 1e3}))
+
+
+if __name__ == "__main__":
+    main()
