@@ -253,11 +253,11 @@ def test_disk_tier_counts_a_chunk_its_codec_cannot_take(tmp_path):
 def test_a_coded_payload_that_fails_to_decode_is_a_miss(tiny_llama, caplog):
     ids = random_ids(tiny_llama, 17, seed=5)
     _, cache = full_prefill(tiny_llama, ids)
-    kdn = KDN(KDNConfig(chunk_size=8, memory_codec="lossless"))
+    kdn = KDN(KDNConfig(chunk_size=8, memory_codec="lossless", delivery="whole"))
     kdn.store(tiny_llama, ids, cache)
     key = kdn.chunk_keys(tiny_llama, ids[0].tolist())[0]
     bad = bytearray(kdn.memory.get(key))
-    bad[-20] ^= 0xFF  # inside the last rANS lane...
+    bad[80 + _core.blob_parse(bad)["payload_bytes"] - 12] ^= 0xFF  # inside the last rANS lane...
     _core.blob_reseal(bad)  # ...with a valid checksum: only the decoder can notice
     kdn.memory.remove(key)
     kdn.memory.put(key, bytes(bad))

@@ -101,6 +101,7 @@ def test_values_are_sent_in_the_tier_codec_and_promoted_raw(tiny_llama, redis_se
     assert codecs.codec_of(stored).spec == "int8" and len(stored) < 0.4 * len(first.memory.get(keys[0]))
     second = KDN(config)  # empty memory: served from the remote store, decoded, promoted raw
     got, hit = second.retrieve(tiny_llama, ids, limit=32)
+    second.last_retrieve["stream"].wait_all()  # streamed layer-wise, then kept whole in memory
     assert hit == 32 and codecs.codec_of(second.memory.get(lossy_key)).name == "raw"
     with torch.inference_mode():
         logits = tiny_llama(ids[:, hit:], past_key_values=got).logits[0, -1]

@@ -83,7 +83,8 @@ def test_store_is_idempotent(tiny_llama, stored):
 
 
 def test_capacity_eviction_keeps_store_under_limit(tiny_llama):
-    per_chunk = 2 * 2 * CHUNK * 2 * 16 * 4 + 88  # layers*2*tokens*heads*dim*4 + header/trailer
+    per_chunk = 2 * 2 * CHUNK * 2 * 16 * 4 + 80 + 8 * (1 + 2 * 2) + 8  # layers*2*tokens*heads*dim*4 + header,
+    # the section sums (one for the header, one per plane) and the checksum
     kdn = KDN(KDNConfig(chunk_size=CHUNK, memory_bytes=3 * per_chunk))
     for seed in range(4):
         ids = random_ids(tiny_llama, 24, seed=seed)

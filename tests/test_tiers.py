@@ -191,6 +191,7 @@ def test_memory_returns_to_the_baseline_after_clear(tiny_llama):
     kdn.store(tiny_llama, ids, full_prefill(tiny_llama, ids)[1])
     cache, hit = kdn.retrieve(tiny_llama, ids)
     assert hit == 40 and _core.buffer_live_bytes() > baseline
+    kdn.last_retrieve["stream"].wait_all()  # layer-wise: the blobs are held until delivered
     del cache
     kdn.clear()
     gc.collect()

@@ -228,17 +228,18 @@ void bind_kv(py::module_& m) {
 
   m.def(
       "unpack_chunks",
-      [](const py::list& blobs, const py::sequence& kv, int64_t count) {
+      [](const py::list& blobs, const py::sequence& kv, int64_t count, int64_t first_layer, int64_t layers) {
         KvViews v = kv_views(kv, true);
         KDN_CHECK_INPUT(v.device == DeviceType::kCPU, "unpack_chunks: tensors must be on the CPU");
         std::vector<ByteSpan> keep;
         const std::vector<ChunkBytes> spans = chunk_bytes(blobs, &keep);
         py::gil_scoped_release release;
         unpack_chunks(spans, KvShape{v.layers, v.seq, v.heads, v.dim}, v.table(), v.dtype, count,
-                      default_num_threads());
+                      default_num_threads(), first_layer, layers);
       },
-      py::arg("blobs"), py::arg("kv"), py::arg("count"),
-      "Copy the first `count` tokens held by consecutive blobs into per-layer KV tensors.");
+      py::arg("blobs"), py::arg("kv"), py::arg("count"), py::arg("first_layer") = 0, py::arg("layers") = -1,
+      "Copy the first `count` tokens held by consecutive blobs into per-layer KV tensors; `kv` may hold\n"
+      "layers [first_layer, ...) of the blobs' `layers` only (layer-wise delivery; only those planes are read).");
 
   // kv_copy_cpu / kv_copy_cuda: the same checks, then the CPU oracle or its CUDA twin.
   auto bind_copy = [&m](const char* name, DeviceType device, const char* doc) {

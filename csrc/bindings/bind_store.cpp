@@ -26,6 +26,7 @@ BufferPtr buffer_from_object(py::handle obj) {
 
 py::dict header_to_dict(const BlobHeader& h) {
   py::dict d;
+  d["version"] = h.version;
   d["kind"] = h.kind == kBlobKindKV ? "kv" : "pointer";
   d["codec"] = h.codec;
   d["codec_params"] = h.codec_params;
@@ -125,6 +126,45 @@ void bind_store(py::module_& m) {
       py::arg("blob"), py::arg("verify_checksum") = true,
       "Validate a blob and return its header as a dict; raises BlobError. A kdn Buffer whose checksum\n"
       "was checked is marked verified, so retrieve does not hash it again.");
+
+  m.def(
+      "blob_sections",
+      [](py::handle prefix) {
+        ByteSpan span = bytes_from_object(prefix, "prefix");
+        BlobHeader h;
+        Status st = blob_parse_header(span.data, span.size, &h);
+        if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
+        const uint64_t table = kBlobHeaderBytes + blob_table_bytes(h);
+        KDN_CHECK_INPUT(span.size >= table, "blob_sections: the prefix must hold the header and the plane table (" +
+                                                std::to_string(table) + " bytes)");
+        py::dict d = header_to_dict(h);
+        py::list ranges;
+        if (h.version >= 2)
+          for (const auto& r : blob_section_ranges(h, span.data + kBlobHeaderBytes, span.size - kBlobHeaderBytes))
+            ranges.append(py::make_tuple(r.first, r.second));
+        d["sections"] = ranges;
+        d["trailer"] = py::make_tuple(kBlobHeaderBytes + h.payload_bytes, blob_total_bytes(h));
+        d["total_bytes"] = blob_total_bytes(h);
+        return d;
+      },
+      py::arg("prefix"),
+      "Header and byte ranges of a blob from its first bytes (header and plane table, kdn/blob.h):\n"
+      "the header dict plus 'sections' ([begin, end) per checksummed section: 0 = header and table, then\n"
+      "one per plane; empty for version 1), 'trailer' and 'total_bytes'.");
+  m.def(
+      "blob_verify_sections",
+      [](py::handle blob, uint64_t first, uint64_t last) {
+        ByteSpan span = bytes_from_object(blob, "blob");
+        Status st;
+        {
+          py::gil_scoped_release release;
+          st = blob_verify_sections(span.data, span.size, first, last);
+        }
+        if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
+      },
+      py::arg("blob"), py::arg("first"), py::arg("last"),
+      "Verify sections [first, last] (and section 0) of a version-2 blob of which only those bytes and\n"
+      "the trailer need have arrived; raises BlobError.");
 
   m.def("buffer_live_bytes", &Buffer::live_bytes, "Bytes held by all live kdn buffers in this process.");
   m.def("eviction_policies", &eviction_policy_names);

@@ -86,30 +86,37 @@ std::vector<uint8_t> codec_encode(const BlobHeader& h, const uint8_t* raw, int t
 }
 
 Status codec_decode(const BlobHeader& h, const uint8_t* payload, size_t size, uint8_t* out, int threads) {
+  return codec_decode_planes(h, payload, size, out, 0, 2 * static_cast<int64_t>(h.layers), threads);
+}
+
+Status codec_decode_planes(const BlobHeader& h, const uint8_t* payload, size_t size, uint8_t* out, int64_t first,
+                           int64_t last, int threads) {
+  const int64_t planes = 2 * static_cast<int64_t>(h.layers);
+  if (first < 0 || first >= last || last > planes) return Status::Fail("codec_decode: no such planes");
+  const size_t plane_raw = raw_payload_bytes(h) / planes;
   if (h.codec == kCodecRaw) {
     if (size != raw_payload_bytes(h)) return Status::Fail("raw payload size does not match its header");
-    std::memcpy(out, payload, size);
+    std::memcpy(out, payload + first * plane_raw, (last - first) * plane_raw);
     return Status::Ok();
   }
   Status st = codec_check(h.codec, h.codec_params);
   if (!st.ok) return st;
-  const int64_t planes = 2 * static_cast<int64_t>(h.layers);
-  const size_t plane_raw = raw_payload_bytes(h) / planes;
   ByteReader reader(payload, size);
   std::vector<const uint8_t*> starts(planes);
   std::vector<uint32_t> sizes(planes);
   for (auto& s : sizes) s = reader.get<uint32_t>();
   for (int64_t p = 0; p < planes; ++p) starts[p] = reader.take(sizes[p]);
   if (!reader.ok() || reader.remaining() != 0) return Status::Fail("codec payload: plane sizes do not match the payload");
-  std::vector<char> ok(planes, 0);
-  parallel_for(planes, threads, [&](int64_t p) {
+  std::vector<char> ok(planes, 1);
+  parallel_for(last - first, threads, [&](int64_t i) {
+    const int64_t p = first + i;
     const Plane plane = plane_of(h, p);
-    uint8_t* dst = out + p * plane_raw;
+    uint8_t* dst = out + i * plane_raw;
     if (h.codec == kCodecLossless) ok[p] = lossless_decode(plane, starts[p], sizes[p], dst);
     else if (h.codec == kCodecKivi) ok[p] = kivi_decode(plane, h.codec_params, starts[p], sizes[p], dst);
     else ok[p] = cachegen_decode(plane, h.codec_params, starts[p], sizes[p], dst);
   });
-  for (int64_t p = 0; p < planes; ++p)
+  for (int64_t p = first; p < last; ++p)
     if (!ok[p])
       return Status::Fail("codec payload: plane " + std::to_string(p) + " (layer " + std::to_string(p / 2) +
                           (p & 1 ? " values" : " keys") + ") is corrupt");

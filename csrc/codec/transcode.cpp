@@ -30,6 +30,7 @@ BufferPtr blob_transcode(const BlobHeader& h, const uint8_t* blob, uint8_t codec
     return copy;
   }
   BlobHeader out = h;
+  out.version = kBlobVersion;  // a version-1 blob is re-sealed in the current format
   out.key = coded_key(h, codec, params);
   out.codec = codec;
   out.codec_params = params;
@@ -37,7 +38,7 @@ BufferPtr blob_transcode(const BlobHeader& h, const uint8_t* blob, uint8_t codec
   const uint8_t* payload = blob + kBlobHeaderBytes;
   if (codec == kCodecRaw) {  // decode straight into the new blob
     out.payload_bytes = raw_bytes;
-    auto result = std::make_shared<Buffer>(kBlobHeaderBytes + raw_bytes + kBlobTrailerBytes);
+    auto result = std::make_shared<Buffer>(blob_total_bytes(out));
     Status st = codec_decode(h, payload, h.payload_bytes, result->data() + kBlobHeaderBytes, threads);
     if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
     blob_write_header(out, result->data());
@@ -54,7 +55,7 @@ BufferPtr blob_transcode(const BlobHeader& h, const uint8_t* blob, uint8_t codec
   }
   const std::vector<uint8_t> coded = codec_encode(out, payload, threads, report);
   out.payload_bytes = coded.size();
-  auto result = std::make_shared<Buffer>(kBlobHeaderBytes + coded.size() + kBlobTrailerBytes);
+  auto result = std::make_shared<Buffer>(blob_total_bytes(out));
   blob_write_header(out, result->data());
   std::memcpy(result->data() + kBlobHeaderBytes, coded.data(), coded.size());
   blob_seal(result->data(), result->size());

@@ -1,6 +1,7 @@
 // Blob header encoding, sealing and bounds-checked parsing (format in kdn/blob.h).
 #include "kdn/blob.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "kdn/codec.h"
@@ -42,7 +43,7 @@ uint64_t raw_payload_bytes(const BlobHeader& h) {
 void blob_write_header(const BlobHeader& h, uint8_t* out) {
   std::memset(out, 0, kBlobHeaderBytes);
   std::memcpy(out, kMagic, 4);
-  put_le<uint16_t>(out, 4, kBlobVersion);
+  put_le<uint16_t>(out, 4, h.version);
   put_le<uint16_t>(out, 6, static_cast<uint16_t>(kBlobHeaderBytes));
   out[8] = h.codec;
   out[9] = static_cast<uint8_t>(h.dtype);
@@ -58,8 +59,73 @@ void blob_write_header(const BlobHeader& h, uint8_t* out) {
   put_le<uint64_t>(out, 68, h.payload_bytes);
 }
 
+std::vector<std::pair<uint64_t, uint64_t>> blob_section_ranges(const BlobHeader& h, const uint8_t* payload,
+                                                               uint64_t available) {
+  const uint64_t end = kBlobHeaderBytes + h.payload_bytes;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  if (h.kind != kBlobKindKV) return {{0, end}};
+  const uint64_t planes = 2 * uint64_t(h.layers);
+  const uint64_t table = std::min(blob_table_bytes(h), h.payload_bytes);
+  ranges.reserve(planes + 1);
+  ranges.push_back({0, kBlobHeaderBytes + table});
+  uint64_t at = kBlobHeaderBytes + table;
+  const uint64_t plane_raw = h.codec == kCodecRaw ? raw_payload_bytes(h) / std::max<uint64_t>(planes, 1) : 0;
+  for (uint64_t p = 0; p < planes; ++p) {
+    uint64_t size = plane_raw;
+    if (h.codec != kCodecRaw) size = 4 * p + 4 <= std::min(table, available) ? get_le<uint32_t>(payload, 4 * p) : 0;
+    const uint64_t next = p + 1 == planes ? end : std::min(end, at + size);
+    ranges.push_back({at, next});
+    at = next;
+  }
+  return ranges;
+}
+
+namespace {
+
+// The section sums of a version-2 blob whose bytes are all at hand.
+void section_sums(const BlobHeader& h, const uint8_t* blob, uint64_t* sums) {
+  const auto ranges = blob_section_ranges(h, blob + kBlobHeaderBytes, h.payload_bytes);
+  for (size_t i = 0; i < ranges.size(); ++i)
+    sums[i] = xxh64(blob + ranges[i].first, static_cast<size_t>(ranges[i].second - ranges[i].first));
+}
+
+}  // namespace
+
 void blob_seal(uint8_t* blob, size_t size) {
+  BlobHeader h;
+  if (size >= kBlobHeaderBytes && blob_parse_header(blob, size, &h).ok && h.version >= 2 &&
+      blob_total_bytes(h) == size) {
+    uint8_t* sums = blob + kBlobHeaderBytes + h.payload_bytes;
+    std::vector<uint64_t> values(blob_sections(h));
+    section_sums(h, blob, values.data());
+    std::memcpy(sums, values.data(), 8 * values.size());
+    put_le<uint64_t>(blob, size - kBlobTrailerBytes, xxh64(sums, 8 * values.size()));
+    return;
+  }
+  // version 1, or bytes that are not a well-formed header (tests reseal corrupted blobs)
   put_le<uint64_t>(blob, size - kBlobTrailerBytes, xxh64(blob, size - kBlobTrailerBytes));
+}
+
+Status blob_verify_sections(const uint8_t* data, size_t size, uint64_t first, uint64_t last) {
+  BlobHeader h;
+  Status st = blob_parse_header(data, size, &h);
+  if (!st.ok) return st;
+  if (h.version < 2) return Status::Fail("a version-1 blob can only be verified whole");
+  if (blob_total_bytes(h) != size) return Status::Fail("blob size does not match its header");
+  const uint64_t n = blob_sections(h);
+  if (first > last || last >= n) return Status::Fail("blob_verify_sections: no such sections");
+  const uint8_t* sums = data + kBlobHeaderBytes + h.payload_bytes;
+  if (get_le<uint64_t>(data, size - kBlobTrailerBytes) != xxh64(sums, 8 * n))
+    return Status::Fail("blob section sums do not match their checksum");
+  const auto ranges = blob_section_ranges(h, data + kBlobHeaderBytes, h.payload_bytes);
+  auto check = [&](uint64_t i) {
+    return get_le<uint64_t>(sums, 8 * i) ==
+           xxh64(data + ranges[i].first, static_cast<size_t>(ranges[i].second - ranges[i].first));
+  };
+  if (!check(0)) return Status::Fail("blob checksum mismatch (header section)");
+  for (uint64_t i = std::max<uint64_t>(first, 1); i <= last; ++i)
+    if (!check(i)) return Status::Fail("blob checksum mismatch (section " + std::to_string(i) + ")");
+  return Status::Ok();
 }
 
 Status blob_parse_header(const uint8_t* data, size_t size, BlobHeader* out) {
@@ -68,10 +134,11 @@ Status blob_parse_header(const uint8_t* data, size_t size, BlobHeader* out) {
                         std::to_string(kBlobHeaderBytes + kBlobTrailerBytes));
   if (std::memcmp(data, kMagic, 4) != 0) return Status::Fail("not a kdn blob (bad magic)");
   uint16_t version = get_le<uint16_t>(data, 4);
-  if (version != kBlobVersion)
+  if (version < kBlobVersionMin || version > kBlobVersion)
     return Status::Fail("unsupported blob format version " + std::to_string(version));
   if (get_le<uint16_t>(data, 6) != kBlobHeaderBytes) return Status::Fail("bad blob header size");
   BlobHeader h;
+  h.version = version;
   h.kind = get_le<uint16_t>(data, 10);
   if (h.kind != kBlobKindKV && h.kind != kBlobKindPointer) return Status::Fail("unknown blob kind " + std::to_string(h.kind));
   h.codec = data[8];
@@ -109,12 +176,20 @@ Status blob_parse(const uint8_t* data, size_t size, bool verify_checksum, BlobHe
   BlobHeader h;
   Status st = blob_parse_header(data, size, &h);
   if (!st.ok) return st;
-  if (size != kBlobHeaderBytes + h.payload_bytes + kBlobTrailerBytes)
+  if (size != blob_total_bytes(h))
     return Status::Fail("blob size " + std::to_string(size) + " does not match its header (" +
-                        std::to_string(kBlobHeaderBytes + h.payload_bytes + kBlobTrailerBytes) + ")");
-  if (verify_checksum &&
-      get_le<uint64_t>(data, size - kBlobTrailerBytes) != xxh64(data, size - kBlobTrailerBytes))
+                        std::to_string(blob_total_bytes(h)) + ")");
+  if (verify_checksum && h.version >= 2) {
+    std::vector<uint64_t> sums(blob_sections(h));
+    section_sums(h, data, sums.data());
+    const uint8_t* stored = data + kBlobHeaderBytes + h.payload_bytes;
+    if (std::memcmp(stored, sums.data(), 8 * sums.size()) != 0 ||
+        get_le<uint64_t>(data, size - kBlobTrailerBytes) != xxh64(stored, 8 * sums.size()))
+      return Status::Fail("blob checksum mismatch");
+  } else if (verify_checksum &&
+             get_le<uint64_t>(data, size - kBlobTrailerBytes) != xxh64(data, size - kBlobTrailerBytes)) {
     return Status::Fail("blob checksum mismatch");
+  }
   *out = h;
   return Status::Ok();
 }

@@ -80,16 +80,19 @@ int64_t verify_chunks(const std::vector<ChunkBytes>& blobs, const std::vector<Ke
 }
 
 void unpack_chunks(const std::vector<ChunkBytes>& blobs, const KvShape& shape, const KvTable& table, DType dtype,
-                   int64_t count, int threads) {
+                   int64_t count, int threads, int64_t first_layer, int64_t total_layers) {
+  if (total_layers < 0) total_layers = shape.layers;
   KDN_CHECK_INPUT(count >= 0 && count <= shape.tokens, "unpack_chunks: count exceeds the destination length");
+  KDN_CHECK_INPUT(first_layer >= 0 && shape.layers > 0 && first_layer + shape.layers <= total_layers,
+                  "unpack_chunks: bad layer range");
   std::vector<BlobHeader> headers(blobs.size());
   int64_t available = 0;
   for (size_t i = 0; i < blobs.size(); ++i) {
     Status st = blob_parse(blobs[i].data, blobs[i].size, false, &headers[i]);
     if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
     const BlobHeader& h = headers[i];
-    KDN_CHECK_INPUT(h.dtype == dtype && h.layers == shape.layers && h.kv_heads == shape.kv_heads &&
-                        h.head_dim == shape.head_dim,
+    KDN_CHECK_INPUT(h.kind == kBlobKindKV && h.dtype == dtype && h.layers == total_layers &&
+                        h.kv_heads == shape.kv_heads && h.head_dim == shape.head_dim,
                     "unpack_chunks: blob " + std::to_string(i) + " layout does not match the destination");
     available += h.tokens;
   }
@@ -98,13 +101,17 @@ void unpack_chunks(const std::vector<ChunkBytes>& blobs, const KvShape& shape, c
   // Parallelism is inside each chunk's copy (over layers x heads); chunks run in order.
   int64_t pos = 0;
   for (size_t i = 0; i < blobs.size() && pos < count; ++i) {
-    const int64_t n = std::min<int64_t>(headers[i].tokens, count - pos);
-    const KvShape chunk_shape{shape.layers, headers[i].tokens, shape.kv_heads, shape.head_dim};
-    uint8_t* chunk = const_cast<uint8_t*>(blobs[i].data) + kBlobHeaderBytes;
+    const BlobHeader& h = headers[i];
+    const int64_t n = std::min<int64_t>(h.tokens, count - pos);
+    const KvShape chunk_shape{shape.layers, h.tokens, shape.kv_heads, shape.head_dim};
+    const int64_t first = 2 * first_layer, last = 2 * (first_layer + shape.layers);
+    const size_t plane_raw = raw_payload_bytes(h) / (2 * h.layers);
+    uint8_t* chunk = const_cast<uint8_t*>(blobs[i].data) + kBlobHeaderBytes + first * plane_raw;
     BufferPtr decoded;  // coded blobs are decoded into a pooled buffer, then copied like raw ones
-    if (headers[i].codec != kCodecRaw) {
-      decoded = std::make_shared<Buffer>(raw_payload_bytes(headers[i]));
-      Status st = codec_decode(headers[i], chunk, headers[i].payload_bytes, decoded->data(), threads);
+    if (h.codec != kCodecRaw) {
+      decoded = std::make_shared<Buffer>((last - first) * plane_raw);
+      Status st = codec_decode_planes(h, blobs[i].data + kBlobHeaderBytes, h.payload_bytes, decoded->data(), first,
+                                      last, threads);
       if (!st.ok) throw BlobError("unpack_chunks: blob " + std::to_string(i) + ": " + st.message, __FILE__, __LINE__);
       chunk = decoded->data();
     }

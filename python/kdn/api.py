@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import numbers
 import threading
+import time
 
 import torch
 
 from kdn import _core
 from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
+from kdn.delivery import Deliverer, streamed_cache
 from kdn.engine import ChunkIO, HFTarget, ModelSession, Sessions
 from kdn.layout import cache_to_kv_list, check_kv_matches, kv_list_to_cache
 from kdn.storage import TierManager
@@ -36,6 +38,7 @@ class KDN:
     def __init__(self, config: KDNConfig | None = None):
         self.config = config or KDNConfig()
         self.chunks = ChunkIO(TierManager(self.config))
+        self.delivery = Deliverer(self.chunks, self.config)
         self._sessions = Sessions(self.config.chunk_size, min(self.config.probe_step, self.config.chunk_size))
         self._local = threading.local()
 
@@ -88,15 +91,38 @@ class KDN:
         ``(None, 0)`` on a miss. ``limit`` caps the hit (``generate`` passes ``len - 1`` so that
         the last prompt token is always prefilled to produce logits). A corrupt, truncated or
         foreign blob ends the hit before it, is dropped from the store and logged once.
+
+        With ``config.delivery="layerwise"`` (default; models on the CPU) the cache comes back at
+        once while its layers are still arriving: the model's attention at layer i waits for layer
+        i only (:mod:`kdn.delivery`). If the delivery fails mid-way (the remote store goes down),
+        the model's forward raises :class:`kdn.delivery.DeliveryError`; :meth:`generate` then
+        recomputes the prompt. :attr:`last_retrieve` describes what was served.
         """
+        started = time.perf_counter()
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral)):
             if not (isinstance(limit, float) and limit.is_integer()):
                 raise InvalidInputError(f"retrieve: limit must be a whole number of tokens or None, got {limit!r}")
         session = self.session(model)
         tokens = session.tokens(token_ids)
         limit = len(tokens) if limit is None else max(0, min(int(limit), len(tokens)))
-        kv, hit = self.chunks.read(session, tokens, limit, HFTarget(next(model.parameters()).device))
+        device = next(model.parameters()).device
+        if self.config.delivery == "layerwise" and device.type == "cpu":
+            opened = self.delivery.open(session, tokens, limit, started)
+            if opened is not None:  # else: not streamable (e.g. a keyed remote tier): read whole
+                stream, hit = opened
+                self._local.last_retrieve = {"hit_tokens": hit, "stream": stream}
+                return (streamed_cache(model, stream), hit) if hit else (None, 0)
+        info: dict = {}
+        kv, hit = self.chunks.read(session, tokens, limit, HFTarget(device), info)
+        self._local.last_retrieve = {"hit_tokens": hit, "stream": None, "lossy": info.get("lossy", False)}
         return (kv_list_to_cache(model, kv), hit) if hit else (None, 0)
+
+    @property
+    def last_retrieve(self) -> dict | None:
+        """This thread's last :meth:`retrieve`: ``{"hit_tokens", "stream", "lossy"}``; ``stream`` is the
+        :class:`kdn.delivery.LayerStream` of a layer-wise hit (its ``stats``: levels, bytes,
+        bandwidth, chunks streamed and recomputed), and then ``lossy`` is in its stats."""
+        return getattr(self._local, "last_retrieve", None)
 
     @property
     def last_generate(self) -> dict | None:
@@ -207,8 +233,9 @@ class KDN:
         """Per-tier counters: ``{"memory": {...}, "disk": {...}, "remote": {...}}`` with hits, misses,
         puts, evictions, rejected, entries, used/capacity/pinned bytes (disk also: writes, errors,
         corrupt, dropped, queued bytes, last_error; remote: errors, dropped, corrupt, skipped,
-        state "ok"/"down")."""
-        return self.chunks.stats()
+        state "ok"/"down"), and ``"delivery"``: layer-wise streams, chunks streamed and recomputed,
+        bytes, layer groups served per level, failures, measured bandwidth and round trip."""
+        return {**self.chunks.stats(), "delivery": self.delivery.stats()}
 
     def clear(self) -> None:
         """Drop every stored chunk from every tier (the disk tier's files included) and hand the

@@ -19,8 +19,10 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": KiB, "m": 1000**2, "mb": 
 WRITE_POLICIES = ("memory-only", "write-through", "write-back")
 EVICTION_POLICIES = ("lru", "s3fifo")
 _SIZE_FIELDS = ("memory_bytes", "disk_bytes", "disk_queue_bytes", "remote_part_bytes", "remote_queue_bytes")
-_INT_FIELDS = ("chunk_size", "disk_read_threads")
-_SECONDS_FIELDS = ("remote_timeout", "remote_ttl", "remote_retry_seconds")
+_INT_FIELDS = ("chunk_size", "disk_read_threads", "layer_group")
+_SECONDS_FIELDS = ("remote_timeout", "remote_ttl", "remote_retry_seconds", "ttft_deadline")
+_OPTIONAL_SECONDS = ("remote_ttl", "ttft_deadline")
+DELIVERY_MODES = ("layerwise", "whole")
 MAX_BYTES = 1 << 60  # 1 EiB: larger sizes are typos, and overflow the C++ stores' arithmetic
 MAX_READ_THREADS = 64
 # KDN_* variables that are not settings (read by the build, the tests, CI and data lookup).
@@ -105,6 +107,23 @@ class KDNConfig:
             tiers. Lossy chunks are filed under their own keys (``kdn/codec.h``: ``lossy_key``), so
             a reader that wants exact KV misses a lossy writer's chunks and stores exact ones
             beside them, in every tier it shares.
+        delivery: how a hit reaches the model. ``"layerwise"`` (default): chunks are fetched,
+            verified and decoded one layer group at a time by worker threads while the model
+            computes the layers already delivered (:mod:`kdn.delivery`; a remote tier streams byte
+            ranges, so transfer overlaps compute). ``"whole"``: everything is laid out first.
+            Models on a CUDA device are served whole.
+        layer_group: layers per delivered group (default 3: SmolLM2's 30 layers in 10 groups).
+        ttft_deadline: seconds to first token that a remote hit aims for (None, default: no
+            deadline, the exact KV is streamed). With a deadline, each layer group's level is
+            picked from the bandwidth measured so far so that the deadline holds (the exact KV,
+            then each of ``delivery_levels`` in order), and chunks that could not arrive in time
+            are recomputed from their tokens instead (never slower than a full prefill, by the
+            measured prefill speed). The levels served are in :meth:`kdn.KDN.stats` under
+            ``"delivery"``.
+        delivery_levels: lossy codec specs, best first, that chunks sent to the remote tier are
+            also stored in for adaptive delivery (e.g. ``("cachegen:level=3", "cachegen:level=2",
+            "cachegen:level=1", "int2")``). Default ``()``: exact KV only. KV served at a lossy
+            level is never stored back as exact.
 
     Sources, later wins: defaults, a YAML file, ``KDN_<FIELD>`` environment variables, keyword
     arguments (:meth:`load`).
@@ -136,6 +155,10 @@ class KDNConfig:
     disk_codec: str = "raw"
     remote_codec: str = "raw"
     accept_codecs: tuple = ()
+    delivery: str = "layerwise"
+    layer_group: int = 3
+    ttft_deadline: float | None = None
+    delivery_levels: tuple = ()
     disk_shared: bool = False
     secret: str | None = dataclasses.field(default=None, repr=False)
 
@@ -157,7 +180,7 @@ class KDNConfig:
         if self.chunk_size > 1 << 20:
             raise InvalidInputError(f"KDNConfig.chunk_size={self.chunk_size} is too large (max 1048576)")
         for name, choices in (("memory_policy", EVICTION_POLICIES), ("disk_policy", EVICTION_POLICIES),
-                              ("write_policy", WRITE_POLICIES)):
+                              ("write_policy", WRITE_POLICIES), ("delivery", DELIVERY_MODES)):
             if getattr(self, name) not in choices:
                 raise InvalidInputError(f"KDNConfig.{name}={getattr(self, name)!r}; choose one of {', '.join(choices)}")
         for name in ("disk_fsync", "disk_shared"):
@@ -167,7 +190,7 @@ class KDNConfig:
             raise InvalidInputError("KDNConfig.secret must be a string or bytes of at least 8 characters (or None)")
         for name in _SECONDS_FIELDS:
             value = getattr(self, name)
-            if value is None and name == "remote_ttl":
+            if value is None and name in _OPTIONAL_SECONDS:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise InvalidInputError(f"KDNConfig.{name} must be a positive number of seconds, got {value!r}")
@@ -181,15 +204,12 @@ class KDNConfig:
                 object.__setattr__(self, name, codecs.parse(getattr(self, name)).spec)
             except InvalidInputError as e:
                 raise InvalidInputError(f"KDNConfig.{name}: {e}") from None
-        accept = self.accept_codecs
-        if isinstance(accept, str):
-            accept = [a for a in (s.strip() for s in accept.split(",")) if a]
-        if not isinstance(accept, (list, tuple)):
-            raise InvalidInputError(f"KDNConfig.accept_codecs must be a list of codec specs, got {accept!r}")
-        try:
-            object.__setattr__(self, "accept_codecs", tuple(dict.fromkeys(codecs.parse(a).spec for a in accept)))
-        except InvalidInputError as e:
-            raise InvalidInputError(f"KDNConfig.accept_codecs: {e}") from None
+        for name in ("accept_codecs", "delivery_levels"):
+            object.__setattr__(self, name, _codec_list(name, getattr(self, name)))
+        for spec in self.delivery_levels:
+            if not codecs.parse(spec).lossy:
+                raise InvalidInputError(f"KDNConfig.delivery_levels: {spec!r} is exact; the exact level (remote_codec) "
+                                        "is always first, list the lossy levels after it")
         if self.remote_url is not None:
             scheme = str(self.remote_url).split("://", 1)[0] if "://" in str(self.remote_url) else ""
             if scheme not in SCHEMES:
@@ -242,6 +262,20 @@ class KDNConfig:
 
         specs = (self.memory_codec, self.disk_codec, self.remote_codec, *self.accept_codecs)
         return tuple(dict.fromkeys(s for s in specs if codecs.parse(s).lossy))
+
+
+def _codec_list(name: str, value) -> tuple:
+    """A tuple of canonical codec specs from a list or a comma-separated string."""
+    from kdn import codecs
+
+    if isinstance(value, str):
+        value = [a for a in (s.strip() for s in value.split(",")) if a]
+    if not isinstance(value, (list, tuple)):
+        raise InvalidInputError(f"KDNConfig.{name} must be a list of codec specs, got {value!r}")
+    try:
+        return tuple(dict.fromkeys(codecs.parse(a).spec for a in value))
+    except InvalidInputError as e:
+        raise InvalidInputError(f"KDNConfig.{name}: {e}") from None
 
 
 def _field_names() -> list[str]:
@@ -302,7 +336,7 @@ def _from_text(name: str, raw: str, where: str):
             raise InvalidInputError(f"{where}={raw!r} is not a boolean (true/false)")
         return lowered in ("1", "true", "yes", "on")
     if name in _SECONDS_FIELDS:
-        if name == "remote_ttl" and raw.strip().lower() in ("", "none", "off"):
+        if name in _OPTIONAL_SECONDS and raw.strip().lower() in ("", "none", "off"):
             return None
         try:
             return float(raw)

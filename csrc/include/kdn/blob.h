@@ -1,8 +1,8 @@
-// The one self-describing blob format of every tier: header + payload + XXH64 checksum.
+// The one self-describing blob format of every tier: header + payload + checksums.
 //
 // Layout (little endian):
 //   0  char[4]  magic "KDNB"          36 u8[16] model fingerprint
-//   4  u16      format version (1)    52 u8[16] chunk key
+//   4  u16      format version (2)    52 u8[16] chunk key
 //   6  u16      header bytes (80)     68 u64    payload bytes
 //   8  u8       codec id (0 = raw)    76 u32    reserved (0)
 //   9  u8       dtype (kdn::DType)    80 ...    payload
@@ -14,6 +14,13 @@
 //  28  u32      first position
 //  32  u32      codec parameters (kdn/codec.h; 0 for raw)
 //
+// Trailer. Version 1: u64 XXH64 of everything before it. Version 2 (written since delivery
+// streams layer groups): u64 XXH64 of each *section*, then u64 XXH64 of those section sums, so a
+// reader that fetched only some layers verifies what it fetched. Section 0 is the header and the
+// payload's plane-size table (coded KV: u32 per plane, kdn/codec.h; raw KV: none; a pointer: its
+// whole payload); sections 1..2*layers are the planes (plane p = layer p/2, K if p is even, V if
+// odd), the last one running to the payload's end. Readers accept both versions.
+//
 // Kinds: 0 = a KV chunk (payload: [layers, 2, tokens, kv_heads, head_dim] in `dtype`, or coded);
 // 1 = a pointer (raw; layers, kv heads and head dim 0; payload: the 16-byte key of a stored
 // chunk, then its `tokens` token ids as u32; see kdn/chunk.h). Readers of format 1 that predate
@@ -23,6 +30,8 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "kdn/buffer_pool.h"
 #include "kdn/common.h"
@@ -30,7 +39,8 @@
 
 namespace kdn {
 
-constexpr uint16_t kBlobVersion = 1;
+constexpr uint16_t kBlobVersion = 2;      // written
+constexpr uint16_t kBlobVersionMin = 1;   // still read
 constexpr size_t kBlobHeaderBytes = 80;
 constexpr size_t kBlobTrailerBytes = 8;
 constexpr uint8_t kCodecRaw = 0;
@@ -38,6 +48,7 @@ constexpr uint16_t kBlobKindKV = 0;
 constexpr uint16_t kBlobKindPointer = 1;
 
 struct BlobHeader {
+  uint16_t version = kBlobVersion;
   uint16_t kind = kBlobKindKV;
   uint8_t codec = kCodecRaw;
   uint32_t codec_params = 0;
@@ -93,7 +104,7 @@ uint64_t raw_payload_bytes(const BlobHeader& h);
 // Writes the header into out[0, kBlobHeaderBytes).
 void blob_write_header(const BlobHeader& h, uint8_t* out);
 
-// Writes the checksum trailer of a complete blob of `size` bytes.
+// Writes the checksum trailer of a complete blob of `size` bytes (its header says the version).
 void blob_seal(uint8_t* blob, size_t size);
 
 // Parses and validates a blob: bounds, magic, version, codec and its parameters, dims, sizes and
@@ -108,7 +119,34 @@ Status blob_parse(const uint8_t* data, size_t size, bool verify_checksum, BlobHe
 // checks before it reads (or allocates for) the rest of a blob.
 Status blob_parse_header(const uint8_t* data, size_t size, BlobHeader* out);
 
+// Checksummed sections of a version-2 blob (0 for version 1): section 0, then one per plane.
+inline uint64_t blob_sections(const BlobHeader& h) {
+  return h.version < 2 ? 0 : h.kind == kBlobKindKV ? 1 + 2 * uint64_t(h.layers) : 1;
+}
+
+// Bytes after the payload: the section sums (version 2) and the final XXH64.
+inline uint64_t blob_trailer_bytes(const BlobHeader& h) { return 8 * blob_sections(h) + kBlobTrailerBytes; }
+
 // Total bytes of the blob that a parsed header describes.
-inline uint64_t blob_total_bytes(const BlobHeader& h) { return kBlobHeaderBytes + h.payload_bytes + kBlobTrailerBytes; }
+inline uint64_t blob_total_bytes(const BlobHeader& h) { return kBlobHeaderBytes + h.payload_bytes + blob_trailer_bytes(h); }
+
+// Byte ranges [begin, end) of the sections of a version-2 blob, from its header and, for a coded
+// KV blob, the plane-size table at the start of `payload` (of which `available` bytes are at hand:
+// at least the table). Never reads outside them: sizes that overrun the payload are clamped, so
+// the sections of a malformed table still cover every byte exactly once (its decoder rejects it).
+std::vector<std::pair<uint64_t, uint64_t>> blob_section_ranges(const BlobHeader& h, const uint8_t* payload,
+                                                               uint64_t available);
+
+// Bytes of a coded KV payload's plane-size table (0 for raw and pointers): what section 0 holds
+// beyond the header.
+inline uint64_t blob_table_bytes(const BlobHeader& h) {
+  return h.kind == kBlobKindKV && h.codec != kCodecRaw ? 8 * uint64_t(h.layers) : 0;
+}
+
+// Verifies sections [first, last] of a version-2 blob held in `data` (the full blob's size; only
+// the bytes of section 0, of the sections asked for and of the trailer need be valid): the
+// trailer's final sum over the section sums, then each section's XXH64. Section 0 is always
+// checked. A version-1 blob fails (it can only be verified whole).
+Status blob_verify_sections(const uint8_t* data, size_t size, uint64_t first, uint64_t last);
 
 }  // namespace kdn

@@ -73,8 +73,11 @@ Status read_pointer(const ChunkBytes& blob, const Key128& fingerprint, const Key
 
 // Copies the first `count` tokens held by consecutive blobs (any codec: coded ones are decoded
 // into a pooled buffer first) into the per-layer tensors of `table` (shape.tokens = their
-// length). Throws BlobError for an undecodable payload, InputError for a layout mismatch.
+// length). `table` holds layers [first_layer, first_layer + shape.layers) of the blobs'
+// `total_layers` (-1: shape.layers) (layer-wise delivery unpacks one layer group at a time; only those planes are read, so the
+// others may still be arriving). Throws BlobError for an undecodable payload, InputError for a
+// layout mismatch.
 void unpack_chunks(const std::vector<ChunkBytes>& blobs, const KvShape& shape, const KvTable& table, DType dtype,
-                   int64_t count, int threads);
+                   int64_t count, int threads, int64_t first_layer = 0, int64_t total_layers = -1);
 
 }  // namespace kdn

@@ -48,6 +48,12 @@ std::vector<uint8_t> codec_encode(const BlobHeader& h, const uint8_t* raw, int t
 // writes outside `out`; a malformed payload is a failed Status, never a crash.
 Status codec_decode(const BlobHeader& h, const uint8_t* payload, size_t size, uint8_t* out, int threads);
 
+// Decodes planes [first, last) only (plane p = layer p / 2, K or V) into `out`, which holds
+// (last - first) planes: what layer-wise delivery decodes while the rest is still arriving. The
+// payload's plane table and the planes asked for must be at hand; other planes are not read.
+Status codec_decode_planes(const BlobHeader& h, const uint8_t* payload, size_t size, uint8_t* out, int64_t first,
+                           int64_t last, int threads);
+
 // The geometry of one plane, what the per-codec functions below see.
 struct Plane {
   int64_t tokens, channels;  // channels = kv_heads * head_dim

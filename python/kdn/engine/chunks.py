@@ -100,22 +100,18 @@ class ChunkIO:
             return full
         return Prefix(full.keys + [target], start + shared, len(chunk_tokens))
 
-    def read(self, session: ModelSession, tokens: np.ndarray, limit: int, target: HFTarget | None = None):
+    def read(self, session: ModelSession, tokens: np.ndarray, limit: int, target: HFTarget | None = None,
+             info: dict | None = None):
         """``(kv, hit)``: the KV of the longest stored prefix of ``tokens``, at most ``limit`` tokens,
         as ``target.receive`` lays it out (default :class:`HFTarget`: HF per-layer tensors on the CPU;
-        vLLM's connector passes its paged blocks); ``(None, 0)`` on a miss."""
+        vLLM's connector passes its paged blocks); ``(None, 0)`` on a miss. ``info["lossy"]`` says
+        whether a lossy coding was served (KV computed on top of it must not be stored as exact)."""
         chunk = session.chunk_size
         found = self.find(session, tokens, limit)
-        # may stop early (evicted since the lookup); addresses: exact keys, or accepted lossy ones
-        blobs, addresses = self.tiers.fetch(found.keys)
-        layout = session.layout
-        last_tokens = found.last_tokens if len(blobs) == len(found.keys) else 0
-        n_ok, error = _core.verify_chunks(blobs, addresses, session.fingerprint, layout.dtype, layout.layers,
-                                          layout.kv_heads, layout.head_dim, chunk, last_tokens)
-        if error:
-            log.warning("kdn: dropping an unusable stored chunk (treated as a miss): %s", error)
-            self.tiers.drop(addresses[n_ok])
+        blobs, addresses, n_ok = self.fetch_verified(session, found)
         hit = found.tokens if n_ok == len(found.keys) else min(n_ok * chunk, found.tokens)
+        if info is not None:
+            info["lossy"] = any(a != k for a, k in zip(addresses, found.keys))
         if hit == 0:
             return None, 0
         used = -(-hit // chunk)
@@ -126,6 +122,20 @@ class ChunkIO:
             for address in addresses[:used]:
                 self.tiers.drop(address)
             return None, 0
+
+    def fetch_verified(self, session: ModelSession, found: Prefix, local: bool = False) -> tuple[list, list, int]:
+        """``(blobs, addresses, n)``: the leading ``n`` chunks of ``found`` that some tier (a local
+        one, with ``local``) holds and that pass verification (checksum, model, key, position,
+        tokens); the first one that fails is dropped from the tiers and logged."""
+        blobs, addresses = self.tiers.fetch(found.keys, local=local)
+        layout = session.layout
+        last_tokens = found.last_tokens if len(blobs) == len(found.keys) else 0
+        n_ok, error = _core.verify_chunks(blobs, addresses, session.fingerprint, layout.dtype, layout.layers,
+                                          layout.kv_heads, layout.head_dim, session.chunk_size, last_tokens)
+        if error:
+            log.warning("kdn: dropping an unusable stored chunk (treated as a miss): %s", error)
+            self.tiers.drop(addresses[n_ok])
+        return blobs[:n_ok], addresses[:n_ok], n_ok
 
     def write(self, session: ModelSession, tokens: np.ndarray, kv: list[torch.Tensor]) -> int:
         """Store the KV of ``tokens`` from ``kv`` (CPU per-layer tensors holding at least

@@ -9,6 +9,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from kdn._core import InvalidInputError
+from kdn.delivery import DeliveryError
 from kdn.layout import cache_to_kv_list, kv_list_to_cache
 
 log = logging.getLogger("kdn")
@@ -78,7 +79,9 @@ def generate(kdn, model, input_ids, **generate_kwargs):
     output when ``return_dict_in_generate=True``, which then also carries ``kdn_stats``) and
     ``stats = {"hit_tokens", "prompt_tokens"}``. Storing never raises: a failure is logged and
     generation's result is returned. (:meth:`kdn.KDN.generate` returns the output alone and keeps
-    the stats per thread in ``KDN.last_generate``.)
+    the stats per thread in ``KDN.last_generate``.) ``stats`` also has ``ttft_seconds`` (from the
+    lookup to the end of the prompt's forward) and, for a layer-wise hit, ``delivery`` (levels,
+    bytes, bandwidth, chunks streamed and recomputed). KV computed over lossy KV is not stored.
 
     Example:
         >>> out = kdn.generate(model, tokenizer(doc + q, return_tensors="pt").input_ids, max_new_tokens=32)
@@ -91,16 +94,41 @@ def generate(kdn, model, input_ids, **generate_kwargs):
         raise InvalidInputError("generate: attention_mask with padding is not supported (batch size 1, no padding)")
     want_dict = generate_kwargs.pop("return_dict_in_generate", False)
     rows = _rows_per_prompt(model, generate_kwargs)
+    started = time.perf_counter()
     cache, hit = kdn.retrieve(model, ids[0], limit=ids.shape[1] - 1)
+    served = kdn.last_retrieve or {}
+    stream = served.get("stream")
     if cache is not None:
         if rows > 1:  # beams / several sequences: generate expands the prompt, so the cache too
             cache.batch_repeat_interleave(rows)
         generate_kwargs["past_key_values"] = cache
-    out = model.generate(ids, return_dict_in_generate=True, use_cache=True, **generate_kwargs)
+    first_forward: list = []
+    hook = model.register_forward_hook(lambda *_: first_forward.append(time.perf_counter()))
+    try:
+        out = model.generate(ids, return_dict_in_generate=True, use_cache=True, **generate_kwargs)
+    except DeliveryError as exc:  # the link failed mid-stream: recompute, the answer is not lost
+        log.warning("kdn: delivering the stored KV failed (%s); the prompt is recomputed", exc)
+        kdn.delivery.failed()
+        generate_kwargs.pop("past_key_values", None)
+        hit, stream, first_forward[:] = 0, None, []
+        started = time.perf_counter()
+        out = model.generate(ids, return_dict_in_generate=True, use_cache=True, **generate_kwargs)
+    finally:
+        hook.remove()
     stats = {"hit_tokens": hit, "prompt_tokens": int(ids.shape[1])}
+    if first_forward:
+        stats["ttft_seconds"] = first_forward[0] - started
+        if stream is None:  # a plain prefill of the rest: it teaches delivery this model's speed
+            kdn.delivery.estimates.observe_prefill(kdn.session(model).fingerprint, int(ids.shape[1]) - hit,
+                                                   first_forward[0] - started)
+    if stream is not None:
+        stats["delivery"] = stream.stats
+    lossy = stream.stats.get("lossy", False) if stream is not None else served.get("lossy", False)
     try:
         final = out.past_key_values
-        if final is not None and rows == 1:
+        if lossy:  # KV computed over lossy KV is not the prompt's exact KV: never stored as such
+            log.debug("kdn: lossy KV was served; the generated KV is not stored")
+        elif final is not None and rows == 1:
             n_kv = final.get_seq_length()
             kdn.store(model, out.sequences[0, :n_kv], final)
         elif final is not None:  # rows diverge after the prompt (and beams reorder): store the prompt

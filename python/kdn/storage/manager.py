@@ -28,7 +28,7 @@ def build_tiers(config: KDNConfig) -> list[Tier]:
 
         tiers.append(RemoteTier(config.remote_url, config.remote_timeout, config.remote_ttl, config.remote_part_bytes,
                                 config.remote_queue_bytes, config.remote_retry_seconds, config.remote_codec,
-                                config.mac_key()))
+                                config.mac_key(), config.delivery_levels))
     return tiers
 
 
@@ -128,14 +128,17 @@ class TierManager:
         """Blobs of the leading ``keys`` that are stored (stops at the first miss)."""
         return self.fetch(keys)[0]
 
-    def fetch(self, keys: list[bytes], exact: bool = False) -> tuple[list, list[bytes]]:
+    def fetch(self, keys: list[bytes], exact: bool = False, local: bool = False) -> tuple[list, list[bytes]]:
         """``(blobs, addresses)`` of the leading ``keys`` that are stored (stops at the first miss):
         each blob with the address it was found under (its header key; see :meth:`addresses`;
-        ``exact``: the keys alone, for blobs that are never coded, such as pointers).
+        ``exact``: the keys alone, for blobs that are never coded, such as pointers; ``local``:
+        from this machine's tiers only, as layer-wise delivery does before it streams the rest).
         Keys derive from the model fingerprint; readers verify it in every blob."""
         variants = [[k] if exact else self.addresses(k) for k in keys]
         found: list = [None] * len(keys)  # (blob, address) per chunk
         for level, tier in enumerate(self.tiers):
+            if local and not tier.local:
+                continue
             lead = next((i for i, f in enumerate(found) if f is None), len(keys))
             if lead == len(keys):
                 break
@@ -164,6 +167,11 @@ class TierManager:
             if blob is not None:
                 return blob, address
         return None
+
+    def promote(self, address: bytes, blob, tier: str, lossy: bool) -> None:
+        """Keep a verified chunk that ``tier`` served (a stream that read all of it) in the local
+        tiers above it, as a hit of :meth:`fetch` would be; ``lossy``: it is filed under a lossy address."""
+        self._promote(address, blob, lossy, next(i for i, t in enumerate(self.tiers) if t.name == tier))
 
     def _promote(self, address: bytes, blob, lossy: bool, level: int) -> tuple:
         """Copies a hit of tier ``level`` into memory and (unless memory-only) into the local tiers

@@ -91,6 +91,9 @@ class RemoteTier(Tier):
       checksum, key, format); one that fails is a miss, counted as ``corrupt`` (readers check the
       model fingerprint too).
     * ``ttl`` (seconds) expires values in the store; ``None`` keeps them until the store evicts.
+    * ``levels``: lossy codec specs each stored chunk is also sent in, under its lossy address
+      (:func:`kdn.codecs.address`), for bandwidth-adaptive delivery (:mod:`kdn.delivery`), which
+      reads byte ranges of them (:meth:`read_ranges`) layer group by layer group.
 
     Example:
         >>> tier = RemoteTier("redis://127.0.0.1:6379/0")
@@ -103,8 +106,10 @@ class RemoteTier(Tier):
     local = False
 
     def __init__(self, url: str, timeout: float = 1.0, ttl: float | None = None, part_bytes: int = 16 << 20,
-                 queue_bytes: int = 256 << 20, retry_seconds: float = 5.0, codec: str = "raw", mac_key: bytes = b""):
+                 queue_bytes: int = 256 << 20, retry_seconds: float = 5.0, codec: str = "raw", mac_key: bytes = b"",
+                 levels: tuple = ()):
         self.codec = codecs.parse(codec).spec
+        self.levels = tuple(s for s in dict.fromkeys(codecs.parse(c).spec for c in levels) if s != self.codec)
         if mac_key and len(mac_key) != 32:
             raise InvalidInputError("remote tier: mac_key must be 32 bytes")
         self._mac_key = bytes(mac_key)
@@ -276,24 +281,26 @@ class RemoteTier(Tier):
         return True
 
     def _send(self, blobs: list) -> bool:
-        names = [self.redis_key(codecs.stored_key(b, self.codec)) for b in blobs]
+        # each blob in this tier's codec, then in each delivery level: (name, blob, codec) to send
+        todo = [(self.redis_key(codecs.stored_key(b, c)), b, c) for b in blobs for c in (self.codec, *self.levels)]
+        todo = list({name: (name, b, c) for name, b, c in reversed(todo)}.values())[::-1]  # a pointer has one name
 
         def run():
             pipe = self._client.pipeline(transaction=False)
-            for name in names:
+            for name, _, _ in todo:
                 pipe.exists(name)
             present = pipe.execute()
             pipe = self._client.pipeline(transaction=False)
             sent = 0
-            for name, blob, there in zip(names, blobs, present):
-                coded = None if there else self._coded(blob)  # only what the store lacks is encoded
+            for (name, blob, codec), there in zip(todo, present):
+                coded = None if there else self._coded(blob, codec)  # only what the store lacks is encoded
                 if coded is None:
                     continue
                 values = self._encode(coded)
                 for j, value in enumerate(values[1:], start=1):  # parts before the manifest that names them
                     pipe.set(f"{name}:p{j}", value, px=self._ttl_ms())
                 pipe.set(name, values[0], px=self._ttl_ms())
-                sent += 1
+                sent += codec == self.codec
             pipe.execute()
             return sent
 
@@ -304,15 +311,41 @@ class RemoteTier(Tier):
         self._stats["puts"] += sent
         return True
 
-    def _coded(self, blob):
-        """``blob`` in this tier's codec (encoding releases the GIL), or None (counted) if it cannot be."""
+    @property
+    def range_readable(self) -> bool:
+        """Whether values can be read in byte ranges (not in keyed mode: a tag covers a whole value)."""
+        return not self._mac_key
+
+    def read_ranges(self, requests: list) -> list | None:
+        """Byte ranges of stored values in one pipelined round trip: ``(key, start, end)`` per range,
+        both inclusive as in GETRANGE (negative: from the value's end). Returns the bytes of each
+        (``b""`` for a missing value), or None when the store cannot be used now (counted like any
+        failed call). A value split into parts reads as its manifest (``KDNM``): callers fall back
+        to :meth:`get_many` for it. Nothing is verified here: readers check the section sums."""
+        if not requests:
+            return []
+
+        def run():
+            pipe = self._client.pipeline(transaction=False)
+            for key, start, end in requests:
+                pipe.getrange(self.redis_key(key), start, end)
+            return pipe.execute()
+
+        return self._call(run, None)
+
+    def count_streamed(self, hits: int) -> None:
+        """Counts chunks a delivery stream read in ranges (:meth:`read_ranges`) as hits."""
+        self._stats["hits"] += hits
+
+    def _coded(self, blob, codec: str):
+        """``blob`` in ``codec`` (encoding releases the GIL), or None (counted) if it cannot be."""
         try:
-            return codecs.encode(blob, self.codec)
+            return codecs.encode(blob, codec)
         except _core.KDNError as e:
             self._stats["dropped"] += 1
             self._stats["encode_errors"] += 1
             if self._stats["encode_errors"] == 1:
-                log.warning("kdn remote tier cannot encode a chunk with %s (not sent): %s", self.codec, e)
+                log.warning("kdn remote tier cannot encode a chunk with %s (not sent): %s", codec, e)
             return None
 
     def _ttl_ms(self):
