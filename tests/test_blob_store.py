@@ -17,8 +17,8 @@ def make_blob(tokens=4, key=bytes(16), seed=0):
 
 def test_blob_header_round_trip():
     h = _core.blob_parse(make_blob(key=b"K" * 16))
-    assert h == {"version": 2, "kind": "kv", "codec": 0, "codec_params": 0, "dtype": "float32", "layers": 2, "kv_heads": 2,
-                 "head_dim": 8, "tokens": 4, "position": 0,
+    assert h == {"version": 2, "kind": "kv", "codec": 0, "codec_params": 0, "dtype": "float32", "layers": 2,
+                 "kv_heads": 2, "head_dim": 8, "tokens": 4, "position": 0,
                  "fingerprint": b"F" * 16, "key": b"K" * 16, "payload_bytes": 2 * 2 * 4 * 2 * 8 * 4}
 
 

@@ -289,8 +289,9 @@ class Deliverer:
             buffer[b:e] = value
             try:
                 _core.blob_verify_sections(buffer, 1 + 2 * first, 2 * end)
-            except BlobError as e:
-                raise DeliveryError(f"streamed KV failed its checksum: {e}") from None
+            except BlobError as e:  # damaged where it is stored (or on the way): dropped, so a store rewrites it
+                self.chunks.tiers.drop(lv.address)
+                raise DeliveryError(f"streamed KV failed its checksum (dropped): {e}") from None
             moved += e - b
         return moved
 
