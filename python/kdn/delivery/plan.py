@@ -15,7 +15,9 @@ def layer_groups(layers: int, group: int) -> list[tuple[int, int]]:
 
 class Estimates:
     """What delivery has measured, shared by the requests of one KDN: link bandwidth (bytes/s) and
-    round-trip time of the remote tier, and each model's prefill time per token. Exponentially
+    round-trip time of the remote tier, and each model's forward time: seconds per token (from
+    prefills of at least 32 tokens) plus a fixed cost per forward (from short ones, such as the
+    question after a hit, where the layers' overhead dominates). Exponentially
     weighted (``alpha`` on the newest sample), so a link that changes speed is followed within a
     few samples; None until the first sample.
 
@@ -29,6 +31,7 @@ class Estimates:
         self.bandwidth: float | None = None
         self.rtt: float | None = None
         self._prefill: dict[bytes, float] = {}
+        self._fixed: dict[bytes, float] = {}
         self._lock = threading.Lock()
 
     def _mix(self, old: float | None, new: float) -> float:
@@ -46,15 +49,20 @@ class Estimates:
             self.rtt = self._mix(self.rtt, max(seconds, 0.0))
 
     def observe_prefill(self, fingerprint: bytes, tokens: int, seconds: float) -> None:
-        """A prefill of ``tokens`` new tokens that took ``seconds`` (only long ones are telling)."""
-        if tokens >= 32 and seconds > 0:
-            with self._lock:
-                self._prefill[fingerprint] = self._mix(self._prefill.get(fingerprint), seconds / tokens)
+        """A forward over ``tokens`` new tokens that took ``seconds``."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        with self._lock:
+            if tokens < 32:
+                self._fixed[fingerprint] = self._mix(self._fixed.get(fingerprint), seconds)
+            else:
+                per_token = max(seconds - self._fixed.get(fingerprint, 0.0), seconds / 2) / tokens
+                self._prefill[fingerprint] = self._mix(self._prefill.get(fingerprint), per_token)
 
     def prefill_seconds(self, fingerprint: bytes, tokens: int) -> float | None:
-        """Estimated seconds to prefill ``tokens`` tokens of this model, or None (never measured)."""
+        """Estimated seconds of a forward over ``tokens`` tokens of this model, or None (never measured)."""
         per_token = self._prefill.get(fingerprint)
-        return None if per_token is None else per_token * tokens
+        return None if per_token is None else self._fixed.get(fingerprint, 0.0) + per_token * tokens
 
 
 @dataclasses.dataclass
@@ -94,14 +102,14 @@ def chunks_to_stream(req: Request, estimates: Estimates, fingerprint: bytes, gro
     bandwidth = estimates.bandwidth
     if req.deadline is None or not bandwidth:
         return n, "no deadline" if req.deadline is None else "bandwidth not measured yet"
-    prefill = estimates.prefill_seconds(fingerprint, 1)
-    if prefill is None:
+    if estimates.prefill_seconds(fingerprint, 1) is None:
         return n, "prefill speed not measured yet"
     rtt = estimates.rtt or 0.0
     best, best_ttft = 0, None
     for k in range(n, -1, -1):
         transfer = sum(lowest_bytes(req.sizes[c], range(groups)) for c in range(k)) / bandwidth + groups * rtt * (k > 0)
-        compute = prefill * (req.prompt_tokens - req.local_tokens - sum(req.chunk_tokens[:k]))
+        compute = estimates.prefill_seconds(fingerprint,
+                                            req.prompt_tokens - req.local_tokens - sum(req.chunk_tokens[:k]))
         ttft = streamed_ttft(transfer, compute, groups)
         if ttft <= req.deadline:
             return k, "meets the deadline" if k == n else f"{n - k} chunk(s) recomputed to meet the deadline"
