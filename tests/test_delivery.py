@@ -125,6 +125,8 @@ def test_layerwise_serves_the_same_logits_as_whole(model4, tmp_path, request, wh
             logits[delivery] = model4(ids[:, hit:], past_key_values=got).logits[0, -1]
         stream = reader.last_retrieve["stream"]
         assert (stream is not None) == (delivery == "layerwise")
+        if stream is not None:
+            stream.wait_all()
     torch.testing.assert_close(logits["layerwise"], reference, rtol=1e-4, atol=1e-4)
     assert torch.equal(logits["layerwise"], logits["whole"])
     stats = stream.stats

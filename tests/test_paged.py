@@ -45,6 +45,23 @@ def test_chunks_land_in_vllm_cpu_blocks_where_its_kernel_reads_them(dtype, codec
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("codec", ["raw", "cachegen:level=2"])
+def test_layer_groups_land_alone_as_a_whole_unpack_would(codec):
+    """Layer-wise delivery into vLLM's blocks: each layer group unpacked on its own."""
+    layers, heads, dim, block_size, num_blocks = 5, 2, 16, 16, 8
+    kv = [torch.randn(1, heads, 64, dim) for _ in range(2 * layers)]
+    blobs = [codecs.encode(_core.pack_chunk(kv, i * 32, 32, FP, bytes([i]) * 16), codec) for i in range(2)]
+    block_ids = torch.tensor([3, 0, 6, 1]).numpy()
+    whole = [torch.zeros(num_blocks, heads, block_size, 2 * dim) for _ in range(layers)]
+    _core.unpack_chunks_paged(blobs, whole, block_ids, 5, 60)
+    grouped = [torch.zeros_like(t) for t in whole]
+    for first, end in ((0, 2), (2, 4), (4, 5)):
+        _core.unpack_chunks_paged(blobs, grouped[first:end], block_ids, 5, 60, first, layers)
+    assert all(torch.equal(a, b) for a, b in zip(grouped, whole))
+    with pytest.raises(ValueError, match="layer range"):
+        _core.unpack_chunks_paged(blobs, grouped[3:], block_ids, 5, 60, 4, layers)
+
+
 def test_positions_beyond_the_blocks_given_are_refused_before_any_write():
     kv = [torch.randn(1, 2, 32, 8) for _ in range(2)]
     blob = _core.pack_chunk(kv, 0, 32, FP, bytes(16))

@@ -151,17 +151,19 @@ void bind_kv(py::module_& m) {
   m.def(
       "unpack_chunks_paged",
       [](const py::list& blobs, const py::sequence& layers, py::array_t<int64_t, py::array::c_style> block_ids,
-         int64_t from, int64_t count) {
+         int64_t from, int64_t count, int64_t first_layer, int64_t total_layers) {
         PagedLayers paged = paged_layers(layers);
         KDN_CHECK_INPUT(block_ids.ndim() == 1, "unpack_chunks_paged: block_ids must be 1-D");
         std::vector<ByteSpan> keep;
         const std::vector<ChunkBytes> spans = chunk_bytes(blobs, &keep);
         py::gil_scoped_release release;
         unpack_chunks_paged(spans, paged.shape, paged.ptrs.data(), block_ids.data(), block_ids.shape(0), paged.dtype,
-                            from, count, default_num_threads());
+                            from, count, default_num_threads(), first_layer, total_layers);
       },
       py::arg("blobs"), py::arg("layers"), py::arg("block_ids"), py::arg("start"), py::arg("count"),
-      "Copy tokens [start, count) of consecutive blobs into vLLM's paged CPU KV blocks (layout in kdn/paged.h).");
+      py::arg("first_layer") = 0, py::arg("total_layers") = -1,
+      "Copy tokens [start, count) of consecutive blobs into vLLM's paged CPU KV blocks (layout in kdn/paged.h);\n"
+      "`layers` may hold layers [first_layer, ...) of the blobs' `total_layers` only (layer-wise delivery).");
 
   m.def(
       "gather_paged",

@@ -122,30 +122,35 @@ void unpack_chunks(const std::vector<ChunkBytes>& blobs, const KvShape& shape, c
 
 void unpack_chunks_paged(const std::vector<ChunkBytes>& blobs, const PagedShape& paged, void* const* layers,
                          const int64_t* block_ids, int64_t num_block_ids, DType dtype, int64_t from, int64_t count,
-                         int threads) {
+                         int threads, int64_t first_layer, int64_t total_layers) {
+  if (total_layers < 0) total_layers = paged.layers;
   KDN_CHECK_INPUT(from >= 0 && from <= count, "unpack_chunks_paged: bad token range");
+  KDN_CHECK_INPUT(first_layer >= 0 && first_layer + paged.layers <= total_layers, "unpack_chunks_paged: bad layer range");
+  const int64_t first = 2 * first_layer, last = 2 * (first_layer + paged.layers);
   int64_t start = 0;  // sequence position of the current blob's first token
   for (size_t i = 0; i < blobs.size() && start < count; ++i) {
     BlobHeader h;
     Status st = blob_parse(blobs[i].data, blobs[i].size, false, &h);
     if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
-    KDN_CHECK_INPUT(h.kind == kBlobKindKV && h.dtype == dtype && h.layers == paged.layers &&
+    KDN_CHECK_INPUT(h.kind == kBlobKindKV && h.dtype == dtype && h.layers == total_layers &&
                         h.kv_heads == paged.kv_heads && h.head_dim == paged.head_dim,
                     "unpack_chunks_paged: blob " + std::to_string(i) + " layout does not match the paged layers");
     const int64_t end = std::min<int64_t>(start + h.tokens, count);
     if (end > from) {
-      uint8_t* chunk = const_cast<uint8_t*>(blobs[i].data) + kBlobHeaderBytes;
+      const size_t plane_raw = raw_payload_bytes(h) / (2 * h.layers);
+      uint8_t* chunk = const_cast<uint8_t*>(blobs[i].data) + kBlobHeaderBytes + first * plane_raw;
       BufferPtr decoded;
       if (h.codec != kCodecRaw) {
-        decoded = std::make_shared<Buffer>(raw_payload_bytes(h));
-        st = codec_decode(h, chunk, h.payload_bytes, decoded->data(), threads);
+        decoded = std::make_shared<Buffer>((last - first) * plane_raw);
+        st = codec_decode_planes(h, blobs[i].data + kBlobHeaderBytes, h.payload_bytes, decoded->data(), first, last,
+                                 threads);
         if (!st.ok) throw BlobError("unpack_chunks_paged: blob " + std::to_string(i) + ": " + st.message, __FILE__, __LINE__);
         chunk = decoded->data();
       }
-      const int64_t first = std::max(from, start);
+      const int64_t first_token = std::max(from, start);
       const KvShape shape{paged.layers, h.tokens, paged.kv_heads, paged.head_dim};
-      paged_copy_cpu(shape, paged, layers, block_ids, num_block_ids, chunk, dtype_size(dtype), first - start, first,
-                     end - first, CopyDirection::kChunkToCache, threads);
+      paged_copy_cpu(shape, paged, layers, block_ids, num_block_ids, chunk, dtype_size(dtype), first_token - start,
+                     first_token, end - first_token, CopyDirection::kChunkToCache, threads);
     }
     start += h.tokens;
   }

@@ -182,4 +182,35 @@ TEST(Paged, ChunksLandWhereVllmsCpuKernelReadsThemAndComeBackTheSame) {
           ASSERT_EQ(chunk[((layer * 2 + kv) * 37 + t) * 16 + i], raw[((layer * 2 + kv) * 40 + t + 3) * 16 + i]);
 }
 
+TEST(Blob, Format2VerifiesOneLayerGroupAloneAndFormat1IsStillRead) {
+  Cache cache(16);
+  BufferPtr blob = pack_chunk(cache.shape(), cache.table(), DType::kFloat32, 0, 16, key_of(9), key_of(1), 2);
+  BlobHeader h;
+  ASSERT_TRUE(blob_parse(blob->data(), blob->size(), true, &h).ok);
+  EXPECT_EQ(h.version, 2);
+  EXPECT_EQ(blob->size(), kBlobHeaderBytes + h.payload_bytes + 8 * (1 + 2 * 2) + 8);
+  const auto ranges = blob_section_ranges(h, blob->data() + kBlobHeaderBytes, h.payload_bytes);
+  ASSERT_EQ(ranges.size(), 5u);
+  // only the header, layer 1 (sections 3, 4) and the trailer arrived
+  std::vector<uint8_t> partial(blob->size(), 0);
+  auto copy = [&](uint64_t b, uint64_t e) { std::memcpy(partial.data() + b, blob->data() + b, e - b); };
+  copy(ranges[0].first, ranges[0].second);
+  copy(ranges[3].first, ranges[4].second);
+  copy(kBlobHeaderBytes + h.payload_bytes, blob->size());
+  EXPECT_TRUE(blob_verify_sections(partial.data(), partial.size(), 3, 4).ok);
+  EXPECT_FALSE(blob_verify_sections(partial.data(), partial.size(), 1, 2).ok);
+  partial[ranges[3].first] ^= 1;
+  EXPECT_FALSE(blob_verify_sections(partial.data(), partial.size(), 3, 4).ok);
+  // the same chunk as a format-1 writer sealed it: one checksum over everything
+  std::vector<uint8_t> old(blob->data(), blob->data() + kBlobHeaderBytes + h.payload_bytes + kBlobTrailerBytes);
+  old[4] = 1;
+  blob_seal(old.data(), old.size());
+  BlobHeader h1;
+  ASSERT_TRUE(blob_parse(old.data(), old.size(), true, &h1).ok);
+  EXPECT_EQ(h1.version, 1);
+  EXPECT_FALSE(blob_verify_sections(old.data(), old.size(), 1, 1).ok);
+  old[kBlobHeaderBytes + 3] ^= 1;
+  EXPECT_FALSE(blob_parse(old.data(), old.size(), true, &h1).ok);
+}
+
 }  // namespace kdn

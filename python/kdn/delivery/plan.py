@@ -32,6 +32,7 @@ class Estimates:
         self.rtt: float | None = None
         self._prefill: dict[bytes, float] = {}
         self._fixed: dict[bytes, float] = {}
+        self._decode: dict[str, float] = {}  # seconds per layer, per level
         self._lock = threading.Lock()
 
     def _mix(self, old: float | None, new: float) -> float:
@@ -47,6 +48,15 @@ class Estimates:
     def observe_rtt(self, seconds: float) -> None:
         with self._lock:
             self.rtt = self._mix(self.rtt, max(seconds, 0.0))
+
+    def observe_decode(self, spec: str, seconds_per_layer: float) -> None:
+        """Decoding and laying out one layer of a request's chunks at level ``spec`` took this long."""
+        with self._lock:
+            self._decode[spec] = self._mix(self._decode.get(spec), seconds_per_layer)
+
+    def decode_seconds(self, spec: str, layers: int) -> float:
+        """Estimated seconds to decode ``layers`` layers at level ``spec`` (0 before it was seen)."""
+        return self._decode.get(spec, 0.0) * layers
 
     def observe_prefill(self, fingerprint: bytes, tokens: int, seconds: float) -> None:
         """A forward over ``tokens`` new tokens that took ``seconds``."""
@@ -118,18 +128,22 @@ def chunks_to_stream(req: Request, estimates: Estimates, fingerprint: bytes, gro
     return best, "deadline out of reach: the fastest plan"
 
 
-def level_for_group(sizes: list, group: int, groups: int, seconds_left: float | None, bandwidth: float | None) -> int:
+def level_for_group(sizes: list, group: int, groups: int, seconds_left: float | None, bandwidth: float | None,
+                    decode: list | None = None) -> int:
     """The level (index into each chunk's levels, best first) for layer ``group`` of the remote
     chunks: the best level that, kept for the remaining groups, moves their bytes within
-    ``seconds_left`` at ``bandwidth``; the smallest level if none does; level 0 (exact) without a
-    deadline. A chunk that lacks the level is served its nearest smaller one (:func:`level_of_chunk`)."""
+    ``seconds_left`` at ``bandwidth`` and (``decode[level]``: seconds per group, measured) decodes
+    them in that time too (fetch and decode overlap); the smallest level if none does; level 0
+    (exact) without a deadline. A chunk that lacks the level is served its nearest smaller one
+    (:func:`level_of_chunk`)."""
     if seconds_left is None:
         return 0
     if not bandwidth:
         return _levels(sizes) - 1  # nothing measured yet: start small, measure, then climb
+    left = groups - group
     for level in range(_levels(sizes)):
         need = sum(_size_at(chunk, level, g) for chunk in sizes for g in range(group, groups))
-        if need / bandwidth <= seconds_left:
+        if max(need / bandwidth, left * (decode[level] if decode else 0.0)) <= seconds_left:
             return level
     return _levels(sizes) - 1
 

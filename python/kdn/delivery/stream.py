@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -36,30 +37,45 @@ class _Level:
     total: int
     prefix: bytes
     trailer: bytes
-    buffer: bytearray | None = None
+    buffer: object = None  # a pooled kdn Buffer of the blob's size, filled range by range
+    view: memoryview | None = None
 
     def group_range(self, first: int, end: int) -> tuple[int, int]:
         """[begin, end) of layers [first, end): their planes are contiguous."""
         return self.sections[1 + 2 * first][0], self.sections[2 * end][1]
 
-    def blob(self) -> bytearray:
-        if self.buffer is None:
-            self.buffer = bytearray(self.total)
-            self.buffer[: len(self.prefix)] = self.prefix
-            self.buffer[self.total - len(self.trailer):] = self.trailer
+    def blob(self):
+        if self.buffer is None:  # warm pooled pages, not zero-filled: only fetched ranges are ever read
+            self.buffer = _core.host_array(self.total)
+            self.view = memoryview(self.buffer)
+            self.view[: len(self.prefix)] = self.prefix
+            self.view[self.total - len(self.trailer):] = self.trailer
         return self.buffer
 
 
+class HFLayers:
+    """Where a stream lays its layers out by default: HF's per-layer tensors on the CPU (``kv``,
+    ``2 * layers`` of ``[1, kv_heads, tokens, head_dim]``). Another target (vLLM's paged blocks)
+    has the same ``receive_layers``."""
+
+    def __init__(self, session: ModelSession, tokens: int):
+        self.kv = empty_kv_list(session.layout, tokens)
+
+    def receive_layers(self, blobs: list, first: int, end: int, tokens: int, layers: int) -> None:
+        _core.unpack_chunks(blobs, self.kv[2 * first:2 * end], tokens, first, layers)
+
+
 class LayerStream:
-    """The layers of one hit arriving in the background: ``2 * layers`` HF tensors of ``tokens``
-    tokens (:meth:`take_kv`), filled group by group; :meth:`wait` blocks until a layer is there.
+    """The layers of one hit arriving in the background into a target (default :class:`HFLayers`:
+    ``2 * layers`` HF tensors of ``tokens`` tokens, :meth:`take_kv`), group by group; :meth:`wait`
+    blocks until a layer is there.
 
     ``stats`` (after :meth:`wait_all`): hit tokens, chunks streamed and recomputed, the level of
     each group, bytes moved, measured bandwidth, seconds per stage.
     """
 
-    def __init__(self, kv: list, tokens: int, groups: list, run, stats: dict):
-        self._kv, self.tokens, self.groups = kv, tokens, groups
+    def __init__(self, target, tokens: int, groups: list, run, stats: dict):
+        self._target, self.tokens, self.groups = target, tokens, groups
         self.stats = stats
         self._done = [threading.Event() for _ in groups]
         self._group_of = {layer: i for i, (first, end) in enumerate(groups) for layer in range(first, end)}
@@ -79,10 +95,10 @@ class LayerStream:
     def take_kv(self) -> list:
         """The tensors being filled (once: the stream then holds only its stats, so a finished
         stream kept for its stats does not keep the KV alive)."""
-        kv, self._kv = self._kv, None
-        if kv is None:
+        target, self._target = self._target, None
+        if target is None:
             raise KDNError("LayerStream.take_kv: the tensors were taken already")
-        return kv
+        return target.kv
 
     def delivered(self, group: int) -> None:
         self._done[group].set()
@@ -135,10 +151,12 @@ class Deliverer:
         return own + ([s for s in self.config.delivery_levels if s not in own]
                       if self.config.ttft_deadline is not None else [])
 
-    def open(self, session: ModelSession, tokens: np.ndarray, limit: int, started: float | None = None):
+    def open(self, session: ModelSession, tokens: np.ndarray, limit: int, started: float | None = None,
+             target=None):
         """``(stream, hit)`` for the longest stored prefix of ``tokens`` (at most ``limit``), or
         ``(None, 0)`` on a miss; ``None`` alone when this prefix cannot be streamed (the caller
-        reads it whole): a remote value split into parts, a keyed remote tier, version-1 blobs."""
+        reads it whole): a remote value split into parts, a keyed remote tier, version-1 blobs.
+        ``target(hit)`` makes where the layers go (default :class:`HFLayers`)."""
         started = time.perf_counter() if started is None else started
         found = self.chunks.find(session, tokens, limit)
         if found.tokens == 0:
@@ -166,47 +184,63 @@ class Deliverer:
         if hit == 0:
             self._record({"recomputed_chunks": len(request.sizes), "why": why}, 0)
             return None, 0
-        kv = empty_kv_list(session.layout, hit)
+        into = target(hit) if target is not None else HFLayers(session, hit)
         stats = {"hit_tokens": hit, "local_chunks": local_ok, "streamed_chunks": k,
                  "recomputed_chunks": len(request.sizes) - k, "plan": why, "levels": [], "bytes": 0,
                  "deadline": self.config.ttft_deadline,
-                 "local_lossy": any(a != k for a, k in zip(addresses, found.keys))}
+                 "lossy": any(a != k for a, k in zip(addresses, found.keys))}  # grows as lossy groups arrive
         layers = session.layout.layers
 
+        specs = self.levels()
+
+        def fetch(g: int):
+            """Pick group g's level, read its ranges, verify them: (chosen levels, bytes, seconds)."""
+            first, end = groups[g]
+            picked = self._pick_level(sizes, specs, g, len(groups), started, session, len(tokens) - hit, end - first)
+            chosen = [chunk_levels[plan.level_of_chunk(chunk_sizes, picked)]
+                      for chunk_levels, chunk_sizes in zip(opened, sizes)]
+            t0 = time.perf_counter()
+            moved = self._fetch_group(chosen, first, end) if chosen else 0
+            seconds = time.perf_counter() - t0
+            if moved:
+                self.estimates.observe_transfer(moved, seconds)
+            return chosen, moved, seconds
+
         def run(stream: LayerStream) -> None:
-            fetch = decode = 0.0
-            for g, (first, end) in enumerate(groups):
-                picked = self._pick_level(sizes, g, len(groups), started, session, len(tokens) - hit)
-                t0 = time.perf_counter()
-                chosen = [chunk_levels[plan.level_of_chunk(chunk_sizes, picked)]
-                          for chunk_levels, chunk_sizes in zip(opened, sizes)]
-                moved = self._fetch_group(chosen, first, end) if chosen else 0
-                t1 = time.perf_counter()
-                if moved:
-                    self.estimates.observe_transfer(moved, t1 - t0)
-                group_blobs = list(blobs[:local_ok]) + [lv.blob() for lv in chosen]
-                try:
-                    _core.unpack_chunks(group_blobs, kv[2 * first:2 * end], hit, first, layers)
-                except BlobError as e:  # a payload its checksum did not catch: never served
-                    for address in list(addresses) + [lv.address for lv in chosen]:
-                        self.chunks.tiers.drop(address)
-                    raise DeliveryError(f"undecodable stored chunks (dropped): {e}") from None
-                decode += time.perf_counter() - t1
-                fetch += t1 - t0
-                stats["levels"].append(chosen[0].spec if chosen else "local")
-                stats["bytes"] += moved
-                stats["groups_delivered"] = g + 1
-                stream.delivered(g)
+            fetched = decoded = 0.0
+            with ThreadPoolExecutor(1, thread_name_prefix="kdn-fetch") as pool:  # group g+1 arrives while g decodes
+                pending = pool.submit(fetch, 0)
+                for g, (first, end) in enumerate(groups):
+                    chosen, moved, seconds = pending.result()
+                    if g + 1 < len(groups):
+                        pending = pool.submit(fetch, g + 1)
+                    t1 = time.perf_counter()
+                    group_blobs = list(blobs[:local_ok]) + [lv.blob() for lv in chosen]
+                    try:
+                        into.receive_layers(group_blobs, first, end, hit, layers)
+                    except BlobError as e:  # a payload its checksum did not catch: never served
+                        for address in list(addresses) + [lv.address for lv in chosen]:
+                            self.chunks.tiers.drop(address)
+                        raise DeliveryError(f"undecodable stored chunks (dropped): {e}") from None
+                    spent = time.perf_counter() - t1
+                    if chosen:
+                        self.estimates.observe_decode(chosen[0].spec, spent / (end - first))
+                    decoded += spent
+                    fetched += seconds
+                    stats["levels"].append(chosen[0].spec if chosen else "local")
+                    stats["lossy"] = stats["lossy"] or bool(chosen) and codecs.parse(chosen[0].spec).lossy
+                    stats["bytes"] += moved
+                    stats["groups_delivered"] = g + 1
+                    stream.delivered(g)
             self._keep_whole(opened, stats)
             blobs.clear()
             opened.clear()
-            stats.update(fetch_seconds=fetch, decode_seconds=decode,
+            stats.update(fetch_seconds=fetched, decode_seconds=decoded,
                          delivered_seconds=time.perf_counter() - started,
-                         bandwidth_gbps=(self.estimates.bandwidth or 0) * 8e-9, lossy=stats["local_lossy"] or any(
-                             codecs.parse(s).lossy for s in stats["levels"] if s != "local"))
+                         bandwidth_gbps=(self.estimates.bandwidth or 0) * 8e-9)
             self._record(stats, stats["bytes"])
 
-        return LayerStream(kv, hit, groups, run, stats), hit
+        return LayerStream(into, hit, groups, run, stats), hit
 
     def _keep_whole(self, opened: list, stats: dict) -> None:
         """Chunks whose every layer group came from one level are whole blobs now: promote them
@@ -219,7 +253,8 @@ class Deliverer:
             used = [lv for lv in chunk_levels if lv is not None and lv.buffer is not None]
             if len(used) == 1 and len(set(stats["levels"])) == 1:
                 lv = used[0]
-                self.chunks.tiers.promote(lv.address, _core.Buffer(lv.buffer), "remote", codecs.parse(lv.spec).lossy)
+                lv.view.release()  # every section arrived and was verified: a whole blob, kept as it is
+                self.chunks.tiers.promote(lv.address, lv.buffer, "remote", codecs.parse(lv.spec).lossy)
 
     # -- the remote part ------------------------------------------------------------------------
     def _open_remote(self, session: ModelSession, found, first: int):
@@ -286,7 +321,7 @@ class Deliverer:
             if len(value) != e - b:
                 raise DeliveryError("a streamed chunk changed or vanished mid-stream")
             buffer = lv.blob()
-            buffer[b:e] = value
+            lv.view[b:e] = value
             try:
                 _core.blob_verify_sections(buffer, 1 + 2 * first, 2 * end)
             except BlobError as e:  # damaged where it is stored (or on the way): dropped, so a store rewrites it
@@ -295,12 +330,13 @@ class Deliverer:
             moved += e - b
         return moved
 
-    def _pick_level(self, sizes, group, groups, started, session, suffix_tokens) -> int:
+    def _pick_level(self, sizes, specs, group, groups, started, session, suffix_tokens, group_layers) -> int:
         if not sizes or self.config.ttft_deadline is None:
             return 0
         compute = self.estimates.prefill_seconds(session.fingerprint, suffix_tokens) or 0.0
         left = self.config.ttft_deadline - (time.perf_counter() - started) - compute / max(groups, 1)
-        return plan.level_for_group(sizes, group, groups, left, self.estimates.bandwidth)
+        decode = [self.estimates.decode_seconds(spec, group_layers) for spec in specs]
+        return plan.level_for_group(sizes, group, groups, left, self.estimates.bandwidth, decode)
 
     def _record(self, stats: dict, nbytes: int) -> None:
         with self._lock:

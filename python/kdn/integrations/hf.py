@@ -122,6 +122,10 @@ def generate(kdn, model, input_ids, **generate_kwargs):
             kdn.delivery.estimates.observe_prefill(kdn.session(model).fingerprint, int(ids.shape[1]) - hit,
                                                    first_forward[0] - started)
     if stream is not None:
+        try:
+            stream.wait_all()  # its layers are all in; its last bookkeeping (promotion, totals) ends
+        except DeliveryError:
+            pass  # a failure after the last layer arrived (keeping chunks whole) costs nothing served
         stats["delivery"] = stream.stats
     lossy = stream.stats.get("lossy", False) if stream is not None else served.get("lossy", False)
     try:

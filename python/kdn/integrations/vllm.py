@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from kdn import _core
 from kdn.config import KDNConfig
+from kdn.delivery import Deliverer, DeliveryError
 from kdn.engine import ChunkIO, ModelSession
 from kdn.keys import checkpoint_fingerprint
 from kdn.layout import ModelLayout
@@ -165,6 +166,10 @@ class PagedBlocks:
         _core.unpack_chunks_paged(blobs, self.layers, self.block_ids, self.start, num_tokens)
         return num_tokens
 
+    def receive_layers(self, blobs: list, first: int, end: int, num_tokens: int, layers: int) -> None:
+        """Layers [first, end) only (layer-wise delivery, :mod:`kdn.delivery`)."""
+        _core.unpack_chunks_paged(blobs, self.layers[first:end], self.block_ids, self.start, num_tokens, first, layers)
+
 
 def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
     """Why kdn cannot serve this engine's model, or None."""
@@ -225,6 +230,8 @@ class KDNConnector(KVConnectorBase_V1):
         self._blocks: list[torch.Tensor] = []
         self._errors: set[int] = set()
         self._served: dict[str, int] = {}  # req_id -> tokens kdn loaded for it
+        self._streams: list = []  # (load spec, LayerStream) of this step's layer-wise loads
+        self.delivery = Deliverer(self.io, self.config) if self.io is not None else None
         self._saves: queue.Queue = queue.Queue(maxsize=8)
         self._saver: threading.Thread | None = None
         _connectors.add(self)
@@ -311,21 +318,52 @@ class KDNConnector(KVConnectorBase_V1):
             return
         for spec in self._get_connector_metadata().loads:
             began = time.perf_counter()
-            target = PagedBlocks(self._blocks, spec.block_ids, spec.start)
-            _, hit = self.io.read(self.session, np.asarray(spec.tokens, dtype=np.uint32), spec.end, target)
+            tokens = np.asarray(spec.tokens, dtype=np.uint32)
+            opened = None
+            if self.config.delivery == "layerwise":  # layers arrive while the model computes the ones before
+                opened = self.delivery.open(self.session, tokens, spec.end, began,
+                                            lambda _, spec=spec: PagedBlocks(self._blocks, spec.block_ids, spec.start))
+            if opened is None:  # whole: every layer before the forward
+                target = PagedBlocks(self._blocks, spec.block_ids, spec.start)
+                _, hit = self.io.read(self.session, tokens, spec.end, target)
+            else:
+                stream, hit = opened
+                if stream is not None:
+                    self._streams.append((spec, stream))
             upto = min(hit, spec.end)
             self._served[spec.req_id] = upto if upto == spec.end else 0
             if upto < spec.end:  # evicted or unusable since the lookup: vLLM recomputes these blocks
-                first = max(upto, spec.start) // self.block_size
-                self._errors.update(spec.block_ids[first: -(-spec.end // self.block_size)])
-                log.warning("kdn: %d of %d tokens could not be loaded (evicted or damaged since the lookup); "
-                            "vLLM recomputes them", spec.end - upto, spec.end - spec.start)
-                _count(load_errors=1)
+                self._load_failed(spec, max(upto, spec.start), "evicted or damaged since the lookup")
             _count(loads=1, loaded_tokens=max(0, upto - spec.start), hit_tokens=max(0, upto - spec.start),
                    load_seconds=time.perf_counter() - began)
 
+    def _load_failed(self, spec: LoadSpec, start: int, why: str) -> None:
+        """Tokens [start, spec.end) of a request were not loaded: vLLM recomputes their blocks."""
+        first = start // self.block_size
+        self._errors.update(spec.block_ids[first: -(-spec.end // self.block_size)])
+        self._served[spec.req_id] = 0
+        log.warning("kdn: %d of %d tokens could not be loaded (%s); vLLM recomputes them", spec.end - start,
+                    spec.end - spec.start, why)
+        _count(load_errors=1)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loads every layer before the forward
+        if not self._streams:
+            return  # loaded whole by start_load_kv
+        layer = _layer_index(layer_name)
+        for spec, stream in self._streams:
+            try:
+                stream.wait(layer)
+            except DeliveryError as e:  # reported after the forward; vLLM recomputes the request's blocks
+                log.debug("kdn: layer %d of request %s not delivered: %s", layer, spec.req_id, e)
+
+    def _finish_streams(self) -> None:
+        """After the forward: every stream of this step has ended; a failed one's blocks are reported."""
+        streams, self._streams = self._streams, []
+        for spec, stream in streams:
+            try:
+                stream.wait_all()
+            except DeliveryError as e:
+                self._load_failed(spec, spec.start, f"delivery failed: {e}")
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # wait_for_save copies finished prompts out after the forward
@@ -333,6 +371,7 @@ class KDNConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if self.io is None or not self.has_connector_metadata():
             return
+        self._finish_streams()
         for spec in self._get_connector_metadata().saves:
             n = len(spec.tokens)
             if self._served.pop(spec.req_id, 0) >= n - max(self.session.probe_step, 1):
