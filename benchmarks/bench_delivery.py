@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -134,6 +135,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--trace-requests", type=int, default=20)
     parser.add_argument("--interval", type=float, default=0.25, help="seconds per trace value")
+    parser.add_argument("--trace-scale", type=float, default=1.0,
+                        help="multiply the traces' rates (this host's loopback tops out near 2.5 Gbit/s)")
     parser.add_argument("--deadline", default="", help="TTFT deadline per length, seconds (default: measured)")
     parser.add_argument("--out", default="bench_out/delivery")
     args = parser.parse_args()
@@ -148,8 +151,10 @@ def main() -> None:
     why = link_unavailable()
     if why:
         sys.exit(f"bench_delivery: {why}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still removes its namespace
     shared = os.environ.get("KDN_SHARED") or str(ROOT.parent / "shared")
-    traces = [json.loads(line)["bw"] for line in (Path(shared) / "data/CacheGen/bw.jsonl").read_text().splitlines()]
+    traces = [[gbps * args.trace_scale for gbps in json.loads(line)["bw"]]
+              for line in (Path(shared) / "data/CacheGen/bw.jsonl").read_text().splitlines()]
     torch.set_grad_enabled(False)
     model, tokenizer = kdn.models.load("smollm2-135m")
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -157,7 +162,7 @@ def main() -> None:
     link = ShapedRedis(Path(args.out) / "redis", gbps=10.0)
     estimates: dict[str, Estimates] = {}
     bench = Bench(model, link, lambda method: estimates.setdefault(method, Estimates()))
-    results = {"ladder": ["raw", *LADDER], "lengths": {}}
+    results = {"ladder": ["raw", *LADDER], "trace_scale": args.trace_scale, "interval": args.interval, "lengths": {}}
     try:
         for n, deadline in zip(lengths, deadlines):
             estimates.clear()
