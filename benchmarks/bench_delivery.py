@@ -5,7 +5,7 @@ links and CacheGen's bandwidth traces replayed with tc while requests run. SmolL
 Usage: python benchmarks/bench_delivery.py [--lengths 4096,8192] [--links 0.1,0.5,1,10] [--repeats 2]
        [--trace-requests 20] [--deadline 1.0,2.0] [--out bench_out/delivery]
 Needs root (network namespaces, tc), redis-server and iproute2. Prints tables with ratios and
-writes bench_delivery.json, bench_delivery.md and bench_delivery.png under --out.
+writes bench_delivery_<lengths>.json / .md / .png under --out (after each length).
 """
 
 from __future__ import annotations
@@ -72,11 +72,19 @@ class Bench:
 
     def request(self, method: str, ids: torch.Tensor, ref, continuation, deadline=None) -> dict:
         """One request from a new process-like reader (empty memory): TTFT, quality, bytes."""
+        from kdn.delivery import DeliveryError
+
         kdn = self.reader(method, deadline)
         n = ids.shape[1]
         started = time.perf_counter()
         cache, hit = kdn.retrieve(self.model, ids, limit=n - 1)
-        first = self.model(ids[:, hit:], past_key_values=cache, use_cache=True)
+        try:
+            first = self.model(ids[:, hit:], past_key_values=cache, use_cache=True)
+        except DeliveryError:  # what generate does: recompute the prompt (counted, and in the TTFT)
+            hit, failed = 0, True
+            first = self.model(ids, use_cache=True)
+        else:
+            failed = False
         ttft = time.perf_counter() - started
         stream = kdn.last_retrieve["stream"]
         stats = dict(stream.stats) if stream is not None else {}
@@ -86,7 +94,8 @@ class Bench:
         served = torch.cat([first.logits[0, -1:], rest]).log_softmax(-1)
         kl, agree = quality(ref, served)
         kdn.memory.clear()  # (clear() would empty the remote store too)
-        return {"ttft": ttft, "hit": hit, "kl": kl, "agreement": agree, "bytes": stats.get("bytes", 0),
+        return {"ttft": ttft, "hit": hit, "failed": failed, "kl": kl, "agreement": agree,
+                "bytes": stats.get("bytes", 0),
                 "levels": stats.get("levels"), "recomputed_chunks": stats.get("recomputed_chunks", 0),
                 "fetch_seconds": stats.get("fetch_seconds"), "decode_seconds": stats.get("decode_seconds")}
 
@@ -115,7 +124,8 @@ def summarize(rows: list[dict], deadline: float | None = None) -> dict:
     ttfts = sorted(r["ttft"] for r in rows)
     out = {"ttft_mean": statistics.mean(ttfts), "ttft_p90": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
            "kl": statistics.mean(r["kl"] for r in rows), "agreement": statistics.mean(r["agreement"] for r in rows),
-           "mbytes": statistics.mean(r["bytes"] for r in rows) / 1e6, "requests": len(rows)}
+           "mbytes": statistics.mean(r["bytes"] for r in rows) / 1e6, "requests": len(rows),
+           "failed": sum(r["failed"] for r in rows)}
     if deadline is not None:
         out["met"] = sum(r["ttft"] <= deadline for r in rows) / len(rows)
     return out
@@ -131,9 +141,10 @@ def replay(link, trace: list[float], interval: float, stop: threading.Event) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--lengths", default="4096,8192")
-    parser.add_argument("--links", default="0.1,0.5,1,10", help="fixed link rates, Gbit/s")
+    parser.add_argument("--links", default="0.1,0.5,1,10", help="fixed link rates, Gbit/s ('' for none)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--trace-requests", type=int, default=20)
+    parser.add_argument("--trace-methods", default="adaptive,raw," + ",".join(LADDER))
     parser.add_argument("--interval", type=float, default=0.25, help="seconds per trace value")
     parser.add_argument("--trace-scale", type=float, default=1.0,
                         help="multiply the traces' rates (this host's loopback tops out near 2.5 Gbit/s)")
@@ -146,7 +157,6 @@ def main() -> None:
     from kdn import KDN, KDNConfig
     from kdn.delivery import Estimates
     from shaped_link import ShapedRedis, link_unavailable
-    from timing import save_result
 
     why = link_unavailable()
     if why:
@@ -169,7 +179,8 @@ def main() -> None:
             ids = torch.tensor([context_ids(tokenizer, n) + tokenizer(QUESTION).input_ids])
             context = ids[:, :n]
             t0 = time.perf_counter()
-            writer = KDN(KDNConfig(chunk_size=CHUNK, remote_url=link.url, delivery_levels=LADDER))
+            writer = KDN(KDNConfig(chunk_size=CHUNK, remote_url=link.url, delivery_levels=LADDER,
+                                   remote_queue_bytes="4GiB"))  # the whole context queued at once
             writer.remote.clear()
             writer.store(model, context, model(context, use_cache=True).past_key_values)
             writer.flush()
@@ -190,7 +201,7 @@ def main() -> None:
             deadline = deadline or round(0.25 * full, 2)
             print(f"full prefill {full:.2f} s; deadline {deadline:.2f} s")
             entry = {"full_prefill": full, "deadline": deadline, "links": {}, "traces": {}}
-            for gbps in [float(x) for x in args.links.split(",")]:
+            for gbps in [float(x) for x in args.links.split(",") if x]:
                 link.set_rate(gbps)
                 row = {"stages": stages(bench, ids)}
                 for method in ("adaptive", "layerwise", "whole", *LADDER):  # a hit's forward, as a server sees it
@@ -206,7 +217,7 @@ def main() -> None:
                       f"{row['layerwise']['ttft_mean']:.2f} s ({row['layerwise']['ttft_mean'] / max(st.values()):.2f}x "
                       f"max stage)  adaptive {row['adaptive']['ttft_mean']:.2f} s (KL {row['adaptive']['kl']:.4f})"
                       f"  full prefill {full:.2f} s")
-            for method in ("adaptive", "raw", *LADDER):
+            for method in args.trace_methods.split(","):
                 rows = []
                 for i in range(args.trace_requests):
                     trace = traces[i % len(traces)]
@@ -226,13 +237,19 @@ def main() -> None:
                 print(f"  traces {method:>18}: TTFT mean {s['ttft_mean']:.2f} p90 {s['ttft_p90']:.2f} s, "
                       f"met {s['met']:.0%}, KL {s['kl']:.4f}, agreement {s['agreement']:.3f}, {s['mbytes']:.1f} MB")
             results["lengths"][str(n)] = entry
+            write(results, Path(args.out))  # after each length: a later failure keeps what was measured
     finally:
         link.stop()
-    out = Path(args.out)
-    save_result(out / "bench_delivery.json", results)
-    (out / "bench_delivery.md").write_text(markdown(results))
-    plot(results, out / "bench_delivery.png")
-    print(f"\nwrote {out / 'bench_delivery.json'}, bench_delivery.md, bench_delivery.png")
+
+
+def write(results: dict, out: Path) -> None:
+    from timing import save_result
+
+    name = "bench_delivery_" + "_".join(results["lengths"])
+    save_result(out / f"{name}.json", results)
+    (out / f"{name}.md").write_text(markdown(results))
+    plot(results, out / f"{name}.png")
+    print(f"wrote {out / name}.json, .md, .png")
 
 
 def markdown(results: dict) -> str:

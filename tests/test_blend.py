@@ -114,6 +114,32 @@ def test_recomputed_tokens_per_layer_follow_the_ratio_and_the_query(ratio):
     assert stats["tokens"] == n_ctx + uncached and cache.get_seq_length() == stats["tokens"]
 
 
+@pytest.mark.parametrize("selection", ["kv", "v", "gradual", "first-k"])
+def test_every_selection_rule_equals_full_prefill_at_ratio_one_and_follows_its_schedule(selection):
+    model = tiny_model("llama", layers=6)
+    segs, query = segments_and_query(model)
+    kdn = KDN(KDNConfig(chunk_size=8))
+    ids = prompt_ids(model, segs, query)
+    cache, stats = kdn.blend(model, segs, query, recompute_ratio=1.0, selection=selection)
+    torch.testing.assert_close(first_logits(model, cache, stats, ids), full_prefill(model, ids)[0],
+                               rtol=1e-4, atol=1e-4)
+    cache, stats = kdn.blend(model, segs, query, recompute_ratio=0.2, selection=selection)
+    n_ctx, uncached = 1 + sum(map(len, segs)), len(query) - 1
+    per_layer = stats["recomputed_per_layer"]
+    if selection == "first-k":  # the first ceil(0.2 * len) of each segment (BOS is exact), in every layer
+        first = sum(math.ceil(0.2 * len(s)) for s in segs)
+        assert per_layer == [first + uncached] * 6
+        assert stats["selected"][:4] == [1, 2, 3, 13]  # segments start at 1 and 13
+    elif selection == "gradual":  # 3x, 2x, 1.5x, 1x the ratio from layer 1 on
+        counts = [math.ceil(min(1.0, m * 0.2) * n_ctx) + uncached for m in (3, 2, 1.5, 1, 1)]
+        assert per_layer == [n_ctx + uncached] * 2 + counts[:4]
+    else:
+        assert per_layer == [n_ctx + uncached] * 2 + [math.ceil(0.2 * n_ctx) + uncached] * 4
+    assert cache.get_seq_length() == n_ctx + uncached
+    with pytest.raises(InvalidInputError, match="blend selection"):
+        kdn.blend(model, segs, query, selection="best")
+
+
 def test_blend_beats_naive_and_segments_work_in_any_order_and_repeated(stories):
     model, tokenizer = stories
     texts = ["Tom had a red ball. He liked to play with it in the park.",

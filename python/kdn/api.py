@@ -152,12 +152,16 @@ class KDN:
 
         return store_segments(self, model, segments, prefix)
 
-    def blend(self, model, segments, query, recompute_ratio: float = 0.15, prefix=None, mode: str = "blend"):
+    def blend(self, model, segments, query, recompute_ratio: float = 0.15, prefix=None, mode: str = "blend",
+              selection: str = "kv"):
         """KV cache for ``prefix + segments + query[:-1]`` from separately cached segments.
 
         ``mode``: ``"blend"`` (re-rotate, join, recompute the ``recompute_ratio`` most deviating
         tokens: CacheBlend), ``"naive"`` (re-rotate and join only), ``"prefix"`` (plain prefix
-        reuse) or ``"full"`` (no reuse). Returns ``(cache, stats)``; ``stats["tokens"]`` is how many
+        reuse) or ``"full"`` (no reuse). ``selection``: which tokens are recomputed, ``"kv"``
+        (K+V deviation at layer 1), ``"v"`` (V only), ``"gradual"`` (CacheBlend's narrowing over
+        layers) or ``"first-k"`` (EPIC: each segment's first tokens); see :mod:`kdn.blend.recompute`.
+        Returns ``(cache, stats)``; ``stats["tokens"]`` is how many
         prompt tokens the cache covers, ``stats["recomputed_per_layer"]`` the recompute.
 
         Example:
@@ -167,7 +171,7 @@ class KDN:
         """
         from kdn.blend import blend
 
-        return blend(self, model, segments, query, prefix, recompute_ratio, mode)
+        return blend(self, model, segments, query, prefix, recompute_ratio, mode, selection=selection)
 
     def blend_generate(self, model, segments, query, recompute_ratio: float = 0.15, prefix=None, mode="blend",
                        **generate_kwargs):

@@ -18,7 +18,7 @@ import time
 import torch
 
 from kdn._core import InvalidInputError
-from kdn.blend.recompute import check_supported, selective_prefill
+from kdn.blend.recompute import SELECTIONS, check_supported, selective_prefill
 from kdn.blend.rope import UnsupportedModelError, shift_keys
 from kdn.engine import HFTarget
 from kdn.layout import cache_to_kv_list, kv_list_to_cache
@@ -73,14 +73,18 @@ def store_segments(kdn, model, segments, prefix=None) -> dict:
 
 
 def blend(kdn, model, segments, query, prefix=None, recompute_ratio: float = 0.15, mode: str = "blend",
-          check_layer: int = 1):
+          check_layer: int = 1, selection: str = "kv"):
     """KV cache for ``prefix + segments + query[:-1]`` built from separately cached segments.
 
     Returns ``(cache, stats)``: a DynamicCache covering the first ``stats["tokens"]`` prompt tokens
     (``None`` for ``full``), so ``model.generate(ids, past_key_values=cache)`` computes the rest.
+    ``selection`` is the rule that picks the recomputed tokens (:data:`SELECTIONS`; see
+    :mod:`kdn.blend.recompute`).
     """
     if mode not in MODES:
         raise InvalidInputError(f"blend mode {mode!r}; choose one of {', '.join(MODES)}")
+    if selection not in SELECTIONS:
+        raise InvalidInputError(f"blend selection {selection!r}; choose one of {', '.join(SELECTIONS)}")
     if isinstance(recompute_ratio, bool) or not isinstance(recompute_ratio, numbers.Real) \
             or not 0.0 <= recompute_ratio <= 1.0:
         raise InvalidInputError(f"recompute_ratio must be a number within [0, 1], got {recompute_ratio!r}")
@@ -96,7 +100,7 @@ def blend(kdn, model, segments, query, prefix=None, recompute_ratio: float = 0.1
     if mode == "prefix":
         cache, hit = kdn.retrieve(model, ids, limit=len(ids) - 1)
         return cache, {**stats, "tokens": hit, "segment_hits": 0, "blend_s": time.perf_counter() - t0}
-    parts, hits, offset = [], 0, 0
+    parts, hits, offset, spans = [], 0, 0, []
     if prefix:
         kv, hit = segment_kv(kdn, model, session, [], prefix)
         parts.append(kv)
@@ -105,6 +109,7 @@ def blend(kdn, model, segments, query, prefix=None, recompute_ratio: float = 0.1
         kv, hit = segment_kv(kdn, model, session, prefix, seg)
         shift_keys(model, kv, offset - len(prefix))  # stored at len(prefix), used at offset
         parts.append(kv)
+        spans.append((offset, offset + len(seg)))
         hits, offset = hits + hit, offset + len(seg)
     n = n_ctx if mode == "naive" else len(ids) - 1
     kv = [torch.empty((1, layout.kv_heads, n, layout.head_dim), dtype=layout.torch_dtype, device=device)
@@ -114,9 +119,10 @@ def blend(kdn, model, segments, query, prefix=None, recompute_ratio: float = 0.1
     stats.update(segment_hits=hits)
     if mode == "blend":
         ids_t = torch.tensor([ids[:-1]], device=device)
-        kv, extra = selective_prefill(model, ids_t, kv, n_ctx, float(recompute_ratio), check_layer)
-        stats.update(extra, recompute_ratio=float(recompute_ratio))
+        kv, extra = selective_prefill(model, ids_t, kv, n_ctx, float(recompute_ratio), check_layer, selection, spans)
+        stats.update(extra, recompute_ratio=float(recompute_ratio), selection=selection)
     return kv_list_to_cache(model, kv), {**stats, "tokens": n, "blend_s": time.perf_counter() - t0}
 
 
-__all__ = ["MODES", "UnsupportedModelError", "blend", "store_segments", "segment_kv", "default_prefix", "prompt_tokens"]
+__all__ = ["MODES", "SELECTIONS", "UnsupportedModelError", "blend", "store_segments", "segment_kv", "default_prefix",
+           "prompt_tokens"]

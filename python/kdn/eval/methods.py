@@ -1,7 +1,7 @@
 """The methods an evaluation compares, all through the public KDN API, and the hook to add more.
 
 ``full`` (the whole prompt prefilled: the baseline), ``reuse`` (the context's KV stored once,
-then served from kdn so only the question is prefilled), ``naive`` and ``blend@<ratio>`` (segments
+then served from kdn so only the question is prefilled), ``naive`` and ``blend@<ratio>[:<selection>]`` (segments
 cached separately, joined by :meth:`KDN.blend`), ``reuse+<codec>`` (reuse with the context's KV
 held in a codec, e.g. ``reuse+int4``, ``reuse+cachegen:level=1``: see :mod:`kdn.codecs`). A
 capability plugs in with :func:`register_method`.
@@ -18,6 +18,7 @@ import torch
 from kdn import codecs
 from kdn._core import InvalidInputError
 from kdn.api import KDN
+from kdn.blend.recompute import SELECTIONS
 from kdn.config import KDNConfig
 from kdn.integrations.hf import FirstTokenTimer
 
@@ -102,8 +103,8 @@ class Blend(Method):
     time by :meth:`KDN.blend`: ``naive`` (re-rotate and concatenate) or ``blend@<ratio>`` (CacheBlend
     selective recompute). Compute per request = tokens recomputed (averaged over layers) + the rest."""
 
-    def __init__(self, name: str, config: KDNConfig, mode: str, ratio: float):
-        self.name, self.config, self.mode, self.ratio = name, config, mode, ratio
+    def __init__(self, name: str, config: KDNConfig, mode: str, ratio: float, selection: str = "kv"):
+        self.name, self.config, self.mode, self.ratio, self.selection = name, config, mode, ratio, selection
 
     def answer(self, model, enc, max_new_tokens):
         ids = enc.ids[0].tolist()
@@ -116,7 +117,8 @@ class Blend(Method):
         inject_s = time.perf_counter() - t0
         stored = sum(s.get("used_bytes", 0) for s in kdn.stats().values())
         start = time.perf_counter()
-        cache, stats = kdn.blend(model, segments, query, recompute_ratio=self.ratio, prefix=prefix, mode=self.mode)
+        cache, stats = kdn.blend(model, segments, query, recompute_ratio=self.ratio, prefix=prefix, mode=self.mode,
+                                 selection=self.selection)
         tokens, timer = _generate(model, enc.ids, max_new_tokens, cache)
         ttft = timer.ttft + (timer.t0 - start)
         per_layer = stats.get("recomputed_per_layer")
@@ -159,12 +161,17 @@ def resolve_method(name: str, config: KDNConfig) -> Method:
         return Reuse(dataclasses.replace(config, memory_codec=codec.spec), name)
     if name == "naive":
         return Blend(name, config, "naive", 0.0)
-    if base == "blend":
+    if base == "blend":  # blend@<ratio>[:<selection>]
+        rest, _, selection = name.partition(":")
+        selection = selection or "kv"
+        if selection not in SELECTIONS:
+            raise ValueError(f"method {name!r}: selection {selection!r}; choose one of {', '.join(SELECTIONS)}")
         try:
-            ratio = float(name.split("@", 1)[1]) if "@" in name else 0.15
+            ratio = float(rest.split("@", 1)[1]) if "@" in rest else 0.15
         except ValueError:
             raise ValueError(f"method {name!r}: the recompute ratio after '@' must be a number") from None
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"method {name!r}: the recompute ratio must be within [0, 1]")
-        return Blend(name, config, "blend", ratio)
-    raise ValueError(f"unknown method {name!r}; known: full, reuse, reuse+<codec>, naive, blend@<ratio>")
+        return Blend(name, config, "blend", ratio, selection)
+    raise ValueError(f"unknown method {name!r}; known: full, reuse, reuse+<codec>, naive, "
+                     f"blend@<ratio>[:{'|'.join(SELECTIONS)}]")
