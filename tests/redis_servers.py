@@ -36,6 +36,15 @@ def free_port(cluster: bool = False) -> int:
     raise RuntimeError("no free port pair for a Redis cluster node")
 
 
+def wait_until(ready, seconds: float, failure: str) -> None:
+    """Poll ``ready()`` until it is true; RuntimeError(``failure``) after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not ready():
+        if time.monotonic() > deadline:
+            raise RuntimeError(failure)
+        time.sleep(0.05)
+
+
 def require_redis() -> None:
     """Skip without redis-server, unless KDN_REQUIRE_SERVERS=1 (.ci/run sets it): then fail."""
     if shutil.which("redis-server") and shutil.which("redis-cli"):
@@ -61,13 +70,12 @@ class RedisServer:
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", str(self.directory), *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.cli("PING", check=False).returncode == 0:
-                return
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"redis-server on port {self.port} did not start")
+        try:
+            wait_until(lambda: self.cli("PING", check=False).returncode == 0, 10,
+                       f"redis-server on port {self.port} did not start")
+        except RuntimeError:
+            self.stop()
+            raise
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         password = [a for a in self.args if a != "--requirepass"]
@@ -98,11 +106,8 @@ class RedisCluster:
             addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
             subprocess.run(["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0",
                             "--cluster-yes"], capture_output=True, text=True, check=True, timeout=60)
-            deadline = time.monotonic() + 20
-            while "cluster_state:ok" not in self.nodes[0].cli("CLUSTER", "INFO").stdout:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the Redis cluster did not reach cluster_state:ok")
-                time.sleep(0.1)
+            wait_until(lambda: "cluster_state:ok" in self.nodes[0].cli("CLUSTER", "INFO").stdout, 20,
+                       "the Redis cluster did not reach cluster_state:ok")
         except BaseException:
             self.stop()
             raise

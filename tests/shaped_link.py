@@ -9,10 +9,11 @@ import os
 import random
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+
+from redis_servers import wait_until
 
 _names = itertools.count()
 
@@ -76,11 +77,7 @@ class ShapedRedis:
                 ["ip", "netns", "exec", self.ns, "redis-server", "--port", str(port), "--bind", self.ip,
                  "--save", "", "--appendonly", "no", "--protected-mode", "no", "--dir", str(self.directory)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            deadline = time.monotonic() + 10
-            while self.cli("PING").returncode != 0:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("redis-server in the namespace did not start")
-                time.sleep(0.05)
+            wait_until(lambda: self.cli("PING").returncode == 0, 10, "redis-server in the namespace did not start")
         except BaseException:
             self.stop()
             raise

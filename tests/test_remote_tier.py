@@ -142,6 +142,7 @@ def test_process_b_hits_what_process_a_stored(tiny_llama, redis_server, redis_cl
         logits = tiny_llama(ids[:, hit:], past_key_values=cache).logits[0, -1]
     assert hit == 200
     torch.testing.assert_close(logits, full_prefill(tiny_llama, ids)[0], rtol=1e-4, atol=1e-4)
+    kdn.last_retrieve["stream"].wait_all()  # streamed layer-wise: counted and promoted when the stream ends
     assert kdn.stats()["remote"]["hits"] == 25 and kdn.stats()["memory"]["entries"] == 25  # promoted
     if where == "cluster":
         sizes = [int(n.cli("DBSIZE").stdout) for n in redis_cluster.nodes]

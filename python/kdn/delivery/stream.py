@@ -146,7 +146,7 @@ class Deliverer:
 
     def levels(self) -> list[str]:
         """Level specs, best first: the remote tier's own codec, then (with a deadline) the lossy levels."""
-        remote = self.chunks.tiers.remote
+        remote = self.chunks.remote
         own = [remote.codec] if remote is not None else []
         return own + ([s for s in self.config.delivery_levels if s not in own]
                       if self.config.ttft_deadline is not None else [])
@@ -163,11 +163,12 @@ class Deliverer:
             return None, 0
         chunk = session.chunk_size
         blobs, addresses, local_ok = self.chunks.fetch_verified(session, found, local=True)
-        remote = self.chunks.tiers.remote
+        remote = self.chunks.remote
         remote_keys = found.keys[local_ok:]
         if remote_keys and (remote is None or not remote.range_readable):
             return None
-        opened = self._open_remote(session, found, local_ok) if remote_keys else []
+        specs = self.levels()
+        opened = self._open_remote(session, found, local_ok, specs) if remote_keys else []
         if opened is None:
             return None
         n = local_ok + len(opened)
@@ -190,8 +191,6 @@ class Deliverer:
                  "deadline": self.config.ttft_deadline,
                  "lossy": any(a != k for a, k in zip(addresses, found.keys))}  # grows as lossy groups arrive
         layers = session.layout.layers
-
-        specs = self.levels()
 
         def fetch(g: int):
             """Pick group g's level, read its ranges, verify them: (chosen levels, bytes, seconds)."""
@@ -219,8 +218,7 @@ class Deliverer:
                     try:
                         into.receive_layers(group_blobs, first, end, hit, layers)
                     except BlobError as e:  # a payload its checksum did not catch: never served
-                        for address in list(addresses) + [lv.address for lv in chosen]:
-                            self.chunks.tiers.drop(address)
+                        self.chunks.drop(list(addresses) + [lv.address for lv in chosen])
                         raise DeliveryError(f"undecodable stored chunks (dropped): {e}") from None
                     spent = time.perf_counter() - t1
                     if chosen:
@@ -245,25 +243,24 @@ class Deliverer:
     def _keep_whole(self, opened: list, stats: dict) -> None:
         """Chunks whose every layer group came from one level are whole blobs now: promote them
         into the local tiers, as a whole read would have (the next request finds them there)."""
-        remote = self.chunks.tiers.remote
+        remote = self.chunks.remote
         if remote is None or not opened:
             return
         remote.count_streamed(len(opened))
         for chunk_levels in opened:
             used = [lv for lv in chunk_levels if lv is not None and lv.buffer is not None]
-            if len(used) == 1 and len(set(stats["levels"])) == 1:
+            if len(used) == 1:  # every group of this chunk came from that one level
                 lv = used[0]
                 lv.view.release()  # every section arrived and was verified: a whole blob, kept as it is
-                self.chunks.tiers.promote(lv.address, lv.buffer, "remote", codecs.parse(lv.spec).lossy)
+                self.chunks.keep(lv.address, lv.buffer, codecs.parse(lv.spec).lossy)
 
     # -- the remote part ------------------------------------------------------------------------
-    def _open_remote(self, session: ModelSession, found, first: int):
+    def _open_remote(self, session: ModelSession, found, first: int, specs: list[str]):
         """Per remote chunk (from ``first`` on, in order, stopping at the first one no level has):
-        its levels (``_Level``, or None where that level is not stored). None if some chunk cannot
-        be streamed (the caller then reads whole)."""
+        its levels (``_Level`` per spec of ``specs``, or None where that level is not stored). None
+        if some chunk cannot be streamed (the caller then reads whole)."""
         layout, chunk = session.layout, session.chunk_size
-        remote = self.chunks.tiers.remote
-        specs = self.levels()
+        remote = self.chunks.remote
         table = 80 + 8 * layout.layers  # header and the widest plane table
         trailer = 8 * (1 + 2 * layout.layers) + 8
         keys = found.keys[first:]
@@ -313,7 +310,7 @@ class Deliverer:
 
     def _fetch_group(self, chosen: list, first: int, end: int) -> int:
         ranges = [lv.group_range(first, end) for lv in chosen]
-        values = self.chunks.tiers.remote.read_ranges([(lv.address, b, e - 1) for lv, (b, e) in zip(chosen, ranges)])
+        values = self.chunks.remote.read_ranges([(lv.address, b, e - 1) for lv, (b, e) in zip(chosen, ranges)])
         if values is None:
             raise DeliveryError("the remote tier failed mid-stream")
         moved = 0
@@ -325,7 +322,7 @@ class Deliverer:
             try:
                 _core.blob_verify_sections(buffer, 1 + 2 * first, 2 * end)
             except BlobError as e:  # damaged where it is stored (or on the way): dropped, so a store rewrites it
-                self.chunks.tiers.drop(lv.address)
+                self.chunks.drop([lv.address])
                 raise DeliveryError(f"streamed KV failed its checksum (dropped): {e}") from None
             moved += e - b
         return moved

@@ -119,8 +119,7 @@ class ChunkIO:
             return (target or HFTarget()).receive(session, blobs[:used], hit), hit
         except BlobError as e:  # a coded payload that its checksum did not catch: a miss, never wrong KV
             log.warning("kdn: dropping undecodable stored chunks (treated as a miss): %s", e)
-            for address in addresses[:used]:
-                self.tiers.drop(address)
+            self.drop(addresses[:used])
             return None, 0
 
     def fetch_verified(self, session: ModelSession, found: Prefix, local: bool = False) -> tuple[list, list, int]:
@@ -177,6 +176,20 @@ class ChunkIO:
         for (probe, (_, key, tokens, position)), held in zip(filed, self.tiers.held([p for p, _ in filed])):
             if not held:
                 self.tiers.put(probe, _core.pack_pointer(session.fingerprint, probe, key, position, tokens))
+
+    @property
+    def remote(self):
+        """The remote tier (:class:`kdn.storage.remote.RemoteTier`), or None: what delivery streams from."""
+        return self.tiers.remote
+
+    def drop(self, addresses: list[bytes]) -> None:
+        """Drop what is filed under each of ``addresses`` from every tier (an unusable chunk)."""
+        for address in addresses:
+            self.tiers.drop(address)
+
+    def keep(self, address: bytes, blob, lossy: bool) -> None:
+        """Keep a chunk the remote tier served whole (verified) in the local tiers, as a read would."""
+        self.tiers.promote(address, blob, "remote", lossy)
 
     def flush(self) -> None:
         """Wait until queued disk writes are on disk and queued remote stores are sent."""
