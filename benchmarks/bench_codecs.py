@@ -4,7 +4,10 @@ generated tokens vs the uncompressed KV, encode/decode speed, the entropy coder'
 model, beside zstandard and HF's quantized cache (quanto) at 4 and 2 bits.
 
 Usage: python benchmarks/bench_codecs.py [--models smollm2,stories260k] [--contexts 20] [--tokens 1024]
-       [--gen 64] [--out benchmarks/results/codecs]
+       [--gen 64] [--kvtc-ratios 6,8,10,12,16] [--calibration 8] [--codecs all] [--out benchmarks/results/codecs]
+``kvtc`` is calibrated per model on ``--calibration`` contexts disjoint from the evaluated ones (the
+next items of the same datasets). Writes bench_codecs.json and the rate-quality frontier of every
+codec (size vs KL and vs agreement) to bench_codecs_frontier.png.
 Agreement is teacher-forced: the model continues the reference generation (64 greedy tokens with the
 uncompressed KV) on top of the decoded KV, and we count the positions whose argmax is the reference
 token; KL is KL(reference || codec) at the same positions, in nats. Speeds count fp16 bytes of KV.
@@ -20,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kdn import KDN, KDNConfig, _core, codecs
+from kdn import KDN, KDNConfig, _core, codecs, kvtc
 from kdn.eval import load_dataset
 from kdn.layout import cache_to_kv_list
 from timing import save_result, timed
@@ -30,11 +33,12 @@ CODECS = ["lossless", "int8", "int4", "int2", "cachegen:level=1", "cachegen", "c
 CHUNK = 256
 
 
-def contexts(tokenizer, n: int, tokens: int) -> list[tuple[list[int], list[int]]]:
-    """(context ids cut to `tokens`, question ids) from LongChat topics and MuSiQue, alternating."""
+def contexts(tokenizer, n: int, tokens: int, skip: int = 0) -> list[tuple[list[int], list[int]]]:
+    """(context ids cut to `tokens`, question ids) from LongChat topics and MuSiQue, alternating,
+    after the first `skip` of them (calibration contexts skip the evaluated ones)."""
     out = []
     sets = [load_dataset("longchat-topics-5"), load_dataset("musique")]
-    for i in range(n):
+    for i in range(skip, skip + n):
         s = sets[i % 2][i // 2]
         ids = tokenizer("\n".join(s.segments))["input_ids"]
         if len(ids) < tokens:
@@ -85,7 +89,8 @@ def cast_blob(blob, dtype):
     """The chunk of a blob re-packed in another dtype."""
     kv = codecs.decode(blob).to(dtype)
     per_layer = [kind[None].permute(0, 2, 1, 3).contiguous() for layer in kv for kind in layer]
-    return _core.pack_chunk(per_layer, 0, kv.shape[2], b"F" * 16, b"K" * 16)
+    h = _core.blob_parse(blob, verify_checksum=False)  # same model: kvtc finds its calibration
+    return _core.pack_chunk(per_layer, 0, kv.shape[2], h["fingerprint"], h["key"])
 
 
 def blob_bytes_fp16(blob) -> int:
@@ -109,6 +114,16 @@ def run_model(name: str, args) -> dict:
     speed_blob = None
     room = getattr(model.config, "max_position_embeddings", 1 << 20) - 48 - GEN - 8
     tokens = min(args.tokens, room // CHUNK * CHUNK)  # stories260K reads at most 512 tokens
+    specs = [s for s in CODECS + [f"kvtc:ratio={r}" for r in args.kvtc_ratios.split(",") if r]
+             if args.codecs == "all" or s.split(":")[0] in args.codecs.split(",")]
+    if any(s.startswith("kvtc") for s in specs):
+        t0 = time.perf_counter()
+        disjoint = [c for c, _ in contexts(tokenizer, args.calibration, tokens, skip=args.contexts)]
+        calibration = kvtc.calibrate(model, disjoint, prerope=not args.no_prerope, key_weight=args.key_weight,
+                                     progress=False)
+        kvtc.load(calibration)
+        print(f"  {name}: kvtc calibration on {args.calibration} disjoint contexts in "
+              f"{time.perf_counter() - t0:.0f} s, {len(calibration) / 1e6:.1f} MB", flush=True)
     for i, (ctx, question) in enumerate(contexts(tokenizer, args.contexts, tokens)):
         ids = torch.tensor(ctx + question)
         with torch.inference_mode():
@@ -129,22 +144,22 @@ def run_model(name: str, args) -> dict:
         if speed_blob is None:  # speeds are measured on one chunk cast to fp16 (what the GB/s count)
             speed_blob = cast_blob(raw_blobs[0], torch.float16)
         fp16_bytes = sum(blob_bytes_fp16(b) for b in raw_blobs)
-        for spec in CODECS:
+        for spec in specs:
             kdn = KDN(KDNConfig(chunk_size=CHUNK, memory_codec=spec))
             kdn.store(model, ctx, pairs)
             cache, hit = kdn.retrieve(model, ctx)
             kl, agree = kl_and_agreement(ref_logits, continuation_logits(model, cache, full, hit), ref_tokens)
-            coded = [kdn.memory.get(k) for k in keys]
+            coded = [kdn.memory.get(codecs.address(k, spec)) for k in keys]
             decoded = torch.cat([codecs.decode(b) for b in coded], dim=2)
             add(spec, kl=kl, agree=agree, ratio=fp16_bytes / sum(len(b) for b in coded),
                 layer_err=layer_errors(reference, decoded))
-            if spec in ("lossless",) or spec.startswith("cachegen"):
+            if spec in ("lossless",) or spec.startswith(("cachegen", "kvtc")):
                 for b in raw_blobs:
                     _, rep = codecs.encode(b, spec, report=True)
                     acc = reports.setdefault(spec, {})
                     for k, v in rep.items():
                         acc[k] = acc.get(k, 0) + v
-        for bits in (4, 2):
+        for bits in (4, 2) if args.codecs == "all" else ():
             try:
                 approx = quanto_round_trip(model, kv, bits)
             except Exception as e:  # optional baseline
@@ -171,7 +186,7 @@ def run_model(name: str, args) -> dict:
         table[method] = {"ratio_vs_fp16": statistics.mean(row["ratio"]), "kl_mean": statistics.mean(row["kl"]),
                          "agreement": statistics.mean(row["agree"]), "rel_l2_mean": float(errs.mean()),
                          "rel_l2_per_layer": errs.mean(0).round(5).tolist(), "contexts": len(row["kl"])}
-    for spec in CODECS:
+    for spec in specs:
         table[spec].update(speed(speed_blob, spec))
     for spec, rep in reports.items():
         table[spec]["coded_over_model_bits"] = rep["coded_bytes"] * 8 / rep["model_bits"]
@@ -179,7 +194,8 @@ def run_model(name: str, args) -> dict:
         total = rep["coded_bytes"] + rep["table_bytes"] + rep["side_bytes"]
         table[spec]["table_bytes_share"] = rep["table_bytes"] / total
         table[spec]["side_bytes_share"] = rep["side_bytes"] / total
-    table.update(zstd_rows(speed_blob))
+    if args.codecs == "all":
+        table.update(zstd_rows(speed_blob))
     return table
 
 
@@ -236,6 +252,11 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--gen", type=int, default=64)
+    parser.add_argument("--kvtc-ratios", default="6,8,10,12,16")
+    parser.add_argument("--calibration", type=int, default=8, help="kvtc calibration contexts (disjoint)")
+    parser.add_argument("--key-weight", type=float, default=kvtc.KEY_WEIGHT)
+    parser.add_argument("--no-prerope", action="store_true", help="kvtc: calibrate and code keys post-RoPE")
+    parser.add_argument("--codecs", default="all", help="comma-separated codec names to run (e.g. kvtc), or all")
     parser.add_argument("--out", default="benchmarks/results/codecs")
     args = parser.parse_args()
     GEN = args.gen
@@ -250,7 +271,41 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     save_result(out / "bench_codecs.json", results, indent=1)
-    print(f"\nwrote {out / 'bench_codecs.json'}")
+    plot_frontier(results["models"], out / "bench_codecs_frontier.png")
+    print(f"\nwrote {out / 'bench_codecs.json'} and bench_codecs_frontier.png")
+
+
+def plot_frontier(models: dict, path: Path) -> None:
+    """Size vs fp16 against KL and against agreement, every codec of every model on one figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.5 * len(models)), squeeze=False)
+    for (name, table), (left, right) in zip(models.items(), axes):
+        families: dict[str, list] = {}
+        for method, r in table.items():
+            if "kl_mean" in r and method != "lossless":
+                families.setdefault(method.split(":")[0].split("-int")[0], []).append(
+                    (r["ratio_vs_fp16"], max(r["kl_mean"], 1e-6), r["agreement"], method))
+        for family, points in families.items():
+            points.sort()
+            x, kl, agree, _ = zip(*points)
+            style = "-o" if family == "kvtc" else "o"
+            left.plot(x, kl, style, label=family)
+            right.plot(x, agree, style, label=family)
+            for xi, ki, _, m in points:
+                left.annotate(m.split(":")[-1], (xi, ki), fontsize=6)
+        left.axhline(0.05, color="gray", ls=":")
+        left.axvline(8, color="gray", ls=":")
+        right.axhline(0.95, color="gray", ls=":")
+        right.axvline(8, color="gray", ls=":")
+        left.set(title=f"{name}: KL vs size", xlabel="smaller than fp16 (x)", ylabel="KL vs exact KV (nats)", yscale="log")
+        right.set(title=f"{name}: greedy agreement vs size", xlabel="smaller than fp16 (x)", ylabel="agreement")
+        left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 GEN = 64

@@ -3,15 +3,21 @@ codec (checksum re-sealed so that they reach the decoder) must each decode or ra
 
 import struct
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kdn import BlobError, _core, codecs
+from kdn import BlobError, _core, codecs, kvtc
 
-SPECS = ["lossless", "int8", "int4", "int2", "cachegen:level=1", "cachegen:level=3,anchor=1"]
+SPECS = ["lossless", "int8", "int4", "int2", "cachegen:level=1", "cachegen:level=3,anchor=1",
+         "kvtc:ratio=4,recent=3"]
 HEADER, TRAILER = 80, 8
+# a kvtc calibration of the fuzzed blobs' "model" (2 layers, 2 heads of 8 channels, keys pre-RoPE)
+CALIBRATION = kvtc.fit([np.random.default_rng(p).normal(size=(500, 16)) for p in range(4)], b"F" * 16, 8,
+                       inv_freq=1.0 / 10000 ** (np.arange(0, 8, 2) / 8), ratios=(4,))
+kvtc.load(CALIBRATION)
 
 
 def base_blob(spec: str) -> bytes:
@@ -58,6 +64,7 @@ def mutate(blob: bytes, mutation) -> bytearray:
 @pytest.mark.slow  # ~18 s per codec: CI runs it; `-m "not slow"` (the inner loop) leaves it out
 @pytest.mark.parametrize("spec", SPECS)
 def test_decoder_survives_10000_corrupt_payloads(spec):
+    kvtc.load(CALIBRATION)  # other tests unload calibrations
     base = BASES[spec]
     outcomes = {"decoded": 0, "rejected": 0}
 

@@ -3,6 +3,7 @@
 
 #include "kdn/cachegen.h"
 #include "kdn/codec.h"
+#include "kdn/kvtc.h"
 #include "kdn/parallel.h"
 #include "tensor.h"
 
@@ -70,6 +71,76 @@ void bind_codec(py::module_& m) {
       },
       py::arg("level"), py::arg("layer"), py::arg("layers"), py::arg("values"),
       "(step, range) of cachegen at a level for a layer's keys or values: the quantization its decoder inverts.");
+
+  m.def(
+      "kvtc_load",
+      [](py::handle data) {
+        ByteSpan span = bytes_from_object(data, "calibration");
+        const Key128 id = kvtc_load(span.data, span.size);
+        return py::bytes(reinterpret_cast<const char*>(id.data()), 16);
+      },
+      py::arg("calibration"),
+      "Load kvtc calibration bytes into the process (encoders of its model and decoders of its id\n"
+      "use it); returns its id. Raises InvalidInputError when the bytes are not a calibration.");
+  m.def(
+      "kvtc_pack",
+      [](py::handle fingerprint, py::handle key, py::handle data) {
+        ByteSpan span = bytes_from_object(data, "calibration");
+        return kvtc_pack(key_arg(fingerprint, "fingerprint"), key_arg(key, "key"), span.data, span.size);
+      },
+      py::arg("fingerprint"), py::arg("key"), py::arg("calibration"),
+      "A sealed calibration blob filed under `key` (InvalidInputError unless it is a calibration of this model).");
+  m.def(
+      "kvtc_load_blob",
+      [](py::handle blob, py::handle fingerprint, py::handle key) {
+        ByteSpan span = bytes_from_object(blob, "blob");
+        const Key128 fp = key_arg(fingerprint, "fingerprint"), k = key_arg(key, "key");
+        Key128 id;
+        Status st;
+        {
+          py::gil_scoped_release release;
+          st = kvtc_load_blob(span.data, span.size, fp, k, &id);
+        }
+        if (!st.ok) throw BlobError("calibration: " + st.message, __FILE__, __LINE__);
+        return py::bytes(reinterpret_cast<const char*>(id.data()), 16);
+      },
+      py::arg("blob"), py::arg("fingerprint"), py::arg("key"),
+      "Verify a calibration blob (checksum, kind, model, key) and load it; returns its id. BlobError if unusable.");
+  m.def(
+      "kvtc_loaded", [](py::handle id) { return kvtc_by_id(key_arg(id, "id")) != nullptr; }, py::arg("id"),
+      "Whether the calibration with this id is loaded.");
+  m.def(
+      "kvtc_model_calibration",
+      [](py::handle fingerprint) -> py::object {
+        auto cal = kvtc_for_model(key_arg(fingerprint, "fingerprint"));
+        if (!cal) return py::none();
+        py::dict d;
+        d["id"] = py::bytes(reinterpret_cast<const char*>(cal->id.data()), 16);
+        py::list ratios;
+        for (uint32_t r : cal->ratios) ratios.append(r);
+        d["ratios"] = ratios;
+        d["components"] = cal->components;
+        d["prerope"] = cal->prerope;
+        return d;
+      },
+      py::arg("fingerprint"), "The calibration loaded for a model (id, ratios, components, prerope), or None.");
+  m.def("kvtc_unload_all", &kvtc_unload_all, "Forget every loaded kvtc calibration (tests).");
+  m.def(
+      "kvtc_blob_calibration",
+      [](py::handle blob) -> py::object {
+        ByteSpan span = bytes_from_object(blob, "blob");
+        BlobHeader h;
+        Status st = blob_parse(span.data, span.size, false, &h);
+        if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
+        const uint8_t* payload = span.data + kBlobHeaderBytes;
+        const size_t table = 8 * static_cast<size_t>(h.layers);  // u32 per plane
+        Key128 id;
+        if (h.codec != kCodecKvtc || h.payload_bytes < table ||
+            !kvtc_plane_calibration(payload + table, h.payload_bytes - table, &id))
+          return py::none();
+        return py::bytes(reinterpret_cast<const char*>(id.data()), 16);
+      },
+      py::arg("blob"), "The calibration id a kvtc blob was coded under (its first plane's), else None.");
 
   m.def(
       "lossy_key",

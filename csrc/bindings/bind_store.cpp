@@ -27,7 +27,7 @@ BufferPtr buffer_from_object(py::handle obj) {
 py::dict header_to_dict(const BlobHeader& h) {
   py::dict d;
   d["version"] = h.version;
-  d["kind"] = h.kind == kBlobKindKV ? "kv" : "pointer";
+  d["kind"] = h.kind == kBlobKindKV ? "kv" : h.kind == kBlobKindPointer ? "pointer" : "calibration";
   d["codec"] = h.codec;
   d["codec_params"] = h.codec_params;
   d["dtype"] = dtype_name(h.dtype);

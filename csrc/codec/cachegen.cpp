@@ -103,6 +103,35 @@ CacheGenStep cachegen_step(int level, int layer, int layers, bool values) {
 
 const RansTable& cachegen_table(int k, int range) { return models_for(range).m[k]->table; }
 
+int cachegen_choose_model(const uint32_t* h, int range, double* model_bits, double* empirical_bits) {
+  const Models& models = models_for(range);
+  const int symbols = 2 * range + 1;
+  double count = 0, abs_sum = 0, empirical = 0;
+  for (int s = 0; s < symbols; ++s) {
+    count += h[s];
+    abs_sum += static_cast<double>(h[s]) * std::abs(s - range);
+  }
+  if (count == 0) return 0;
+  for (int s = 0; s < symbols; ++s)
+    if (h[s]) empirical += h[s] * std::log2(count / h[s]);
+  int guess = 0;  // the model whose mean |symbol| is closest, then its neighbours
+  while (guess + 1 < kCacheGenModels && models.m[guess + 1]->mean_abs <= abs_sum / count) ++guess;
+  double best = INFINITY;
+  int choice = 0;
+  for (int k = std::max(0, guess - 3); k <= std::min(kCacheGenModels - 1, guess + 4); ++k) {
+    double bits = 0;
+    for (int s = 0; s < symbols; ++s)
+      if (h[s]) bits += h[s] * static_cast<double>(models.m[k]->bits[s]);
+    if (bits < best) {
+      best = bits;
+      choice = k;
+    }
+  }
+  *model_bits += best;
+  *empirical_bits += empirical;
+  return choice;
+}
+
 std::vector<uint8_t> cachegen_encode(const Plane& p, uint32_t params, const uint8_t* raw, CodecReport* report) {
   const bool anchor = (params >> 8) & 1;
   const CacheGenStep st = cachegen_step(static_cast<int>(params & 0xff), p.layer, p.layers, p.values);
@@ -150,31 +179,9 @@ std::vector<uint8_t> cachegen_encode(const Plane& p, uint32_t params, const uint
     for (int64_t c = 0; c < C; ++c) ++hist[context_of(t, c, C, anchor) * symbols + q[t * C + c] + st.range];
   const Models& models = models_for(st.range);
   std::vector<uint8_t> choice(contexts);
-  for (int ctx = 0; ctx < contexts; ++ctx) {
-    const uint32_t* h = &hist[static_cast<size_t>(ctx) * symbols];
-    double count = 0, abs_sum = 0, empirical = 0;
-    for (int s = 0; s < symbols; ++s) {
-      count += h[s];
-      abs_sum += static_cast<double>(h[s]) * std::abs(s - st.range);
-    }
-    if (count == 0) continue;
-    for (int s = 0; s < symbols; ++s)
-      if (h[s]) empirical += h[s] * std::log2(count / h[s]);
-    int guess = 0;  // the model whose mean |symbol| is closest, then its neighbours
-    while (guess + 1 < kCacheGenModels && models.m[guess + 1]->mean_abs <= abs_sum / count) ++guess;
-    double best = INFINITY;
-    for (int k = std::max(0, guess - 3); k <= std::min(kCacheGenModels - 1, guess + 4); ++k) {
-      double bits = 0;
-      for (int s = 0; s < symbols; ++s)
-        if (h[s]) bits += h[s] * static_cast<double>(models.m[k]->bits[s]);
-      if (bits < best) {
-        best = bits;
-        choice[ctx] = static_cast<uint8_t>(k);
-      }
-    }
-    report->model_bits += best;
-    report->empirical_bits += empirical;
-  }
+  for (int ctx = 0; ctx < contexts; ++ctx)
+    choice[ctx] = static_cast<uint8_t>(cachegen_choose_model(&hist[static_cast<size_t>(ctx) * symbols], st.range,
+                                                             &report->model_bits, &report->empirical_bits));
   ByteWriter w;
   w.append(reinterpret_cast<const uint8_t*>(offset.data()), 2 * C);
   w.append(reinterpret_cast<const uint8_t*>(scale.data()), 2 * C);

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "kdn/byte_io.h"
+#include "kdn/kvtc.h"
 #include "kdn/parallel.h"
 
 namespace kdn {
@@ -34,6 +35,12 @@ Status codec_check(uint8_t codec, uint32_t params) {
       if (flags > 1) return Status::Fail("cachegen: unknown flags " + std::to_string(flags));
       return Status::Ok();
     }
+    case kCodecKvtc: {
+      const uint32_t ratio = params & 0xff;
+      if (ratio < 2) return Status::Fail("kvtc ratio must be in [2, 255], got " + std::to_string(ratio));
+      if (params >> 24) return Status::Fail("kvtc: reserved parameter bits set");
+      return Status::Ok();
+    }
     default:
       return Status::Fail("unknown codec id " + std::to_string(codec));
   }
@@ -53,7 +60,7 @@ namespace {
 
 Plane plane_of(const BlobHeader& h, int64_t p) {
   return Plane{h.tokens, static_cast<int64_t>(h.kv_heads) * h.head_dim, static_cast<int>(p / 2),
-               static_cast<int>(h.layers), (p & 1) != 0, h.dtype};
+               static_cast<int>(h.layers), (p & 1) != 0, h.dtype, h.head_dim, h.position};
 }
 
 }  // namespace
@@ -63,6 +70,11 @@ std::vector<uint8_t> codec_encode(const BlobHeader& h, const uint8_t* raw, int t
   KDN_CHECK_INPUT(h.codec != kCodecRaw, "codec_encode: raw is not an encoding");
   const int64_t planes = 2 * static_cast<int64_t>(h.layers);
   const size_t plane_raw = raw_payload_bytes(h) / planes;
+  std::shared_ptr<const KvtcCalibration> calibration;
+  if (h.codec == kCodecKvtc) {
+    calibration = kvtc_for_model(h.fingerprint);
+    KDN_CHECK_INPUT(calibration, "kvtc: no calibration is loaded for this model (kdn.kvtc.calibrate, KDN.calibrate)");
+  }
   std::vector<std::vector<uint8_t>> coded(planes);
   std::vector<CodecReport> reports(planes);
   parallel_for(planes, threads, [&](int64_t p) {
@@ -70,6 +82,7 @@ std::vector<uint8_t> codec_encode(const BlobHeader& h, const uint8_t* raw, int t
     const uint8_t* in = raw + p * plane_raw;
     if (h.codec == kCodecLossless) coded[p] = lossless_encode(plane, in, &reports[p]);
     else if (h.codec == kCodecKivi) coded[p] = kivi_encode(plane, h.codec_params, in, &reports[p]);
+    else if (h.codec == kCodecKvtc) coded[p] = kvtc_encode(plane, h.codec_params, in, *calibration, &reports[p]);
     else coded[p] = cachegen_encode(plane, h.codec_params, in, &reports[p]);
   });
   ByteWriter out;
@@ -114,6 +127,7 @@ Status codec_decode_planes(const BlobHeader& h, const uint8_t* payload, size_t s
     uint8_t* dst = out + i * plane_raw;
     if (h.codec == kCodecLossless) ok[p] = lossless_decode(plane, starts[p], sizes[p], dst);
     else if (h.codec == kCodecKivi) ok[p] = kivi_decode(plane, h.codec_params, starts[p], sizes[p], dst);
+    else if (h.codec == kCodecKvtc) ok[p] = kvtc_decode(plane, h.codec_params, starts[p], sizes[p], dst);
     else ok[p] = cachegen_decode(plane, h.codec_params, starts[p], sizes[p], dst);
   });
   for (int64_t p = first; p < last; ++p)

@@ -31,6 +31,8 @@ uint64_t raw_payload_bytes(const BlobHeader& h) {
     if (h.layers || h.kv_heads || h.head_dim || h.tokens == 0 || h.tokens > kMaxTokens) return 0;
     return 16 + 4 * uint64_t(h.tokens);
   }
+  if (h.kind == kBlobKindCalibration)
+    return h.layers || h.kv_heads || h.head_dim || h.tokens || h.payload_bytes > (1ull << 30) ? 0 : h.payload_bytes;
   if (h.layers == 0 || h.kv_heads == 0 || h.head_dim == 0 || h.tokens == 0) return 0;
   if (h.layers > kMaxDim || h.kv_heads > kMaxDim || h.head_dim > kMaxDim || h.tokens > kMaxTokens)
     return 0;
@@ -140,9 +142,9 @@ Status blob_parse_header(const uint8_t* data, size_t size, BlobHeader* out) {
   BlobHeader h;
   h.version = version;
   h.kind = get_le<uint16_t>(data, 10);
-  if (h.kind != kBlobKindKV && h.kind != kBlobKindPointer) return Status::Fail("unknown blob kind " + std::to_string(h.kind));
+  if (h.kind > kBlobKindCalibration) return Status::Fail("unknown blob kind " + std::to_string(h.kind));
   h.codec = data[8];
-  if (h.kind == kBlobKindPointer && h.codec != kCodecRaw) return Status::Fail("a pointer blob must be raw");
+  if (h.kind != kBlobKindKV && h.codec != kCodecRaw) return Status::Fail("a pointer or calibration blob must be raw");
   h.codec_params = get_le<uint32_t>(data, 32);
   if (h.codec == kCodecRaw && h.codec_params != 0) return Status::Fail("raw blob with codec parameters");
   if (h.codec != kCodecRaw) {

@@ -39,13 +39,27 @@ class KDN:
         self.config = config or KDNConfig()
         self.chunks = ChunkIO(TierManager(self.config))
         self.delivery = Deliverer(self.chunks, self.config)
-        self._sessions = Sessions(self.config.chunk_size, min(self.config.probe_step, self.config.chunk_size))
+        self._sessions = Sessions(self.config.chunk_size, min(self.config.probe_step, self.config.chunk_size),
+                                  on_new=self.chunks.load_calibration)
         self._local = threading.local()
 
     # -- the engine -----------------------------------------------------------------------------
     def session(self, model) -> ModelSession:
         """The engine's view of ``model``: KV layout, fingerprint, prefix and segment keys."""
         return self._sessions.of(model)
+
+    def calibrate(self, model, contexts, **options) -> bytes:
+        """Fit the ``kvtc`` codec's calibration of ``model`` on ``contexts`` (token id lists; see
+        :func:`kdn.kvtc.calibrate` for ``options``), store it in every tier (other processes and
+        machines that meet the model load it from there) and load it here. Returns its id.
+
+        Example:
+            >>> kdn = KDN(KDNConfig(memory_codec="kvtc:ratio=8"))
+            >>> kdn.calibrate(model, [tokenizer(t)["input_ids"] for t in calibration_texts])
+        """
+        from kdn import kvtc
+
+        return self.chunks.store_calibration(self.session(model), kvtc.calibrate(model, contexts, **options))
 
     @property
     def memory(self):

@@ -1,4 +1,4 @@
-"""KV codecs by name: ``raw``, ``lossless``, ``int8``/``int4``/``int2`` (KIVI) and ``cachegen``.
+"""KV codecs by name: ``raw``, ``lossless``, ``int8``/``int4``/``int2`` (KIVI), ``cachegen`` and ``kvtc``.
 
 A codec spec is a name with optional parameters: ``"int4"``, ``"int4:group=64"``,
 ``"cachegen"`` (level 2), ``"cachegen:level=3"``, ``"cachegen:level=2,anchor=1"``. Blobs carry
@@ -17,6 +17,11 @@ cachegen      per-channel normalization, per-token-vector quantization (finer st
               for keys and for the shallow layers), rANS under per-(K/V, layer,
               channel) Laplace models; ``level`` 1 (smallest) to 3 (most accurate),
               ``anchor=1`` codes tokens as deltas to their group's first token
+kvtc          transform coding under a per-model calibration (:mod:`kdn.kvtc`):      no
+              PCA per plane, steps per component allocated by dynamic programming,
+              rANS; ``ratio`` (default 8) is the calibrated size vs fp16, tokens at
+              positions below ``sink`` (4) and each chunk's last ``recent`` (0) exact;
+              a chunk whose calibration is not loaded is a miss
 ============  =====================================================================  ============
 
 Example:
@@ -36,10 +41,11 @@ import torch
 from kdn import _core
 from kdn._core import InvalidInputError
 
-_LOSSLESS, _KIVI, _CACHEGEN = 1, 2, 3
-NAMES = ("raw", "lossless", "int8", "int4", "int2", "cachegen")
+_LOSSLESS, _KIVI, _CACHEGEN, _KVTC = 1, 2, 3, 4
+NAMES = ("raw", "lossless", "int8", "int4", "int2", "cachegen", "kvtc")
 _OPTIONS = {"int8": {"group": 32}, "int4": {"group": 32}, "int2": {"group": 32},
-            "cachegen": {"level": 2, "anchor": 0}}
+            "cachegen": {"level": 2, "anchor": 0}, "kvtc": {"ratio": 8, "sink": 4, "recent": 0}}
+_IDS = {"raw": 0, "lossless": _LOSSLESS, "cachegen": _CACHEGEN, "kvtc": _KVTC}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -52,7 +58,7 @@ class Codec:
 
     @property
     def id(self) -> int:
-        return {"raw": 0, "lossless": _LOSSLESS, "cachegen": _CACHEGEN}.get(self.name, _KIVI)
+        return _IDS.get(self.name, _KIVI)
 
     @property
     def params(self) -> int:
@@ -61,12 +67,14 @@ class Codec:
             return int(self.name[3:]) | opts["group"] << 16
         if self.id == _CACHEGEN:
             return opts["level"] | opts["anchor"] << 8
+        if self.id == _KVTC:
+            return opts["ratio"] | opts["sink"] << 8 | opts["recent"] << 16
         return 0
 
     @property
     def lossy(self) -> bool:
-        """True for int* and cachegen: decoding does not give back the exact KV."""
-        return self.id in (_KIVI, _CACHEGEN)
+        """True for int*, cachegen and kvtc: decoding does not give back the exact KV."""
+        return self.id in (_KIVI, _CACHEGEN, _KVTC)
 
     @property
     def spec(self) -> str:
@@ -97,7 +105,7 @@ def parse(spec) -> Codec:
             options[key] = int(value)
         except ValueError:
             raise InvalidInputError(f"codec {name!r}: option {key} must be an integer, got {value!r}") from None
-        if not 0 <= options[key] < 1 << 15:
+        if not 0 <= options[key] < (256 if name == "kvtc" else 1 << 15):
             raise InvalidInputError(f"codec {name!r}: option {key}={options[key]} is out of range")
     codec = Codec(name, tuple(options.items()))
     if codec.id:
@@ -113,6 +121,8 @@ def codec_of(blob) -> Codec:
         return parse(f"int{params & 0xff}:group={params >> 16}")
     if cid == _CACHEGEN:
         return parse(f"cachegen:level={params & 0xff},anchor={params >> 8}")
+    if cid == _KVTC:
+        return parse(f"kvtc:ratio={params & 0xff},sink={params >> 8 & 0xff},recent={params >> 16 & 0xff}")
     return parse("raw" if cid == 0 else "lossless")
 
 

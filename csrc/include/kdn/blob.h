@@ -23,8 +23,9 @@
 //
 // Kinds: 0 = a KV chunk (payload: [layers, 2, tokens, kv_heads, head_dim] in `dtype`, or coded);
 // 1 = a pointer (raw; layers, kv heads and head dim 0; payload: the 16-byte key of a stored
-// chunk, then its `tokens` token ids as u32; see kdn/chunk.h). Readers of format 1 that predate
-// kind 1 reject a pointer (its dimensions are 0), so it never reads as KV.
+// chunk, then its `tokens` token ids as u32; see kdn/chunk.h); 2 = a codec calibration (raw; all
+// dimensions 0; payload: a model's kvtc calibration, kdn/kvtc.h). Readers of format 1 that predate
+// kinds 1 and 2 reject them (their dimensions are 0), so they never read as KV.
 #pragma once
 
 #include <atomic>
@@ -46,6 +47,7 @@ constexpr size_t kBlobTrailerBytes = 8;
 constexpr uint8_t kCodecRaw = 0;
 constexpr uint16_t kBlobKindKV = 0;
 constexpr uint16_t kBlobKindPointer = 1;
+constexpr uint16_t kBlobKindCalibration = 2;
 
 struct BlobHeader {
   uint16_t version = kBlobVersion;

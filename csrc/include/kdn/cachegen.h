@@ -23,4 +23,9 @@ CacheGenStep cachegen_step(int level, int layer, int layers, bool values);
 // [-range, range] (built once per (model, range) with integer arithmetic: identical everywhere).
 const RansTable& cachegen_table(int model, int range);
 
+// The model that codes a histogram of symbols over [-range, range] (hist[s + range]) shortest:
+// its index, with that cost in bits added to *model_bits and the histogram's empirical entropy in
+// bits to *empirical_bits. An empty histogram gets model 0 at no cost.
+int cachegen_choose_model(const uint32_t* hist, int range, double* model_bits, double* empirical_bits);
+
 }  // namespace kdn

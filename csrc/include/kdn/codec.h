@@ -20,8 +20,9 @@ enum CodecId : uint8_t {
   kCodecLossless = 1,  // bit-exact: byte planes + rANS (params 0)
   kCodecKivi = 2,      // KIVI integers: params = bits (2, 4, 8) | group << 16
   kCodecCacheGen = 3,  // CacheGen-style: params = level (1..3) | flags << 8 (bit 0: anchor/delta)
+  kCodecKvtc = 4,      // transform coding under a model calibration (kdn/kvtc.h): ratio | sink << 8 | recent << 16
 };
-constexpr uint8_t kCodecLast = kCodecCacheGen;
+constexpr uint8_t kCodecLast = kCodecKvtc;
 
 // What an encoder spent its bits on; for the physical-limit report.
 struct CodecReport {
@@ -60,6 +61,7 @@ struct Plane {
   int layer, layers;
   bool values;               // false: keys
   DType dtype;
+  int64_t head_dim = 0, position = 0;  // the chunk's first token position
   int64_t count() const { return tokens * channels; }
 };
 
@@ -69,13 +71,17 @@ std::vector<uint8_t> kivi_encode(const Plane& p, uint32_t params, const uint8_t*
 bool kivi_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size, uint8_t* out);
 std::vector<uint8_t> cachegen_encode(const Plane& p, uint32_t params, const uint8_t* raw, CodecReport* report);
 bool cachegen_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size, uint8_t* out);
+struct KvtcCalibration;
+std::vector<uint8_t> kvtc_encode(const Plane& p, uint32_t params, const uint8_t* raw, const KvtcCalibration& cal,
+                                 CodecReport* report);
+bool kvtc_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size, uint8_t* out);
 
 }  // namespace kdn
 
 namespace kdn {
 
-// True for codecs whose decode is not bit-exact (int*, cachegen); raw and lossless are exact.
-inline bool codec_is_lossy(uint8_t codec) { return codec == kCodecKivi || codec == kCodecCacheGen; }
+// True for codecs whose decode is not bit-exact (int*, cachegen, kvtc); raw and lossless are exact.
+inline bool codec_is_lossy(uint8_t codec) { return codec == kCodecKivi || codec == kCodecCacheGen || codec == kCodecKvtc; }
 
 // Where lossy KV is filed: BLAKE3("kdn/lossy-key" | key | codec | params LE)[:16]. A chunk coded
 // with a lossy codec never lives under its exact key, so a reader that wants exact KV can never be

@@ -80,7 +80,9 @@ class LayerStream:
         self._done = [threading.Event() for _ in groups]
         self._group_of = {layer: i for i, (first, end) in enumerate(groups) for layer in range(first, end)}
         self._error: Exception | None = None
-        self._thread = threading.Thread(target=self._run, args=(run,), name="kdn-delivery", daemon=True)
+        # not a daemon: the interpreter waits for a stream at exit (bounded: decodes, socket timeouts)
+        # instead of killing the thread inside a C++ decode, which aborts the process
+        self._thread = threading.Thread(target=self._run, args=(run,), name="kdn-delivery", daemon=False)
         self._thread.start()
 
     def _run(self, run) -> None:

@@ -13,7 +13,7 @@ import logging
 import numpy as np
 import torch
 
-from kdn import _core
+from kdn import _core, kvtc
 from kdn._core import BlobError, InvalidInputError
 from kdn.engine.session import ROOT, ModelSession
 from kdn.engine.targets import HFTarget
@@ -127,6 +127,9 @@ class ChunkIO:
         one, with ``local``) holds and that pass verification (checksum, model, key, position,
         tokens); the first one that fails is dropped from the tiers and logged."""
         blobs, addresses = self.tiers.fetch(found.keys, local=local)
+        calibrated = self._calibrated(session, blobs)
+        if calibrated < len(blobs):  # coded under a calibration not at hand: a miss, the chunk stays stored
+            blobs, addresses = blobs[:calibrated], addresses[:calibrated]
         layout = session.layout
         last_tokens = found.last_tokens if len(blobs) == len(found.keys) else 0
         n_ok, error = _core.verify_chunks(blobs, addresses, session.fingerprint, layout.dtype, layout.layers,
@@ -135,6 +138,48 @@ class ChunkIO:
             log.warning("kdn: dropping an unusable stored chunk (treated as a miss): %s", error)
             self.tiers.drop(addresses[n_ok])
         return blobs[:n_ok], addresses[:n_ok], n_ok
+
+    # -- codec calibrations -----------------------------------------------------------------------
+    def load_calibration(self, session: ModelSession) -> bool:
+        """Load the model's ``kvtc`` calibration from the tiers if one is stored; True if loaded (an
+        unusable one is dropped and logged)."""
+        key = kvtc.calibration_key(session.fingerprint)
+        blobs, _ = self.tiers.fetch([key], exact=True)
+        if not blobs:
+            return False
+        try:
+            _core.kvtc_load_blob(blobs[0], session.fingerprint, key)
+            return True
+        except BlobError as e:
+            log.warning("kdn: dropping an unusable stored kvtc calibration: %s", e)
+            self.tiers.drop(key)
+            return False
+
+    def store_calibration(self, session: ModelSession, calibration: bytes) -> bytes:
+        """Store a ``kvtc`` calibration of the session's model in every tier and load it; its id."""
+        key = kvtc.calibration_key(session.fingerprint)
+        blob = _core.kvtc_pack(session.fingerprint, key, calibration)
+        if not self.tiers.put(key, blob):
+            log.warning("kdn: the kvtc calibration (%d bytes) fits no tier; it is loaded in this process only",
+                        len(blob))
+        return kvtc.load(calibration)
+
+    def _calibrated(self, session: ModelSession, blobs: list) -> int:
+        """How many leading ``blobs`` can be decoded: a ``kvtc`` chunk needs its calibration loaded
+        (from the tiers, once, if it is not)."""
+        tried = False
+        for i, blob in enumerate(blobs):
+            needed = _core.kvtc_blob_calibration(blob)
+            if needed is None or _core.kvtc_loaded(needed):
+                continue
+            if not tried:
+                tried = True
+                self.load_calibration(session)
+                if _core.kvtc_loaded(needed):
+                    continue
+            log.info("kdn: a stored chunk needs a kvtc calibration that is not loaded (a miss)")
+            return i
+        return len(blobs)
 
     def write(self, session: ModelSession, tokens: np.ndarray, kv: list[torch.Tensor]) -> int:
         """Store the KV of ``tokens`` from ``kv`` (CPU per-layer tensors holding at least

@@ -59,9 +59,10 @@ class Sessions:
     """The :class:`ModelSession` of each live model object, rebuilt when the model changes (a new
     dtype or device, new weights): the fingerprint is re-checked on every call (cheap when cached)."""
 
-    def __init__(self, chunk_size: int, probe_step: int = 0):
+    def __init__(self, chunk_size: int, probe_step: int = 0, on_new=None):
         self.chunk_size = chunk_size
         self.probe_step = probe_step
+        self._on_new = on_new  # called with each new session (KDN: load the model's codec calibration)
         self._by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def of(self, model) -> ModelSession:
@@ -70,4 +71,6 @@ class Sessions:
         if session is None or session.fingerprint != fingerprint:
             session = ModelSession(ModelLayout.of(model), fingerprint, self.chunk_size, self.probe_step)
             self._by_model[model] = session
+            if self._on_new is not None:
+                self._on_new(session)
         return session

@@ -1,0 +1,305 @@
+// `kvtc` codec (kdn/kvtc.h): calibration parsing and registry, plane encoder and decoder.
+#include "kdn/kvtc.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "kdn/byte_io.h"
+#include "kdn/cachegen.h"
+#include "kdn/codec.h"
+#include "kdn/convert.h"
+#include "kdn/quant.h"
+
+namespace kdn {
+
+int KvtcCalibration::ratio_index(uint32_t ratio) const {
+  for (size_t i = 0; i < ratios.size(); ++i)
+    if (ratios[i] == ratio) return static_cast<int>(i);
+  return -1;
+}
+
+namespace {
+
+void read_floats(ByteReader& r, std::vector<float>& out, size_t n) {
+  out.resize(n);
+  const uint8_t* p = r.take(4 * n);
+  if (p) std::memcpy(out.data(), p, 4 * n);
+}
+
+struct Registry {
+  std::mutex mu;
+  std::map<Key128, std::shared_ptr<const KvtcCalibration>> by_id;
+  std::map<Key128, std::shared_ptr<const KvtcCalibration>> by_model;
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+// acc[c] += v * row[c]: the decoder's inner loop, compiled for AVX2 too (no FMA, so the result
+// rounds the same on every CPU and as the CUDA decoder, which is built without contraction).
+__attribute__((target_clones("avx2", "default"))) void axpy(float* __restrict acc, const float* __restrict row,
+                                                           float v, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) acc[c] += v * row[c];
+}
+
+// Turns every head's pairs of a key row by the (cos, sin) of table[pair] (sign -1: backwards).
+void rotate_row(float* row, int64_t channels, int64_t head_dim, RopeStyle style, const float* table, float sign) {
+  for (int64_t h = 0; h < channels / head_dim; ++h)
+    for (int64_t i = 0; i < head_dim / 2; ++i) {
+      int64_t a, b;
+      rope_pair(style, head_dim, i, &a, &b);
+      rope_turn(&row[h * head_dim + a], &row[h * head_dim + b], table[2 * i], sign * table[2 * i + 1]);
+    }
+}
+
+struct Layout {  // what the encoder and decoder derive from (plane, params, calibration)
+  const KvtcPlane* plane;
+  const float* step;         // [components]
+  std::vector<int> coded;    // components with a step
+  uint32_t sink, recent;
+  int64_t exact;             // exact rows
+  std::vector<float> angles; // per row: (cos, sin) per pair, keys coded pre-RoPE only
+};
+
+bool make_layout(const Plane& p, uint32_t params, const KvtcCalibration& cal, Layout* out) {
+  const int ratio = cal.ratio_index(params & 0xff);
+  if (ratio < 0 || cal.layers != static_cast<uint32_t>(p.layers) || cal.channels != p.channels ||
+      cal.head_dim != static_cast<uint32_t>(p.head_dim))
+    return false;
+  out->plane = &cal.planes[2 * p.layer + (p.values ? 1 : 0)];
+  out->step = out->plane->step.data() + static_cast<size_t>(ratio) * cal.components;
+  out->coded.clear();
+  for (uint32_t i = 0; i < cal.components; ++i)
+    if (out->step[i] > 0) out->coded.push_back(static_cast<int>(i));
+  out->sink = params >> 8 & 0xff;
+  out->recent = params >> 16 & 0xff;
+  out->exact = 0;
+  for (int64_t t = 0; t < p.tokens; ++t) out->exact += kvtc_exact_row(t, p.tokens, p.position, out->sink, out->recent);
+  out->angles.clear();
+  if (!p.values && cal.prerope) {
+    std::vector<int64_t> positions(p.tokens);
+    for (int64_t t = 0; t < p.tokens; ++t) positions[t] = p.position + t;
+    out->angles.resize(static_cast<size_t>(p.tokens) * cal.head_dim);
+    rope_angle_table(RopeShift{1, 1, p.tokens, cal.head_dim, cal.style}, cal.inv_freq.data(), positions.data(),
+                     out->angles.data());
+  }
+  return true;
+}
+
+}  // namespace
+
+std::shared_ptr<const KvtcCalibration> kvtc_parse(const uint8_t* data, size_t size) {
+  auto cal = std::make_shared<KvtcCalibration>();
+  ByteReader r(data, size);
+  const uint8_t* magic = r.take(4);
+  KDN_CHECK_INPUT(magic && std::memcmp(magic, "KVTC", 4) == 0, "kvtc calibration: bad magic");
+  const uint32_t version = r.get<uint32_t>();
+  KDN_CHECK_INPUT(version == kKvtcVersion, "kvtc calibration: unsupported version " + std::to_string(version));
+  const uint8_t* fp = r.take(16);
+  if (fp) std::memcpy(cal->fingerprint.data(), fp, 16);
+  cal->layers = r.get<uint32_t>();
+  cal->channels = r.get<uint32_t>();
+  cal->head_dim = r.get<uint32_t>();
+  cal->components = r.get<uint32_t>();
+  const uint32_t ratios = r.get<uint32_t>(), flags = r.get<uint32_t>();
+  KDN_CHECK_INPUT(r.ok() && cal->layers > 0 && cal->layers <= 4096 && cal->head_dim > 0 && cal->head_dim % 2 == 0 &&
+                      cal->channels > 0 && cal->channels <= 65536 && cal->channels % cal->head_dim == 0 &&
+                      cal->components > 0 && cal->components <= cal->channels && ratios > 0 && ratios <= 64 &&
+                      flags <= 3,
+                  "kvtc calibration: bad dimensions");
+  cal->prerope = flags & 1;
+  cal->style = flags & 2 ? RopeStyle::kInterleaved : RopeStyle::kRotateHalf;
+  read_floats(r, cal->inv_freq, cal->head_dim / 2);
+  for (uint32_t i = 0; i < ratios; ++i) cal->ratios.push_back(r.get<uint32_t>());
+  const size_t per_plane = 4 * (cal->channels + static_cast<size_t>(cal->components) * (cal->channels + ratios));
+  KDN_CHECK_INPUT(r.ok() && r.remaining() == per_plane * 2 * cal->layers, "kvtc calibration: size does not match");
+  cal->planes.resize(2 * cal->layers);
+  for (auto& plane : cal->planes) {
+    read_floats(r, plane.mean, cal->channels);
+    read_floats(r, plane.basis, static_cast<size_t>(cal->components) * cal->channels);
+    read_floats(r, plane.step, static_cast<size_t>(ratios) * cal->components);
+    for (float s : plane.step) KDN_CHECK_INPUT(std::isfinite(s) && s >= 0, "kvtc calibration: bad step");
+    for (float v : plane.basis) KDN_CHECK_INPUT(std::isfinite(v), "kvtc calibration: bad basis");
+    for (float v : plane.mean) KDN_CHECK_INPUT(std::isfinite(v), "kvtc calibration: bad mean");
+  }
+  for (uint32_t ratio : cal->ratios) KDN_CHECK_INPUT(ratio >= 2 && ratio <= 255, "kvtc calibration: bad ratio");
+  cal->id = blake3_128(data, size);
+  return cal;
+}
+
+Key128 kvtc_load(const uint8_t* data, size_t size) {
+  auto cal = kvtc_parse(data, size);
+  Registry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  reg.by_id[cal->id] = cal;
+  reg.by_model[cal->fingerprint] = cal;
+  return cal->id;
+}
+
+std::shared_ptr<const KvtcCalibration> kvtc_by_id(const Key128& id) {
+  Registry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto it = reg.by_id.find(id);
+  return it == reg.by_id.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<const KvtcCalibration> kvtc_for_model(const Key128& fingerprint) {
+  Registry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto it = reg.by_model.find(fingerprint);
+  return it == reg.by_model.end() ? nullptr : it->second;
+}
+
+void kvtc_unload_all() {
+  Registry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  reg.by_id.clear();
+  reg.by_model.clear();
+}
+
+BufferPtr kvtc_pack(const Key128& fingerprint, const Key128& key, const uint8_t* data, size_t size) {
+  KDN_CHECK_INPUT(kvtc_parse(data, size)->fingerprint == fingerprint, "kvtc_pack: calibration of another model");
+  BlobHeader h;
+  h.kind = kBlobKindCalibration;
+  h.fingerprint = fingerprint;
+  h.key = key;
+  h.payload_bytes = size;
+  auto blob = std::make_shared<Buffer>(blob_total_bytes(h));
+  blob_write_header(h, blob->data());
+  std::memcpy(blob->data() + kBlobHeaderBytes, data, size);
+  blob_seal(blob->data(), blob->size());
+  blob->mark_verified();
+  return blob;
+}
+
+Status kvtc_load_blob(const uint8_t* blob, size_t size, const Key128& fingerprint, const Key128& key, Key128* id) {
+  BlobHeader h;
+  Status st = blob_parse(blob, size, true, &h);
+  if (!st.ok) return st;
+  if (h.kind != kBlobKindCalibration) return Status::Fail("blob is not a calibration");
+  if (h.fingerprint != fingerprint || h.key != key) return Status::Fail("calibration of another model or key");
+  try {
+    *id = kvtc_load(blob + kBlobHeaderBytes, h.payload_bytes);
+  } catch (const InputError& e) {
+    return Status::Fail(e.what());
+  }
+  return Status::Ok();
+}
+
+bool kvtc_plane_calibration(const uint8_t* plane, size_t size, Key128* id) {
+  if (size < 16) return false;
+  std::memcpy(id->data(), plane, 16);
+  return true;
+}
+
+std::vector<uint8_t> kvtc_encode(const Plane& p, uint32_t params, const uint8_t* raw, const KvtcCalibration& cal,
+                                 CodecReport* report) {
+  Layout L;
+  if (!make_layout(p, params, cal, &L)) {
+    std::string offered;
+    for (uint32_t r : cal.ratios) offered += (offered.empty() ? "" : ", ") + std::to_string(r);
+    throw InputError("kvtc: the model's calibration does not fit this KV or offers no ratio " +
+                         std::to_string(params & 0xff) + " (it offers " + offered + ")",
+                     __FILE__, __LINE__);
+  }
+  const int64_t T = p.tokens, C = p.channels, K = static_cast<int64_t>(L.coded.size());
+  const size_t dsize = dtype_size(p.dtype);
+  constexpr int symbols = 2 * kKvtcRange + 1;
+  std::vector<int16_t> q(static_cast<size_t>(T - L.exact) * K);
+  std::vector<uint32_t> hist(static_cast<size_t>(K) * symbols, 0);
+  std::vector<float> x(C);
+  int64_t row = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    if (kvtc_exact_row(t, T, p.position, L.sink, L.recent)) continue;
+    for (int64_t c = 0; c < C; ++c) {
+      x[c] = load_float(raw, p.dtype, t * C + c);
+      KDN_CHECK_INPUT(std::isfinite(x[c]) && std::fabs(x[c]) < 60000.f, "kvtc needs finite KV within the fp16 range");
+    }
+    if (!L.angles.empty()) rotate_row(x.data(), C, p.head_dim, cal.style, &L.angles[t * p.head_dim], -1.f);
+    for (int64_t c = 0; c < C; ++c) x[c] -= L.plane->mean[c];
+    for (int64_t j = 0; j < K; ++j) {
+      const float* b = &L.plane->basis[static_cast<size_t>(L.coded[j]) * C];
+      double z = 0;
+      for (int64_t c = 0; c < C; ++c) z += static_cast<double>(b[c]) * x[c];
+      const double s = std::nearbyint(z / L.step[L.coded[j]]);
+      const int v = static_cast<int>(std::clamp(s, -static_cast<double>(kKvtcRange), static_cast<double>(kKvtcRange)));
+      q[row * K + j] = static_cast<int16_t>(v);
+      ++hist[j * symbols + v + kKvtcRange];
+    }
+    ++row;
+  }
+  ByteWriter w;
+  w.append(cal.id.data(), 16);
+  std::vector<uint8_t> choice(K);
+  for (int64_t j = 0; j < K; ++j)
+    choice[j] = static_cast<uint8_t>(
+        cachegen_choose_model(&hist[j * symbols], kKvtcRange, &report->model_bits, &report->empirical_bits));
+  w.append(choice.data(), K);
+  for (int64_t t = 0; t < T; ++t)
+    if (kvtc_exact_row(t, T, p.position, L.sink, L.recent)) w.append(raw + t * C * dsize, C * dsize);
+  const size_t n = q.size();
+  std::vector<uint16_t> cum(n), freq(n);
+  for (size_t i = 0; i < n; ++i) {
+    const RansTable& tab = cachegen_table(choice[i % K], kKvtcRange);
+    cum[i] = tab.cum[q[i] + kKvtcRange];
+    freq[i] = tab.freq[q[i] + kKvtcRange];
+  }
+  const size_t before = w.out.size();
+  rans_encode(cum.data(), freq.data(), n, w);
+  report->coded_bytes += w.out.size() - before;
+  report->table_bytes += 16 + K;
+  report->side_bytes += L.exact * C * dsize;
+  report->symbols += n;
+  return std::move(w.out);
+}
+
+bool kvtc_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size, uint8_t* out) {
+  Key128 id;
+  if (!kvtc_plane_calibration(in, size, &id)) return false;
+  const auto cal = kvtc_by_id(id);
+  Layout L;
+  if (!cal || !make_layout(p, params, *cal, &L)) return false;
+  const int64_t T = p.tokens, C = p.channels, K = static_cast<int64_t>(L.coded.size());
+  const size_t dsize = dtype_size(p.dtype);
+  ByteReader r(in, size);
+  r.take(16);
+  const uint8_t* choice = r.take(K);
+  const uint8_t* exact = r.take(L.exact * C * dsize);
+  RansLane lanes[kRansLanes];
+  if (!r.ok() || !rans_open(r, lanes) || r.remaining() != 0) return false;
+  std::vector<const RansTable*> table(K);
+  std::vector<float> steps(K);
+  std::vector<const float*> rows(K);
+  for (int64_t j = 0; j < K; ++j) {
+    if (choice[j] >= kCacheGenModels) return false;
+    table[j] = &cachegen_table(choice[j], kKvtcRange);
+    steps[j] = L.step[L.coded[j]];
+    rows[j] = &L.plane->basis[static_cast<size_t>(L.coded[j]) * C];
+  }
+  std::vector<float> acc(C);
+  int64_t i = 0;  // symbol index: lane i % kRansLanes
+  for (int64_t t = 0; t < T; ++t) {
+    if (kvtc_exact_row(t, T, p.position, L.sink, L.recent)) {
+      std::memcpy(out + t * C * dsize, exact, C * dsize);
+      exact += C * dsize;
+      continue;
+    }
+    std::copy(L.plane->mean.begin(), L.plane->mean.end(), acc.begin());
+    for (int64_t j = 0; j < K; ++j, ++i) {
+      const int s = rans_lane_decode(lanes[i % kRansLanes], *table[j]) - kKvtcRange;
+      if (s) axpy(acc.data(), rows[j], static_cast<float>(s) * steps[j], C);
+    }
+    if (!L.angles.empty()) rotate_row(acc.data(), C, p.head_dim, cal->style, &L.angles[t * p.head_dim], 1.f);
+    store_floats(out, p.dtype, t * C, acc.data(), C);
+  }
+  for (const RansLane& lane : lanes)
+    if (!rans_lane_finished(lane)) return false;
+  return true;
+}
+
+}  // namespace kdn
