@@ -301,7 +301,8 @@ def plot_frontier(models: dict, path: Path) -> None:
         left.axvline(8, color="gray", ls=":")
         right.axhline(0.95, color="gray", ls=":")
         right.axvline(8, color="gray", ls=":")
-        left.set(title=f"{name}: KL vs size", xlabel="smaller than fp16 (x)", ylabel="KL vs exact KV (nats)", yscale="log")
+        left.set(title=f"{name}: KL vs size", xlabel="smaller than fp16 (x)", ylabel="KL vs exact KV (nats)",
+                 yscale="log")
         right.set(title=f"{name}: greedy agreement vs size", xlabel="smaller than fp16 (x)", ylabel="agreement")
         left.legend(fontsize=8)
     fig.tight_layout()

@@ -186,7 +186,7 @@ def _allocate(planes: list[dict], curves: list, weights: list[float], budget_per
         mid = (lo * hi) ** 0.5
         lo, hi = (lo, mid) if sum(pick(mid)) <= budget else (mid, hi)
     out = []
-    for (d, choice, rates), at, plane in zip(curves, pick(hi), planes):
+    for (_, choice, rates), at, plane in zip(curves, pick(hi), planes):
         options = np.zeros(len(rates), np.int64)
         for c in range(len(rates) - 1, -1, -1):  # walk the program back from the chosen total rate
             options[c] = choice[c, at]
