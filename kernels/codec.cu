@@ -1,4 +1,4 @@
-// CUDA decoders of the `int*` (KIVI) and `cachegen` codecs, on the same KDN_HD math as the CPU
+// CUDA decoders of the `int*` (KIVI) and `cachegen` codecs (`kvtc`: kernels/kvtc.cu), on the same KDN_HD math as the CPU
 // decoders (kdn/quant.h, kdn/rans.h). The host validates the payload's structure first (plane and
 // lane lengths, model choices), so kernels only ever index inside checked ranges; rANS lanes also
 // carry their own end pointers and report a bad lane through a device flag.
@@ -15,6 +15,7 @@
 #include "kdn/byte_io.h"
 #include "kdn/cachegen.h"
 #include "kdn/codec.h"
+#include "kdn/kvtc.h"
 #include "kdn/quant.h"
 #include "launch.cuh"
 
@@ -121,6 +122,7 @@ bool parse_cachegen_plane(const uint8_t* payload, uint64_t offset, uint32_t size
 }  // namespace
 
 Status codec_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size, void* out, uintptr_t stream) {
+  if (h.codec == kCodecKvtc) return kvtc_decode_cuda(h, payload, size, out, stream);
   if (h.codec != kCodecKivi && h.codec != kCodecCacheGen) return Status::Fail("this codec decodes on the CPU only");
   Status st = codec_check(h.codec, h.codec_params);
   if (!st.ok) return st;

@@ -225,3 +225,22 @@ def test_missing_calibration_is_a_miss_and_the_calibration_travels_through_the_t
     writer.calibrate(model, [ids[512:768], ids[768:1024]], progress=False)  # the same fit again
     assert fresh.retrieve(model, ctx)[1] == 512
     _core.kvtc_unload_all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_cuda_decoder_matches_the_cpu_decoder(synthetic_calibration, dtype):
+    for position, spec in ((0, "kvtc:ratio=3,recent=5"), (100, "kvtc:ratio=6")):
+        kv = codecs.decode(synthetic_blob(position))
+        per_layer = [kind[None].transpose(1, 2).to(dtype).contiguous() for layer in kv for kind in layer]
+        if position:
+            per_layer = [torch.cat([torch.zeros(1, HEADS, position, DIM, dtype=dtype), t], 2) for t in per_layer]
+        coded = codecs.encode(_core.pack_chunk(per_layer, position, TOKENS, FP, b"K" * 16), spec)
+        cpu = codecs.decode(coded)
+        out = torch.empty(cpu.shape, dtype=dtype, device="cuda")
+        _core.codec_decode_cuda(coded, out)
+        assert torch.equal(out.cpu(), cpu)  # same KDN_HD math and summation order, no fused multiply-adds
+    _core.kvtc_unload_all()
+    with pytest.raises(BlobError, match="calibration is not loaded"):
+        _core.codec_decode_cuda(coded, out)

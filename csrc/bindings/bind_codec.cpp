@@ -50,7 +50,7 @@ void bind_codec(py::module_& m) {
         if (!st.ok) throw BlobError("codec_decode_cuda: " + st.message, __FILE__, __LINE__);
       },
       py::arg("blob"), py::arg("out"), py::arg("stream") = 0,
-      "Decode an int*/cachegen blob on the GPU into `out` (a CUDA tensor [layers, 2, tokens, kv_heads, head_dim]).");
+      "Decode an int*/cachegen/kvtc blob on the GPU into `out` (a CUDA tensor [layers, 2, tokens, kv_heads, head_dim]).");
 
   m.def(
       "blob_reseal",

@@ -57,40 +57,6 @@ void rotate_row(float* row, int64_t channels, int64_t head_dim, RopeStyle style,
     }
 }
 
-struct Layout {  // what the encoder and decoder derive from (plane, params, calibration)
-  const KvtcPlane* plane;
-  const float* step;         // [components]
-  std::vector<int> coded;    // components with a step
-  uint32_t sink, recent;
-  int64_t exact;             // exact rows
-  std::vector<float> angles; // per row: (cos, sin) per pair, keys coded pre-RoPE only
-};
-
-bool make_layout(const Plane& p, uint32_t params, const KvtcCalibration& cal, Layout* out) {
-  const int ratio = cal.ratio_index(params & 0xff);
-  if (ratio < 0 || cal.layers != static_cast<uint32_t>(p.layers) || cal.channels != p.channels ||
-      cal.head_dim != static_cast<uint32_t>(p.head_dim))
-    return false;
-  out->plane = &cal.planes[2 * p.layer + (p.values ? 1 : 0)];
-  out->step = out->plane->step.data() + static_cast<size_t>(ratio) * cal.components;
-  out->coded.clear();
-  for (uint32_t i = 0; i < cal.components; ++i)
-    if (out->step[i] > 0) out->coded.push_back(static_cast<int>(i));
-  out->sink = params >> 8 & 0xff;
-  out->recent = params >> 16 & 0xff;
-  out->exact = 0;
-  for (int64_t t = 0; t < p.tokens; ++t) out->exact += kvtc_exact_row(t, p.tokens, p.position, out->sink, out->recent);
-  out->angles.clear();
-  if (!p.values && cal.prerope) {
-    std::vector<int64_t> positions(p.tokens);
-    for (int64_t t = 0; t < p.tokens; ++t) positions[t] = p.position + t;
-    out->angles.resize(static_cast<size_t>(p.tokens) * cal.head_dim);
-    rope_angle_table(RopeShift{1, 1, p.tokens, cal.head_dim, cal.style}, cal.inv_freq.data(), positions.data(),
-                     out->angles.data());
-  }
-  return true;
-}
-
 }  // namespace
 
 std::shared_ptr<const KvtcCalibration> kvtc_parse(const uint8_t* data, size_t size) {
@@ -191,6 +157,34 @@ Status kvtc_load_blob(const uint8_t* blob, size_t size, const Key128& fingerprin
   return Status::Ok();
 }
 
+bool kvtc_layout(const Plane& p, uint32_t params, const KvtcCalibration& cal, KvtcLayout* out) {
+  const int ratio = cal.ratio_index(params & 0xff);
+  if (ratio < 0 || cal.layers != static_cast<uint32_t>(p.layers) || cal.channels != p.channels ||
+      cal.head_dim != static_cast<uint32_t>(p.head_dim))
+    return false;
+  out->plane = &cal.planes[2 * p.layer + (p.values ? 1 : 0)];
+  const float* step = out->plane->step.data() + static_cast<size_t>(ratio) * cal.components;
+  out->coded.clear();
+  out->steps.clear();
+  for (uint32_t i = 0; i < cal.components; ++i)
+    if (step[i] > 0) {
+      out->coded.push_back(static_cast<int>(i));
+      out->steps.push_back(step[i]);
+    }
+  const int64_t sink = params >> 8 & 0xff, recent = params >> 16 & 0xff;
+  out->first_coded = std::clamp<int64_t>(sink - p.position, 0, p.tokens);
+  out->end_coded = std::max(out->first_coded, p.tokens - recent);
+  out->angles.clear();
+  if (!p.values && cal.prerope) {
+    std::vector<int64_t> positions(p.tokens);
+    for (int64_t t = 0; t < p.tokens; ++t) positions[t] = p.position + t;
+    out->angles.resize(static_cast<size_t>(p.tokens) * cal.head_dim);
+    rope_angle_table(RopeShift{1, 1, p.tokens, cal.head_dim, cal.style}, cal.inv_freq.data(), positions.data(),
+                     out->angles.data());
+  }
+  return true;
+}
+
 bool kvtc_plane_calibration(const uint8_t* plane, size_t size, Key128* id) {
   if (size < 16) return false;
   std::memcpy(id->data(), plane, 16);
@@ -199,8 +193,8 @@ bool kvtc_plane_calibration(const uint8_t* plane, size_t size, Key128* id) {
 
 std::vector<uint8_t> kvtc_encode(const Plane& p, uint32_t params, const uint8_t* raw, const KvtcCalibration& cal,
                                  CodecReport* report) {
-  Layout L;
-  if (!make_layout(p, params, cal, &L)) {
+  KvtcLayout L;
+  if (!kvtc_layout(p, params, cal, &L)) {
     std::string offered;
     for (uint32_t r : cal.ratios) offered += (offered.empty() ? "" : ", ") + std::to_string(r);
     throw InputError("kvtc: the model's calibration does not fit this KV or offers no ratio " +
@@ -210,12 +204,11 @@ std::vector<uint8_t> kvtc_encode(const Plane& p, uint32_t params, const uint8_t*
   const int64_t T = p.tokens, C = p.channels, K = static_cast<int64_t>(L.coded.size());
   const size_t dsize = dtype_size(p.dtype);
   constexpr int symbols = 2 * kKvtcRange + 1;
-  std::vector<int16_t> q(static_cast<size_t>(T - L.exact) * K);
+  const int64_t exact = T - (L.end_coded - L.first_coded);
+  std::vector<int16_t> q(static_cast<size_t>(T - exact) * K);
   std::vector<uint32_t> hist(static_cast<size_t>(K) * symbols, 0);
   std::vector<float> x(C);
-  int64_t row = 0;
-  for (int64_t t = 0; t < T; ++t) {
-    if (kvtc_exact_row(t, T, p.position, L.sink, L.recent)) continue;
+  for (int64_t t = L.first_coded, row = 0; t < L.end_coded; ++t, ++row) {
     for (int64_t c = 0; c < C; ++c) {
       x[c] = load_float(raw, p.dtype, t * C + c);
       KDN_CHECK_INPUT(std::isfinite(x[c]) && std::fabs(x[c]) < 60000.f, "kvtc needs finite KV within the fp16 range");
@@ -226,12 +219,11 @@ std::vector<uint8_t> kvtc_encode(const Plane& p, uint32_t params, const uint8_t*
       const float* b = &L.plane->basis[static_cast<size_t>(L.coded[j]) * C];
       double z = 0;
       for (int64_t c = 0; c < C; ++c) z += static_cast<double>(b[c]) * x[c];
-      const double s = std::nearbyint(z / L.step[L.coded[j]]);
+      const double s = std::nearbyint(z / L.steps[j]);
       const int v = static_cast<int>(std::clamp(s, -static_cast<double>(kKvtcRange), static_cast<double>(kKvtcRange)));
       q[row * K + j] = static_cast<int16_t>(v);
       ++hist[j * symbols + v + kKvtcRange];
     }
-    ++row;
   }
   ByteWriter w;
   w.append(cal.id.data(), 16);
@@ -240,8 +232,8 @@ std::vector<uint8_t> kvtc_encode(const Plane& p, uint32_t params, const uint8_t*
     choice[j] = static_cast<uint8_t>(
         cachegen_choose_model(&hist[j * symbols], kKvtcRange, &report->model_bits, &report->empirical_bits));
   w.append(choice.data(), K);
-  for (int64_t t = 0; t < T; ++t)
-    if (kvtc_exact_row(t, T, p.position, L.sink, L.recent)) w.append(raw + t * C * dsize, C * dsize);
+  w.append(raw, L.first_coded * C * dsize);  // exact rows: the sink ones, then the recent ones
+  w.append(raw + L.end_coded * C * dsize, (T - L.end_coded) * C * dsize);
   const size_t n = q.size();
   std::vector<uint16_t> cum(n), freq(n);
   for (size_t i = 0; i < n; ++i) {
@@ -253,7 +245,7 @@ std::vector<uint8_t> kvtc_encode(const Plane& p, uint32_t params, const uint8_t*
   rans_encode(cum.data(), freq.data(), n, w);
   report->coded_bytes += w.out.size() - before;
   report->table_bytes += 16 + K;
-  report->side_bytes += L.exact * C * dsize;
+  report->side_bytes += exact * C * dsize;
   report->symbols += n;
   return std::move(w.out);
 }
@@ -262,37 +254,33 @@ bool kvtc_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size
   Key128 id;
   if (!kvtc_plane_calibration(in, size, &id)) return false;
   const auto cal = kvtc_by_id(id);
-  Layout L;
-  if (!cal || !make_layout(p, params, *cal, &L)) return false;
+  KvtcLayout L;
+  if (!cal || !kvtc_layout(p, params, *cal, &L)) return false;
   const int64_t T = p.tokens, C = p.channels, K = static_cast<int64_t>(L.coded.size());
   const size_t dsize = dtype_size(p.dtype);
   ByteReader r(in, size);
   r.take(16);
   const uint8_t* choice = r.take(K);
-  const uint8_t* exact = r.take(L.exact * C * dsize);
+  const int64_t exact_rows = T - (L.end_coded - L.first_coded);
+  const uint8_t* exact = r.take(exact_rows * C * dsize);
   RansLane lanes[kRansLanes];
   if (!r.ok() || !rans_open(r, lanes) || r.remaining() != 0) return false;
   std::vector<const RansTable*> table(K);
-  std::vector<float> steps(K);
   std::vector<const float*> rows(K);
   for (int64_t j = 0; j < K; ++j) {
     if (choice[j] >= kCacheGenModels) return false;
     table[j] = &cachegen_table(choice[j], kKvtcRange);
-    steps[j] = L.step[L.coded[j]];
     rows[j] = &L.plane->basis[static_cast<size_t>(L.coded[j]) * C];
   }
+  std::memcpy(out, exact, L.first_coded * C * dsize);
+  std::memcpy(out + L.end_coded * C * dsize, exact + L.first_coded * C * dsize, (T - L.end_coded) * C * dsize);
   std::vector<float> acc(C);
   int64_t i = 0;  // symbol index: lane i % kRansLanes
-  for (int64_t t = 0; t < T; ++t) {
-    if (kvtc_exact_row(t, T, p.position, L.sink, L.recent)) {
-      std::memcpy(out + t * C * dsize, exact, C * dsize);
-      exact += C * dsize;
-      continue;
-    }
+  for (int64_t t = L.first_coded; t < L.end_coded; ++t) {
     std::copy(L.plane->mean.begin(), L.plane->mean.end(), acc.begin());
     for (int64_t j = 0; j < K; ++j, ++i) {
       const int s = rans_lane_decode(lanes[i % kRansLanes], *table[j]) - kKvtcRange;
-      if (s) axpy(acc.data(), rows[j], static_cast<float>(s) * steps[j], C);
+      if (s) axpy(acc.data(), rows[j], static_cast<float>(s) * L.steps[j], C);
     }
     if (!L.angles.empty()) rotate_row(acc.data(), C, p.head_dim, cal->style, &L.angles[t * p.head_dim], 1.f);
     store_floats(out, p.dtype, t * C, acc.data(), C);

@@ -8,7 +8,9 @@
 #include <random>
 #include <vector>
 
+#include "kdn/byte_io.h"
 #include "kdn/codec.h"
+#include "kdn/kvtc.h"
 
 namespace kdn {
 namespace {
@@ -87,10 +89,56 @@ TEST(Codecs, EveryCodecRoundTripsAndRejectsATruncatedPayload) {
   }
 }
 
+// A calibration of header()'s geometry: identity basis, zero mean, one ratio (4) with step `step`.
+std::vector<uint8_t> identity_calibration(const Key128& fingerprint, float step) {
+  ByteWriter w;
+  w.append(reinterpret_cast<const uint8_t*>("KVTC"), 4);
+  w.put<uint32_t>(kKvtcVersion);
+  w.append(fingerprint.data(), 16);
+  const uint32_t layers = 2, channels = 32, head_dim = 16;
+  for (uint32_t v : {layers, channels, head_dim, channels, 1u, 0u}) w.put<uint32_t>(v);
+  for (uint32_t i = 0; i < head_dim / 2; ++i) w.put<float>(1.f);
+  w.put<uint32_t>(4);
+  for (uint32_t p = 0; p < 2 * layers; ++p) {
+    for (uint32_t c = 0; c < channels; ++c) w.put<float>(0.f);
+    for (uint32_t i = 0; i < channels; ++i)
+      for (uint32_t c = 0; c < channels; ++c) w.put<float>(i == c ? 1.f : 0.f);
+    for (uint32_t i = 0; i < channels; ++i) w.put<float>(step);
+  }
+  return std::move(w.out);
+}
+
+TEST(Codecs, KvtcRoundTripsWithinHalfAStepAndNeedsItsCalibration) {
+  BlobHeader h = header(DType::kFloat32, 40, kCodecKvtc, 4u | (2u << 8) | (3u << 16));  // sink 2, recent 3
+  h.fingerprint.fill(7);
+  EXPECT_THROW(codec_encode(h, nullptr, 2, nullptr), InputError);  // no calibration loaded yet
+  const std::vector<uint8_t> cal = identity_calibration(h.fingerprint, 0.05f);
+  kvtc_load(cal.data(), cal.size());
+  std::vector<float> raw = values(h.payload_bytes / 4, 5);
+  CodecReport report;
+  const std::vector<uint8_t> coded = codec_encode(h, reinterpret_cast<const uint8_t*>(raw.data()), 2, &report);
+  std::vector<float> out(raw.size());
+  ASSERT_TRUE(codec_decode(h, coded.data(), coded.size(), reinterpret_cast<uint8_t*>(out.data()), 2).ok);
+  for (size_t i = 0; i < raw.size(); ++i) {
+    const int64_t t = i / 32 % 40;  // rows of 32 channels, 40 per plane
+    if (t < 2 || t >= 37) EXPECT_EQ(out[i], raw[i]);  // sink and recent rows are exact
+    else EXPECT_LE(std::fabs(out[i] - raw[i]), 0.025f + 1e-6f);
+  }
+  for (size_t cut : {coded.size() / 2, size_t{3}})
+    EXPECT_FALSE(codec_decode(h, coded.data(), cut, reinterpret_cast<uint8_t*>(out.data()), 2).ok);
+  kvtc_unload_all();  // the payload names a calibration that is gone: it does not decode
+  EXPECT_FALSE(codec_decode(h, coded.data(), coded.size(), reinterpret_cast<uint8_t*>(out.data()), 2).ok);
+  std::vector<uint8_t> bad = cal;
+  bad.pop_back();
+  EXPECT_THROW(kvtc_load(bad.data(), bad.size()), InputError);
+}
+
 TEST(Codecs, BadParametersAreRefused) {
   EXPECT_FALSE(codec_check(kCodecKivi, 3u | (32u << 16)).ok);  // 3 bits
   EXPECT_FALSE(codec_check(kCodecCacheGen, 9).ok);               // level 9
   EXPECT_FALSE(codec_check(42, 0).ok);                           // no such codec
+  EXPECT_FALSE(codec_check(kCodecKvtc, 1).ok);                   // ratio 1
+  EXPECT_FALSE(codec_check(kCodecKvtc, 8u | (1u << 24)).ok);     // reserved bits
 }
 
 }  // namespace

@@ -104,7 +104,7 @@ BufferPtr blob_transcode(const BlobHeader& h, const uint8_t* blob, uint8_t codec
 
 namespace kdn {
 
-// CUDA twin of codec_decode for `int*` and `cachegen` payloads (compiled with nvcc only): the
+// CUDA twin of codec_decode for `int*`, `cachegen` and `kvtc` payloads (compiled with nvcc only): the
 // payload is in host memory (validated here, then uploaded on `stream`), `out` is device memory of
 // raw_payload_bytes(h). A failed Status says why (corrupt payload, CUDA error).
 Status codec_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size, void* out, uintptr_t stream);

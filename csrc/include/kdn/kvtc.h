@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "kdn/blob.h"
+#include "kdn/codec.h"
 #include "kdn/common.h"
 #include "kdn/hash.h"
 #include "kdn/rope.h"
@@ -73,12 +74,23 @@ BufferPtr kvtc_pack(const Key128& fingerprint, const Key128& key, const uint8_t*
 // Status says why (a damaged or foreign blob is never loaded).
 Status kvtc_load_blob(const uint8_t* blob, size_t size, const Key128& fingerprint, const Key128& key, Key128* id);
 
-// Rows of a chunk (tokens starting at `position`) kept exact under (sink, recent).
-KDN_HD bool kvtc_exact_row(int64_t t, int64_t tokens, int64_t position, uint32_t sink, uint32_t recent) {
-  return position + t < static_cast<int64_t>(sink) || t >= tokens - static_cast<int64_t>(recent);
-}
+// What coding one plane under (params, calibration) means, for the encoder and both decoders:
+// the plane's calibration, the components coded (with their steps), the exact rows (rows below
+// `first_coded` and from `end_coded` on), and for keys coded pre-RoPE the (cos, sin) of every
+// (row, pair) angle. False when the calibration does not fit the plane or lacks the ratio.
+struct KvtcLayout {
+  const KvtcPlane* plane = nullptr;
+  std::vector<int> coded;     // component indices
+  std::vector<float> steps;   // their steps
+  int64_t first_coded = 0, end_coded = 0;
+  std::vector<float> angles;  // [tokens][head_dim / 2][2], empty unless keys are coded pre-RoPE
+};
+bool kvtc_layout(const Plane& p, uint32_t params, const KvtcCalibration& cal, KvtcLayout* out);
 
 // A plane's calibration id (its first 16 bytes); false if the plane is shorter.
 bool kvtc_plane_calibration(const uint8_t* plane, size_t size, Key128* id);
+
+// CUDA decoder (kernels/kvtc.cu, compiled with nvcc only; codec_decode_cuda dispatches to it).
+Status kvtc_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size, void* out, uintptr_t stream);
 
 }  // namespace kdn
