@@ -1,6 +1,6 @@
 // CUDA decoder of the `kvtc` codec (kdn/kvtc.h), on the same KDN_HD math as the CPU decoder: the
 // host checks each plane's structure against its calibration (loaded in this process) and uploads
-// the coded components' basis rows and steps; one thread per (plane, rANS lane) decodes symbols,
+// the basis rows and steps of the components with coded symbols and the models they use; one thread per (plane, rANS lane) decodes symbols,
 // then one thread per (plane, row, head, RoPE pair) sums the components in the CPU's order (no
 // fused multiply-adds: the build turns contraction off) and turns keys back to post-RoPE.
 //
@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "kdn/byte_io.h"
-#include "kdn/cachegen.h"
 #include "kdn/codec.h"
 #include "kdn/kvtc.h"
 #include "kdn/quant.h"
@@ -24,10 +23,11 @@ namespace kdn {
 namespace {
 
 struct KvtcPlaneInfo {
-  uint64_t choice, exact;               // payload offsets of the model choices and the exact rows
+  uint64_t exact;                       // payload offset of the exact rows
+  uint64_t slots;                       // offset into the staged table slots of the live components
   uint64_t lane[kRansLanes], lane_end[kRansLanes];
   uint64_t rows, steps, mean, q, angles;  // offsets into the staged floats (rows, steps, mean, angles) and q
-  int64_t coded, first_coded, end_coded;
+  int64_t coded, first_coded, end_coded;  // coded: the live components (symbols coded)
   int rotate;
 };
 
@@ -38,7 +38,7 @@ struct KvtcGeometry {
 };
 
 __global__ void kvtc_symbols_kernel(KvtcGeometry g, const uint8_t* payload, const KvtcPlaneInfo* planes,
-                                    const RansTable* tables, int16_t* q, int* bad) {
+                                    const RansTable* tables, const int* slots, int16_t* q, int* bad) {
   const int64_t id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (id >= g.planes * kRansLanes) return;
   const int64_t p = id / kRansLanes, j = id % kRansLanes;
@@ -46,9 +46,9 @@ __global__ void kvtc_symbols_kernel(KvtcGeometry g, const uint8_t* payload, cons
   const int64_t n = (info.end_coded - info.first_coded) * info.coded;
   RansLane lane;
   rans_lane_init(lane, payload + info.lane[j], payload + info.lane_end[j]);
-  const uint8_t* choice = payload + info.choice;
+  const int* slot = slots + info.slots;
   for (int64_t i = j; i < n && lane.ok; i += kRansLanes)
-    q[info.q + i] = static_cast<int16_t>(rans_lane_decode(lane, tables[choice[i % info.coded]]) - kKvtcRange);
+    q[info.q + i] = static_cast<int16_t>(rans_lane_decode(lane, tables[slot[i % info.coded]]) - kKvtcRange);
   if (!rans_lane_finished(lane)) atomicOr(bad, 1);
 }
 
@@ -101,6 +101,8 @@ Status kvtc_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size
   for (auto& s : sizes) s = r.get<uint32_t>();
   std::vector<KvtcPlaneInfo> planes(g.planes);
   std::vector<float> floats;
+  std::vector<RansTable> tables;  // the models the payload uses, each once
+  std::vector<int> slots, slot_of(kKvtcModels, -1);
   int64_t q_count = 0;
   std::shared_ptr<const KvtcCalibration> cal;
   KvtcGeometry geometry = g;
@@ -117,18 +119,27 @@ Status kvtc_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size
     KvtcLayout L;
     if (!kvtc_layout(shape, h.codec_params, *cal, &L)) return Status::Fail("kvtc payload: calibration does not fit");
     KvtcPlaneInfo& info = planes[p];
-    info.coded = static_cast<int64_t>(L.coded.size());
     info.first_coded = L.first_coded;
     info.end_coded = L.end_coded;
     ByteReader pr(plane, sizes[p]);
     pr.take(16);
-    const uint8_t* choice = pr.take(info.coded);
-    info.choice = offset + 16;
-    info.exact = info.choice + info.coded;
+    const uint8_t* choice = pr.take(L.coded.size());
+    info.exact = offset + 16 + L.coded.size();
     pr.take((g.tokens - (L.end_coded - L.first_coded)) * g.channels * dsize);
     if (!choice) return Status::Fail("kvtc payload: plane " + std::to_string(p) + " is corrupt");
-    for (int64_t j = 0; j < info.coded; ++j)
-      if (choice[j] >= kCacheGenModels) return Status::Fail("kvtc payload: bad model choice");
+    std::vector<size_t> live;
+    info.slots = slots.size();
+    for (size_t j = 0; j < L.coded.size(); ++j) {
+      if (choice[j] == kKvtcAllZero) continue;
+      if (choice[j] >= kKvtcModels) return Status::Fail("kvtc payload: bad model choice");
+      if (slot_of[choice[j]] < 0) {
+        slot_of[choice[j]] = static_cast<int>(tables.size());
+        tables.push_back(kvtc_table(choice[j]));
+      }
+      slots.push_back(slot_of[choice[j]]);
+      live.push_back(j);
+    }
+    info.coded = static_cast<int64_t>(live.size());
     uint32_t lanes[kRansLanes];
     for (auto& l : lanes) l = pr.get<uint32_t>();
     uint64_t at = offset + (sizes[p] - pr.remaining());
@@ -141,10 +152,12 @@ Status kvtc_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size
     info.q = q_count;
     q_count += (L.end_coded - L.first_coded) * info.coded;
     info.rows = floats.size();
-    for (int c : L.coded) floats.insert(floats.end(), &L.plane->basis[size_t(c) * g.channels],
-                                        &L.plane->basis[size_t(c) * g.channels] + g.channels);
+    for (size_t j : live) {
+      const float* row = &L.plane->basis[size_t(L.coded[j]) * g.channels];
+      floats.insert(floats.end(), row, row + g.channels);
+    }
     info.steps = floats.size();
-    floats.insert(floats.end(), L.steps.begin(), L.steps.end());
+    for (size_t j : live) floats.push_back(L.steps[j]);
     info.mean = floats.size();
     floats.insert(floats.end(), L.plane->mean.begin(), L.plane->mean.end());
     info.rotate = !L.angles.empty();
@@ -152,8 +165,8 @@ Status kvtc_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size
     floats.insert(floats.end(), L.angles.begin(), L.angles.end());
   }
   if (!r.ok() || r.remaining() != 0) return Status::Fail("codec payload: plane sizes do not match the payload");
-  std::vector<RansTable> tables;
-  for (int k = 0; k < kCacheGenModels; ++k) tables.push_back(cachegen_table(k, kKvtcRange));
+  if (tables.empty()) tables.push_back(kvtc_table(0));  // nothing coded: keep the uploads non-empty
+  if (slots.empty()) slots.push_back(0);
 
   auto s = reinterpret_cast<cudaStream_t>(stream);
   DeviceStaging staged(s, {{payload, size},
@@ -161,13 +174,14 @@ Status kvtc_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size
                            {tables.data(), tables.size() * sizeof(RansTable)},
                            {floats.data(), floats.size() * sizeof(float)},
                            {nullptr, size_t(std::max<int64_t>(q_count, 1)) * sizeof(int16_t)},
-                           {nullptr, sizeof(int)}});
+                           {nullptr, sizeof(int)},
+                           {slots.data(), slots.size() * sizeof(int)}});
   if (staged.error() != cudaSuccess) return failed(staged.error(), "kvtc_decode_cuda");
   auto* d_bad = staged.part<int>(5);
   const int lane_blocks = static_cast<int>((g.planes * kRansLanes + 63) / 64);
   kvtc_symbols_kernel<<<lane_blocks, 64, 0, s>>>(geometry, staged.part<const uint8_t>(0),
                                                  staged.part<const KvtcPlaneInfo>(1), staged.part<const RansTable>(2),
-                                                 staged.part<int16_t>(4), d_bad);
+                                                 staged.part<const int>(6), staged.part<int16_t>(4), d_bad);
   const int threads = 256, blocks = grid_for(g.planes * g.tokens * (g.channels / 2), threads);
   kvtc_values_kernel<<<blocks, threads, 0, s>>>(geometry, staged.part<const uint8_t>(0),
                                                 staged.part<const KvtcPlaneInfo>(1), staged.part<const float>(3),

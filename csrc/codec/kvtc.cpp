@@ -8,10 +8,10 @@
 #include <mutex>
 
 #include "kdn/byte_io.h"
-#include "kdn/cachegen.h"
 #include "kdn/codec.h"
 #include "kdn/convert.h"
 #include "kdn/quant.h"
+#include "kdn/rans.h"
 
 namespace kdn {
 
@@ -34,6 +34,53 @@ struct Registry {
   std::map<Key128, std::shared_ptr<const KvtcCalibration>> by_id;
   std::map<Key128, std::shared_ptr<const KvtcCalibration>> by_model;
 };
+
+// Zero-inflated discrete Laplace models: P(0) = zero (Q16: 1 / (1 + 2^(4 - i)), i = 0..14) and
+// P(+-r) proportional to decay^(r - 1) (Q16: 1 - 2^(-k/2), k = 0..15). Literal, so every machine
+// builds the same tables.
+constexpr uint32_t kZeroQ16[kKvtcZeros] = {3855,  7282,  13107, 21845, 32768, 43691, 52429, 58254,
+                                           61681, 63550, 64528, 65028, 65280, 65408, 65472};
+constexpr uint32_t kDecayQ16[kKvtcDecays] = {0,     19195, 32768, 42366, 49152, 53951, 57344, 59743,
+                                             61440, 62640, 63488, 64088, 64512, 64812, 65024, 65174};
+constexpr int kSymbols = 2 * kKvtcRange + 1;
+
+struct Model {
+  RansTable table;
+  float bits[kSymbols];
+};
+
+std::unique_ptr<Model> build_model(int m) {
+  const uint64_t zero = kZeroQ16[m / kKvtcDecays], decay = kDecayQ16[m % kKvtcDecays];
+  uint64_t weight[kKvtcRange + 1], w = 1ull << 40, rest = 0;
+  for (int r = 1; r <= kKvtcRange; ++r) {
+    weight[r] = w;
+    rest += 2 * w;
+    w = (w * decay) >> 16;
+  }
+  const uint32_t spare = kRansScale - kSymbols;  // every symbol keeps a frequency of at least 1
+  const uint32_t zero_extra = static_cast<uint32_t>(spare * zero >> 16);
+  uint16_t freq[kSymbols];
+  uint32_t sum = 0;
+  for (int r = 1; r <= kKvtcRange; ++r) {
+    const auto f = static_cast<uint16_t>(1 + (spare - zero_extra) * (weight[r] >> 8) / (rest >> 8));
+    freq[kKvtcRange + r] = freq[kKvtcRange - r] = f;
+    sum += 2u * f;
+  }
+  freq[kKvtcRange] = static_cast<uint16_t>(kRansScale - sum);
+  auto model = std::make_unique<Model>();
+  rans_table_build(freq, kSymbols, &model->table);
+  for (int s = 0; s < kSymbols; ++s)
+    model->bits[s] = static_cast<float>(kRansProbBits - std::log2(static_cast<double>(freq[s])));
+  return model;
+}
+
+const Model& model_of(int m) {
+  static std::mutex mu;
+  static std::unique_ptr<Model> built[kKvtcModels];
+  std::lock_guard<std::mutex> lock(mu);
+  if (!built[m]) built[m] = build_model(m);
+  return *built[m];
+}
 
 Registry& registry() {
   static Registry r;
@@ -58,6 +105,42 @@ void rotate_row(float* row, int64_t channels, int64_t head_dim, RopeStyle style,
 }
 
 }  // namespace
+
+const RansTable& kvtc_table(int m) { return model_of(m).table; }
+
+uint8_t kvtc_choose_model(const uint32_t* h, double* model_bits, double* empirical_bits) {
+  double n = 0, abs_sum = 0, empirical = 0;
+  int used[kSymbols], count = 0;
+  for (int s = 0; s < kSymbols; ++s)
+    if (h[s]) {
+      used[count++] = s;
+      n += h[s];
+      abs_sum += static_cast<double>(h[s]) * std::abs(s - kKvtcRange);
+    }
+  const double zeros = h[kKvtcRange];
+  if (n == 0 || zeros == n) return kKvtcAllZero;
+  for (int k = 0; k < count; ++k) empirical += h[used[k]] * std::log2(n / h[used[k]]);
+  // start from the grid points nearest the histogram's P(0) and mean |r| over r != 0, then search around
+  const double zero_q16 = 65536.0 * zeros / n, decay_q16 = 65536.0 * (1.0 - (n - zeros) / abs_sum);
+  int zi = 0, di = 0;
+  while (zi + 1 < kKvtcZeros && kZeroQ16[zi + 1] <= zero_q16) ++zi;
+  while (di + 1 < kKvtcDecays && kDecayQ16[di + 1] <= decay_q16) ++di;
+  double best = INFINITY;
+  int choice = 0;
+  for (int z = std::max(0, zi - 2); z <= std::min(kKvtcZeros - 1, zi + 2); ++z)
+    for (int d = std::max(0, di - 2); d <= std::min(kKvtcDecays - 1, di + 2); ++d) {
+      const Model& m = model_of(z * kKvtcDecays + d);
+      double bits = 0;
+      for (int k = 0; k < count; ++k) bits += h[used[k]] * static_cast<double>(m.bits[used[k]]);
+      if (bits < best) {
+        best = bits;
+        choice = z * kKvtcDecays + d;
+      }
+    }
+  *model_bits += best;
+  *empirical_bits += empirical;
+  return static_cast<uint8_t>(choice);
+}
 
 std::shared_ptr<const KvtcCalibration> kvtc_parse(const uint8_t* data, size_t size) {
   auto cal = std::make_shared<KvtcCalibration>();
@@ -228,19 +311,23 @@ std::vector<uint8_t> kvtc_encode(const Plane& p, uint32_t params, const uint8_t*
   ByteWriter w;
   w.append(cal.id.data(), 16);
   std::vector<uint8_t> choice(K);
-  for (int64_t j = 0; j < K; ++j)
-    choice[j] = static_cast<uint8_t>(
-        cachegen_choose_model(&hist[j * symbols], kKvtcRange, &report->model_bits, &report->empirical_bits));
+  std::vector<int64_t> live;  // components with symbols to code
+  for (int64_t j = 0; j < K; ++j) {
+    choice[j] = kvtc_choose_model(&hist[j * symbols], &report->model_bits, &report->empirical_bits);
+    if (choice[j] != kKvtcAllZero) live.push_back(j);
+  }
   w.append(choice.data(), K);
   w.append(raw, L.first_coded * C * dsize);  // exact rows: the sink ones, then the recent ones
   w.append(raw + L.end_coded * C * dsize, (T - L.end_coded) * C * dsize);
-  const size_t n = q.size();
-  std::vector<uint16_t> cum(n), freq(n);
-  for (size_t i = 0; i < n; ++i) {
-    const RansTable& tab = cachegen_table(choice[i % K], kKvtcRange);
-    cum[i] = tab.cum[q[i] + kKvtcRange];
-    freq[i] = tab.freq[q[i] + kKvtcRange];
-  }
+  const int64_t rows = L.end_coded - L.first_coded, n_live = static_cast<int64_t>(live.size());
+  std::vector<uint16_t> cum(rows * n_live), freq(rows * n_live);
+  for (int64_t row = 0, i = 0; row < rows; ++row)
+    for (int64_t j : live) {
+      const RansTable& tab = kvtc_table(choice[j]);
+      cum[i] = tab.cum[q[row * K + j] + kKvtcRange];
+      freq[i++] = tab.freq[q[row * K + j] + kKvtcRange];
+    }
+  const size_t n = cum.size();
   const size_t before = w.out.size();
   rans_encode(cum.data(), freq.data(), n, w);
   report->coded_bytes += w.out.size() - before;
@@ -265,22 +352,26 @@ bool kvtc_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size
   const uint8_t* exact = r.take(exact_rows * C * dsize);
   RansLane lanes[kRansLanes];
   if (!r.ok() || !rans_open(r, lanes) || r.remaining() != 0) return false;
-  std::vector<const RansTable*> table(K);
-  std::vector<const float*> rows(K);
+  std::vector<const RansTable*> table;  // the components with coded symbols
+  std::vector<const float*> rows;
+  std::vector<float> steps;
   for (int64_t j = 0; j < K; ++j) {
-    if (choice[j] >= kCacheGenModels) return false;
-    table[j] = &cachegen_table(choice[j], kKvtcRange);
-    rows[j] = &L.plane->basis[static_cast<size_t>(L.coded[j]) * C];
+    if (choice[j] == kKvtcAllZero) continue;
+    if (choice[j] >= kKvtcModels) return false;
+    table.push_back(&kvtc_table(choice[j]));
+    rows.push_back(&L.plane->basis[static_cast<size_t>(L.coded[j]) * C]);
+    steps.push_back(L.steps[j]);
   }
+  const int64_t live = static_cast<int64_t>(table.size());
   std::memcpy(out, exact, L.first_coded * C * dsize);
   std::memcpy(out + L.end_coded * C * dsize, exact + L.first_coded * C * dsize, (T - L.end_coded) * C * dsize);
   std::vector<float> acc(C);
   int64_t i = 0;  // symbol index: lane i % kRansLanes
   for (int64_t t = L.first_coded; t < L.end_coded; ++t) {
     std::copy(L.plane->mean.begin(), L.plane->mean.end(), acc.begin());
-    for (int64_t j = 0; j < K; ++j, ++i) {
+    for (int64_t j = 0; j < live; ++j, ++i) {
       const int s = rans_lane_decode(lanes[i % kRansLanes], *table[j]) - kKvtcRange;
-      if (s) axpy(acc.data(), rows[j], static_cast<float>(s) * L.steps[j], C);
+      if (s) axpy(acc.data(), rows[j], static_cast<float>(s) * steps[j], C);
     }
     if (!L.angles.empty()) rotate_row(acc.data(), C, p.head_dim, cal->style, &L.angles[t * p.head_dim], 1.f);
     store_floats(out, p.dtype, t * C, acc.data(), C);

@@ -14,7 +14,10 @@
 //
 // Codec params: ratio (bits 0-7, compression vs fp16 the calibration offers) | sink << 8 |
 // recent << 16. Plane payload: u8 calibration_id[16], u8 model[coded components], the exact rows
-// in the blob's dtype, then one rANS section (token-major, coded components in basis order).
+// in the blob's dtype, then one rANS section (token-major, over the components whose model is not
+// kKvtcAllZero, in basis order). A component's model is one of kKvtcModels zero-inflated discrete
+// Laplace tables (probability of 0 x decay of the rest, kvtc_table), or kKvtcAllZero: every
+// integer of the component is 0 in this chunk and none is coded.
 //
 // Calibration bytes (little endian): "KVTC", u32 version (1), u8 fingerprint[16], u32 layers,
 // channels (kv_heads * head_dim), head_dim, components, ratio count R, flags (bit 0: keys coded
@@ -31,12 +34,23 @@
 #include "kdn/codec.h"
 #include "kdn/common.h"
 #include "kdn/hash.h"
+#include "kdn/rans.h"
 #include "kdn/rope.h"
 
 namespace kdn {
 
 constexpr uint32_t kKvtcVersion = 1;
 constexpr int kKvtcRange = 127;  // symbols in [-range, range]
+constexpr int kKvtcZeros = 15, kKvtcDecays = 16;  // model = zero_index * kKvtcDecays + decay_index
+constexpr int kKvtcModels = kKvtcZeros * kKvtcDecays;
+constexpr uint8_t kKvtcAllZero = 255;
+
+// The rANS table of model m (< kKvtcModels), built once per process with integer arithmetic.
+const RansTable& kvtc_table(int model);
+
+// The model that codes a histogram over [-range, range] (hist[s + range]) shortest, or
+// kKvtcAllZero; adds its cost in bits to *model_bits and the empirical entropy to *empirical_bits.
+uint8_t kvtc_choose_model(const uint32_t* hist, double* model_bits, double* empirical_bits);
 
 struct KvtcPlane {
   std::vector<float> mean;   // [channels]
