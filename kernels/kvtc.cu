@@ -1,8 +1,8 @@
 // CUDA decoder of the `kvtc` codec (kdn/kvtc.h), on the same KDN_HD math as the CPU decoder: the
 // host checks each plane's structure against its calibration (loaded in this process) and uploads
 // the basis rows and steps of the components with coded symbols and the models they use; one thread per (plane, rANS lane) decodes symbols,
-// then one thread per (plane, row, head, RoPE pair) sums the components in the CPU's order (no
-// fused multiply-adds: the build turns contraction off) and turns keys back to post-RoPE.
+// then one thread per (plane, row, head, RoPE pair) sums the components in the CPU's order with
+// the same IEEE fused multiply-add (__fmaf_rn) and turns keys back to post-RoPE.
 //
 // The calibration rows are uploaded with every call (a device-resident calibration cache is the
 // next step when this decoder is on a serving path).
@@ -79,8 +79,8 @@ __global__ void kvtc_values_kernel(KvtcGeometry g, const uint8_t* payload, const
       if (!qs[j]) continue;
       const float v = static_cast<float>(qs[j]) * floats[info.steps + j];
       const float* row = floats + info.rows + j * g.channels;
-      xa += v * row[a];
-      xb += v * row[b];
+      xa = __fmaf_rn(v, row[a], xa);  // the CPU decoder's fused multiply-add, in its order
+      xb = __fmaf_rn(v, row[b], xb);
     }
     if (info.rotate) {
       const float* cs = floats + info.angles + t * g.head_dim + 2 * k;

@@ -1,6 +1,10 @@
 // `kvtc` codec (kdn/kvtc.h): calibration parsing and registry, plane encoder and decoder.
 #include "kdn/kvtc.h"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -35,13 +39,11 @@ struct Registry {
   std::map<Key128, std::shared_ptr<const KvtcCalibration>> by_model;
 };
 
-// Zero-inflated discrete Laplace models: P(0) = zero (Q16: 1 / (1 + 2^(4 - i)), i = 0..14) and
-// P(+-r) proportional to decay^(r - 1) (Q16: 1 - 2^(-k/2), k = 0..15). Literal, so every machine
-// builds the same tables.
-constexpr uint32_t kZeroQ16[kKvtcZeros] = {3855,  7282,  13107, 21845, 32768, 43691, 52429, 58254,
-                                           61681, 63550, 64528, 65028, 65280, 65408, 65472};
-constexpr uint32_t kDecayQ16[kKvtcDecays] = {0,     19195, 32768, 42366, 49152, 53951, 57344, 59743,
-                                             61440, 62640, 63488, 64088, 64512, 64812, 65024, 65174};
+// Zero-inflated discrete Laplace models: P(0) = zero (Q16: 1 / (1 + 2^(4 - 2i)), i = 0..7) and
+// P(+-r) proportional to decay^(r - 1) (Q16: 1 - 2^(-k), k = 0..7). Literal, so every machine
+// builds the same tables. 64 models keep a plane's tables in a core's L2 cache while it decodes.
+constexpr uint32_t kZeroQ16[kKvtcZeros] = {3855, 13107, 32768, 52429, 61681, 64528, 65281, 65472};
+constexpr uint32_t kDecayQ16[kKvtcDecays] = {0, 32768, 49152, 57344, 61440, 63488, 64512, 65024};
 constexpr int kSymbols = 2 * kKvtcRange + 1;
 
 struct Model {
@@ -87,11 +89,78 @@ Registry& registry() {
   return r;
 }
 
-// acc[c] += v * row[c]: the decoder's inner loop, compiled for AVX2 too (no FMA, so the result
-// rounds the same on every CPU and as the CUDA decoder, which is built without contraction).
-__attribute__((target_clones("avx2", "default"))) void axpy(float* __restrict acc, const float* __restrict row,
-                                                           float v, int64_t n) {
-  for (int64_t c = 0; c < n; ++c) acc[c] += v * row[c];
+// out[r][c] = mean[c] + sum over j (ascending) of v[r][j] * rows[j][c], each step one fused
+// multiply-add, for `count` rows of K components: the decoder's reconstruction. The CUDA decoder
+// sums in the same order with the same IEEE fma (__fmaf_rn), so both give the same bits. A zero
+// v[r][j] is skipped (fma(0, x, acc) is acc).
+void reconstruct_portable(const float* v, const float* const* rows, const float* mean, int64_t count, int64_t K,
+                          int64_t C, float* out) {
+  for (int64_t r = 0; r < count; ++r) {
+    float* o = out + r * C;
+    std::copy(mean, mean + C, o);
+    for (int64_t j = 0; j < K; ++j) {
+      const float w = v[r * K + j];
+      if (w != 0.f)
+        for (int64_t c = 0; c < C; ++c) o[c] = std::fma(w, rows[j][c], o[c]);
+    }
+  }
+}
+
+#if defined(__x86_64__)
+// The same, tiled 4 rows x 16 channels so the sums stay in AVX registers.
+__attribute__((target("avx2,fma"))) void reconstruct_avx2(const float* v, const float* const* rows,
+                                                          const float* mean, int64_t count, int64_t K, int64_t C,
+                                                          float* out) {
+  constexpr int kRows = 4;
+  const int64_t tiled = C / 16 * 16;
+  for (int64_t r0 = 0; r0 + kRows <= count; r0 += kRows) {
+    for (int64_t c0 = 0; c0 < tiled; c0 += 16) {
+      const __m256 m0 = _mm256_loadu_ps(mean + c0), m1 = _mm256_loadu_ps(mean + c0 + 8);
+      __m256 a00 = m0, a01 = m1, a10 = m0, a11 = m1, a20 = m0, a21 = m1, a30 = m0, a31 = m1;
+      const float* w = v + r0 * K;
+      for (int64_t j = 0; j < K; ++j) {
+        const float w0 = w[j], w1 = w[K + j], w2 = w[2 * K + j], w3 = w[3 * K + j];
+        if (w0 == 0.f && w1 == 0.f && w2 == 0.f && w3 == 0.f) continue;
+        const __m256 x0 = _mm256_loadu_ps(rows[j] + c0), x1 = _mm256_loadu_ps(rows[j] + c0 + 8);
+        __m256 b = _mm256_set1_ps(w0);
+        a00 = _mm256_fmadd_ps(b, x0, a00);
+        a01 = _mm256_fmadd_ps(b, x1, a01);
+        b = _mm256_set1_ps(w1);
+        a10 = _mm256_fmadd_ps(b, x0, a10);
+        a11 = _mm256_fmadd_ps(b, x1, a11);
+        b = _mm256_set1_ps(w2);
+        a20 = _mm256_fmadd_ps(b, x0, a20);
+        a21 = _mm256_fmadd_ps(b, x1, a21);
+        b = _mm256_set1_ps(w3);
+        a30 = _mm256_fmadd_ps(b, x0, a30);
+        a31 = _mm256_fmadd_ps(b, x1, a31);
+      }
+      float* o = out + r0 * C + c0;
+      _mm256_storeu_ps(o, a00), _mm256_storeu_ps(o + 8, a01);
+      _mm256_storeu_ps(o + C, a10), _mm256_storeu_ps(o + C + 8, a11);
+      _mm256_storeu_ps(o + 2 * C, a20), _mm256_storeu_ps(o + 2 * C + 8, a21);
+      _mm256_storeu_ps(o + 3 * C, a30), _mm256_storeu_ps(o + 3 * C + 8, a31);
+    }
+    for (int64_t r = r0; r < r0 + kRows; ++r)  // channels past the last tile
+      for (int64_t c = tiled; c < C; ++c) {
+        float acc = mean[c];
+        for (int64_t j = 0; j < K; ++j)
+          if (v[r * K + j] != 0.f) acc = std::fma(v[r * K + j], rows[j][c], acc);
+        out[r * C + c] = acc;
+      }
+  }
+  const int64_t done = count / kRows * kRows;  // rows past the last tile
+  reconstruct_portable(v + done * K, rows, mean, count - done, K, C, out + done * C);
+}
+#endif
+
+void reconstruct(const float* v, const float* const* rows, const float* mean, int64_t count, int64_t K, int64_t C,
+                 float* out) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) return reconstruct_avx2(v, rows, mean, count, K, C, out);
+#endif
+  reconstruct_portable(v, rows, mean, count, K, C, out);
 }
 
 // Turns every head's pairs of a key row by the (cos, sin) of table[pair] (sign -1: backwards).
@@ -259,11 +328,19 @@ bool kvtc_layout(const Plane& p, uint32_t params, const KvtcCalibration& cal, Kv
   out->end_coded = std::max(out->first_coded, p.tokens - recent);
   out->angles.clear();
   if (!p.values && cal.prerope) {
-    std::vector<int64_t> positions(p.tokens);
-    for (int64_t t = 0; t < p.tokens; ++t) positions[t] = p.position + t;
-    out->angles.resize(static_cast<size_t>(p.tokens) * cal.head_dim);
-    rope_angle_table(RopeShift{1, 1, p.tokens, cal.head_dim, cal.style}, cal.inv_freq.data(), positions.data(),
-                     out->angles.data());
+    // every key plane of a chunk turns by the same angles: computed once per thread and chunk
+    thread_local Key128 last_cal{};
+    thread_local int64_t last_position = -1, last_tokens = -1;
+    thread_local std::vector<float> last_angles;
+    if (last_cal != cal.id || last_position != p.position || last_tokens != p.tokens) {
+      std::vector<int64_t> positions(p.tokens);
+      for (int64_t t = 0; t < p.tokens; ++t) positions[t] = p.position + t;
+      last_angles.resize(static_cast<size_t>(p.tokens) * cal.head_dim);
+      rope_angle_table(RopeShift{1, 1, p.tokens, cal.head_dim, cal.style}, cal.inv_freq.data(), positions.data(),
+                       last_angles.data());
+      last_cal = cal.id, last_position = p.position, last_tokens = p.tokens;
+    }
+    out->angles = last_angles;
   }
   return true;
 }
@@ -365,16 +442,20 @@ bool kvtc_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size
   const int64_t live = static_cast<int64_t>(table.size());
   std::memcpy(out, exact, L.first_coded * C * dsize);
   std::memcpy(out + L.end_coded * C * dsize, exact + L.first_coded * C * dsize, (T - L.end_coded) * C * dsize);
-  std::vector<float> acc(C);
-  int64_t i = 0;  // symbol index: lane i % kRansLanes
-  for (int64_t t = L.first_coded; t < L.end_coded; ++t) {
-    std::copy(L.plane->mean.begin(), L.plane->mean.end(), acc.begin());
+  // symbols first (the values q * step, row by row), then the reconstruction of every row
+  const int64_t count = L.end_coded - L.first_coded;
+  std::vector<float> v(static_cast<size_t>(count) * live), rows_out(static_cast<size_t>(count) * C);
+  int lane = 0;  // symbol i is in lane i % kRansLanes
+  for (int64_t row = 0, i = 0; row < count; ++row)
     for (int64_t j = 0; j < live; ++j, ++i) {
-      const int s = rans_lane_decode(lanes[i % kRansLanes], *table[j]) - kKvtcRange;
-      if (s) axpy(acc.data(), rows[j], static_cast<float>(s) * steps[j], C);
+      v[i] = static_cast<float>(rans_lane_decode(lanes[lane], *table[j]) - kKvtcRange) * steps[j];
+      lane = (lane + 1) & (kRansLanes - 1);
     }
-    if (!L.angles.empty()) rotate_row(acc.data(), C, p.head_dim, cal->style, &L.angles[t * p.head_dim], 1.f);
-    store_floats(out, p.dtype, t * C, acc.data(), C);
+  reconstruct(v.data(), rows.data(), L.plane->mean.data(), count, live, C, rows_out.data());
+  for (int64_t t = L.first_coded; t < L.end_coded; ++t) {
+    float* row = &rows_out[(t - L.first_coded) * C];
+    if (!L.angles.empty()) rotate_row(row, C, p.head_dim, cal->style, &L.angles[t * p.head_dim], 1.f);
+    store_floats(out, p.dtype, t * C, row, C);
   }
   for (const RansLane& lane : lanes)
     if (!rans_lane_finished(lane)) return false;

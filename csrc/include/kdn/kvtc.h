@@ -41,7 +41,7 @@ namespace kdn {
 
 constexpr uint32_t kKvtcVersion = 1;
 constexpr int kKvtcRange = 127;  // symbols in [-range, range]
-constexpr int kKvtcZeros = 15, kKvtcDecays = 16;  // model = zero_index * kKvtcDecays + decay_index
+constexpr int kKvtcZeros = 8, kKvtcDecays = 8;  // 64 models: a plane's tables stay in L2  // model = zero_index * kKvtcDecays + decay_index
 constexpr int kKvtcModels = kKvtcZeros * kKvtcDecays;
 constexpr uint8_t kKvtcAllZero = 255;
 
