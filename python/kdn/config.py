@@ -91,7 +91,8 @@ class KDNConfig:
         memory_codec, disk_codec, remote_codec: the KV codec each tier stores chunks with
             (:mod:`kdn.codecs`): ``"raw"`` (default everywhere: exact and fastest), ``"lossless"``
             (bit-exact, smaller), or lossy ``"int8"``, ``"int4"``, ``"int2"``, ``"cachegen"``
-            (``"cachegen:level=1..3"``). A typical split keeps memory raw and compresses what goes
+            (``"cachegen:level=1..3"``), ``"kvtc"`` (``"kvtc:ratio=8"``; needs the model's calibration,
+            :meth:`kdn.KDN.calibrate`). A typical split keeps memory raw and compresses what goes
             to disk and to the network. Disk encodes in its background writer, remote in its
             sender thread; a chunk read from a tier is re-coded to memory's codec when promoted.
         disk_shared: share the disk tier with other users of a group: files 0660 and directories
