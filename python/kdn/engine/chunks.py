@@ -169,7 +169,10 @@ class ChunkIO:
         (from the tiers, once, if it is not)."""
         tried = False
         for i, blob in enumerate(blobs):
-            needed = _core.kvtc_blob_calibration(blob)
+            try:
+                needed = _core.kvtc_blob_calibration(blob)
+            except BlobError:  # a damaged blob: verification below reports and drops it
+                continue
             if needed is None or _core.kvtc_loaded(needed):
                 continue
             if not tried:
