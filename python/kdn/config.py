@@ -25,6 +25,7 @@ _OPTIONAL_SECONDS = ("remote_ttl", "ttft_deadline")
 DELIVERY_MODES = ("layerwise", "whole")
 MAX_BYTES = 1 << 60  # 1 EiB: larger sizes are typos, and overflow the C++ stores' arithmetic
 MAX_READ_THREADS = 64
+MAX_LAYER_GROUP = 1 << 16  # more layers than any model has: larger values are typos
 # KDN_* variables that are not settings (read by the build, the tests, CI and data lookup).
 _OTHER_ENV = {"KDN_CONFIG", "KDN_SHARED", "KDN_DATA", "KDN_CUDA", "KDN_BUFFER_POOL_BYTES", "KDN_REQUIRE_SERVERS",
               "KDN_REQUIRE_DATA", "KDN_REQUIRE_VLLM", "KDN_VLLM_PYTHON", "KDN_VLLM_VENV", "KDN_APT_PACKAGES",
@@ -59,7 +60,8 @@ class KDNConfig:
             chunk is served the tokens it shares with a stored chunk, found through small pointer
             blobs filed under probes of every ``probe_step`` leading tokens of each stored chunk
             (default 16: a shared run of at least 16 tokens is found, then served to the token;
-            at most ``chunk_size`` is used). 0: whole chunks only (no pointers are written or read).
+            a value above ``chunk_size`` is used as ``chunk_size``; at most 1048576, larger values are
+            refused as typos). 0: whole chunks only (no pointers are written or read).
         memory_bytes: capacity of the host-memory tier (default 4 GiB). Sizes accept ints or
             strings such as ``"512MiB"``.
         memory_policy: eviction order of the memory tier, ``"lru"`` (default) or ``"s3fifo"``
@@ -113,7 +115,9 @@ class KDNConfig:
             computes the layers already delivered (:mod:`kdn.delivery`; a remote tier streams byte
             ranges, so transfer overlaps compute). ``"whole"``: everything is laid out first.
             Models on a CUDA device are served whole.
-        layer_group: layers per delivered group (default 3: SmolLM2's 30 layers in 10 groups).
+        layer_group: layers per delivered group (default 3: SmolLM2's 30 layers in 10 groups); a
+            value at or above the model's layer count delivers the whole model as one group (at most
+            65536: larger values are refused as typos).
         ttft_deadline: seconds to first token that a remote hit aims for (None, default: no
             deadline, the exact KV is streamed). With a deadline, each layer group's level is
             picked from the bandwidth measured so far so that the deadline holds (the exact KV,
@@ -125,6 +129,12 @@ class KDNConfig:
             also stored in for adaptive delivery (e.g. ``("cachegen:level=3", "cachegen:level=2",
             "cachegen:level=1", "int2")``). Default ``()``: exact KV only. KV served at a lossy
             level is never stored back as exact.
+        verify_fraction: the fraction of hits, in [0, 1], whose last served tokens are recomputed
+            and compared with what kdn stores (:mod:`kdn.engine.verify`): a mismatch is counted
+            (``stats()["integrity"]``, ``vllm:kdn_verify_mismatches_total``), logged once with the
+            chunk keys, and its chunks are dropped from every tier. Default 0 (off) in the library;
+            **0.01 is the recommended value in production**: it watches a shared store's correctness
+            for the cost of 16 recomputed tokens per hundred hits.
 
     Sources, later wins: defaults, a YAML file, ``KDN_<FIELD>`` environment variables, keyword
     arguments (:meth:`load`).
@@ -160,6 +170,7 @@ class KDNConfig:
     layer_group: int = 3
     ttft_deadline: float | None = None
     delivery_levels: tuple = ()
+    verify_fraction: float = 0.0
     disk_shared: bool = False
     secret: str | None = dataclasses.field(default=None, repr=False)
 
@@ -178,6 +189,17 @@ class KDNConfig:
         if isinstance(self.probe_step, bool) or not isinstance(self.probe_step, int) or self.probe_step < 0:
             raise InvalidInputError(f"KDNConfig.probe_step must be a non-negative integer (0: whole-chunk hits only), "
                                     f"got {self.probe_step!r}")
+        if self.probe_step > 1 << 20:
+            raise InvalidInputError(f"KDNConfig.probe_step={self.probe_step} is too large (max 1048576; values "
+                                    "above chunk_size act as chunk_size)")
+        if self.layer_group > MAX_LAYER_GROUP:
+            raise InvalidInputError(f"KDNConfig.layer_group={self.layer_group} is too large (max {MAX_LAYER_GROUP}; "
+                                    "a value at or above the model's layer count is one group)")
+        value = self.verify_fraction
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise InvalidInputError(f"KDNConfig.verify_fraction must be a number in [0, 1] (0.01 is recommended "
+                                    f"in production), got {value!r}")
+        object.__setattr__(self, "verify_fraction", float(value))
         if self.chunk_size > 1 << 20:
             raise InvalidInputError(f"KDNConfig.chunk_size={self.chunk_size} is too large (max 1048576)")
         for name, choices in (("memory_policy", EVICTION_POLICIES), ("disk_policy", EVICTION_POLICIES),
@@ -336,6 +358,11 @@ def _from_text(name: str, raw: str, where: str):
         if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
             raise InvalidInputError(f"{where}={raw!r} is not a boolean (true/false)")
         return lowered in ("1", "true", "yes", "on")
+    if name == "verify_fraction":
+        try:
+            return float(raw)
+        except ValueError:
+            raise InvalidInputError(f"{where}={raw!r} is not a number in [0, 1]") from None
     if name in _SECONDS_FIELDS:
         if name in _OPTIONAL_SECONDS and raw.strip().lower() in ("", "none", "off"):
             return None

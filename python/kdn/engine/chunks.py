@@ -15,8 +15,10 @@ import torch
 
 from kdn import _core, kvtc
 from kdn._core import BlobError, InvalidInputError
+from kdn.engine.served import Served
 from kdn.engine.session import ROOT, ModelSession
 from kdn.engine.targets import HFTarget
+from kdn.engine.verify import Verifier
 from kdn.storage import TierManager
 
 log = logging.getLogger("kdn")
@@ -57,6 +59,8 @@ class ChunkIO:
 
     def __init__(self, tiers: TierManager):
         self.tiers = tiers
+        self.verifier = Verifier(tiers.config.verify_fraction)
+        self.refused_stores = 0  # saves refused by the fidelity rule (kdn.engine.served)
 
     # -- prefix chunks --------------------------------------------------------------------------
     def available(self, session: ModelSession, tokens: np.ndarray, limit: int | None = None) -> int:
@@ -184,6 +188,18 @@ class ChunkIO:
             return i
         return len(blobs)
 
+    def save(self, session: ModelSession, tokens: np.ndarray, kv: list[torch.Tensor], served: Served) -> int:
+        """Store the KV a model computed for ``tokens`` in a request that kdn served ``served``: the
+        one place the fidelity rule is applied (:mod:`kdn.engine.served`). KV computed over lossy,
+        suspect or never-loaded KV is refused (returns 0, logged at debug level); otherwise as
+        :meth:`write`."""
+        why = served.unstorable()
+        if why is not None:
+            self.refused_stores += 1
+            log.debug("kdn: not storing a prompt of %d tokens: %s", len(tokens), why)
+            return 0
+        return self.write(session, tokens, kv)
+
     def write(self, session: ModelSession, tokens: np.ndarray, kv: list[torch.Tensor]) -> int:
         """Store the KV of ``tokens`` from ``kv`` (CPU per-layer tensors holding at least
         ``len(tokens)`` tokens): its full chunks, a trailing partial chunk of at least
@@ -244,8 +260,22 @@ class ChunkIO:
         self.tiers.flush()
 
     def stats(self) -> dict:
-        """Per-tier counters (see :meth:`kdn.KDN.stats`)."""
-        return self.tiers.stats()
+        """Per-tier counters (see :meth:`kdn.KDN.stats`) and ``"integrity"``: verification counters
+        (:class:`~kdn.engine.verify.Verifier`) and saves refused by the fidelity rule."""
+        return {**self.tiers.stats(), "integrity": {**self.verifier.stats(), "refused_stores": self.refused_stores}}
+
+    def drop_chunks(self, session: ModelSession, tokens: np.ndarray, found: Prefix, indices: list[int]) -> list:
+        """Drop the chunks ``indices`` of ``found`` (the stored prefix of ``tokens``) from every tier, at
+        every fidelity (exact and each lossy address), with the pointers filed under the probes of
+        their tokens (so no lookup finds them again): chunks that failed verification. Returns their keys."""
+        chunk = session.chunk_size
+        for i in indices:
+            for address in self.tiers.addresses(found.keys[i]):
+                self.tiers.drop(address)
+            parent = found.keys[i - 1] if i else ROOT
+            for probe in session.probe_keys(parent, tokens[i * chunk:(i + 1) * chunk]):
+                self.tiers.drop(probe)
+        return [found.keys[i] for i in indices]
 
     def clear(self) -> None:
         """Drop every stored chunk and pointer from every tier."""

@@ -10,6 +10,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from kdn._core import InvalidInputError
 from kdn.delivery import DeliveryError
+from kdn.engine.served import Served
+from kdn.engine.verify import plane_error
 from kdn.layout import cache_to_kv_list, kv_list_to_cache
 
 log = logging.getLogger("kdn")
@@ -81,7 +83,9 @@ def generate(kdn, model, input_ids, **generate_kwargs):
     generation's result is returned. (:meth:`kdn.KDN.generate` returns the output alone and keeps
     the stats per thread in ``KDN.last_generate``.) ``stats`` also has ``ttft_seconds`` (from the
     lookup to the end of the prompt's forward) and, for a layer-wise hit, ``delivery`` (levels,
-    bytes, bandwidth, chunks streamed and recomputed). KV computed over lossy KV is not stored.
+    bytes, bandwidth, chunks streamed and recomputed). KV computed over lossy KV is not stored
+    (:mod:`kdn.engine.served`). With ``KDNConfig.verify_fraction``, a sampled hit's last tokens are
+    recomputed after the answer and compared with the stored KV (:mod:`kdn.engine.verify`).
 
     Example:
         >>> out = kdn.generate(model, tokenizer(doc + q, return_tensors="pt").input_ids, max_new_tokens=32)
@@ -128,19 +132,56 @@ def generate(kdn, model, input_ids, **generate_kwargs):
             pass  # a failure after the last layer arrived (keeping chunks whole) costs nothing served
         stats["delivery"] = stream.stats
     lossy = stream.stats.get("lossy", False) if stream is not None else served.get("lossy", False)
+    record = Served(tokens=hit, lossy=lossy)
     try:
         final = out.past_key_values
-        if lossy:  # KV computed over lossy KV is not the prompt's exact KV: never stored as such
-            log.debug("kdn: lossy KV was served; the generated KV is not stored")
-        elif final is not None and rows == 1:
+        if final is not None and rows == 1 and hit:
+            record.suspect = not _verify_hit(kdn, model, ids, hit, cache_to_kv_list(final), lossy)
+        if final is not None and rows == 1:
             n_kv = final.get_seq_length()
-            kdn.store(model, out.sequences[0, :n_kv], final)
+            kdn.chunks.save(kdn.session(model), kdn.session(model).tokens(out.sequences[0, :n_kv]),
+                            [t.cpu() for t in cache_to_kv_list(final)], record)
         elif final is not None:  # rows diverge after the prompt (and beams reorder): store the prompt
-            kv = [t[:1] for t in cache_to_kv_list(final)]
-            kdn.store(model, ids[0], kv_list_to_cache(model, kv))
+            kv = [t[:1].cpu() for t in cache_to_kv_list(final)]
+            kdn.chunks.save(kdn.session(model), kdn.session(model).tokens(ids[0]), kv, record)
     except Exception as exc:  # storing is best effort; the answer is already computed
         log.warning("kdn: storing the generated KV failed (%s); the result is returned unchanged", exc)
     if want_dict:
         out["kdn_stats"] = stats
         return out, stats
     return out.sequences, stats
+
+
+@torch.inference_mode()
+def _verify_hit(kdn, model, ids: torch.Tensor, hit: int, kv: list[torch.Tensor], lossy: bool) -> bool:
+    """If this hit is sampled (``KDNConfig.verify_fraction``), recompute its last tokens over the
+    served prefix and compare them with the served rows (``kv``: the generated cache, whose first
+    ``hit`` tokens are what kdn served). On a mismatch, the whole prefix is recomputed to find the
+    chunks that differ, and those are dropped from every tier. False when the hit failed."""
+    verifier = kdn.chunks.verifier
+    span = verifier.sample(hit)
+    if not span:
+        return True
+    session = kdn.session(model)
+    tolerance = verifier.tolerance(session.layout.torch_dtype, lossy)
+    if tolerance is None:
+        return True
+    start = hit - span
+    prefix = kv_list_to_cache(model, [t[:, :, :start] for t in kv]) if start else None
+    out = model(ids[:, start:hit], past_key_values=prefix, use_cache=True)
+    recomputed = [t[:, :, start:hit] for t in cache_to_kv_list(out.past_key_values)]
+    if verifier.judge(plane_error([t[:, :, start:hit] for t in kv], recomputed), tolerance):
+        return True
+    # find the chunks that differ from a full recompute (the first one that differs is wrong; later
+    # ones may be right yet computed over it, so each is judged on its own rows)
+    reference = cache_to_kv_list(model(ids[:, :hit], use_cache=True).past_key_values)
+    tokens = session.tokens(ids[0])
+    found = kdn.chunks.find(session, tokens, hit)
+    chunk = session.chunk_size
+    differ = [i for i in range(len(found.keys))
+              if plane_error([t[:, :, i * chunk:min((i + 1) * chunk, hit)] for t in kv],
+                             [t[:, :, i * chunk:min((i + 1) * chunk, hit)] for t in reference]) > tolerance]
+    bad = kdn.chunks.drop_chunks(session, tokens, found, differ)
+    kdn.chunks.verifier.dropped(bad, f"{len(bad)} of {len(found.keys)} chunks of a {hit}-token hit differ "
+                                     "from a full recompute")
+    return False

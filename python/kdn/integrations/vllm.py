@@ -16,7 +16,12 @@ blocks before the forward that needs them and, once a prompt's prefill is done, 
 of the blocks and stores it from a background thread. Keys come from the checkpoint's files
 (:func:`kdn.keys.checkpoint_fingerprint`), so an HF process serving the same checkpoint in the same
 dtype shares hits with the engine both ways. A chunk that cannot be loaded is reported to vLLM,
-which recomputes its blocks: never wrong KV. A model kdn cannot serve (sliding window, MLA, hybrid
+which recomputes its blocks: never wrong KV. What is stored follows one rule
+(:mod:`kdn.engine.served`): a prompt is stored from the blocks of the step that completed its
+prefill, and only when that step's loads are known to have succeeded and nothing it was served was
+lossy; after a failed load vLLM recomputes the request, and the recomputed prompt is stored then.
+With ``verify_fraction`` a sampled hit's last tokens are held back, computed by vLLM and compared
+with what kdn stores (:mod:`kdn.engine.verify`). A model kdn cannot serve (sliding window, MLA, hybrid
 or mamba layers, a KV layout it does not know) is logged once at start-up and served nothing.
 Scheduler and worker share one kdn store per process (vLLM's CPU engine runs both in one).
 """
@@ -45,7 +50,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from kdn import _core
 from kdn.config import KDNConfig
 from kdn.delivery import Deliverer, DeliveryError
-from kdn.engine import ChunkIO, ModelSession
+from kdn.engine import ChunkIO, HFTarget, ModelSession
+from kdn.engine.served import Served
+from kdn.engine.verify import plane_error
 from kdn.keys import checkpoint_fingerprint
 from kdn.layout import ModelLayout
 from kdn.storage import TierManager
@@ -56,7 +63,8 @@ log = logging.getLogger("kdn")
 _stores: dict[tuple, tuple[ChunkIO, ModelSession]] = {}
 _stores_lock = threading.Lock()
 _counters = {"lookups": 0, "hit_tokens": 0, "loads": 0, "loaded_tokens": 0, "load_errors": 0, "stores": 0,
-             "stored_tokens": 0, "load_seconds": 0.0, "store_seconds": 0.0}
+             "stored_tokens": 0, "refused_stores": 0, "verify_checks": 0, "verify_mismatches": 0,
+             "load_seconds": 0.0, "store_seconds": 0.0}
 
 
 _connectors: weakref.WeakSet = weakref.WeakSet()
@@ -133,24 +141,27 @@ class LoadSpec:
 
 @dataclasses.dataclass
 class SaveSpec:
-    """Store the KV of ``tokens`` (a finished prefill), held in ``block_ids``."""
+    """Store the KV of ``tokens`` (a prefill this step completed), held in ``block_ids``; with
+    ``check = (start, end)``, first compare the rows [start, end) vLLM computed with kdn's."""
 
     req_id: str
     tokens: list
     block_ids: list
+    check: tuple | None = None
 
 
 @dataclasses.dataclass
 class KDNConnectorMetadata(KVConnectorMetadata):
     loads: list = dataclasses.field(default_factory=list)
     saves: list = dataclasses.field(default_factory=list)
+    fresh: list = dataclasses.field(default_factory=list)  # requests (re)started from scratch this step
 
 
 @dataclasses.dataclass
 class _Request:
     tokens: list
     block_ids: list
-    saved: bool = False
+    check: tuple | None = None  # (start, end): hit tokens held back to be verified
 
 
 class PagedBlocks:
@@ -225,11 +236,12 @@ class KDNConnector(KVConnectorBase_V1):
                             policy)
         # scheduler side
         self._pending: dict[str, int] = {}  # req_id -> external tokens to load
+        self._checks: dict[str, tuple] = {}  # req_id -> (start, end) of a hit held back for verification
         self._requests: dict[str, _Request] = {}
         # worker side
         self._blocks: list[torch.Tensor] = []
         self._errors: set[int] = set()
-        self._served: dict[str, int] = {}  # req_id -> tokens kdn loaded for it
+        self._served: dict[str, Served] = {}  # what kdn served each running request
         self._streams: list = []  # (load spec, LayerStream) of this step's layer-wise loads
         self.delivery = Deliverer(self.io, self.config) if self.io is not None else None
         self._saves: queue.Queue = queue.Queue(maxsize=8)
@@ -243,7 +255,12 @@ class KDNConnector(KVConnectorBase_V1):
         tokens = np.asarray(request.prompt_token_ids or [], dtype=np.uint32)
         hit = self.io.available(self.session, tokens, limit=len(tokens) - 1)  # the last token is computed
         _count(lookups=1)
-        return max(0, hit - num_computed_tokens), False
+        span = self.io.verifier.sample(hit - num_computed_tokens)  # verified: vLLM computes the last ones
+        if span:
+            self._checks[request.request_id] = (hit - span, hit)
+        else:
+            self._checks.pop(request.request_id, None)
+        return max(0, hit - span - num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
@@ -255,41 +272,50 @@ class KDNConnector(KVConnectorBase_V1):
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            req = self._requests[new.req_id] = _Request(list(new.prompt_token_ids or []), list(new.block_ids[0]))
+            req = self._requests[new.req_id] = _Request(list(new.prompt_token_ids or []), list(new.block_ids[0]),
+                                                        self._checks.pop(new.req_id, None))
+            meta.fresh.append(new.req_id)
             external = self._pending.pop(new.req_id, 0)
             if external:
                 start = new.num_computed_tokens - external
                 meta.loads.append(LoadSpec(new.req_id, req.tokens[:new.num_computed_tokens], start,
                                            new.num_computed_tokens, req.block_ids))
-            self._maybe_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            self._maybe_save(meta, new.req_id, new.num_computed_tokens, scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             req = self._requests.get(req_id)
             if req is None:
                 continue
             new_blocks = cached.new_block_ids[i]
+            resumed = req_id in cached.resumed_req_ids
             if new_blocks is not None:
-                resumed = req_id in cached.resumed_req_ids
                 req.block_ids = list(new_blocks[0]) if resumed else req.block_ids + list(new_blocks[0])
+            if resumed:  # preempted, now recomputed (and perhaps loaded) from scratch
+                meta.fresh.append(req_id)
+                req.check = self._checks.pop(req_id, None)
             external = self._pending.pop(req_id, 0)
             if external:  # resumed after preemption with a fresh load
                 done = cached.num_computed_tokens[i]
                 meta.loads.append(LoadSpec(req_id, req.tokens[:done], done - external, done, req.block_ids))
-            self._maybe_save(meta, req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+            self._maybe_save(meta, req_id, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
         return meta
 
-    def _maybe_save(self, meta: KDNConnectorMetadata, req_id: str, computed_after_step: int) -> None:
-        """Once a prompt's prefill completes in this step, its KV is stored (unless kdn served it)."""
+    def _maybe_save(self, meta: KDNConnectorMetadata, req_id: str, computed: int, scheduled: int) -> None:
+        """A step that completes a prompt's prefill (``computed`` tokens before it, ``scheduled`` in
+        it) stores it; the worker refuses it if a load of that step failed or lossy KV was served
+        (:mod:`kdn.engine.served`). A prefill recomputed after a failed load, or after preemption,
+        completes again, and is stored then."""
         req = self._requests[req_id]
         n = len(req.tokens)
-        if req.saved or computed_after_step < n:
+        if not computed < n <= computed + scheduled:
             return
-        req.saved = True
-        meta.saves.append(SaveSpec(req_id, req.tokens, req.block_ids[: -(-n // self.block_size)]))
+        check = req.check if req.check is not None and computed <= req.check[0] else None
+        meta.saves.append(SaveSpec(req_id, req.tokens, req.block_ids[: -(-n // self.block_size)], check))
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
+        self._checks.pop(request.request_id, None)
         return False, None  # the KV was copied out in the step that finished the prefill
 
     # -- worker side ------------------------------------------------------------------------------
@@ -316,8 +342,13 @@ class KDNConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         if self.io is None or not self.has_connector_metadata():
             return
-        for spec in self._get_connector_metadata().loads:
+        meta = self._get_connector_metadata()
+        for req_id in meta.fresh:
+            self._served[req_id] = Served()
+        for spec in meta.loads:
             began = time.perf_counter()
+            served = self._served.setdefault(spec.req_id, Served())
+            info: dict = {}
             tokens = np.asarray(spec.tokens, dtype=np.uint32)
             opened = None
             if self.config.delivery == "layerwise":  # layers arrive while the model computes the ones before
@@ -325,13 +356,14 @@ class KDNConnector(KVConnectorBase_V1):
                                             lambda _, spec=spec: PagedBlocks(self._blocks, spec.block_ids, spec.start))
             if opened is None:  # whole: every layer before the forward
                 target = PagedBlocks(self._blocks, spec.block_ids, spec.start)
-                _, hit = self.io.read(self.session, tokens, spec.end, target)
+                _, hit = self.io.read(self.session, tokens, spec.end, target, info)
+                served.lossy |= info.get("lossy", False)
             else:
                 stream, hit = opened
                 if stream is not None:
                     self._streams.append((spec, stream))
             upto = min(hit, spec.end)
-            self._served[spec.req_id] = upto if upto == spec.end else 0
+            served.tokens = max(served.tokens, upto)
             if upto < spec.end:  # evicted or unusable since the lookup: vLLM recomputes these blocks
                 self._load_failed(spec, max(upto, spec.start), "evicted or damaged since the lookup")
             _count(loads=1, loaded_tokens=max(0, upto - spec.start), hit_tokens=max(0, upto - spec.start),
@@ -341,7 +373,7 @@ class KDNConnector(KVConnectorBase_V1):
         """Tokens [start, spec.end) of a request were not loaded: vLLM recomputes their blocks."""
         first = start // self.block_size
         self._errors.update(spec.block_ids[first: -(-spec.end // self.block_size)])
-        self._served[spec.req_id] = 0
+        self._served.setdefault(spec.req_id, Served()).failed = True  # nothing of it is stored this step
         log.warning("kdn: %d of %d tokens could not be loaded (%s); vLLM recomputes them", spec.end - start,
                     spec.end - spec.start, why)
         _count(load_errors=1)
@@ -364,6 +396,8 @@ class KDNConnector(KVConnectorBase_V1):
                 stream.wait_all()
             except DeliveryError as e:
                 self._load_failed(spec, spec.start, f"delivery failed: {e}")
+            if stream.stats.get("lossy", False):  # known once its last group arrived
+                self._served.setdefault(spec.req_id, Served()).lossy = True
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # wait_for_save copies finished prompts out after the forward
@@ -371,17 +405,37 @@ class KDNConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if self.io is None or not self.has_connector_metadata():
             return
-        self._finish_streams()
+        self._finish_streams()  # every load of this step has ended: the rule below sees its failures
         for spec in self._get_connector_metadata().saves:
             n = len(spec.tokens)
-            if self._served.pop(spec.req_id, 0) >= n - max(self.session.probe_step, 1):
-                continue  # kdn served this prompt: it holds its KV already
-            layout = self.session.layout  # a copy: the blocks are vLLM's to reuse once this returns
-            chunk = torch.empty(layout.layers, 2, n, layout.kv_heads, layout.head_dim, dtype=self._blocks[0].dtype)
-            _core.gather_paged(self._blocks, np.asarray(spec.block_ids, dtype=np.int64), chunk)
-            kv = [chunk[i, side].transpose(0, 1).unsqueeze(0) for i in range(layout.layers) for side in (0, 1)]
+            served = self._served.get(spec.req_id) or Served()
+            if spec.check is not None:
+                served.checked = spec.check[1] - spec.check[0]
+            store = served.unstorable() is None and not served.covers(n, self.session.probe_step)
+            check = spec.check if not served.failed else None  # a failed step's blocks are stale: no check
+            if not store and check is None:
+                if served.unstorable() is not None:
+                    self.io.save(self.session, np.asarray(spec.tokens, dtype=np.uint32), [], served)  # refused
+                    _count(refused_stores=1)
+                continue  # else kdn served this prompt: it holds its KV already
+            # a copy: the blocks are vLLM's to reuse once this returns
+            first, kv = self._gather(spec.block_ids, 0 if store else check[0], n if store else check[1])
             self._start_saver()
-            self._saves.put((np.asarray(spec.tokens, dtype=np.uint32), kv))
+            self._saves.put((np.asarray(spec.tokens, dtype=np.uint32), first, kv, dataclasses.replace(served),
+                             check, store))
+        for served in self._served.values():
+            served.failed = False  # vLLM recomputes what failed: the recomputed prefill is stored
+
+    def _gather(self, block_ids: list, start: int, end: int) -> tuple[int, list]:
+        """``(first, kv)``: the KV of tokens [first, end) out of the request's blocks (first: ``start``
+        rounded down to a block) as HF per-layer tensors ``[1, kv_heads, end - first, head_dim]``."""
+        layout = self.session.layout
+        first = start // self.block_size * self.block_size
+        chunk = torch.empty(layout.layers, 2, end - first, layout.kv_heads, layout.head_dim,
+                            dtype=self._blocks[0].dtype)
+        ids = np.asarray(block_ids[first // self.block_size: -(-end // self.block_size)], dtype=np.int64)
+        _core.gather_paged(self._blocks, ids, chunk)
+        return first, [chunk[i, side].transpose(0, 1).unsqueeze(0) for i in range(layout.layers) for side in (0, 1)]
 
     def _start_saver(self) -> None:
         if self._saver is None:
@@ -395,14 +449,47 @@ class KDNConnector(KVConnectorBase_V1):
                 return
             began = time.perf_counter()
             try:
-                tokens, kv = item
-                stored = self.io.write(self.session, tokens, kv)
+                tokens, first, kv, served, check, store = item
+                if check is not None:
+                    served.suspect = not self._verify(tokens, first, kv, check, served)
+                if not store:
+                    continue
+                stored = self.io.save(self.session, tokens, kv, served)
                 self.io.flush()
-                _count(stores=1, stored_tokens=stored, store_seconds=time.perf_counter() - began)
+                if served.unstorable() is None:
+                    _count(stores=1, stored_tokens=stored, store_seconds=time.perf_counter() - began)
+                else:
+                    _count(refused_stores=1)
             except Exception as exc:  # storing is best effort; the request is answered already
                 log.warning("kdn: storing a prompt's KV failed (%s)", exc)
             finally:
                 self._saves.task_done()
+
+    def _verify(self, tokens: np.ndarray, first: int, kv: list, check: tuple, served: Served) -> bool:
+        """Compare the rows [start, end) vLLM computed (``kv`` holds tokens from ``first``) with the
+        KV kdn stores for them; on a mismatch drop every chunk of the hit (vLLM cannot recompute the
+        prefix on the side to tell which one is wrong; the next request recomputes and stores it)."""
+        start, end = check
+        info: dict = {}
+        stored, hit = self.io.read(self.session, tokens[:end], end, HFTarget(), info)
+        verifier = self.io.verifier
+        tolerance = verifier.tolerance(self.session.layout.torch_dtype, served.lossy or info.get("lossy", False))
+        if hit < end or tolerance is None:
+            return True  # evicted since, or not judged
+        error = plane_error([t[:, :, start:end] for t in stored], [t[:, :, start - first:end - first] for t in kv])
+        ok = verifier.judge(error, tolerance)
+        _count(verify_checks=1, verify_mismatches=0 if ok else 1)
+        if not ok:
+            found = self.io.find(self.session, tokens[:end], end)
+            keys = self.io.drop_chunks(self.session, tokens, found, list(range(len(found.keys))))
+            verifier.dropped(keys, f"vLLM's KV of tokens [{start}, {end}) differs from kdn's by {error:.3g} "
+                                   f"(tolerance {tolerance:.3g})")
+        return ok
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        for req_id in finished_req_ids:
+            self._served.pop(req_id, None)
+        return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
