@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import full_prefill, random_ids
-
-from kdn import KDN, KDNConfig, _core
 from kdn._core import InvalidInputError
+
+from conftest import full_prefill, random_ids
+from kdn import KDN, KDNConfig, _core
 from kdn.engine.served import Served
 from kdn.layout import cache_to_kv_list
 
@@ -156,3 +156,51 @@ def _velmora():
     import kdn
 
     return Path(kdn.__file__).parent / "data" / "velmora.txt"
+
+
+def _stored_store(model, config: dict) -> tuple[KDN, list]:
+    """Two prompts sharing a document, generated (so stored) through ``config``'s tiers."""
+    kdn = KDN(KDNConfig(chunk_size=32, **config))
+    doc = random_ids(model, 70, seed=20)  # the prompts part 6 tokens into their third chunk
+    prompts = [torch.cat([doc, random_ids(model, 50, seed=21 + i)], dim=1) for i in range(2)]
+    for p in prompts:
+        kdn.generate(model, p, max_new_tokens=1)
+    kdn.flush()
+    return kdn, prompts
+
+
+def test_kdn_verify_finds_and_drops_a_planted_chunk_in_a_disk_folder(stories, tmp_path, capsys):
+    from kdn.cli import main
+
+    model, _ = stories
+    folder = str(tmp_path / "kv")
+    kdn, prompts = _stored_store(model, {"disk_dir": folder})
+    assert main(["verify", folder, "--model", "stories260k", "--chunk-size", "32"]) == 0
+    assert "2 stored prompts rebuilt" in capsys.readouterr().out
+    bad = _plant(kdn, model, prompts[1], random_ids(model, 120, seed=30), chunk_index=2)
+    kdn.flush()
+    assert main(["verify", folder, "--model", "stories260k", "--chunk-size", "32", "--drop"]) == 1
+    out = capsys.readouterr().out
+    assert f"mismatch {bad.hex()} (dropped)" in out and "1 differ" in out
+    assert main(["verify", folder, "--model", "stories260k", "--chunk-size", "32"]) == 0
+    reader = KDN(KDNConfig(chunk_size=32, disk_dir=folder))
+    assert reader.lookup(model, prompts[1]) == 64 and reader.lookup(model, prompts[0]) == 120
+
+
+def test_kdn_verify_reads_a_redis_store(stories, redis_server, capsys):
+    from kdn.cli import main
+
+    model, _ = stories
+    redis_server.cli("FLUSHALL")
+    _stored_store(model, {"remote_url": redis_server.url})
+    assert main(["verify", redis_server.url, "--model", "stories260k", "--chunk-size", "32", "--sample", "1"]) == 0
+    assert "1 recomputed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("store", ["/nonexistent/kv", "redis://127.0.0.1:1/0", "ftp://x"])
+def test_kdn_verify_on_a_store_it_cannot_read_is_one_line(store, capsys):
+    from kdn.cli import main
+
+    assert main(["verify", store, "--model", "stories260k"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kdn verify: ") and "\n" not in err and "Traceback" not in err

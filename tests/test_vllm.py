@@ -76,8 +76,8 @@ def run(python: str, script: str, *args: str) -> dict:
     return json.loads(lines[-1].removeprefix("KDN-RESULT "))
 
 
-def engine(setup, kdn_config: dict | None = None, *flags: str) -> dict:
-    python, folder, prompts = setup
+def engine(setup, kdn_config: dict | None = None, *flags: str, prompts: str | None = None) -> dict:
+    python, folder, prompts = setup[0], setup[1], prompts or setup[2]
     config = ["--kdn", json.dumps(kdn_config)] if kdn_config is not None else []
     return run(python, "vllm_engine.py", "--model", folder, "--prompts", prompts, *config, *flags)
 
@@ -125,6 +125,51 @@ def test_a_chunk_gone_between_lookup_and_load_is_recomputed(setup, stored, refer
     # the first prompt's load failed and was recomputed (then stored again in the background, so the
     # second prompt's lookup may find it, and fail the same way, or not)
     assert out["stats"]["connector"]["load_errors"] >= 1
+
+
+def _prompts(setup, tmp_path, order: list[int]) -> str:
+    """A prompts file asking the setup's prompts in ``order`` (indices)."""
+    asked = json.loads(Path(setup[2]).read_text())
+    path = tmp_path / f"prompts-{'-'.join(map(str, order))}.json"
+    path.write_text(json.dumps([asked[i] for i in order]))
+    return str(path)
+
+
+def _exact_reader(setup, prompts: str, disk: str) -> list:
+    """An exact HF reader of a disk folder: per prompt, its hit and how far the logits over the served
+    KV are from its own full prefill."""
+    return run(setup[0], "vllm_hf.py", "--model", setup[1], "--prompts", prompts, "--kdn",
+               json.dumps({"disk_dir": disk}))["results"]
+
+
+def test_a_load_failing_after_lookup_stores_nothing_wrong(setup, stored, reference, tmp_path):
+    """Issue 27, scenario 1: a chunk of a stored prompt is evicted between the scheduler's lookup and
+    the worker's load (the load fails part-way, over blocks a previous request used). vLLM recomputes
+    the request; kdn stores nothing of the failed step, then the recomputed prompt. The same prompt
+    again gives vLLM alone's tokens, and an exact HF reader of the store gets its own prefill's logits."""
+    import shutil
+
+    disk = tmp_path / "kv"
+    shutil.copytree(stored["disk"], disk)
+    prompts = _prompts(setup, tmp_path, [1, 0, 0])  # the second prompt first: its blocks are then stale
+    out = engine(setup, {"disk_dir": str(disk)}, "--drop-chunk-at-lookup", "2:3", prompts=prompts)
+    assert [r["tokens"] for r in out["results"]] == [reference[1], reference[0], reference[0]]
+    connector = out["stats"]["connector"]
+    assert connector["load_errors"] == 1 and connector["refused_stores"] == 1 and connector["stores"] == 1
+    for r in _exact_reader(setup, _prompts(setup, tmp_path, [0]), str(disk)):
+        assert r["hit_tokens"] >= 1500 and r["max_logit_diff"] < 1e-3
+
+
+def test_kv_computed_over_lossy_kv_is_never_stored_as_exact(setup, reference, tmp_path):
+    """Issue 27, scenario 2: an int4 memory tier over a raw disk tier; the second prompt is served its
+    document from int4 memory, so what vLLM computes over it is not stored; an exact reader of the
+    disk folder gets KV equal to its own prefill (the first prompt's exact chunks)."""
+    disk = str(tmp_path / "kv")
+    out = engine(setup, {"memory_codec": "int4", "disk_dir": disk})
+    connector = out["stats"]["connector"]
+    assert connector["loads"] == 1 and connector["stores"] == 1 and connector["refused_stores"] == 1
+    for r in _exact_reader(setup, _prompts(setup, tmp_path, [1]), disk):
+        assert r["hit_tokens"] >= 1500 and r["max_logit_diff"] < 1e-3
 
 
 def test_an_hf_process_and_a_vllm_engine_serve_each_other(setup, stored, reference, tmp_path):
@@ -246,3 +291,24 @@ def test_models_kdn_cannot_serve_are_named_and_served_nothing(setup):
     assert why["plain"] is None and why["sliding_off"] is None
     assert "sliding-window" in why["sliding"] and "MLA" in why["mla"] and "hybrid" in why["hybrid"]
     assert "SlidingWindowSpec" in why["swa_group"] and "not a local HF checkpoint" in why["hub_name"]
+
+
+def test_the_connector_under_vllms_real_scheduler(setup):
+    """Issue 27, scenario 3: vLLM's Scheduler in-process with both connector halves (the worker's
+    blocks filled by the script): a chunk evicted between lookup and load (whole and layer-wise)
+    stores nothing in the failed step and the recomputed prompt after it, exactly; a prefill aborted
+    half-way stores nothing; a verified hit holds its last 16 tokens back, passes when honest, and a
+    planted chunk fails, is dropped with the hit, and nothing computed over it is stored."""
+    python, folder, _ = setup
+    out = run(python, "vllm_scheduler.py", "--model", folder)
+    for delivery in ("whole", "layerwise"):
+        r = out[f"load_error_{delivery}"]
+        assert r["loads"] == 1 and r["load_errors"] > 0 and r["first_saves"] == 1
+        assert r["after_failed_step"] == 256  # only the chunk that loaded: nothing of the failed step
+        assert r["second_saves"] == 1 and r["computed"] == 740  # recomputed, then stored
+        assert r["stored_tokens"] == 740 and r["equal_to_truth"]
+    assert out["aborted_prefill"] == {"saves": 0, "stored_tokens": 0}
+    v = out["verified_hit"]
+    assert v["loaded_to"] == 584 and v["check"] == [584, 600]
+    assert v["honest_checks"] == 1 and v["honest_mismatches"] == 0
+    assert v["planted_mismatches"] == 1 and v["stored_after"] == 0 and v["refused_stores"] == 1

@@ -22,6 +22,9 @@ def main() -> None:
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache (default off)")
     parser.add_argument("--drop-after-lookup", action="store_true",
                         help="evict everything kdn holds right after each lookup (a load that fails)")
+    parser.add_argument("--drop-chunk-at-lookup", default="",
+                        help="N:I: right after the N-th lookup (1-based), drop chunk I of that prompt's stored "
+                             "prefix (evicted between lookup and load: the load fails part-way)")
     parser.add_argument("--kill-after-first", type=int, default=0,
                         help="a process to kill (SIGKILL) once the first prompt is answered: a store going down")
     args = parser.parse_args()
@@ -49,6 +52,24 @@ def main() -> None:
             return found
 
         connector.KDNConnector.get_num_new_matched_tokens = lookup_then_drop
+    if args.drop_chunk_at_lookup:
+        import numpy as np
+
+        from kdn.integrations import vllm as connector
+
+        at, index = (int(x) for x in args.drop_chunk_at_lookup.split(":"))
+        lookup, calls = connector.KDNConnector.get_num_new_matched_tokens, []
+
+        def lookup_then_drop_one(self, request, num_computed_tokens):
+            found = lookup(self, request, num_computed_tokens)
+            calls.append(request.request_id)
+            if len(calls) == at and self.io is not None:
+                tokens = np.asarray(request.prompt_token_ids, dtype=np.uint32)
+                prefix = self.io.find(self.session, tokens, len(tokens) - 1)
+                self.io.drop_chunks(self.session, tokens, prefix, [index])
+            return found
+
+        connector.KDNConnector.get_num_new_matched_tokens = lookup_then_drop_one
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, enable_prefix_caching=args.prefix_caching,
               kv_transfer_config=transfer, max_model_len=8192, seed=0)

@@ -1,4 +1,4 @@
-"""The `kdn` command line: info, install, demo, eval."""
+"""The `kdn` command line: info, install, demo, eval, verify."""
 
 from __future__ import annotations
 
@@ -63,6 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--chunk-size", type=int, default=256)
     ev.add_argument("--data-dir", default=None,
                     help="folder holding the datasets (default: $KDN_DATA, then $KDN_SHARED/data)")
+    ver = sub.add_parser("verify", help="recompute stored prompts and check a store's KV (drops wrong chunks "
+                                        "with --drop)")
+    ver.add_argument("store", help="a disk tier's folder or a remote store URL (redis://host:port/db, ...)")
+    ver.add_argument("--model", required=True, help="the model the store serves: smollm2-135m, stories260k, or an "
+                                                    "HF checkpoint folder")
+    ver.add_argument("--sample", type=int, default=None, help="prompts to recompute (default: all)")
+    ver.add_argument("--drop", action="store_true", help="drop the chunks that differ from every tier")
+    ver.add_argument("--chunk-size", type=int, default=256, help="the chunk size the store was written with")
+    ver.add_argument("--dtype", default=None, choices=[None, "float32", "float16", "bfloat16"])
+    ver.add_argument("--seed", type=int, default=0, help="which prompts --sample picks")
     args = parser.parse_args(argv)
 
     if args.command == "info":
@@ -96,7 +106,61 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     elif args.command == "eval":
         return run_eval_command(args)
+    elif args.command == "verify":
+        return run_verify_command(args)
     return 0
+
+
+def run_verify_command(args) -> int:
+    """``kdn verify``: 0 when every recomputed chunk matches, 1 when some differ, 2 when the store or
+    the arguments cannot be used (one line on stderr)."""
+    from tqdm import tqdm
+
+    from kdn import KDN, KDNConfig
+    from kdn._core import KDNError
+    from kdn.engine.audit import audit
+
+    def fail(message: str) -> int:
+        print(f"kdn verify: {message}", file=sys.stderr)
+        return 2
+
+    if args.sample is not None and args.sample < 1:
+        return fail(f"--sample must be a positive number of prompts, got {args.sample}")
+    store = args.store
+    try:
+        if "://" in store:
+            config = KDNConfig(remote_url=store, chunk_size=args.chunk_size, memory_bytes="1GiB")
+        elif os.path.isdir(store):
+            config = KDNConfig(disk_dir=store, chunk_size=args.chunk_size, memory_bytes="1GiB",
+                               write_policy="memory-only")
+        else:
+            return fail(f"{store} is neither a folder nor a store URL")
+        cache = KDN(config)
+        tier = cache.disk if cache.disk is not None else cache.remote
+        keys = list(tier.keys())
+    except KDNError as e:
+        return fail(str(e))
+    except Exception as e:  # noqa: BLE001 - an unreachable store (connection refused, auth, timeout)
+        return fail(f"cannot read {store}: {type(e).__name__}: {e}")
+    if not keys:
+        return fail(f"{store} holds no kdn entries")
+    try:
+        model, _ = load_any_model(args.model, dtype=args.dtype)
+    except KDNError as e:
+        return fail(str(e))
+    session = cache.session(model)
+    report = audit(cache.chunks, session, model, keys, args.sample, args.drop, args.seed,
+                   progress=lambda it: tqdm(it, desc="recomputing stored prompts", unit="prompt"))
+    print(f"{report.entries} entries, {report.prompts} stored prompts rebuilt from their pointers, "
+          f"{report.checked} recomputed, {report.chunks} chunks compared: {len(report.mismatches)} differ "
+          f"(largest honest difference {report.worst:.2g}); {report.unreached} chunks no pointer reaches, "
+          "not checked")
+    for key in report.mismatches:
+        print(f"  mismatch {key.hex()}" + (" (dropped)" if key in report.dropped else ""))
+    if report.prompts == 0:
+        print("  no prompt of this model could be rebuilt (a store written with probe_step=0, another model, "
+              "or another --chunk-size?)")
+    return 1 if report.mismatches else 0
 
 
 def load_any_model(name_or_path: str, device: str = "cpu", dtype: str | None = None):

@@ -25,7 +25,8 @@ def build_info() -> dict:
         "core_threads": _core.default_num_threads(),
         "fp16_conversion": _core.fp16_conversion(),
         "eviction_policies": ", ".join(_core.eviction_policies()),
-        "codecs": ", ".join(codecs.NAMES) + (" (int*, cachegen, kvtc also decode on CUDA)" if _core.cuda_compiled() else ""),
+        "codecs": ", ".join(codecs.NAMES)
+        + (" (int*, cachegen, kvtc also decode on CUDA)" if _core.cuda_compiled() else ""),
         "buffer_pool_limit": f"{_core.buffer_pool_stats()['limit_bytes'] >> 20} MiB (KDN_BUFFER_POOL_BYTES)",
         # Page-locked blocks only pay off for host->GPU copies, which need a device and a pooled
         # pinned arena (planned with layer-wise GPU delivery); until then tiers use pageable memory.

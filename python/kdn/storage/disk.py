@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from kdn import _core, codecs
 from kdn._core import InvalidInputError
@@ -53,6 +54,14 @@ class DiskTier(StoreTier):
                                       c.id, c.params, mac_key, group_shared)
         self._warned: set[str] = set()
         at_exit(self, "flush")
+
+    def keys(self):
+        """Every key filed in the directory (files ``<shard>/<32 hex>.kdnb``; for offline audits)."""
+        for path in Path(self.directory).glob("??/*.kdnb"):
+            try:
+                yield bytes.fromhex(path.name[:32])
+            except ValueError:
+                continue
 
     def put(self, key: bytes, blob, wait: bool = False) -> bool:
         ok = self._store.put(key, blob) if wait else self._store.put_async(key, blob)

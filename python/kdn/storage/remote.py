@@ -127,6 +127,14 @@ class RemoteTier(Tier):
         at_exit(self, "flush")
 
     # -- keys and values ------------------------------------------------------------------------
+    def keys(self):
+        """Every key this format files in the store (SCAN, for offline audits; raises on a failure)."""
+        for name in self._client.scan_iter(match=f"kdn:{FORMAT}:{{*}}", count=1000):
+            name = name.decode() if isinstance(name, bytes) else name
+            inner = name[name.index("{") + 1:name.index("}")]
+            if len(inner) == 32:
+                yield bytes.fromhex(inner)
+
     @staticmethod
     def redis_key(key: bytes) -> str:
         return f"kdn:{FORMAT}:{{{key.hex()}}}"

@@ -1,0 +1,234 @@
+"""The connector's two halves driven in-process by vLLM's real Scheduler (as vLLM's own
+tests/v1/kv_connector/unit do), with the worker half over paged CPU blocks that this script fills
+itself: what a failed load, an aborted prefill and a verified hit store. Prints one JSON line per
+scenario. Run in the vLLM venv by tests/test_vllm.py:
+
+    python tests/vllm_scheduler.py --model DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+import torch
+
+BLOCK = 32  # the CPU "vec" kernel (a block size not a multiple of 32 selects "vec16")
+STALE = 7.0  # what a previous request left in the blocks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    results = {}
+    for delivery in ("whole", "layerwise"):
+        results[f"load_error_{delivery}"] = load_error(args.model, delivery)
+    results["aborted_prefill"] = aborted_prefill(args.model)
+    results["verified_hit"] = verified_hit(args.model)
+    print("KDN-RESULT " + json.dumps(results), flush=True)
+
+
+class Harness:
+    """vLLM's Scheduler with kdn's connector, and kdn's worker half over blocks held here."""
+
+    def __init__(self, model: str, **kdn_settings):
+        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from kdn.integrations import vllm as connector
+
+        model_config = ModelConfig(model=model, dtype="float32", seed=0, max_model_len=4096)
+        config = VllmConfig(
+            model_config=model_config,
+            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=kdn_settings.pop("batch", 2048),
+                                             max_model_len=4096, enable_chunked_prefill=True,
+                                             is_encoder_decoder=False),
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+            kv_transfer_config=KVTransferConfig(kv_connector="KDNConnector",
+                                                kv_connector_module_path="kdn.integrations.vllm",
+                                                kv_role="kv_both", kv_connector_extra_config=kdn_settings,
+                                                kv_load_failure_policy="recompute"),
+            device_config=DeviceConfig("cpu"))
+        hf = model_config.hf_text_config
+        self.heads, self.dim, self.layers = hf.num_key_value_heads, hf.head_dim, hf.num_hidden_layers
+        blocks = 400
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)]
+        kv_config = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+            names, FullAttentionSpec(block_size=BLOCK, num_kv_heads=self.heads, head_size=self.dim,
+                                     dtype=torch.float32))])
+        config.cache_config.num_gpu_blocks = blocks
+        self.scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_config, log_stats=False,
+                                   structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)
+        self.worker = connector.KDNConnector(config, KVConnectorRole.WORKER, kv_config)
+        self.caches = {n: torch.full((blocks, self.heads, BLOCK, 2 * self.dim), STALE) for n in names}
+        self.worker.register_kv_caches(self.caches)
+        assert self.worker.io is not None, self.worker.reason
+        self.io, self.session = self.worker.io, self.worker.session
+        self.connector = connector
+
+    def request(self, req_id: str, tokens: list, max_tokens: int = 4):
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        params.update_from_generation_config({}, 0)
+        request = Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=params,
+                          pooling_params=None)
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self, truth: dict, drop=None, invalid_from_worker: bool = True):
+        """One engine step: schedule, the worker loads, the "model" writes ``truth[req_id]`` (the KV of
+        its tokens, or None: garbage) into the rows this step computes, the worker saves; then the
+        scheduler reads the step's output. ``drop(io)`` runs between the lookup and the load."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        if drop is not None:
+            drop(self.io)
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)
+        for layer in range(self.layers):
+            self.worker.wait_for_layer_load(f"model.layers.{layer}.self_attn.attn")
+        computed = self._computed(out)
+        for req_id, (start, end) in computed.items():
+            self._write(self.scheduler.requests[req_id], start, end, truth.get(req_id))
+        self.worker.wait_for_save()
+        errors = self.worker.get_block_ids_with_load_errors()
+        self.worker.clear_connector_metadata()
+        self.connector.drain()
+        ids = list(out.num_scheduled_tokens)
+        result = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                   sampled_token_ids=[[5] for _ in ids], logprobs=None, prompt_logprobs_dict={},
+                                   pooler_output=None,
+                                   kv_connector_output=KVConnectorOutput(invalid_block_ids=errors)
+                                   if errors and invalid_from_worker else None)
+        self.scheduler.update_from_output(out, result)
+        return meta, errors
+
+    @staticmethod
+    def _computed(out) -> dict:
+        spans = {}
+        for new in out.scheduled_new_reqs:
+            done = new.num_computed_tokens
+            spans[new.req_id] = (done, done + out.num_scheduled_tokens[new.req_id])
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            done = cached.num_computed_tokens[i]
+            spans[req_id] = (done, done + out.num_scheduled_tokens[req_id])
+        return spans
+
+    def _write(self, request, start: int, end: int, truth) -> None:
+        """The model's forward: rows [start, end) of the request's prompt get their true KV (or, with
+        ``truth`` None, values that are not any prompt's KV)."""
+        from kdn import _core
+
+        end = min(end, len(request.prompt_token_ids))
+        if end <= start:
+            return
+        kv = truth if truth is not None else [torch.full((1, self.heads, end, self.dim), 9.0)
+                                              for _ in range(2 * self.layers)]
+        blob = _core.pack_chunk(kv, 0, end, self.session.fingerprint, bytes(16))
+        (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        layers = [self.caches[f"model.layers.{i}.self_attn.attn"] for i in range(self.layers)]
+        _core.unpack_chunks_paged([blob], layers, np.asarray(block_ids, dtype=np.int64), start, end)
+
+    def stored(self, tokens: list):
+        """(hit, KV) of ``tokens`` as an exact reader of the store sees it."""
+        from kdn.engine import HFTarget
+
+        kv, hit = self.io.read(self.session, np.asarray(tokens, dtype=np.uint32), len(tokens), HFTarget())
+        return hit, kv
+
+
+def _random_kv(h: Harness, n: int, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, h.heads, n, h.dim, generator=g) for _ in range(2 * h.layers)]
+
+
+def _tokens(n: int, seed: int) -> list:
+    return np.random.default_rng(seed).integers(10, 40000, n).tolist()
+
+
+def _exact(h: Harness, tokens: list, truth: list) -> dict:
+    hit, kv = h.stored(tokens)
+    equal = hit > 0 and all(torch.equal(a, b[:, :, :hit]) for a, b in zip(kv, truth))
+    return {"stored_tokens": hit, "equal_to_truth": bool(equal)}
+
+
+def load_error(model: str, delivery: str) -> dict:
+    """A stored document; a request for it + a question whose 2nd chunk is evicted between lookup and
+    load; vLLM recomputes; then what an exact reader of the store gets."""
+    h = Harness(model, chunk_size=256, delivery=delivery)
+    doc, question = _tokens(700, 1), _tokens(40, 2)
+    truth = _random_kv(h, 740, 3)
+    h.io.write(h.session, np.asarray(doc, dtype=np.uint32), [t[:, :, :700] for t in truth])
+    request = h.request("r1", doc + question)
+
+    def evict_second_chunk(io):
+        tokens = np.asarray(doc, dtype=np.uint32)
+        io.drop_chunks(h.session, tokens, io.find(h.session, tokens, 700), [1])
+
+    steps = [h.step({"r1": truth}, drop=evict_second_chunk)]  # the 'model' sees stale blocks: garbage
+    first = {"loads": len(steps[0][0].loads), "first_saves": len(steps[0][0].saves),
+             "load_errors": len(steps[0][1]), "after_failed_step": h.stored(doc + question)[0]}
+    steps.append(h.step({"r1": truth}))  # vLLM recomputes from the first failed block
+    second = {"second_saves": len(steps[1][0].saves), "computed": request.num_computed_tokens}
+    return {**first, **second, **_exact(h, doc + question, truth)}
+
+
+def aborted_prefill(model: str) -> dict:
+    """A long prompt prefilled in chunks, aborted before its prefill completes: nothing is stored."""
+    from vllm.v1.request import RequestStatus
+
+    h = Harness(model, chunk_size=256, batch=256)
+    tokens = _tokens(700, 4)
+    truth = _random_kv(h, 700, 5)
+    h.request("r2", tokens)
+    meta, _ = h.step({"r2": truth})
+    h.scheduler.finish_requests("r2", RequestStatus.FINISHED_ABORTED)
+    h.step({})
+    return {"saves": len(meta.saves), "stored_tokens": h.stored(tokens)[0]}
+
+
+def verified_hit(model: str) -> dict:
+    """verify_fraction=1: a stored prompt's hit holds its last 16 tokens back; the engine computes them
+    and kdn compares. Honest KV passes; then the stored chunk holding those rows, replaced by another
+    prompt's KV (this harness's "model" does not attend, so the forgery must cover the checked rows;
+    the real engine's test plants anywhere), fails, and the hit's chunks are dropped."""
+    from kdn import _core
+
+    h = Harness(model, chunk_size=256, verify_fraction=1.0)
+    doc = _tokens(600, 6)
+    truth = _random_kv(h, 620, 7)
+    h.io.write(h.session, np.asarray(doc, dtype=np.uint32), [t[:, :, :600] for t in truth])
+    question = _tokens(20, 8)
+    h.request("r3", doc + question)
+    meta, _ = h.step({"r3": truth})
+    honest = {"loaded_to": meta.loads[0].end if meta.loads else 0, "check": meta.saves[0].check}
+    before = dict(h.io.verifier.counters)
+    # plant: the document's last (partial) chunk replaced by a valid blob of other KV under its key
+    tokens = np.asarray(doc, dtype=np.uint32)
+    key = h.session.prefix_keys(tokens, include_partial=True)[2]
+    other = _random_kv(h, 600, 9)
+    for address in h.io.tiers.addresses(key):
+        h.io.tiers.drop(address)
+    h.io.tiers.put(key, _core.pack_chunk(other, 512, 88, h.session.fingerprint, key))
+    h.request("r4", doc + _tokens(20, 10))
+    h.step({"r4": truth})
+    after = dict(h.io.verifier.counters)
+    return {**honest, "honest_checks": before["checks"], "honest_mismatches": before["mismatches"],
+            "planted_mismatches": after["mismatches"] - before["mismatches"],
+            "stored_after": h.stored(doc)[0], "refused_stores": h.io.refused_stores}
+
+
+if __name__ == "__main__":
+    main()
