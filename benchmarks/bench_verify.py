@@ -50,8 +50,9 @@ def main() -> None:
               "cost_at_0.01": 0.01 * per_check / plain, "cost_at_1": per_check / plain,
               "mismatches": caches[1.0].stats()["integrity"]["mismatches"],
               "checks": caches[1.0].stats()["integrity"]["checks"], "load_average": os.getloadavg()}
-    print(f"{args.model}, {args.tokens}-token document: full prefill {min(full) * 1e3:.0f} ms, hit {plain * 1e3:.0f} ms, "
-          f"verified hit {checked * 1e3:.0f} ms -> one check costs {per_check / plain:.1%} of a hit; "
+    print(f"{args.model}, {args.tokens}-token document: full prefill {min(full) * 1e3:.0f} ms, "
+          f"hit {plain * 1e3:.0f} ms, verified hit {checked * 1e3:.0f} ms -> "
+          f"one check costs {per_check / plain:.1%} of a hit; "
           f"verify_fraction=0.01 costs {result['cost_at_0.01']:.2%} ({result['checks']} checks, "
           f"{result['mismatches']} mismatches; load average {os.getloadavg()[0]:.1f})")
     out = Path(args.out)
