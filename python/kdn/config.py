@@ -28,8 +28,8 @@ MAX_READ_THREADS = 64
 MAX_LAYER_GROUP = 1 << 16  # more layers than any model has: larger values are typos
 # KDN_* variables that are not settings (read by the build, the tests, CI and data lookup).
 _OTHER_ENV = {"KDN_CONFIG", "KDN_SHARED", "KDN_DATA", "KDN_CUDA", "KDN_BUFFER_POOL_BYTES", "KDN_REQUIRE_SERVERS",
-              "KDN_REQUIRE_DATA", "KDN_REQUIRE_VLLM", "KDN_VLLM_PYTHON", "KDN_VLLM_VENV", "KDN_APT_PACKAGES",
-              "KDN_BENCH_DIR"}
+              "KDN_REQUIRE_DATA", "KDN_REQUIRE_VLLM", "KDN_REQUIRE_QWEN", "KDN_VLLM_PYTHON", "KDN_VLLM_VENV",
+              "KDN_APT_PACKAGES", "KDN_BENCH_DIR"}
 _warned_env: set[str] = set()
 
 

@@ -79,17 +79,26 @@ class Reuse(Method):
     def __init__(self, config: KDNConfig, name: str = "reuse"):
         self.config, self.name = config, name
 
+    _last_prefill: tuple = ()  # (model, context, kv, seconds): every reuse method of a sample prefills once
+
     def answer(self, model, enc, max_new_tokens):
         kdn = KDN(self.config)
         context = enc.ids[:, : enc.context_tokens]
+        last = Reuse._last_prefill
+        if last and last[0] is model and torch.equal(last[1], context):
+            kv, prefill_s = last[2], last[3]
+        else:
+            Reuse._last_prefill = ()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                kv = model(context, use_cache=True).past_key_values
+            prefill_s = time.perf_counter() - t0
+            Reuse._last_prefill = (model, context, kv, prefill_s)
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            kv = model(context, use_cache=True).past_key_values
         kdn.store(model, context, kv)
         kdn.flush()
-        inject_s = time.perf_counter() - t0
+        inject_s = prefill_s + time.perf_counter() - t0
         stored = sum(s.get("used_bytes", 0) for s in kdn.stats().values())
-        del kv
         timer_start = time.perf_counter()
         cache, hit = kdn.retrieve(model, enc.ids, limit=enc.ids.shape[1] - 1)
         tokens, timer = _generate(model, enc.ids, max_new_tokens, cache)

@@ -31,6 +31,12 @@ def qa_f1(prediction: str, answers: list[str]) -> float:
     return max((token_f1(prediction, a) for a in answers), default=0.0)
 
 
+def exact_match(prediction: str, answers: list[str]) -> float:
+    """1.0 if the normalized prediction equals one normalized gold answer (SQuAD EM)."""
+    pred = normalize_answer(prediction)
+    return float(any(pred == normalize_answer(a) for a in answers))
+
+
 def topic_accuracy(prediction: str, topic: str) -> float:
     """1.0 if the normalized gold topic occurs in the normalized prediction (LongChat topic retrieval)."""
     gold = normalize_answer(topic)

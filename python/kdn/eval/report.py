@@ -6,7 +6,8 @@ import csv
 import json
 from pathlib import Path
 
-COLUMNS = ["method", "available", "n", "quality", "ttft_mean_s", "ttft_median_s", "prefill_tokens_mean",
+COLUMNS = ["method", "available", "n", "quality", "quality_ci95", "exact_match", "vs_full", "ttft_mean_s",
+           "ttft_median_s", "prefill_tokens_mean",
            "prompt_tokens_mean", "inject_s_mean", "stored_bytes_mean", "identical_to_full", "reason"]
 
 
@@ -17,16 +18,22 @@ def markdown_table(result: dict) -> str:
              f"{max((s.get('n', 0) for s in result['summary'].values()), default=0)} samples, "
              f"greedy, {result['max_new_tokens']} new tokens, chunk {result['chunk_size']})", "",
              "| method | time to inject the knowledge | compute per request (prefilled tokens) | "
-             "response delay (TTFT, mean / median) | quality | stored | same answers as full |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "response delay (TTFT, mean / median) | quality [95% CI] | vs full (paired) | stored | "
+             "same answers as full |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in result["summary"].items():
         if not s["available"]:
-            lines.append(f"| {name} | n/a | n/a | n/a | n/a | n/a | not available: {s['reason']} |")
+            lines.append(f"| {name} | n/a | n/a | n/a | n/a | n/a | n/a | not available: {s['reason']} |")
             continue
         same = "-" if s["identical_to_full"] is None else f"{s['identical_to_full']:.0%}"
         inject = f"{s['inject_s_mean']:.2f} s" if s["inject_s_mean"] else "- (none stored)"
+        low, high = s.get("quality_ci95") or (float("nan"), float("nan"))
+        em = f", EM {s['exact_match']:.3f}" if s.get("exact_match") is not None else ""
+        vs = s.get("vs_full")
+        paired = f"{vs['mean']:+.3f} [{vs['ci95'][0]:+.3f}, {vs['ci95'][1]:+.3f}]" if vs else "-"
         lines.append(f"| {name} | {inject} | {s['prefill_tokens_mean']:.0f} of {s['prompt_tokens_mean']:.0f} | "
-                     f"{s['ttft_mean_s'] * 1e3:.0f} / {s['ttft_median_s'] * 1e3:.0f} ms | {s['quality']:.3f} | "
+                     f"{s['ttft_mean_s'] * 1e3:.0f} / {s['ttft_median_s'] * 1e3:.0f} ms | "
+                     f"{s['quality']:.3f} [{low:.3f}, {high:.3f}]{em} | {paired} | "
                      f"{s['stored_bytes_mean'] / 2**20:.1f} MiB | {same} |")
     return "\n".join(lines) + "\n"
 

