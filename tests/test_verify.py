@@ -204,3 +204,38 @@ def test_kdn_verify_on_a_store_it_cannot_read_is_one_line(store, capsys):
     assert main(["verify", store, "--model", "stories260k"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("kdn verify: ") and "\n" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("forgery", ["edited_tokens", "another_chunk"])
+def test_a_forged_pointer_is_never_followed(stories, forgery):
+    """A well-formed pointer (valid checksum, right model, filed under the right probe) that lies: its
+    tokens edited to claim more than the chunk shares with the reader, or naming another stored chunk.
+    The chunk's key is recomputed from the pointer's parent and tokens, so the lie is dropped and the
+    hit stops before it; what is served equals a full prefill."""
+    model, _ = stories
+    kdn = KDN(KDNConfig(chunk_size=32, probe_step=16))
+    stored = random_ids(model, 96, seed=40)
+    kdn.generate(model, stored, max_new_tokens=1)
+    session = kdn.session(model)
+    keys = session.prefix_keys(session.tokens(stored[0]))
+    # a reader that shares the first chunk and 20 tokens of the second, then differs
+    reader = torch.cat([stored[:, :52], random_ids(model, 30, seed=41)], dim=1)
+    tokens = session.tokens(reader[0])
+    probe = session.probe_keys(keys[0], tokens[32:64])[0]  # its first probe: the 16 shared tokens
+    assert kdn.chunks.tiers.held([probe])[0] and kdn.lookup(model, reader) == 52
+    chunk_tokens = session.tokens(stored[0])[32:64].copy()
+    if forgery == "edited_tokens":  # claims the reader's own tokens: 32 shared instead of 20
+        chunk_tokens[:] = tokens[32:64]
+        target = keys[1]
+    else:  # the true tokens, but another stored chunk's key
+        target = keys[2]
+    forged = _core.pack_pointer(session.fingerprint, probe, target, 32, chunk_tokens)
+    kdn.chunks.tiers.drop(probe)
+    assert kdn.chunks.tiers.put(probe, forged)
+    assert kdn.lookup(model, reader) == 32  # the pointer is dropped: whole chunks only
+    assert not kdn.chunks.tiers.held([probe])[0]
+    cache, hit = kdn.retrieve(model, reader, limit=reader.shape[1] - 1)
+    assert hit == 32
+    with torch.inference_mode():
+        served = model(reader[:, hit:], past_key_values=cache).logits[0, -1]
+    assert float((served - full_prefill(model, reader)[0]).abs().max()) < 1e-3
