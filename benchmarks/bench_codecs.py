@@ -136,7 +136,7 @@ def run_model(name: str, args) -> dict:
         full = torch.cat([ids, ref_tokens])
         base = KDN(KDNConfig(chunk_size=CHUNK))
         base.store(model, ctx, pairs)
-        cache, hit = base.retrieve(model, ctx)
+        cache, hit = base.retrieve(model, ctx, limit=len(ctx))
         ref_logits = continuation_logits(model, cache, full, hit)
         keys = base.chunk_keys(model, ctx)
         raw_blobs = [base.memory.get(k) for k in keys]
@@ -147,7 +147,7 @@ def run_model(name: str, args) -> dict:
         for spec in specs:
             kdn = KDN(KDNConfig(chunk_size=CHUNK, memory_codec=spec))
             kdn.store(model, ctx, pairs)
-            cache, hit = kdn.retrieve(model, ctx)
+            cache, hit = kdn.retrieve(model, ctx, limit=len(ctx))
             kl, agree = kl_and_agreement(ref_logits, continuation_logits(model, cache, full, hit), ref_tokens)
             coded = [kdn.memory.get(codecs.address(k, spec)) for k in keys]
             decoded = torch.cat([codecs.decode(b) for b in coded], dim=2)
@@ -165,7 +165,7 @@ def run_model(name: str, args) -> dict:
             except Exception as e:  # optional baseline
                 rows.setdefault(f"hf-quanto-int{bits}", {"error": str(e)})
                 continue
-            cache = base.retrieve(model, ctx)[0]
+            cache = base.retrieve(model, ctx, limit=len(ctx))[0]
             for layer, (k, v) in enumerate(zip(approx[0::2], approx[1::2])):
                 cache.layers[layer].keys, cache.layers[layer].values = k, v
             kl, agree = kl_and_agreement(ref_logits, continuation_logits(model, cache, full, len(ctx)), ref_tokens)

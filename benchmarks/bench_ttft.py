@@ -78,7 +78,7 @@ def main() -> None:
         # interleave retrieve and clone so both see the same allocator state; median of many runs
         retrieve_runs, clone_runs = [], []
         for _ in range(4 * args.repeats):
-            retrieve_runs.append(timed(lambda: cache.retrieve(model, ids), 1)[0])
+            retrieve_runs.append(timed(lambda: cache.retrieve(model, ids, limit=n), 1)[0])
             clone_runs.append(timed(lambda: [t.clone() for t in kv], 1)[0])
         retrieve_s, clone_s = statistics.median(retrieve_runs), statistics.median(clone_runs)
         verify_s, copy_s = retrieve_breakdown(model, cache, ids, args.repeats)

@@ -210,7 +210,7 @@ def test_missing_calibration_is_a_miss_and_the_calibration_travels_through_the_t
     _core.kvtc_unload_all()
     # another process on this machine: the calibration is read from the disk tier with the chunks
     reader = KDN(KDNConfig(chunk_size=256, disk_dir=str(tmp_path), disk_codec="kvtc:ratio=6"))
-    cache, hit = reader.retrieve(model, ctx)
+    cache, hit = reader.retrieve(model, ctx, limit=512)
     assert hit == 512 and _core.kvtc_model_calibration(reader.session(model).fingerprint) is not None
     served = torch.stack([torch.stack([layer.keys, layer.values]) for layer in cache.layers])
     reference = torch.stack([torch.stack(pair) for pair in kv_of(model, ctx)])
@@ -223,7 +223,7 @@ def test_missing_calibration_is_a_miss_and_the_calibration_travels_through_the_t
     assert fresh.retrieve(model, ctx)[1] == 0
     assert all(fresh.disk.contains(codecs.address(k, "kvtc:ratio=6")) for k in fresh.chunk_keys(model, ctx))
     writer.calibrate(model, [ids[512:768], ids[768:1024]], progress=False)  # the same fit again
-    assert fresh.retrieve(model, ctx)[1] == 512
+    assert fresh.retrieve(model, ctx, limit=512)[1] == 512
     _core.kvtc_unload_all()
 
 

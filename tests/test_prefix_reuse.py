@@ -29,7 +29,7 @@ def check_reuse(model, ids, chunk, tol):
     n = ids.shape[1]
     tail = n % chunk  # a trailing partial chunk is stored when a probe can find it
     expected_hit = n if tail >= min(KDNConfig().probe_step, chunk) else n - tail
-    assert kdn.lookup(model, ids) == expected_hit
+    assert kdn.lookup(model, ids, limit=n) == expected_hit  # stored (lookup serves n - 1 by default)
     cache, hit = kdn.retrieve(model, ids, limit=n - 1)
     assert hit == min(expected_hit, n - 1)
     if hit == 0:
@@ -72,8 +72,9 @@ def test_full_hit_still_prefills_last_token(stories):
     kdn = KDN(KDNConfig(chunk_size=8))
     _, ref_cache = full_prefill(model, ids)
     kdn.store(model, ids, ref_cache)
-    assert kdn.lookup(model, ids) == 16
-    cache, hit = kdn.retrieve(model, ids)  # no limit: the whole prompt
+    assert kdn.lookup(model, ids) == 15 and kdn.lookup(model, ids, limit=16) == 16
+    assert kdn.retrieve(model, ids)[1] == 15  # by default the last token is the model's
+    cache, hit = kdn.retrieve(model, ids, limit=16)  # the whole prompt, asked for
     assert hit == 16 and cache.get_seq_length() == 16
     expected = model.generate(ids, max_new_tokens=12, do_sample=False)
     got = kdn.generate(model, ids, max_new_tokens=12, do_sample=False)
@@ -106,3 +107,25 @@ def test_return_dict_in_generate_is_honoured(tiny_llama):
     out = kdn.generate(tiny_llama, ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     assert out.sequences.shape == (1, 24)
     assert isinstance(kdn.generate(tiny_llama, ids, max_new_tokens=4, do_sample=False), torch.Tensor)
+
+
+@pytest.mark.parametrize("stored", ["whole", "part", "none"])
+def test_the_documented_hf_patterns_equal_plain_generate(stories, stored):
+    """``retrieve`` leaves the last prompt token to the model by default, so both documented patterns
+    are right whether the prompt is stored whole, in part or not at all: a forward of the rest (never
+    an empty input), and ``model.generate(ids, past_key_values=cache)`` (a cache holding the whole
+    prompt would make generate drop the first new token)."""
+    model, _ = stories
+    ids = random_ids(model, 70, seed=5)
+    kdn = KDN(KDNConfig(chunk_size=16, probe_step=4))  # tails of >= 4 tokens are stored: hits to the token
+    if stored != "none":
+        n = 70 if stored == "whole" else 40
+        kdn.store(model, ids[:, :n], full_prefill(model, ids[:, :n])[1])
+    expected = model.generate(ids, max_new_tokens=8, do_sample=False)
+    cache, hit = kdn.retrieve(model, ids)
+    assert hit == {"whole": 69, "part": 40, "none": 0}[stored]
+    with torch.inference_mode():
+        logits = model(ids[:, hit:], past_key_values=cache).logits[0, -1]
+    assert int(logits.argmax()) == int(expected[0, 70])
+    cache, hit = kdn.retrieve(model, ids)
+    assert torch.equal(model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False), expected)

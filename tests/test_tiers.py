@@ -90,7 +90,7 @@ def test_memory_only_never_writes_to_disk(tiny_llama, tmp_path):
     ids = random_ids(tiny_llama, 24)
     kdn.store(tiny_llama, ids, full_prefill(tiny_llama, ids)[1])
     kdn.flush()
-    assert kdn.stats()["disk"]["entries"] == 0 and kdn.lookup(tiny_llama, ids) == 24
+    assert kdn.stats()["disk"]["entries"] == 0 and kdn.lookup(tiny_llama, ids, limit=24) == 24
 
 
 def test_pin_by_text_survives_memory_pressure_then_evict_by_text(stories, tmp_path):
@@ -189,7 +189,7 @@ def test_memory_returns_to_the_baseline_after_clear(tiny_llama):
     kdn = KDN(KDNConfig(chunk_size=CHUNK))
     ids = random_ids(tiny_llama, 40)
     kdn.store(tiny_llama, ids, full_prefill(tiny_llama, ids)[1])
-    cache, hit = kdn.retrieve(tiny_llama, ids)
+    cache, hit = kdn.retrieve(tiny_llama, ids, limit=40)
     assert hit == 40 and _core.buffer_live_bytes() > baseline
     kdn.last_retrieve["stream"].wait_all()  # layer-wise: the blobs are held until delivered
     del cache

@@ -30,7 +30,7 @@ class KDN:
         >>> kdn = KDN(KDNConfig(chunk_size=256))
         >>> out = model(ids, use_cache=True)
         >>> kdn.store(model, ids, out.past_key_values)
-        >>> kdn.lookup(model, ids_with_question)        # tokens available: all that ids shares
+        >>> kdn.lookup(model, ids_with_question)        # tokens served: all that ids shares (never its last)
         >>> cache, hit = kdn.retrieve(model, ids_with_question)
         >>> logits = model(ids_with_question[:, hit:], past_key_values=cache).logits
     """
@@ -77,10 +77,13 @@ class KDN:
         return self.chunks.tiers.remote
 
     # -- public API -------------------------------------------------------------------------
-    def lookup(self, model, token_ids) -> int:
-        """Number of leading tokens of ``token_ids`` whose KV is stored (no KV is read)."""
+    def lookup(self, model, token_ids, limit: int | None = None) -> int:
+        """Number of leading tokens of ``token_ids`` that :meth:`retrieve` would serve (only pointers
+        are read, no KV): the stored prefix, at most ``len(token_ids) - 1`` unless ``limit`` says
+        otherwise (``limit=len(token_ids)`` asks how much of the whole prompt is stored)."""
         session = self.session(model)
-        return self.chunks.available(session, session.tokens(token_ids))
+        tokens = session.tokens(token_ids)
+        return self.chunks.available(session, tokens, _limit(limit, len(tokens), "lookup"))
 
     def store(self, model, token_ids, past_key_values) -> int:
         """Store the KV of ``token_ids`` from ``past_key_values`` (its full chunks, and a tail of at
@@ -106,6 +109,13 @@ class KDN:
         the last prompt token is always prefilled to produce logits). A corrupt, truncated or
         foreign blob ends the hit before it, is dropped from the store and logged once.
 
+        ``limit`` defaults to ``len(token_ids) - 1``: the last prompt token is always left to the
+        model, so both HF patterns stay correct for a prompt stored whole, in part or not at all:
+        ``model(ids[:, hit:], past_key_values=cache)`` never gets an empty input, and
+        ``model.generate(ids, past_key_values=cache)`` computes the last token's logits itself (a
+        cache holding every prompt token makes ``generate`` drop the first new token). Pass
+        ``limit=len(token_ids)`` to get the whole prompt's KV.
+
         With ``config.delivery="layerwise"`` (default; models on the CPU) the cache comes back at
         once while its layers are still arriving: the model's attention at layer i waits for layer
         i only (:mod:`kdn.delivery`). If the delivery fails mid-way (the remote store goes down),
@@ -113,12 +123,9 @@ class KDN:
         recomputes the prompt. :attr:`last_retrieve` describes what was served.
         """
         started = time.perf_counter()
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral)):
-            if not (isinstance(limit, float) and limit.is_integer()):
-                raise InvalidInputError(f"retrieve: limit must be a whole number of tokens or None, got {limit!r}")
         session = self.session(model)
         tokens = session.tokens(token_ids)
-        limit = len(tokens) if limit is None else max(0, min(int(limit), len(tokens)))
+        limit = _limit(limit, len(tokens), "retrieve")
         device = next(model.parameters()).device
         if self.config.delivery == "layerwise" and device.type == "cpu":
             opened = self.delivery.open(session, tokens, limit, started)
@@ -260,3 +267,14 @@ class KDN:
         process's idle pooled buffers back to the system allocator."""
         self.chunks.clear()
         _core.buffer_pool_trim()
+
+
+def _limit(limit, n: int, where: str) -> int:
+    """The token cap of a lookup or retrieve: ``n - 1`` by default (the last token is the model's),
+    else ``limit`` clamped to [0, n]; a limit that is not a whole number is an InvalidInputError."""
+    if limit is None:
+        return max(0, n - 1)
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Integral):
+        if not (isinstance(limit, float) and limit.is_integer()):
+            raise InvalidInputError(f"{where}: limit must be a whole number of tokens or None, got {limit!r}")
+    return max(0, min(int(limit), n))
