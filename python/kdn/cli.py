@@ -116,6 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def unknown_model(name: str) -> str | None:
+    """Why ``name`` is neither a model kdn knows nor an HF checkpoint folder, or None."""
+    from pathlib import Path
+
+    from kdn.models import MODELS
+
+    key = name.lower().replace("_", "-")
+    aliases = {"stories-260k", "smollm2", "smollm2-135m-instruct"}
+    if key in MODELS or key in aliases or (Path(name).expanduser() / "config.json").is_file():
+        return None
+    return f"unknown model {name!r}: known names are {', '.join(MODELS)}, or a folder holding an HF checkpoint"
+
+
 def run_verify_command(args) -> int:
     """``kdn verify``: 0 when every recomputed chunk matches, 1 when some differ, 2 when the store or
     the arguments cannot be used (one line on stderr)."""
@@ -149,6 +162,9 @@ def run_verify_command(args) -> int:
         return fail(f"cannot read {store}: {type(e).__name__}: {e}")
     if not keys:
         return fail(f"{store} holds no kdn entries")
+    why = unknown_model(args.model)
+    if why:
+        return fail(why)
     try:
         model, _ = load_any_model(args.model, dtype=args.dtype)
     except KDNError as e:
@@ -180,15 +196,38 @@ def load_any_model(name_or_path: str, device: str = "cpu", dtype: str | None = N
 
 
 def run_eval_command(args) -> int:
+    from kdn.config import KDNConfig
     from kdn.eval import DATASETS, DatasetNotFoundError, dataset_path, run_eval
+    from kdn.eval.methods import resolve_method
     from kdn.eval.report import markdown_table
 
-    try:
-        path = dataset_path(args.dataset, args.data_dir)  # before the model loads: fail in a second
-    except DatasetNotFoundError as e:
-        print(f"kdn eval: {e}", file=sys.stderr)
+    def fail(message: str) -> int:
+        print(f"kdn eval: {message}", file=sys.stderr)
         return 2
-    model, tokenizer = load_any_model(args.model, args.device, args.dtype)
+
+    # every argument is checked before the model loads: a mistake costs a second, not a model load
+    try:
+        path = dataset_path(args.dataset, args.data_dir)
+    except DatasetNotFoundError as e:
+        return fail(str(e))
+    if args.limit is not None and args.limit < 1:
+        return fail(f"--limit must be a positive number of samples, got {args.limit}")
+    if args.max_new_tokens < 1 or args.chunk_size < 1:
+        return fail("--max-new-tokens and --chunk-size must be positive")
+    why = unknown_model(args.model)
+    if why:
+        return fail(why)
+    try:
+        for method in (m.strip() for m in args.methods.split(",") if m.strip()):
+            resolve_method(method, KDNConfig(chunk_size=args.chunk_size))
+    except ValueError as e:
+        return fail(str(e))
+    from kdn.models import ModelNotAvailableError
+
+    try:
+        model, tokenizer = load_any_model(args.model, args.device, args.dtype)
+    except ModelNotAvailableError as e:
+        return fail(str(e).replace("\n", " "))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     dataset = args.dataset if args.dataset in DATASETS else str(path)
     result = run_eval(dataset, model, tokenizer, methods, limit=args.limit, out_dir=args.out,
