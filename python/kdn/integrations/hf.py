@@ -168,7 +168,7 @@ def _verify_hit(kdn, model, ids: torch.Tensor, hit: int, kv: list[torch.Tensor],
         return True
     start = hit - span
     prefix = kv_list_to_cache(model, [t[:, :, :start] for t in kv]) if start else None
-    out = model(ids[:, start:hit], past_key_values=prefix, use_cache=True)
+    out = model(ids[:, start:hit], past_key_values=prefix, use_cache=True, logits_to_keep=1)
     recomputed = [t[:, :, start:hit] for t in cache_to_kv_list(out.past_key_values)]
     if verifier.judge(plane_error([t[:, :, start:hit] for t in kv], recomputed), tolerance):
         return True
