@@ -41,11 +41,18 @@ struct Status {
   static Status Fail(std::string msg) { return {false, std::move(msg)}; }
 };
 
-// The one exception type thrown out of the core, carrying the file and line of the check.
+// The one exception type thrown out of the core. It keeps the file and line of the check for a
+// debugger (file(), line()); its message is the check's alone, so no build path reaches a user.
 class Error : public std::runtime_error {
  public:
   Error(const std::string& what, const char* file, int line)
-      : std::runtime_error(what + " [" + file + ":" + std::to_string(line) + "]") {}
+      : std::runtime_error(what), file_(file), line_(line) {}
+  const char* file() const noexcept { return file_; }
+  int line() const noexcept { return line_; }
+
+ private:
+  const char* file_;
+  int line_;
 };
 
 // Raised for input data (blobs) that fails validation; mapped to kdn.BlobError in Python.

@@ -115,7 +115,7 @@ def load_dataset(name_or_path: str, limit: int | None = None, data_dir=None) -> 
     """Samples of a named dataset (see ``DATASETS``) or of a file in one of the three schemas.
 
     ``data_dir`` overrides where named datasets are looked for (default: ``$KDN_DATA``, then
-    ``$KDN_SHARED/data``).
+    ``$KDN_SHARED/data``, then a clone's ``tests/data`` slices; see :func:`kdn.models.paths.data_dirs`).
 
     Example:
         >>> samples = load_dataset("longchat-topics-5", limit=2)

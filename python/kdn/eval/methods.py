@@ -40,6 +40,7 @@ class Answer:
     prefill_tokens: int  # tokens the model computed for this request (compute per request)
     hit_tokens: int = 0
     inject_s: float = 0.0  # one-time cost of putting the context's knowledge into kdn
+    miss_overhead: float | None = None  # what storing adds to the context's prefill (a miss's extra cost)
     stored_bytes: int = 0
 
 
@@ -97,14 +98,15 @@ class Reuse(Method):
         t0 = time.perf_counter()
         kdn.store(model, context, kv)
         kdn.flush()
-        inject_s = prefill_s + time.perf_counter() - t0
+        store_s = time.perf_counter() - t0
+        inject_s = prefill_s + store_s
         stored = sum(s.get("used_bytes", 0) for s in kdn.stats().values())
         timer_start = time.perf_counter()
         cache, hit = kdn.retrieve(model, enc.ids, limit=enc.ids.shape[1] - 1)
         tokens, timer = _generate(model, enc.ids, max_new_tokens, cache)
         ttft = timer.ttft + (timer.t0 - timer_start)  # the retrieve is part of the response delay
         return Answer(tokens, ttft, prefill_tokens=enc.ids.shape[1] - hit, hit_tokens=hit, inject_s=inject_s,
-                      stored_bytes=stored)
+                      stored_bytes=stored, miss_overhead=store_s / prefill_s)
 
 
 class Blend(Method):

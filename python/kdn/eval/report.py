@@ -8,7 +8,7 @@ from pathlib import Path
 
 COLUMNS = ["method", "available", "n", "quality", "quality_ci95", "exact_match", "vs_full", "ttft_mean_s",
            "ttft_median_s", "prefill_tokens_mean",
-           "prompt_tokens_mean", "inject_s_mean", "stored_bytes_mean", "identical_to_full", "reason"]
+           "prompt_tokens_mean", "inject_s_mean", "stored_bytes_mean", "identical_to_full", "miss_overhead_mean", "reason"]
 
 
 def markdown_table(result: dict) -> str:
@@ -35,6 +35,12 @@ def markdown_table(result: dict) -> str:
                      f"{s['ttft_mean_s'] * 1e3:.0f} / {s['ttft_median_s'] * 1e3:.0f} ms | "
                      f"{s['quality']:.3f} [{low:.3f}, {high:.3f}]{em} | {paired} | "
                      f"{s['stored_bytes_mean'] / 2**20:.1f} MiB | {same} |")
+    misses = {name: s["miss_overhead_mean"] for name, s in result["summary"].items()
+              if s["available"] and s.get("miss_overhead_mean") is not None}
+    if misses:
+        lines += ["", "A miss (the context prefilled, then stored) costs " +
+                  ", ".join(f"{name} {value:+.1%}" for name, value in misses.items()) +
+                  " over its prefill alone (storing; a codec's encoding included)."]
     return "\n".join(lines) + "\n"
 
 

@@ -94,6 +94,8 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
                 record.update(answer=text, score=METRICS[sample.metric](text, gold), ttft_s=answer.ttft_s,
                               prefill_tokens=answer.prefill_tokens, hit_tokens=answer.hit_tokens,
                               inject_s=answer.inject_s, stored_bytes=answer.stored_bytes, tokens=answer.tokens)
+                if answer.miss_overhead is not None:
+                    record["miss_overhead"] = answer.miss_overhead
                 if method.name == "full":
                     full_tokens = answer.tokens
                 if full_tokens is not None:
@@ -139,5 +141,7 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
             "inject_s_mean": statistics.fmean(r["inject_s"] for r in ran),
             "stored_bytes_mean": statistics.fmean(r["stored_bytes"] for r in ran),
             "identical_to_full": statistics.fmean(same) if same else None,
+            "miss_overhead_mean": (statistics.fmean(r["miss_overhead"] for r in ran)
+                                   if "miss_overhead" in ran[0] else None),
         }
     return summary

@@ -17,8 +17,11 @@ def shared_dir() -> Path:
 
 def data_dirs(data_dir: str | os.PathLike | None = None) -> list[Path]:
     """Folders searched for evaluation data, in order: ``data_dir`` if given (and then only it),
-    else ``$KDN_DATA`` (if set), then ``$KDN_SHARED/data`` (default ``../shared/data``)."""
+    else ``$KDN_DATA`` (if set), then ``$KDN_SHARED/data`` (default ``../shared/data``), then the
+    slices a clone of kdn ships, ``tests/data`` (from the clone's root) or ``../tests/data`` (from
+    its ``notebooks/``), so a bare clone's examples find data."""
     if data_dir is not None:
         return [Path(data_dir).expanduser().resolve()]
     dirs = [Path(os.environ["KDN_DATA"]).expanduser().resolve()] if os.environ.get("KDN_DATA") else []
-    return dirs + [shared_dir() / "data"]
+    slices = [p.resolve() for p in (Path("tests/data"), Path("../tests/data")) if p.is_dir()]
+    return dirs + [shared_dir() / "data"] + slices

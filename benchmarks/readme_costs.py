@@ -1,0 +1,64 @@
+"""The README's "what it costs" table, made from what `.ci/newcomer` (and `.ci/run`) recorded in
+``benchmarks/results/newcomer/costs.jsonl``: every step's seconds with the machine's load average
+before and after. The table sits between ``<!-- costs:begin -->`` and ``<!-- costs:end -->``.
+
+    python benchmarks/readme_costs.py           # rewrite README.md's table from the record
+    python benchmarks/readme_costs.py --check   # exit 1 if the README's table is not the record's
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORD = ROOT / "benchmarks" / "results" / "newcomer" / "costs.jsonl"
+BEGIN, END = "<!-- costs:begin -->", "<!-- costs:end -->"
+
+
+def table(record: Path = RECORD) -> str:
+    """The Markdown table of the recorded steps."""
+    rows = [json.loads(line) for line in record.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise SystemExit(f"{record} holds no steps; run .ci/newcomer first")
+    dates = sorted({r["date"] for r in rows})
+    lines = [f"Measured by `.ci/newcomer` in a fresh clone and venv on a {rows[0]['cpus']}-core machine "
+             f"({', '.join(dates)}; `benchmarks/readme_costs.py` writes this table from "
+             "`benchmarks/results/newcomer/costs.jsonl`):", "",
+             "| step | time | load average (1 min) before / after |", "|---|---:|---:|"]
+    for r in rows:
+        minutes, seconds = divmod(int(r["seconds"]), 60)
+        took = f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
+        lines.append(f"| {r['step']} | {took} | {r['load_before']:.2f} / {r['load_after']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def render(readme: str, record: Path = RECORD) -> str:
+    """``readme`` with the text between the markers replaced by :func:`table`."""
+    head, sep, rest = readme.partition(BEGIN)
+    body, sep2, tail = rest.partition(END)
+    if not sep or not sep2:
+        raise SystemExit(f"README.md lacks the {BEGIN} ... {END} markers")
+    return f"{head}{BEGIN}\n{table(record)}{END}{tail}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args()
+    path = ROOT / "README.md"
+    readme = path.read_text(encoding="utf-8")
+    updated = render(readme)
+    if args.check:
+        if updated != readme:
+            print("README.md's cost table differs from the record: run python benchmarks/readme_costs.py")
+            return 1
+        return 0
+    path.write_text(updated, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Runs the code blocks of README.md as a reader would, top to bottom: Python blocks in one namespace,
+shell blocks in bash, YAML blocks through ``KDNConfig.load``. A block says what it needs in a comment
+on the line above its fence: ``<!-- readme-test: skip (why) -->`` (not run here; the reason names
+where it is run) or ``<!-- readme-test: redis (...) -->`` (run against ``--redis URL``: every Redis
+URL's host and password replaced). ``/var/cache/kdn`` in a shell block is the disk tier the blocks
+above stored into (``$XDG_CACHE_HOME/kdn``).
+
+    python tests/readme_blocks.py README.md --redis redis://127.0.0.1:6390   # exit 0: every block ran
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MARKER = re.compile(r"<!-- readme-test: (skip|redis)\b(.*?)-->")
+REDIS_URL = re.compile(r"redis://(?::[^@\s\"']*@)?[A-Za-z0-9._-]+:\d+")
+
+
+@dataclasses.dataclass
+class Block:
+    line: int  # 1-based line of the opening fence
+    lang: str
+    code: str
+    needs: str  # "", "skip" or "redis"
+    why: str
+
+
+def blocks(text: str) -> list[Block]:
+    """The fenced blocks of a Markdown text, with the marker of the line above each."""
+    found, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        fence = re.match(r"^```(\w*)\s*$", lines[i])
+        if not fence:
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        above = lines[i - 1] if i else ""
+        marker = MARKER.search(above)
+        found.append(Block(i + 1, fence.group(1), "\n".join(lines[i + 1:end]) + "\n",
+                           marker.group(1) if marker else "", marker.group(2).strip(" ()") if marker else ""))
+        i = end + 1
+    return found
+
+
+def runnable(block: Block, redis_url: str | None) -> str:
+    """The block's code as it runs here (URLs and paths replaced as its marker says)."""
+    code = block.code
+    if block.needs == "redis":
+        code = REDIS_URL.sub(redis_url, code)
+    if block.lang == "bash":
+        code = code.replace("/var/cache/kdn", str(Path(os.environ["XDG_CACHE_HOME"]) / "kdn"))
+    return code
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("markdown")
+    parser.add_argument("--redis", help="a Redis URL for the blocks marked redis (else they are skipped)")
+    args = parser.parse_args()
+    namespace: dict = {"__name__": "__readme__"}
+    ran = skipped = 0
+    for block in blocks(Path(args.markdown).read_text(encoding="utf-8")):
+        where = f"{args.markdown}:{block.line} ({block.lang or 'text'})"
+        if block.lang not in ("python", "bash", "yaml"):
+            continue
+        if block.needs == "skip" or (block.needs == "redis" and not args.redis):
+            print(f"--- skipped {where}: {block.why or 'no --redis'}", flush=True)
+            skipped += 1
+            continue
+        code = runnable(block, args.redis)
+        print(f"--- running {where}", flush=True)
+        started = time.perf_counter()
+        if block.lang == "python":
+            exec(compile(code, where, "exec"), namespace)
+        elif block.lang == "bash":
+            subprocess.run(["bash", "-euo", "pipefail", "-c", code], check=True)
+        else:
+            from kdn import KDNConfig
+
+            with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+                f.write(code)
+            print(KDNConfig.load(f.name))
+            os.unlink(f.name)
+        print(f"--- ok {where} in {time.perf_counter() - started:.1f} s", flush=True)
+        ran += 1
+    print(f"README blocks: {ran} ran, {skipped} skipped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The README is a test: every Python, shell and YAML block runs as written, top to bottom
+(tests/readme_blocks.py), in a folder where only a bare clone's files are found."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from redis_servers import RedisServer, require_redis
+from kdn.models.gguf import cache_root
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from readme_blocks import blocks  # noqa: E402
+
+
+def test_every_block_is_run_or_says_where_it_is():
+    found = [b for b in blocks((ROOT / "README.md").read_text()) if b.lang in ("python", "bash", "yaml")]
+    assert len(found) >= 12
+    for block in found:
+        assert block.needs != "skip" or block.why, f"README.md:{block.line}: a skipped block says why"
+
+
+@pytest.mark.slow
+def test_the_readme_runs_as_written(smollm2, tmp_path):
+    """Every block, in a folder laid out like a bare clone (README.md, tests/data) with an empty
+    cache folder that only sees the installed models; Redis blocks against a loopback server."""
+    require_redis()
+    server = RedisServer(tmp_path / "redis")
+    try:
+        work = tmp_path / "clone"
+        work.mkdir()
+        (work / "tests").symlink_to(ROOT / "tests")
+        xdg = tmp_path / "xdg"
+        (xdg / "kdn").mkdir(parents=True)
+        (xdg / "kdn" / "models").symlink_to(cache_root())
+        env = {k: v for k, v in os.environ.items() if k not in ("KDN_DATA", "KDN_SHARED", "KDN_CONFIG")}
+        env.update(XDG_CACHE_HOME=str(xdg), PYTHONUNBUFFERED="1")
+        run = subprocess.run([sys.executable, str(ROOT / "tests" / "readme_blocks.py"), str(ROOT / "README.md"),
+                              "--redis", f"redis://127.0.0.1:{server.port}"],
+                             cwd=work, env=env, capture_output=True, text=True, timeout=1500)
+        tail = (run.stdout + run.stderr)[-6000:]
+        assert run.returncode == 0, tail
+        assert "0 skipped" not in run.stdout and " ran, " in run.stdout, tail
+        assert (work / "eval_out" / "summary.md").is_file(), "the README's kdn eval wrote no report"
+    finally:
+        server.stop()
+
+
+def test_the_cost_table_is_the_recorded_one():
+    """The README's cost table is written by benchmarks/readme_costs.py from .ci/newcomer's record."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "readme_costs.py"), "--check"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
