@@ -103,7 +103,7 @@ class KDN:
         check_kv_matches(session.layout, kv, len(tokens))
         return self.chunks.write(session, tokens, [t.cpu() for t in kv])
 
-    def retrieve(self, model, token_ids, limit: int | None = None):
+    def retrieve(self, model, token_ids, limit: int | None = None, edits=None):
         """Fetch the stored KV of the longest stored prefix of ``token_ids``.
 
         Returns ``(cache, num_hit_tokens)``: a DynamicCache holding exactly ``num_hit_tokens``
@@ -124,11 +124,23 @@ class KDN:
         i only (:mod:`kdn.delivery`). If the delivery fails mid-way (the remote store goes down),
         the model's forward raises :class:`kdn.delivery.DeliveryError`; :meth:`generate` then
         recomputes the prompt. :attr:`last_retrieve` describes what was served.
+
+        ``edits`` (a spec or a list, :mod:`kdn.edits`) accepts edited caches deposited with
+        :meth:`deposit`: the first edit stored for the prompt's leading chunks is served (a
+        :class:`kdn.edits.stored.PrunedCache` for ``kvzip``: fewer rows, the original positions),
+        else the exact cache as without ``edits``.
         """
         started = time.perf_counter()
         session = self.session(model)
         tokens = session.tokens(token_ids)
         limit = _limit(limit, len(tokens), "retrieve")
+        if edits:
+            from kdn.edits import stored
+
+            cache, hit, edit = stored.read(self, model, tokens, limit, edits)
+            if hit:
+                self._local.last_retrieve = {"hit_tokens": hit, "stream": None, "lossy": True, "edit": edit}
+                return cache, hit
         device = next(model.parameters()).device
         if self.config.delivery == "layerwise" and device.type == "cpu":
             opened = self.delivery.open(session, tokens, limit, started)
@@ -164,6 +176,23 @@ class KDN:
         out, stats = generate(self, model, input_ids, **generate_kwargs)
         self._local.last_generate = stats
         return out
+
+    # -- editing at deposit ----------------------------------------------------------------------
+    def deposit(self, model, prompt, edits=(), tokenizer=None) -> dict:
+        """Store ``prompt``'s KV (text with ``tokenizer``, or token ids) exactly and, for each of
+        ``edits`` (e.g. ``["kvzip:keep=0.3"]``, :mod:`kdn.edits`), an edited form under that edit's
+        own addresses, which only readers naming the edit are served (``generate(..., edits=...)``).
+        Every edit is computed before anything is stored: an edit that fails stores nothing.
+        Returns ``{"tokens", "exact_tokens", "prefill_seconds", "edits": {spec: {"chunks", "bytes",
+        "seconds"}}}``.
+
+        Example:
+            >>> kdn.deposit(model, document, edits=["kvzip:keep=0.3"], tokenizer=tokenizer)
+            >>> out = kdn.generate(model, ids, edits="kvzip:keep=0.3", max_new_tokens=32)
+        """
+        from kdn.edits import stored
+
+        return stored.deposit(self, model, prompt, edits, tokenizer)
 
     # -- blending ---------------------------------------------------------------------------
     def store_segments(self, model, segments, prefix=None) -> dict:

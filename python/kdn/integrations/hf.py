@@ -75,7 +75,9 @@ def generate(kdn, model, input_ids, **generate_kwargs):
         model: an HF causal LM.
         input_ids: [n] or [1, n] token ids.
         **generate_kwargs: passed to ``model.generate`` (``past_key_values`` is kdn's to provide;
-            an ``attention_mask``, if given, must be all ones).
+            an ``attention_mask``, if given, must be all ones), except ``edits``: edited caches this
+            call accepts (:mod:`kdn.edits`, e.g. ``"kvzip:keep=0.3"``), served when stored (the exact
+            cache otherwise); nothing computed over an edited cache is stored.
 
     Returns ``(output, stats)``: what ``model.generate`` returns (``sequences`` tensor, or the dict
     output when ``return_dict_in_generate=True``, which then also carries ``kdn_stats``) and
@@ -98,8 +100,9 @@ def generate(kdn, model, input_ids, **generate_kwargs):
         raise InvalidInputError("generate: attention_mask with padding is not supported (batch size 1, no padding)")
     want_dict = generate_kwargs.pop("return_dict_in_generate", False)
     rows = _rows_per_prompt(model, generate_kwargs)
+    edits = generate_kwargs.pop("edits", None)
     started = time.perf_counter()
-    cache, hit = kdn.retrieve(model, ids[0], limit=ids.shape[1] - 1)
+    cache, hit = kdn.retrieve(model, ids[0], limit=ids.shape[1] - 1, edits=edits)
     served = kdn.last_retrieve or {}
     stream = served.get("stream")
     if cache is not None:
@@ -120,6 +123,8 @@ def generate(kdn, model, input_ids, **generate_kwargs):
     finally:
         hook.remove()
     stats = {"hit_tokens": hit, "prompt_tokens": int(ids.shape[1])}
+    if served.get("edit"):
+        stats["edit"] = served["edit"]
     if first_forward:
         stats["ttft_seconds"] = first_forward[0] - started
         if stream is None:  # a plain prefill of the rest: it teaches delivery this model's speed

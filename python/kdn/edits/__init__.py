@@ -1,0 +1,94 @@
+"""KV editing at deposit: named, versioned, parametrised transforms of a stored cache.
+
+An edited cache is its own fidelity class, exactly as a lossy codec's chunks are: each edited chunk
+is filed under an address derived from the exact chunk's key and the edit's canonical spec (name,
+version, parameters), so an exact reader, or a reader of another edit, never meets it. Readers get
+edited KV only by naming the edit (``KDN.generate(..., edits="kvzip:keep=0.3")``), and KV computed
+over edited KV is never stored (the fidelity rule, :mod:`kdn.engine.served`).
+
+Registered edits (``EDITS``):
+
+- ``kvzip:keep=R`` (:mod:`kdn.edits.kvzip`): query-agnostic pruning (KVzip, arXiv 2505.23416). Every
+  (layer, KV head, token) is scored by the largest attention it receives while the model
+  reconstructs the context; each chunk keeps the ``R`` share of its tokens with the highest scores,
+  the same count in every layer and head (dense stored tensors), sinks always; positions are kept.
+
+Example:
+    >>> kdn.deposit(model, document_ids, edits=["kvzip:keep=0.3"], tokenizer=tokenizer)
+    >>> out = kdn.generate(model, ids, edits="kvzip:keep=0.3", max_new_tokens=32)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import blake3
+
+from kdn._core import InvalidInputError
+
+
+@dataclasses.dataclass(frozen=True)
+class Edit:
+    """One parsed edit: ``name``, ``version`` (bumped when its output changes) and ``params``."""
+
+    name: str
+    version: int
+    params: tuple  # sorted (name, value) pairs
+
+    @property
+    def spec(self) -> str:
+        """Canonical text: ``name:k=v,...`` (what :func:`parse` reads, what the address hashes)."""
+        return self.name + (":" + ",".join(f"{k}={v:g}" for k, v in self.params) if self.params else "")
+
+    def param(self, name: str) -> float:
+        return dict(self.params)[name]
+
+    def address(self, key: bytes) -> bytes:
+        """Where the edited form of the chunk ``key`` is filed: a hash of the key, the edit's spec and
+        its version, as long as the key (never equal to an exact or a lossy-coded chunk's address)."""
+        h = blake3.blake3(b"kdn/edit\0%d\0%s\0" % (self.version, self.spec.encode()))
+        h.update(key)
+        return h.digest(len(key))
+
+    def __str__(self) -> str:
+        return self.spec
+
+
+# name -> (version, {parameter: (default, check, what it must be)})
+EDITS: dict = {
+    "kvzip": (1, {"keep": (0.3, lambda v: 0 < v <= 1, "a share of tokens in (0, 1]"),
+                  "sink": (4, lambda v: v >= 0 and float(v).is_integer(), "a whole number of tokens >= 0")}),
+}
+
+
+def parse(spec) -> Edit:
+    """An :class:`Edit` from ``"name:k=v,..."`` (or an Edit). An unknown name or parameter, or a
+    value out of range, is an InvalidInputError that names it."""
+    if isinstance(spec, Edit):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise InvalidInputError(f"an edit is a text such as 'kvzip:keep=0.3', got {spec!r}")
+    name, _, rest = spec.strip().partition(":")
+    if name not in EDITS:
+        raise InvalidInputError(f"unknown edit {name!r}; known edits: {', '.join(sorted(EDITS))}")
+    version, known = EDITS[name]
+    values = {k: default for k, (default, _, _) in known.items()}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if key not in known or not eq:
+            raise InvalidInputError(f"edit {name}: unknown parameter {item!r}; parameters: {', '.join(known)}")
+        try:
+            number = float(value)
+        except ValueError:
+            raise InvalidInputError(f"edit {name}: {key} must be a number, got {value!r}") from None
+        if not known[key][1](number):
+            raise InvalidInputError(f"edit {name}: {key} must be {known[key][2]}, got {value}")
+        values[key] = number
+    return Edit(name, version, tuple(sorted((k, float(v)) for k, v in values.items())))
+
+
+def parse_many(edits) -> list[Edit]:
+    """A list of edits from one spec or a sequence of specs."""
+    if edits is None:
+        return []
+    return [parse(e) for e in ([edits] if isinstance(edits, (str, Edit)) else edits)]

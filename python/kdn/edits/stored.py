@@ -1,0 +1,120 @@
+"""Edited caches in the tiers: the deposit that computes and files them, the reader that serves
+them, and the HF cache that keeps a pruned cache's positions (new tokens continue at the original
+length, not at the number of rows kept)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from transformers import DynamicCache
+
+from kdn import _core
+from kdn._core import BlobError, InvalidInputError
+from kdn.edits import Edit, kvzip, parse_many
+from kdn.engine.targets import HFTarget
+from kdn.layout import cache_to_kv_list, kv_list_to_cache
+
+log = logging.getLogger("kdn")
+
+
+class PrunedCache(DynamicCache):
+    """A DynamicCache holding fewer rows than the tokens it stands for: ``pruned`` tokens were
+    dropped (per head), so positions (``get_seq_length``, hence ``cache_position`` and RoPE of new
+    tokens) count them, while the attention mask spans the rows held and keeps new tokens causal."""
+
+    pruned = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return super().get_seq_length(layer_idx) + self.pruned
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return super().get_seq_length(layer_idx)
+
+    @classmethod
+    def holding(cls, model, kv: list[torch.Tensor], tokens: int) -> "PrunedCache":
+        cache = kv_list_to_cache(model, kv)
+        cache.__class__ = cls
+        cache.pruned = tokens - kv[0].shape[2]
+        return cache
+
+
+def _prompt_ids(prompt, tokenizer) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidInputError("deposit: a text needs tokenizer=... (or pass token ids)")
+        return list(tokenizer(prompt)["input_ids"])
+    return [int(t) for t in torch.as_tensor(prompt).reshape(-1).tolist()]
+
+
+@torch.inference_mode()
+def deposit(kdn, model, prompt, edits=(), tokenizer=None) -> dict:
+    """Prefill ``prompt`` (text with ``tokenizer``, or token ids), store its exact KV and, for each
+    edit, its edited chunks under the edit's addresses. Every edit is computed before anything is
+    stored, so an edit that fails stores nothing for this prompt. Returns what was stored."""
+    edits = parse_many(edits)
+    session = kdn.session(model)
+    ids = _prompt_ids(prompt, tokenizer)
+    tokens = session.tokens(ids)
+    device = next(model.parameters()).device
+    started = time.perf_counter()
+    out = model(torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1)
+    kv = cache_to_kv_list(out.past_key_values)
+    prefill_s = time.perf_counter() - started
+    keys = session.prefix_keys(tokens)  # edited chunks: the full chunks (a reader's prompt goes on after them)
+    chunk = session.chunk_size
+    planned, report = [], {}
+    for edit in edits:
+        t0 = time.perf_counter()
+        blobs = _edited_chunks(model, session, kv, ids, keys, chunk, edit, tokenizer)
+        planned += blobs
+        report[edit.spec] = {"chunks": len(blobs), "bytes": sum(len(b) for _, b in blobs),
+                             "seconds": time.perf_counter() - t0}
+    exact = kdn.chunks.write(session, tokens, [t.cpu() for t in kv])
+    for address, blob in planned:
+        kdn.chunks.tiers.put(address, blob)
+    return {"tokens": len(ids), "exact_tokens": exact, "prefill_seconds": prefill_s, "edits": report}
+
+
+def _edited_chunks(model, session, kv, ids, keys, chunk, edit: Edit, tokenizer) -> list[tuple[bytes, object]]:
+    if edit.name != "kvzip":
+        raise InvalidInputError(f"deposit: edit {edit.name!r} has no implementation")
+    if not keys:
+        return []
+    instruction = list(tokenizer(kvzip.INSTRUCTION, add_special_tokens=False)["input_ids"]) if tokenizer else []
+    scored = kvzip.scores(model, kv, ids, instruction)
+    keep, sink = edit.param("keep"), int(edit.param("sink"))
+    out = []
+    for i, key in enumerate(keys):
+        rows = [t.cpu() for t in kvzip.prune(kv, scored, i * chunk, (i + 1) * chunk, keep, sink)]
+        address = edit.address(key)
+        out.append((address, _core.pack_chunk(rows, 0, rows[0].shape[2], session.fingerprint, address)))
+    return out
+
+
+def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int, str | None]:
+    """``(cache, hit, edit)``: the longest run of full chunks of ``tokens`` (within ``limit``) stored
+    under the first of ``edits`` that has any, as a :class:`PrunedCache` on the model's device;
+    ``(None, 0, None)`` when none has. An unusable blob ends the hit there and is dropped."""
+    session = kdn.session(model)
+    keys = session.prefix_keys(tokens)[: limit // session.chunk_size]
+    device = next(model.parameters()).device
+    for edit in parse_many(edits):
+        blobs, addresses = kdn.chunks.tiers.fetch([edit.address(k) for k in keys])
+        parts = []
+        for blob, address in zip(blobs, addresses):
+            try:
+                h = _core.blob_parse(blob, verify_checksum=not getattr(blob, "verified", False))
+                if (h["fingerprint"], h["key"], h["position"]) != (session.fingerprint, address, 0):
+                    raise BlobError("edited chunk's header does not match the request")
+                parts.append(HFTarget(device).receive(session, [blob], h["tokens"]))
+            except (BlobError, InvalidInputError) as e:
+                kdn.chunks.tiers.drop(address)
+                log.warning("kdn: dropping an unusable edited chunk (a miss from there): %s", e)
+                break
+        if parts:
+            kv = [torch.cat([p[j] for p in parts], dim=2) for j in range(len(parts[0]))]
+            return PrunedCache.holding(model, kv, len(parts) * session.chunk_size), len(parts) * session.chunk_size, \
+                edit.spec
+    return None, 0, None
