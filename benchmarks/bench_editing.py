@@ -66,8 +66,8 @@ def main() -> None:
             if layout_bytes is None:
                 layout_bytes = session.layout.bytes_per_token() // session.layout.torch_dtype.itemsize * 2
             keys = cache.chunk_keys(model, context)
-            blobs = cache.memory.get_many([parse(spec).address(k) for k in keys])
-            stored = sum(len(b) for b in blobs if b is not None)
+            blobs, _ = cache.chunks.tiers.fetch([parse(spec).address(k) for k in keys])  # coded: at codec addresses
+            stored = sum(len(b) for b in blobs)
             fp16 = len(keys) * session.chunk_size * layout_bytes
             outs, ttfts = [], []
             for p in prompts:
