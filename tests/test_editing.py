@@ -144,3 +144,42 @@ def test_an_edit_that_fails_mid_deposit_stores_nothing(case, monkeypatch):
     with pytest.raises(RuntimeError, match="scoring"):
         kdn.deposit(model, doc, edits=["kvzip:keep=0.3"])
     assert kdn.memory.stats()["entries"] == 0 and kdn.lookup(model, doc, limit=len(doc)) == 0
+
+
+def test_kdn_deposit_fills_a_store_resumably(tmp_path, stories, capsys):
+    """`kdn deposit FOLDER STORE --edit ...`: every document's exact KV and edit stored; a second run
+    skips them; a reader of the folder is served the edit only when it names it."""
+    from kdn.cli import main
+
+    model, tokenizer = stories
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    texts = ["Once upon a time there was a little dog named Sam who liked to run in the park. " * 12,
+             "Lily had a red ball. She played with her friend Tom every day in the garden. " * 12]
+    for i, text in enumerate(texts):
+        (docs / f"{i}.txt").write_text(text)
+    store = tmp_path / "store"
+    args = [str(docs), str(store), "--model", "stories260k", "--edit", "kvzip:keep=0.5", "--chunk-size", "128"]
+    assert main(["deposit", *args]) == 0
+    assert "2 documents deposited (0 already stored)" in capsys.readouterr().out
+    assert main(["deposit", *args]) == 0
+    assert "0 documents deposited (2 already stored)" in capsys.readouterr().out
+    reader = KDN(KDNConfig(chunk_size=CHUNK, disk_dir=str(store)))
+    ids = torch.tensor([tokenizer(texts[0])["input_ids"] + [5, 6, 7]])
+    _, hit = reader.retrieve(model, ids[0])
+    assert hit == ids.shape[1] - 3 and reader.last_retrieve.get("edit") is None
+    _, hit = reader.retrieve(model, ids[0], edits="kvzip:keep=0.5")
+    assert reader.last_retrieve["edit"] == "kvzip:keep=0.5,sink=4" and hit == (hit // CHUNK) * CHUNK > 0
+
+
+@pytest.mark.parametrize("extra, why", [(["--edit", "kvzip:keep=2"], "keep must be"),
+                                        (["--edit", "prune"], "unknown edit"),
+                                        (["--model", "no-such-model"], "unknown model")])
+def test_kdn_deposit_refuses_bad_arguments_before_loading_a_model(tmp_path, capsys, extra, why):
+    from kdn.cli import main
+
+    (tmp_path / "a.txt").write_text("hello")
+    args = ["deposit", str(tmp_path), str(tmp_path / "store"), "--model", "stories260k", *extra]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert why in err and err.count("\n") == 1

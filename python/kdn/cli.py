@@ -1,4 +1,4 @@
-"""The `kdn` command line: info, install, demo, eval, verify."""
+"""The `kdn` command line: info, install, demo, eval, verify, deposit."""
 
 from __future__ import annotations
 
@@ -73,6 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     ver.add_argument("--chunk-size", type=int, default=256, help="the chunk size the store was written with")
     ver.add_argument("--dtype", default=None, choices=[None, "float32", "float16", "bfloat16"])
     ver.add_argument("--seed", type=int, default=0, help="which prompts --sample picks")
+    dep = sub.add_parser("deposit", help="store documents' KV (and edited forms) into a store, resumably")
+    dep.add_argument("source", help="a folder of .txt/.md files, or a JSONL file ({\"text\": ...} per line)")
+    dep.add_argument("store", help="a disk tier's folder (created if missing) or a remote store URL")
+    dep.add_argument("--model", required=True, help="smollm2-135m, stories260k, qwen2.5-coder-*, or an HF folder")
+    dep.add_argument("--edit", action="append", default=[], help="an edit to store too, e.g. kvzip:keep=0.3 "
+                                                                 "(repeatable)")
+    dep.add_argument("--chunk-size", type=int, default=256)
+    dep.add_argument("--dtype", default=None, choices=[None, "float32", "float16", "bfloat16"])
     args = parser.parse_args(argv)
 
     if args.command == "info":
@@ -113,6 +121,60 @@ def main(argv: list[str] | None = None) -> int:
         return run_eval_command(args)
     elif args.command == "verify":
         return run_verify_command(args)
+    elif args.command == "deposit":
+        return run_deposit_command(args)
+    return 0
+
+
+def store_config(store: str, chunk_size: int, writes: bool = False):
+    """The KDNConfig of a command that works on one store: a remote URL, or a disk folder (created
+    and written through with ``writes``, else only read). An InvalidInputError for anything else."""
+    from kdn import KDNConfig
+    from kdn._core import InvalidInputError
+
+    if "://" in store:
+        return KDNConfig(remote_url=store, chunk_size=chunk_size, memory_bytes="1GiB")
+    if writes:
+        os.makedirs(store, exist_ok=True)
+    if os.path.isdir(store):
+        return KDNConfig(disk_dir=store, chunk_size=chunk_size, memory_bytes="1GiB",
+                         write_policy="write-through" if writes else "memory-only")
+    raise InvalidInputError(f"{store} is neither a folder nor a store URL")
+
+
+def run_deposit_command(args) -> int:
+    """``kdn deposit``: 0 when every document is stored, 2 on bad arguments or an unusable store."""
+    from tqdm import tqdm
+
+    from kdn import KDN
+    from kdn._core import KDNError
+    from kdn.edits import parse_many
+    from kdn.edits.batch import deposit_many, documents
+
+    def fail(message: str) -> int:
+        print(f"kdn deposit: {message}", file=sys.stderr)
+        return 2
+
+    try:
+        edits = parse_many(args.edit)
+        docs = documents(args.source)
+        why = unknown_model(args.model)
+        if why:
+            return fail(why)
+        cache = KDN(store_config(args.store, args.chunk_size, writes=True))
+    except KDNError as e:
+        return fail(str(e))
+    except Exception as e:  # noqa: BLE001 - an unreachable store (connection refused, auth, timeout)
+        return fail(f"cannot open {args.store}: {type(e).__name__}: {e}")
+    if not docs:
+        return fail(f"{args.source} holds no documents")
+    model, tokenizer = load_any_model(args.model, dtype=args.dtype)
+    report = deposit_many(cache, model, tokenizer, docs, edits,
+                          progress=lambda it: tqdm(it, desc="depositing", unit="doc"))
+    edited = "".join(f"; {spec}: {r['chunks']} chunks, {r['bytes'] / 2**20:.1f} MiB"
+                     for spec, r in report["edits"].items())
+    print(f"{report['deposited']} documents deposited ({report['skipped']} already stored), {report['tokens']} "
+          f"tokens in {report['seconds']:.1f} s: {report['tokens_per_s']:.0f} tokens/s{edited}")
     return 0
 
 
@@ -134,7 +196,7 @@ def run_verify_command(args) -> int:
     the arguments cannot be used (one line on stderr)."""
     from tqdm import tqdm
 
-    from kdn import KDN, KDNConfig
+    from kdn import KDN
     from kdn._core import KDNError
     from kdn.engine.audit import audit
 
@@ -146,14 +208,7 @@ def run_verify_command(args) -> int:
         return fail(f"--sample must be a positive number of prompts, got {args.sample}")
     store = args.store
     try:
-        if "://" in store:
-            config = KDNConfig(remote_url=store, chunk_size=args.chunk_size, memory_bytes="1GiB")
-        elif os.path.isdir(store):
-            config = KDNConfig(disk_dir=store, chunk_size=args.chunk_size, memory_bytes="1GiB",
-                               write_policy="memory-only")
-        else:
-            return fail(f"{store} is neither a folder nor a store URL")
-        cache = KDN(config)
+        cache = KDN(store_config(store, args.chunk_size))
         tier = cache.disk if cache.disk is not None else cache.remote
         keys = list(tier.keys())
     except KDNError as e:

@@ -1,0 +1,74 @@
+"""``kdn deposit``: many documents (a folder of text files or a JSONL file) into a store, with their
+edits, resumably (a document whose exact KV and every edit are already stored is skipped)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from kdn._core import InvalidInputError
+from kdn.edits import parse_many
+
+TEXT_FIELDS = ("text", "context", "document")
+
+
+def documents(source: str | Path) -> list[tuple[str, str]]:
+    """``(name, text)`` pairs: every ``*.txt`` / ``*.md`` file of a folder (sorted by name), or every
+    line of a JSONL file (an object with a ``text``, ``context`` or ``document`` field, and an
+    optional ``id``). A source that is neither, or a line without text, is an InvalidInputError."""
+    source = Path(source)
+    if source.is_dir():
+        files = sorted(p for p in source.iterdir() if p.suffix in (".txt", ".md") and p.is_file())
+        return [(p.name, p.read_text(encoding="utf-8")) for p in files]
+    if not source.is_file():
+        raise InvalidInputError(f"{source}: no such folder or file")
+    docs = []
+    for number, line in enumerate(source.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InvalidInputError(f"{source}:{number}: not JSON ({e.msg})") from None
+        text = next((record[f] for f in TEXT_FIELDS if isinstance(record, dict) and isinstance(record.get(f), str)),
+                    None)
+        if text is None:
+            raise InvalidInputError(f"{source}:{number}: no text field ({', '.join(TEXT_FIELDS)})")
+        docs.append((str(record.get("id", number)), text))
+    return docs
+
+
+def stored(kdn, model, ids: list[int], edits) -> bool:
+    """Whether the exact KV of ``ids`` and each edit's chunks (its last full chunk) are stored."""
+    if kdn.lookup(model, ids, limit=len(ids)) < len(ids):
+        return False
+    keys = kdn.chunk_keys(model, ids)
+    return all(not keys or kdn.chunks.tiers.fetch([edit.address(keys[-1])])[0] for edit in edits)
+
+
+def deposit_many(kdn, model, tokenizer, docs: list[tuple[str, str]], edits=(), progress=None) -> dict:
+    """Deposit each document not stored yet; returns counts, tokens, seconds and tokens/s."""
+    edits = parse_many(edits)
+    done = skipped = tokens = 0
+    per_edit: dict = {}
+    started = time.perf_counter()
+    bar = progress(docs) if progress else docs
+    for name, text in bar:
+        ids = list(tokenizer(text)["input_ids"])
+        if stored(kdn, model, ids, edits):
+            skipped += 1
+            continue
+        report = kdn.deposit(model, ids, edits=edits, tokenizer=tokenizer)
+        done += 1
+        tokens += report["tokens"]
+        for spec, r in report["edits"].items():
+            total = per_edit.setdefault(spec, {"chunks": 0, "bytes": 0})
+            total["chunks"] += r["chunks"]
+            total["bytes"] += r["bytes"]
+        if hasattr(bar, "set_postfix"):
+            bar.set_postfix(tokens_per_s=f"{tokens / (time.perf_counter() - started):.0f}")
+    kdn.flush()
+    seconds = time.perf_counter() - started
+    return {"deposited": done, "skipped": skipped, "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds else 0.0, "edits": per_edit}
