@@ -20,12 +20,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import save_result  # noqa: E402
-
 import kdn  # noqa: E402
 from kdn import KDN, KDNConfig  # noqa: E402
 from kdn.demo import QUESTIONS, document, prompt_ids  # noqa: E402
 from kdn.edits import parse  # noqa: E402
+from timing import save_result  # noqa: E402
 
 GOLD = ["1312", "Priya Lund", "40 minutes", "December", "233"]  # from the document, one per question
 
@@ -71,7 +70,6 @@ def main() -> None:
             fp16 = len(keys) * session.chunk_size * layout_bytes
             outs, ttfts = [], []
             for p in prompts:
-                t1 = time.perf_counter()
                 outs.append(cache.generate(model, p, edits=spec, **gen))
                 ttfts.append(cache.last_generate.get("ttft_seconds", float("nan")))
                 assert cache.last_generate.get("edit"), "the edited cache was not served"

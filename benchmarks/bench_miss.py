@@ -18,10 +18,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import save_result  # noqa: E402
-
 import kdn  # noqa: E402
 from kdn import KDN  # noqa: E402
+from timing import save_result  # noqa: E402
 
 
 def fresh_prompt(vocab: int, n: int, seed: int) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """The README's "what it costs" table, made from what `.ci/newcomer` (and `.ci/run`) recorded in
 ``benchmarks/results/newcomer/costs.jsonl``: every step's seconds with the machine's load average
 before and after. The table sits between ``<!-- costs:begin -->`` and ``<!-- costs:end -->``.
+To refresh it: ``KDN_COSTS=$PWD/benchmarks/results/newcomer/costs.jsonl .ci/newcomer`` (CI's runs
+write to /tmp), then this script.
 
     python benchmarks/readme_costs.py           # rewrite README.md's table from the record
     python benchmarks/readme_costs.py --check   # exit 1 if the README's table is not the record's

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from redis_servers import RedisServer, require_redis
 from kdn.models.gguf import cache_root
+from redis_servers import RedisServer, require_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))

@@ -54,7 +54,7 @@ def deposit_many(kdn, model, tokenizer, docs: list[tuple[str, str]], edits=(), p
     per_edit: dict = {}
     started = time.perf_counter()
     bar = progress(docs) if progress else docs
-    for name, text in bar:
+    for _name, text in bar:
         ids = list(tokenizer(text)["input_ids"])
         if stored(kdn, model, ids, edits):
             skipped += 1

@@ -33,7 +33,7 @@ class PrunedCache(DynamicCache):
         return super().get_seq_length(layer_idx)
 
     @classmethod
-    def holding(cls, model, kv: list[torch.Tensor], tokens: int) -> "PrunedCache":
+    def holding(cls, model, kv: list[torch.Tensor], tokens: int) -> PrunedCache:
         cache = kv_list_to_cache(model, kv)
         cache.__class__ = cls
         cache.pruned = tokens - kv[0].shape[2]

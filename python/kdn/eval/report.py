@@ -8,7 +8,8 @@ from pathlib import Path
 
 COLUMNS = ["method", "available", "n", "quality", "quality_ci95", "exact_match", "vs_full", "ttft_mean_s",
            "ttft_median_s", "prefill_tokens_mean",
-           "prompt_tokens_mean", "inject_s_mean", "stored_bytes_mean", "identical_to_full", "miss_overhead_mean", "reason"]
+           "prompt_tokens_mean", "inject_s_mean", "stored_bytes_mean", "identical_to_full", "miss_overhead_mean",
+           "reason"]
 
 
 def markdown_table(result: dict) -> str:
