@@ -1,9 +1,10 @@
 """Runs the code blocks of README.md as a reader would, top to bottom: Python blocks in one namespace,
 shell blocks in bash, YAML blocks through ``KDNConfig.load``. A block says what it needs in a comment
 on the line above its fence: ``<!-- readme-test: skip (why) -->`` (not run here; the reason names
-where it is run) or ``<!-- readme-test: redis (...) -->`` (run against ``--redis URL``: every Redis
-URL's host and password replaced). ``/var/cache/kdn`` in a shell block is the disk tier the blocks
-above stored into (``$XDG_CACHE_HOME/kdn``).
+where it is run), ``<!-- readme-test: redis (...) -->`` (run against ``--redis URL``: every Redis
+URL's host and password replaced) or ``<!-- readme-test: vllm (...) -->`` (a Python block run alone
+by ``--vllm-python``, with ``/models/SmolLM2-135M-Instruct`` replaced by ``--checkpoint``).
+``/var/cache/kdn`` is the disk tier the blocks above stored into (``$XDG_CACHE_HOME/kdn``).
 
     python tests/readme_blocks.py README.md --redis redis://127.0.0.1:6390   # exit 0: every block ran
 """
@@ -20,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-MARKER = re.compile(r"<!-- readme-test: (skip|redis)\b(.*?)-->")
+MARKER = re.compile(r"<!-- readme-test: (skip|redis|vllm)\b(.*?)-->")
 REDIS_URL = re.compile(r"redis://(?::[^@\s\"']*@)?[A-Za-z0-9._-]+:\d+")
 
 
@@ -50,12 +51,14 @@ def blocks(text: str) -> list[Block]:
     return found
 
 
-def runnable(block: Block, redis_url: str | None) -> str:
+def runnable(block: Block, args) -> str:
     """The block's code as it runs here (URLs and paths replaced as its marker says)."""
     code = block.code
-    if block.needs == "redis":
-        code = REDIS_URL.sub(redis_url, code)
-    if block.lang == "bash":
+    if block.needs in ("redis", "vllm") and args.redis:
+        code = REDIS_URL.sub(args.redis, code)
+    if block.needs == "vllm":
+        code = code.replace("/models/SmolLM2-135M-Instruct", args.checkpoint)
+    if block.lang == "bash" or block.needs == "vllm":
         code = code.replace("/var/cache/kdn", str(Path(os.environ["XDG_CACHE_HOME"]) / "kdn"))
     return code
 
@@ -64,6 +67,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("markdown")
     parser.add_argument("--redis", help="a Redis URL for the blocks marked redis (else they are skipped)")
+    parser.add_argument("--vllm-python", help="the vLLM venv's python for the blocks marked vllm (else skipped)")
+    parser.add_argument("--checkpoint", help="an HF checkpoint folder of SmolLM2-135M-Instruct (with --vllm-python)")
     args = parser.parse_args()
     namespace: dict = {"__name__": "__readme__"}
     ran = skipped = 0
@@ -71,14 +76,19 @@ def main() -> int:
         where = f"{args.markdown}:{block.line} ({block.lang or 'text'})"
         if block.lang not in ("python", "bash", "yaml"):
             continue
-        if block.needs == "skip" or (block.needs == "redis" and not args.redis):
-            print(f"--- skipped {where}: {block.why or 'no --redis'}", flush=True)
+        missing = {"skip": block.why, "redis": not args.redis and "no --redis",
+                   "vllm": not args.vllm_python and "no --vllm-python"}.get(block.needs)
+        if missing:
+            print(f"--- skipped {where}: {missing}", flush=True)
             skipped += 1
             continue
-        code = runnable(block, args.redis)
+        code = runnable(block, args)
         print(f"--- running {where}", flush=True)
         started = time.perf_counter()
-        if block.lang == "python":
+        if block.needs == "vllm":  # alone, in the vLLM venv, with a small KV space for this machine
+            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+            subprocess.run([args.vllm_python, "-c", code], check=True, env=env, timeout=900)
+        elif block.lang == "python":
             exec(compile(code, where, "exec"), namespace)
         elif block.lang == "bash":
             subprocess.run(["bash", "-euo", "pipefail", "-c", code], check=True)

@@ -25,11 +25,23 @@ def test_every_block_is_run_or_says_where_it_is():
         assert block.needs != "skip" or block.why, f"README.md:{block.line}: a skipped block says why"
 
 
+def smollm2_checkpoint() -> Path:
+    from kdn.models import smollm2
+
+    return smollm2.converted_dir(smollm2.gguf_path())
+
+
 @pytest.mark.slow
 def test_the_readme_runs_as_written(smollm2, tmp_path):
     """Every block, in a folder laid out like a bare clone (README.md, tests/data) with an empty
     cache folder that only sees the installed models; Redis blocks against a loopback server."""
     require_redis()
+    try:
+        from test_vllm import vllm_python
+
+        vllm = ["--vllm-python", vllm_python(), "--checkpoint", str(smollm2_checkpoint())]
+    except pytest.skip.Exception:  # no vLLM venv here: its block is skipped (CI requires it)
+        vllm = []
     server = RedisServer(tmp_path / "redis")
     try:
         work = tmp_path / "clone"
@@ -41,12 +53,12 @@ def test_the_readme_runs_as_written(smollm2, tmp_path):
         env = {k: v for k, v in os.environ.items() if k not in ("KDN_DATA", "KDN_SHARED", "KDN_CONFIG")}
         env.update(XDG_CACHE_HOME=str(xdg), PYTHONUNBUFFERED="1")
         run = subprocess.run([sys.executable, str(ROOT / "tests" / "readme_blocks.py"), str(ROOT / "README.md"),
-                              "--redis", f"redis://127.0.0.1:{server.port}"],
+                              "--redis", f"redis://127.0.0.1:{server.port}", *vllm],
                              cwd=work, env=env, capture_output=True, text=True, timeout=1500)
         tail = (run.stdout + run.stderr)[-6000:]
         assert run.returncode == 0, tail
         expected = [b for b in blocks((ROOT / "README.md").read_text())
-                    if b.lang in ("python", "bash", "yaml") and b.needs != "skip"]
+                    if b.lang in ("python", "bash", "yaml") and b.needs != "skip" and (vllm or b.needs != "vllm")]
         assert f"README blocks: {len(expected)} ran, " in run.stdout, tail
         assert (work / "eval_out" / "summary.md").is_file(), "the README's kdn eval wrote no report"
     finally:
