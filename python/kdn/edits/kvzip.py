@@ -71,14 +71,18 @@ def scores(model, kv: list[torch.Tensor], context_ids: list[int], instruction_id
         del _state.scores
 
 
+def kept(keep: float, tokens: int) -> int:
+    """How many of ``tokens`` a chunk keeps per layer and head: ``round(keep * tokens)``, at least 1."""
+    return max(1, min(tokens, round(keep * tokens)))
+
+
 def select(layer_scores: torch.Tensor, start: int, end: int, keep: float, sink: int) -> torch.Tensor:
-    """``[kv_heads, k]`` ascending token indices kept from ``[start, end)``: the ``k = round(keep *
-    (end - start))`` (at least 1) highest scores per head, positions below ``sink`` always."""
+    """``[kv_heads, k]`` ascending token indices kept from ``[start, end)``: the :func:`kept` highest
+    scores per head, positions below ``sink`` always."""
     span = layer_scores[:, start:end].clone()
     first_sinks = max(0, min(sink, end) - start)
     span[:, :first_sinks] = float("inf")
-    k = max(1, min(end - start, round(keep * (end - start))))
-    return torch.topk(span, k, dim=1).indices.sort(dim=1).values + start
+    return torch.topk(span, kept(keep, end - start), dim=1).indices.sort(dim=1).values + start
 
 
 def prune(kv: list[torch.Tensor], layer_scores: list[torch.Tensor], start: int, end: int, keep: float,

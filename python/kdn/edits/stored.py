@@ -4,19 +4,15 @@ length, not at the number of rows kept)."""
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
 from transformers import DynamicCache
 
-from kdn import _core
-from kdn._core import BlobError, InvalidInputError
+from kdn._core import InvalidInputError
 from kdn.edits import Edit, kvzip, parse_many
 from kdn.engine.targets import HFTarget
 from kdn.layout import cache_to_kv_list, kv_list_to_cache
-
-log = logging.getLogger("kdn")
 
 
 class PrunedCache(DynamicCache):
@@ -67,17 +63,18 @@ def deposit(kdn, model, prompt, edits=(), tokenizer=None) -> dict:
     planned, report = [], {}
     for edit in edits:
         t0 = time.perf_counter()
-        blobs = _edited_chunks(model, session, kv, ids, keys, chunk, edit, tokenizer)
-        planned += blobs
-        report[edit.spec] = {"chunks": len(blobs), "bytes": sum(len(b) for _, b in blobs),
+        chunks = _edited_chunks(model, kv, ids, keys, chunk, edit, tokenizer)
+        planned += chunks
+        report[edit.spec] = {"chunks": len(chunks), "bytes": sum(t.nbytes for _, rows in chunks for t in rows),
                              "seconds": time.perf_counter() - t0}
     exact = kdn.chunks.write(session, tokens, [t.cpu() for t in kv])
-    for address, blob in planned:
-        kdn.chunks.tiers.put(address, blob)
+    for address, rows in planned:
+        kdn.chunks.write_segment(session, address, rows, 0, rows[0].shape[2])
     return {"tokens": len(ids), "exact_tokens": exact, "prefill_seconds": prefill_s, "edits": report}
 
 
-def _edited_chunks(model, session, kv, ids, keys, chunk, edit: Edit, tokenizer) -> list[tuple[bytes, object]]:
+def _edited_chunks(model, kv, ids, keys, chunk, edit: Edit, tokenizer) -> list[tuple[bytes, list]]:
+    """``(address, rows)`` of each full chunk's edited form (rows: ``2 * layers`` CPU tensors)."""
     if edit.name != "kvzip":
         raise InvalidInputError(f"deposit: edit {edit.name!r} has no implementation")
     if not keys:
@@ -85,34 +82,26 @@ def _edited_chunks(model, session, kv, ids, keys, chunk, edit: Edit, tokenizer) 
     instruction = list(tokenizer(kvzip.INSTRUCTION, add_special_tokens=False)["input_ids"]) if tokenizer else []
     scored = kvzip.scores(model, kv, ids, instruction)
     keep, sink = edit.param("keep"), int(edit.param("sink"))
-    out = []
-    for i, key in enumerate(keys):
-        rows = [t.cpu() for t in kvzip.prune(kv, scored, i * chunk, (i + 1) * chunk, keep, sink)]
-        address = edit.address(key)
-        out.append((address, _core.pack_chunk(rows, 0, rows[0].shape[2], session.fingerprint, address)))
-    return out
+    return [(edit.address(key), [t.cpu() for t in kvzip.prune(kv, scored, i * chunk, (i + 1) * chunk, keep, sink)])
+            for i, key in enumerate(keys)]
 
 
 def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int, str | None]:
     """``(cache, hit, edit)``: the longest run of full chunks of ``tokens`` (within ``limit``) stored
     under the first of ``edits`` that has any, as a :class:`PrunedCache` on the model's device;
-    ``(None, 0, None)`` when none has. An unusable blob ends the hit there and is dropped."""
+    ``(None, 0, None)`` when none has. An unusable blob ends the hit there and is dropped
+    (:meth:`kdn.engine.ChunkIO.read_segment`: an edited chunk is filed like a segment, at position 0)."""
     session = kdn.session(model)
     keys = session.prefix_keys(tokens)[: limit // session.chunk_size]
-    device = next(model.parameters()).device
+    target = HFTarget(next(model.parameters()).device)
     for edit in parse_many(edits):
-        blobs, addresses = kdn.chunks.tiers.fetch([edit.address(k) for k in keys])
+        rows = kvzip.kept(edit.param("keep"), session.chunk_size)
         parts = []
-        for blob, address in zip(blobs, addresses):
-            try:
-                h = _core.blob_parse(blob, verify_checksum=not getattr(blob, "verified", False))
-                if (h["fingerprint"], h["key"], h["position"]) != (session.fingerprint, address, 0):
-                    raise BlobError("edited chunk's header does not match the request")
-                parts.append(HFTarget(device).receive(session, [blob], h["tokens"]))
-            except (BlobError, InvalidInputError) as e:
-                kdn.chunks.tiers.drop(address)
-                log.warning("kdn: dropping an unusable edited chunk (a miss from there): %s", e)
+        for key in keys:
+            part = kdn.chunks.read_segment(session, edit.address(key), 0, rows, target)
+            if part is None:
                 break
+            parts.append(part)
         if parts:
             kv = [torch.cat([p[j] for p in parts], dim=2) for j in range(len(parts[0]))]
             return PrunedCache.holding(model, kv, len(parts) * session.chunk_size), len(parts) * session.chunk_size, \

@@ -312,6 +312,11 @@ class ChunkIO:
             log.warning("kdn: dropping an unusable stored segment (a miss): %s", e)
             return None
 
+    def holds(self, key: bytes) -> bool:
+        """Whether some tier holds the blob filed under ``key`` (in any coding it may be read in);
+        reads no KV."""
+        return self.tiers.count_prefix([key]) == 1
+
     def write_segment(self, session: ModelSession, key: bytes, kv: list[torch.Tensor], position: int,
                       tokens: int) -> bool:
         """Store a segment's KV: ``kv`` holds ``position + tokens`` tokens (its prefix, then it)."""
