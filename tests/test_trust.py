@@ -6,9 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import kdn
 from conftest import full_prefill, random_ids
 from kdn import KDN, InvalidInputError, KDNConfig
 from kdn.keys import checkpoint_fingerprint, model_fingerprint
+from kdn.models.tiny import tiny_model
 from kdn.storage.remote import RemoteTier
 
 CHUNK = 16
@@ -70,13 +72,15 @@ def test_fingerprint_is_stable_for_the_same_weights(tiny_llama, model):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["tiny", "stories260k"])
-def test_a_checkpoints_files_give_the_loaded_models_fingerprint(tmp_path, tiny_llama, stories, name, dtype):
+def test_a_checkpoints_files_give_the_loaded_models_fingerprint(tmp_path, name, dtype):
     """A serving engine's scheduler has no weights: it fingerprints the checkpoint's files, and gets
-    what an HF process that loaded them gets (stories260K ties its output embedding to its input)."""
-    model = tiny_llama if name == "tiny" else stories[0]
+    what an HF process that loaded them gets (stories260K ties its output embedding to its input),
+    and what the saved model itself had before saving (save_pretrained fills in its config)."""
+    model = tiny_model() if name == "tiny" else kdn.models.load("stories260k")[0]
+    before = model_fingerprint(model.to(dtype))
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
-    assert checkpoint_fingerprint(tmp_path, dtype) == model_fingerprint(loaded)
+    assert checkpoint_fingerprint(tmp_path, dtype) == model_fingerprint(loaded) == before
     assert checkpoint_fingerprint(tmp_path, dtype) != checkpoint_fingerprint(tmp_path, torch.float16)
 
 

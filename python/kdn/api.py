@@ -30,12 +30,18 @@ class KDN:
     Built on the engine layer (:mod:`kdn.engine`): ``session(model)`` and ``chunks``.
 
     Example:
-        >>> kdn = KDN(KDNConfig(chunk_size=256))
-        >>> out = model(ids, use_cache=True)
-        >>> kdn.store(model, ids, out.past_key_values)
-        >>> kdn.lookup(model, ids_with_question)        # tokens served: all that ids shares (never its last)
-        >>> cache, hit = kdn.retrieve(model, ids_with_question)
-        >>> logits = model(ids_with_question[:, hit:], past_key_values=cache).logits
+        >>> cache = KDN(KDNConfig(chunk_size=16))
+        >>> out = model(ids, use_cache=True)                # ids: a document's tokens, [1, n]
+        >>> stored = cache.store(model, ids, out.past_key_values)
+        >>> question_ids = tokenizer(question, add_special_tokens=False, return_tensors="pt").input_ids
+        >>> ids_with_question = torch.cat([ids, question_ids], dim=1)
+        >>> ids.shape[1], cache.lookup(model, ids_with_question)   # 3 chunks of 16 stored (a tail < probe_step is not)
+        (62, 48)
+        >>> kv, hit = cache.retrieve(model, ids_with_question)
+        >>> logits = model(ids_with_question[:, hit:], past_key_values=kv).logits
+        >>> full = model(ids_with_question).logits[:, hit:]
+        >>> torch.allclose(logits, full, atol=1e-4)
+        True
     """
 
     def __init__(self, config: KDNConfig | None = None):
@@ -57,8 +63,8 @@ class KDN:
         machines that meet the model load it from there) and load it here. Returns its id.
 
         Example:
-            >>> kdn = KDN(KDNConfig(memory_codec="kvtc:ratio=8"))
-            >>> kdn.calibrate(model, [tokenizer(t)["input_ids"] for t in calibration_texts])
+            >>> cache = KDN(KDNConfig(memory_codec="kvtc:ratio=8"))
+            >>> calibration_id = cache.calibrate(model, [tokenizer(document)["input_ids"]])
         """
         from kdn import kvtc
 
@@ -187,8 +193,14 @@ class KDN:
         "seconds"}}}``.
 
         Example:
-            >>> kdn.deposit(model, document, edits=["kvzip:keep=0.3"], tokenizer=tokenizer)
-            >>> out = kdn.generate(model, ids, edits="kvzip:keep=0.3", max_new_tokens=32)
+            >>> cache = KDN(KDNConfig(chunk_size=16))
+            >>> report = cache.deposit(model, document, edits=["kvzip:keep=0.3"], tokenizer=tokenizer)
+            >>> {spec: edit["chunks"] for spec, edit in report["edits"].items()}   # specs in canonical form
+            {'kvzip:keep=0.3,sink=4': 3}
+            >>> prompt = tokenizer(document + question, return_tensors="pt").input_ids
+            >>> out = cache.generate(model, prompt, edits="kvzip:keep=0.3", max_new_tokens=8)
+            >>> cache.last_generate["edit"]                   # served the pruned KV
+            'kvzip:keep=0.3,sink=4'
         """
         from kdn.edits import stored
 
@@ -218,9 +230,13 @@ class KDN:
         prompt tokens the cache covers, ``stats["recomputed_per_layer"]`` the recompute.
 
         Example:
-            >>> kdn.store_segments(model, passages)
-            >>> cache, stats = kdn.blend(model, passages, question_ids, recompute_ratio=0.15)
-            >>> out = model.generate(torch.tensor([bos + sum(passages, []) + question_ids]), past_key_values=cache)
+            >>> cache = KDN()
+            >>> passages = [tokenizer(p)["input_ids"][1:] for p in ("Lily had a dog.", "The ball was red.")]
+            >>> question_ids = tokenizer(question)["input_ids"][1:]
+            >>> counts = cache.store_segments(model, passages)
+            >>> kv, stats = cache.blend(model, passages, question_ids, recompute_ratio=0.15)
+            >>> prompt = torch.tensor([[tokenizer.bos_token_id] + sum(passages, []) + question_ids])
+            >>> out = model.generate(prompt, past_key_values=kv, max_new_tokens=8)
         """
         from kdn.blend import blend
 

@@ -26,10 +26,15 @@ kvtc          transform coding under a per-model calibration (:mod:`kdn.kvtc`): 
 
 Example:
     >>> from kdn import codecs
-    >>> coded = codecs.encode(blob, "cachegen:level=3")     # a kdn blob (e.g. from pack_chunk)
+    >>> cache = kdn.KDN(kdn.KDNConfig(chunk_size=16))
+    >>> stored = cache.store(model, ids, model(ids, use_cache=True).past_key_values)
+    >>> blob = cache.memory.get_many(cache.chunk_keys(model, ids)[:1])[0]   # a stored chunk, as a tier holds it
+    >>> coded = codecs.encode(blob, "cachegen:level=3")     # any kdn blob, any codec
     >>> codecs.codec_of(coded).spec
     'cachegen:level=3'
-    >>> kv = codecs.decode(coded)      # torch tensor [layers, 2, tokens, kv_heads, head_dim]
+    >>> kv = codecs.decode(coded)      # [layers, 2, tokens, kv_heads, head_dim]
+    >>> tuple(kv.shape), len(coded) < len(blob)
+    ((5, 2, 16, 4, 8), True)
 """
 
 from __future__ import annotations

@@ -142,7 +142,11 @@ class KDNConfig:
     Example:
         >>> KDNConfig(chunk_size=128, memory_bytes="512MiB").memory_bytes
         536870912
-        >>> KDNConfig.load("kdn.yaml", memory_policy="s3fifo")   # doctest: +SKIP
+        >>> from pathlib import Path
+        >>> _ = Path("kdn.yaml").write_text("chunk_size: 128\\nmemory_bytes: 1GiB\\n")
+        >>> config = KDNConfig.load("kdn.yaml", memory_policy="s3fifo")   # the file, then keywords
+        >>> config.chunk_size, config.memory_bytes, config.memory_policy
+        (128, 1073741824, 's3fifo')
     """
 
     chunk_size: int = 256

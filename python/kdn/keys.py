@@ -14,12 +14,14 @@ from kdn._core import InvalidInputError
 
 FORMAT_VERSION = 1
 # Bumped when what the fingerprint covers changes (2: every weight byte instead of a sample; 3: the
-# tensors a checkpoint holds, by sorted name, so a checkpoint's files give the same fingerprint).
-FINGERPRINT_VERSION = 3
+# tensors a checkpoint holds, by sorted name, so a checkpoint's files give the same fingerprint;
+# 4: ``architectures`` ignored, as save_pretrained fills it in, also in the saved model's own config).
+FINGERPRINT_VERSION = 4
 # Runtime switches and names that do not change what the model computes.
 _CONFIG_IGNORED = {
     "use_cache", "return_dict", "output_attentions", "output_hidden_states", "torchscript",
     "transformers_version", "dtype", "torch_dtype", "quantization_config", "name_or_path",
+    "architectures",  # the head class, set by save_pretrained: the KV is the base model's
 }
 # model -> (state signature, fingerprint)
 _fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -84,7 +86,10 @@ def model_fingerprint(model: torch.nn.Module, refresh: bool = False) -> bytes:
     ``.data``, which torch does not track.
 
     Example:
-        >>> fp = model_fingerprint(model)   # b'\\x8f...' (16 bytes)
+        >>> import copy
+        >>> fp = model_fingerprint(model)
+        >>> len(fp), fp == model_fingerprint(copy.deepcopy(model).to(torch.bfloat16))   # another dtype
+        (16, False)
     """
     signature = _state_signature(model)
     cached = _fingerprints.get(model)
@@ -102,7 +107,8 @@ def checkpoint_fingerprint(folder, dtype: torch.dtype | str) -> bytes:
     device (for its tensor names), and each tensor is read, cast to ``dtype`` and hashed.
 
     Example:
-        >>> checkpoint_fingerprint("/models/SmolLM2-135M", torch.float32) == model_fingerprint(model)
+        >>> model.save_pretrained("checkpoint")          # config.json + model.safetensors
+        >>> checkpoint_fingerprint("checkpoint", torch.float32) == model_fingerprint(model)
         True
     """
     from pathlib import Path

@@ -20,9 +20,15 @@ every tier and loads it; a KDN that meets the model later loads it from any tier
 under a calibration names it; if that calibration cannot be found, the chunk is a miss.
 
 Example:
-    >>> cal = kvtc.calibrate(model, [tokenizer(t)["input_ids"] for t in texts])
-    >>> kvtc.load(cal)                          # or KDN.calibrate(model, contexts)
+    >>> from kdn import codecs, kvtc
+    >>> cal = kvtc.calibrate(model, [tokenizer(document)["input_ids"]], progress=False)
+    >>> calibration_id = kvtc.load(cal)         # or KDN.calibrate(model, contexts)
+    >>> cache = kdn.KDN(kdn.KDNConfig(chunk_size=16))
+    >>> stored = cache.store(model, ids, model(ids, use_cache=True).past_key_values)
+    >>> blob = cache.memory.get(cache.chunk_keys(model, ids)[1])   # a chunk past the exact sinks
     >>> coded = codecs.encode(blob, "kvtc:ratio=8")
+    >>> codecs.decode(coded).shape == codecs.decode(blob).shape, len(coded) < len(blob) / 8   # blob: fp32
+    (True, True)
 """
 
 from __future__ import annotations

@@ -39,7 +39,12 @@ def shift_keys(model, kv: list[torch.Tensor], delta: int) -> None:
     """Move the keys of a per-layer KV list (``[k0, v0, k1, v1, ...]``) by ``delta`` positions, in place.
 
     Example:
+        >>> from kdn.layout import cache_to_kv_list
+        >>> kv = cache_to_kv_list(model(ids, use_cache=True).past_key_values)
         >>> shift_keys(model, kv, 100)    # keys computed at positions p now sit at p + 100
+        >>> moved = model(ids, position_ids=torch.arange(100, 100 + ids.shape[1])[None], use_cache=True)
+        >>> torch.allclose(kv[0], cache_to_kv_list(moved.past_key_values)[0], atol=1e-5)
+        True
     """
     if delta:
         stream = torch.cuda.current_stream().cuda_stream if kv[0].is_cuda else 0

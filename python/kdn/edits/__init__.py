@@ -14,8 +14,12 @@ Registered edits (``EDITS``):
   the same count in every layer and head (dense stored tensors), sinks always; positions are kept.
 
 Example:
-    >>> kdn.deposit(model, document_ids, edits=["kvzip:keep=0.3"], tokenizer=tokenizer)
-    >>> out = kdn.generate(model, ids, edits="kvzip:keep=0.3", max_new_tokens=32)
+    >>> cache = kdn.KDN(kdn.KDNConfig(chunk_size=16))
+    >>> report = cache.deposit(model, ids, edits=["kvzip:keep=0.3"])     # token ids, or text with tokenizer=
+    >>> prompt = tokenizer(document + question, return_tensors="pt").input_ids
+    >>> out = cache.generate(model, prompt, edits="kvzip:keep=0.3", max_new_tokens=8)
+    >>> cache.last_generate["edit"], cache.last_generate["hit_tokens"]
+    ('kvzip:keep=0.3,sink=4', 48)
 """
 
 from __future__ import annotations

@@ -52,9 +52,17 @@ class ChunkIO:
     what cannot be written is reported (and the count of retrievable tokens says so).
 
     Example:
-        >>> io = ChunkIO(TierManager(KDNConfig()))
-        >>> io.write(session, tokens, kv)           # kv: 2 * layers tensors [1, heads, >= n, dim]
-        >>> kv, hit = io.read(session, tokens, limit=n - 1)
+        >>> from kdn.layout import cache_to_kv_list
+        >>> config = kdn.KDNConfig(chunk_size=16)
+        >>> session = kdn.KDN(config).session(model)
+        >>> io = ChunkIO(TierManager(config))
+        >>> tokens = session.tokens(ids)
+        >>> kv = cache_to_kv_list(model(ids, use_cache=True).past_key_values)   # 2 * layers [1, heads, n, dim]
+        >>> io.write(session, tokens, kv)          # tokens now retrievable: the full chunks
+        48
+        >>> served, hit = io.read(session, tokens, limit=len(tokens) - 1)
+        >>> hit, all(torch.equal(s, t[:, :, :hit]) for s, t in zip(served, kv))
+        (48, True)
     """
 
     def __init__(self, tiers: TierManager):

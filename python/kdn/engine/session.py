@@ -21,8 +21,10 @@ class ModelSession:
     of its token-granular lookups (0: whole chunks only).
 
     Example:
-        >>> session = kdn.session(model)
+        >>> session = kdn.KDN(kdn.KDNConfig(chunk_size=16)).session(model)
         >>> keys = session.prefix_keys(session.tokens(ids))   # one 16-byte key per full chunk
+        >>> ids.shape[1], [len(k) for k in keys]
+        (62, [16, 16, 16])
     """
 
     layout: ModelLayout

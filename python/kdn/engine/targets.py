@@ -27,7 +27,13 @@ class HFTarget:
     tensors. The device holds the canonical chunks and the finished tensors until it returns.
 
     Example:
-        >>> kv = HFTarget("cuda").receive(session, blobs, num_tokens)   # [k0, v0, k1, v1, ...] on the GPU
+        >>> cache = kdn.KDN(kdn.KDNConfig(chunk_size=16))
+        >>> stored = cache.store(model, ids, model(ids, use_cache=True).past_key_values)
+        >>> key = cache.chunk_keys(model, ids)[0]; blob = cache.memory.get(key)   # a stored chunk
+        >>> session = cache.session(model)
+        >>> kv = HFTarget("cpu").receive(session, [blob], 10)   # [k0, v0, k1, v1, ...]; "cuda": on the GPU
+        >>> len(kv), tuple(kv[0].shape)
+        (10, (1, 4, 10, 8))
     """
 
     def __init__(self, device: torch.device | str | None = None):

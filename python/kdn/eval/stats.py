@@ -10,7 +10,7 @@ def bootstrap_ci(values, level: float = 0.95, resamples: int = 2000, seed: int =
 
     Example:
         >>> bootstrap_ci([1, 0, 1, 1])
-        (0.5, 1.0)
+        (0.25, 1.0)
     """
     x = np.asarray(list(values), dtype=np.float64)
     if x.size == 0:

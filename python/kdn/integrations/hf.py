@@ -22,8 +22,9 @@ class FirstTokenTimer(BaseStreamer):
 
     Example:
         >>> timer = FirstTokenTimer()
-        >>> model.generate(ids, streamer=timer, max_new_tokens=8)
-        >>> timer.ttft   # seconds from timer.start() (or construction) to the first new token
+        >>> out = model.generate(ids, streamer=timer, max_new_tokens=8)
+        >>> timer.ttft > 0   # seconds from timer.start() (or construction) to the first new token
+        True
     """
 
     def __init__(self):
@@ -90,7 +91,12 @@ def generate(kdn, model, input_ids, **generate_kwargs):
     recomputed after the answer and compared with the stored KV (:mod:`kdn.engine.verify`).
 
     Example:
-        >>> out = kdn.generate(model, tokenizer(doc + q, return_tensors="pt").input_ids, max_new_tokens=32)
+        >>> cache = kdn.KDN()
+        >>> prompt = tokenizer(document + question, return_tensors="pt").input_ids
+        >>> out, stats = generate(cache, model, prompt, max_new_tokens=8)   # a miss: prefilled, stored
+        >>> out, stats = generate(cache, model, prompt, max_new_tokens=8)   # a hit
+        >>> stats["hit_tokens"] == prompt.shape[1] - 1                      # the last token is computed
+        True
     """
     ids = _as_batch_one(model, input_ids)
     if "past_key_values" in generate_kwargs:

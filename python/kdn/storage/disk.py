@@ -36,9 +36,13 @@ class DiskTier(StoreTier):
     * ``flush()`` waits for queued writes; it also runs at interpreter exit.
 
     Example:
-        >>> tier = DiskTier("/tmp/kdn-disk", 1 << 30)
-        >>> tier.put(key, blob); tier.flush()
-        >>> DiskTier("/tmp/kdn-disk", 1 << 30).contains(key)     # a new process finds it
+        >>> cache = kdn.KDN(kdn.KDNConfig(chunk_size=16))
+        >>> stored = cache.store(model, ids, model(ids, use_cache=True).past_key_values)
+        >>> key = cache.chunk_keys(model, ids)[0]; blob = cache.memory.get(key)   # a stored chunk
+        >>> tier = DiskTier("kdn-disk", 1 << 30)
+        >>> tier.put(key, blob), tier.flush()
+        (True, True)
+        >>> DiskTier("kdn-disk", 1 << 30).contains(key)     # a new process finds it
         True
     """
 

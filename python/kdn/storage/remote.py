@@ -96,8 +96,12 @@ class RemoteTier(Tier):
       reads byte ranges of them (:meth:`read_ranges`) layer group by layer group.
 
     Example:
+        >>> cache = kdn.KDN(kdn.KDNConfig(chunk_size=16))
+        >>> stored = cache.store(model, ids, model(ids, use_cache=True).past_key_values)
+        >>> key = cache.chunk_keys(model, ids)[0]; blob = cache.memory.get(key)   # a stored chunk
         >>> tier = RemoteTier("redis://127.0.0.1:6379/0")
-        >>> tier.put(key, blob); tier.flush()
+        >>> tier.put(key, blob), tier.flush()
+        (True, True)
         >>> tier.count_prefix([key])
         1
     """
