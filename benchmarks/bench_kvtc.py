@@ -1,7 +1,7 @@
 """How fast ``kvtc`` chunks decode on the CPU: GB/s of fp16-equivalent KV out of
 ``_core.unpack_chunks`` (the CPU read path: coded chunks -> per-layer tensors), with ``int4`` beside
 it, and the reconstruction's bound: MKL's sgemm (torch, one thread per core kdn uses) on the same
-dense products (per plane: coded rows x calibrated components x channels).
+dense products (per plane: 256 rows x the live components, from the coder's report, x channels).
 
 kdn's reconstruction is its own blocked AVX2 microkernel, not a BLAS call: the CUDA decoder must
 give the same bits, which needs every output summed over components in ascending order with one
@@ -16,7 +16,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,19 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kdn  # noqa: E402
 from kdn import _core, codecs, kvtc  # noqa: E402
 from kdn.layout import empty_kv_list  # noqa: E402
-from timing import save_result  # noqa: E402
+from timing import samples, save_result  # noqa: E402
 
 TEXT = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def seconds(fn, repeats: int) -> list[float]:
     fn()  # warm: tables, pages
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
+    return samples(fn, repeats)
 
 
 def main() -> None:
@@ -61,7 +55,8 @@ def main() -> None:
     layout = session.layout
     fp16_bytes = 2 * layout.layers * 2 * n * layout.kv_heads * layout.head_dim
     rows = {}
-    for spec in ("int4", f"kvtc:ratio={args.ratio}"):
+    kvtc_spec = f"kvtc:ratio={args.ratio}"
+    for spec in ("int4", kvtc_spec):
         coded = [codecs.encode(b, spec) for b in blobs]
         kv = empty_kv_list(layout, n)
         times = seconds(lambda coded=coded, kv=kv: _core.unpack_chunks(coded, kv, n), args.repeats)
@@ -73,20 +68,25 @@ def main() -> None:
                       "rel_l2": float(error)}
     # the bound of the reconstruction: the same dense products through MKL, one thread per core used
     channels = layout.kv_heads * layout.head_dim
-    components = channels  # an upper bound: kvtc codes at most this many components per plane
     planes = len(blobs) * layout.layers * 2
+    symbols = sum(codecs.encode(b, kvtc_spec, report=True)[1]["symbols"] for b in blobs)
+    coded_rows = (n - 4) * layout.layers * 2  # every token but the 4 exact sinks, in every plane
+    live = symbols / coded_rows  # entropy-coded components per row (the all-zero ones are left out)
+    components = round(live)
     threads = torch.get_num_threads()
     torch.set_num_threads(min(threads, os.cpu_count() or 1))
     a, b = torch.randn(256, components), torch.randn(components, channels)
     gemm = statistics.median(seconds(lambda: [torch.mm(a, b) for _ in range(planes)], 5))
     torch.set_num_threads(threads)
-    result = {"model": args.model, "tokens": n, "fp16_bytes": fp16_bytes, "codecs": rows,
+    result = {"model": args.model, "tokens": n, "fp16_bytes": fp16_bytes, "codecs": rows, "kvtc_symbols": symbols,
+              "live_components_per_row": live, "channels": channels,
               "mkl_sgemm_ms_all_planes": 1e3 * gemm, "mkl_shape": [256, components, channels], "planes": planes,
               "load_average": os.getloadavg()}
     for spec, row in rows.items():
         print(f"{spec:14s} {row['gb_per_s']:.3f} GB/s fp16-equivalent (best {row['gb_per_s_best']:.3f}), "
               f"{row['ms']:.1f} ms for {n} tokens, {row['ratio_vs_fp16']:.2f}x vs fp16, rel L2 {row['rel_l2']:.3f}")
-    print(f"MKL sgemm on {planes} planes of 256x{components}x{channels} (dense, all components): {1e3 * gemm:.1f} ms "
+    print(f"{kvtc_spec}: {symbols / 1e6:.2f} M symbols, {live:.1f} of {channels} components live per row")
+    print(f"MKL sgemm on {planes} planes of 256x{components}x{channels} (the live components): {1e3 * gemm:.1f} ms "
           f"({torch.get_num_threads()} threads); load average {os.getloadavg()[0]:.2f}")
     print("wrote", save_result(Path(args.out) / "bench_kvtc.json", result))
 

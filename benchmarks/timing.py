@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 
-def timed(fn, repeats: int, setup=None) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs (``setup()``, untimed, before each)."""
+def samples(fn, repeats: int, setup=None) -> list[float]:
+    """Seconds of each of ``repeats`` runs of ``fn()`` (``setup()``, untimed, before each)."""
     times = []
     for _ in range(repeats):
         if setup:
@@ -23,7 +23,12 @@ def timed(fn, repeats: int, setup=None) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def timed(fn, repeats: int, setup=None) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs (``setup()``, untimed, before each)."""
+    return statistics.median(samples(fn, repeats, setup))
 
 
 def _git(*args: str) -> str:

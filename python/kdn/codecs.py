@@ -28,7 +28,7 @@ Example:
     >>> from kdn import codecs
     >>> cache = kdn.KDN(kdn.KDNConfig(chunk_size=16))
     >>> stored = cache.store(model, ids, model(ids, use_cache=True).past_key_values)
-    >>> blob = cache.memory.get_many(cache.chunk_keys(model, ids)[:1])[0]   # a stored chunk, as a tier holds it
+    >>> blob = cache.memory.get(cache.chunk_keys(model, ids)[0])   # a stored chunk, as a tier holds it
     >>> coded = codecs.encode(blob, "cachegen:level=3")     # any kdn blob, any codec
     >>> codecs.codec_of(coded).spec
     'cachegen:level=3'
