@@ -5,6 +5,7 @@ import csv
 import json
 
 import pytest
+import torch
 
 from kdn.cli import main as cli_main
 from kdn.eval import (
@@ -143,3 +144,39 @@ def test_reuse_answers_exactly_like_full_on_smollm2(smollm2, dataset):
     assert s["reuse"]["identical_to_full"] == 1.0 and s["reuse"]["n"] == 1
     assert s["reuse"]["ttft_mean_s"] < s["full"]["ttft_mean_s"]
     assert all(r["ttft_s"] > 0 and "score" in r for r in result["samples"])
+
+
+def test_reuse_stores_the_context_rows_of_fulls_prefill_exactly(stories, tmp_path):
+    """`full` hands its cache, cut to the context, to the reuse methods (the miss they would store):
+    what they store reads back, through an exact reader of the folder, as a context-only prefill."""
+    from kdn import KDN, KDNConfig
+    from kdn.eval.methods import Full, Reuse
+
+    model, tokenizer = stories
+    sample = load_dataset("longchat-topics-5", limit=1)[0]
+    enc = encode(tokenizer, sample, 512, 8)
+    config = KDNConfig(chunk_size=64, disk_dir=str(tmp_path))
+    full = Full().answer(model, enc, 8)
+    reuse = Reuse(config).answer(model, enc, 8)
+    assert reuse.tokens == full.tokens and reuse.hit_tokens >= enc.context_tokens - 64
+    context = enc.ids[:, : enc.context_tokens]
+    reader = KDN(KDNConfig(chunk_size=64, disk_dir=str(tmp_path)))
+    cache, hit = reader.retrieve(model, context)  # all but the last token, which it prefills
+    assert hit == enc.context_tokens - 1
+    with torch.inference_mode():
+        served = model(context[:, hit:], past_key_values=cache).logits[0, -1]
+        truth = model(context).logits[0, -1]
+    assert torch.allclose(served, truth, atol=1e-4)
+
+
+def test_kvtc_is_calibrated_on_samples_it_is_not_judged_on(stories):
+    model, tokenizer = stories
+    result = run_eval("musique", model, tokenizer, ["full", "reuse", "reuse+kvtc:ratio=8"], limit=1,
+                      max_new_tokens=4, chunk_size=64, progress=False, calibration_samples=2)
+    evaluated = {r["sample"] for r in result["samples"]}
+    assert result["calibration"]["samples"] == ["musique_s-1", "musique_s-2"]
+    assert not evaluated & set(result["calibration"]["samples"]) and result["calibration"]["tokens"] > 500
+    s = result["summary"]
+    assert 0 < s["reuse+kvtc:ratio=8"]["stored_bytes_mean"] < s["reuse"]["stored_bytes_mean"] / 6
+    with pytest.raises(ValueError, match="lower --limit"):
+        run_eval("musique", model, tokenizer, ["reuse+kvtc:ratio=8"], limit=3, max_new_tokens=4, progress=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -51,16 +52,34 @@ def encode(tokenizer, sample: Sample, max_prompt_tokens: int, max_new_tokens: in
     return Encoded(ids, len(context), spans, truncated)
 
 
+def calibrate_kvtc(model, tokenizer, contexts: list[Sample], max_prompt_tokens: int, max_new_tokens: int,
+                   progress: bool = True) -> dict:
+    """Fit and load the model's ``kvtc`` calibration on ``contexts`` (samples the evaluation does not
+    answer: a codec fit on the contexts it is then judged on would flatter it); what was used."""
+    from kdn import kvtc
+
+    if not contexts:
+        raise ValueError("kvtc needs calibration contexts disjoint from the evaluated ones and the dataset has "
+                         "no samples left beyond --limit: lower --limit")
+    ids = [encode(tokenizer, c, max_prompt_tokens, max_new_tokens).ids[0, :-1].tolist() for c in contexts]
+    t0 = time.perf_counter()
+    kvtc.load(kvtc.calibrate(model, ids, progress=progress))
+    return {"samples": [c.id for c in contexts], "tokens": sum(map(len, ids)), "seconds": time.perf_counter() - t0}
+
+
 def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | None = None,
              out_dir: str | Path | None = None, max_new_tokens: int = 32, chunk_size: int = 256,
              max_prompt_tokens: int | None = None, model_name: str = "model", progress: bool = True,
-             data_dir: str | Path | None = None) -> dict:
+             data_dir: str | Path | None = None, calibration_samples: int = 2) -> dict:
     """Answer ``limit`` samples of ``dataset`` with every method; returns (and writes) the results.
 
     Returns ``{"summary": {method: {...}}, "samples": [per-sample records], ...}``. With ``out_dir``
     it writes ``samples.jsonl``, ``summary.json``, ``summary.csv``, ``summary.md`` and
-    ``quality_vs_ttft.png`` there (see :mod:`kdn.eval.report`). ``data_dir`` is where named datasets
-    are looked for (default ``$KDN_DATA``, then ``$KDN_SHARED/data``).
+    ``quality_vs_ttft.png`` there (see :mod:`kdn.eval.report`), and rewrites them as samples finish
+    (at most once a minute), so a long run stopped early keeps what it answered. ``data_dir`` is
+    where named datasets are looked for (default ``$KDN_DATA``, then ``$KDN_SHARED/data``). A
+    ``reuse+kvtc`` method is calibrated first on the ``calibration_samples`` samples that follow
+    the evaluated ones.
 
     Example:
         >>> model, tok = kdn.models.load("stories260k")
@@ -68,13 +87,22 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
         >>> result["summary"]["reuse"]["identical_to_full"]
         1.0
     """
-    samples = load_dataset(dataset, limit, data_dir)
+    everything = load_dataset(dataset, None, data_dir)
+    samples = everything[:limit] if limit is not None else everything
     config = KDNConfig(chunk_size=chunk_size)
     resolved = [resolve_method(m, config) for m in methods]
     device = next(model.parameters()).device
     if max_prompt_tokens is None:
         max_prompt_tokens = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
+    calibration = None
+    if any(m.startswith("reuse+kvtc") for m in methods):
+        extra = everything[len(samples): len(samples) + calibration_samples]
+        calibration = calibrate_kvtc(model, tokenizer, extra, max_prompt_tokens, max_new_tokens, progress)
     records = []
+    result = {"dataset": dataset, "model": model_name, "metric": samples[0].metric if samples else None,
+              "methods": methods, "max_new_tokens": max_new_tokens, "chunk_size": chunk_size,
+              "calibration": calibration}
+    written = time.monotonic()
     steps = [(s, m) for s in samples for m in resolved]
     bar = tqdm(total=len(steps), desc=f"kdn eval {dataset}", unit="answer", disable=not progress)
     for sample in samples:
@@ -104,15 +132,19 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
                 record["reason"] = method.reason
             records.append(record)
             bar.update()
+        if out_dir is not None and time.monotonic() - written > 60:
+            _write(result, records, methods, out_dir)
+            written = time.monotonic()
     bar.close()
-    result = {"dataset": dataset, "model": model_name, "metric": samples[0].metric if samples else None,
-              "methods": methods, "max_new_tokens": max_new_tokens, "chunk_size": chunk_size,
-              "summary": summarize(records, methods), "samples": records}
     if out_dir is not None:
-        from kdn.eval.report import write_reports
+        _write(result, records, methods, out_dir)
+    return {**result, "summary": summarize(records, methods), "samples": records}
 
-        write_reports(result, Path(out_dir))
-    return result
+
+def _write(result: dict, records: list[dict], methods: list[str], out_dir) -> None:
+    from kdn.eval.report import write_reports
+
+    write_reports({**result, "summary": summarize(records, methods), "samples": records}, Path(out_dir))
 
 
 def summarize(records: list[dict], methods: list[str]) -> dict:
