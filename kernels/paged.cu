@@ -8,7 +8,7 @@ namespace kdn {
 namespace {
 
 template <typename T>
-__global__ void paged_copy_kernel(KvShape chunk_shape, PagedShape paged, void* const* layers, const int64_t* block_ids,
+__global__ void paged_copy_kernel(KvShape chunk_shape, PagedLayout paged, void* const* layers, const int64_t* block_ids,
                                   T* chunk, int64_t from, int64_t position, int64_t count, CopyDirection dir) {
   const KvShape span{chunk_shape.layers, count, chunk_shape.kv_heads, chunk_shape.head_dim};
   const int64_t total = span.layers * 2 * count * span.kv_heads * span.head_dim;
@@ -28,7 +28,7 @@ __global__ void paged_copy_kernel(KvShape chunk_shape, PagedShape paged, void* c
 
 }  // namespace
 
-Status paged_copy_cuda(const KvShape& chunk_shape, const PagedShape& paged, void* const* layers,
+Status paged_copy_cuda(const KvShape& chunk_shape, const PagedLayout& paged, void* const* layers,
                        const int64_t* block_ids, int64_t num_block_ids, void* chunk, int64_t elem_size, int64_t from,
                        int64_t position, int64_t count, CopyDirection dir, uintptr_t stream) {
   if (elem_size != 4 && elem_size != 2) return Status::Fail("paged_copy_cuda: unsupported element size");

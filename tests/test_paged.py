@@ -3,6 +3,7 @@ scattered with torch indexing into the same layout."""
 
 import pytest
 import torch
+from kdn._core import InvalidInputError
 
 from kdn import _core, codecs
 
@@ -87,3 +88,106 @@ def test_a_requests_kv_gathered_out_of_the_blocks_is_what_was_laid_in(dtype):
     assert torch.equal(out, codecs.decode(blob))
     with pytest.raises(ValueError, match="out must be"):
         _core.gather_paged(paged, block_ids, torch.empty(layers, 2, 40, heads, dim + 1, dtype=dtype))
+
+
+# -- every engine layout, described by strides (kdn.engine.paged), against vLLM's own indexing ---------
+
+def _engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype):
+    """Per-layer tensors as an engine allocates them: one pool for all layers, viewed per layer."""
+    if kind == "vec":
+        return [torch.zeros(num_blocks, heads, block_size, 2 * dim, dtype=dtype) for _ in range(layers)]
+    if kind == "packed-LBHNC":  # [layers, blocks, heads, block, K||V] in memory
+        pool = torch.zeros(layers, num_blocks, heads, block_size, 2 * dim, dtype=dtype)
+        return [pool[i] for i in range(layers)]
+    if kind == "packed-LBNHC":  # the old NHD order in memory, seen as [blocks, heads, block, K||V]
+        pool = torch.zeros(layers, num_blocks, block_size, heads, 2 * dim, dtype=dtype)
+        return [pool[i].permute(0, 2, 1, 3) for i in range(layers)]
+    if kind == "kv-first":
+        return [torch.zeros(2, num_blocks, block_size, heads, dim, dtype=dtype) for _ in range(layers)]
+    pool = torch.zeros(num_blocks, layers, 2, block_size, heads, dim, dtype=dtype)  # blocks-first, layers inside
+    return [pool[:, i] for i in range(layers)]
+
+
+def _describe(kind, layer):
+    from kdn.engine.paged import PagedLayout
+
+    if kind == "vec":
+        return PagedLayout.vllm_cpu_vec(layer)
+    if kind.startswith("packed"):
+        return PagedLayout.packed(layer)
+    return PagedLayout.kv_first(layer) if kind == "kv-first" else PagedLayout.blocks_first(layer)
+
+
+def _read_like_vllm(kind, layer, blocks, offsets, dim):
+    """K and V [tokens, heads, dim] of (block, offset) pairs, read the way vLLM's kernels and its
+    reference connector index each layout."""
+    if kind == "vec":
+        num_blocks, heads, size, _ = layer.shape
+        flat = layer.reshape(num_blocks, heads, 2 * size * dim)
+        keys = flat[:, :, : size * dim].reshape(num_blocks, heads, dim, size)
+        values = flat[:, :, size * dim:].reshape(num_blocks, heads, size, dim)
+        return keys[blocks, :, :, offsets], values[blocks, :, offsets]
+    if kind.startswith("packed"):
+        both = layer[blocks, :, offsets]  # [tokens, heads, K||V]
+        return both[..., :dim], both[..., dim:]
+    if kind == "kv-first":
+        return layer[0, blocks, offsets], layer[1, blocks, offsets]
+    return layer[blocks, 0, offsets], layer[blocks, 1, offsets]
+
+
+KINDS = ["vec", "packed-LBHNC", "packed-LBNHC", "kv-first", "blocks-first"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("codec", ["raw", "int8"])
+@pytest.mark.parametrize("start,count", [(0, 96), (10, 75), (40, 41)])
+def test_every_engine_layout_gets_each_token_where_the_engine_reads_it(kind, dtype, codec, start, count):
+    layers, heads, dim, chunk, block_size, num_blocks = 3, 2, 16, 32, 16, 11
+    kv = [torch.randn(1, heads, 96, dim).to(dtype) for _ in range(2 * layers)]
+    blobs = [codecs.encode(_core.pack_chunk(kv, i * chunk, chunk, FP, bytes([i]) * 16), codec) for i in range(3)]
+    decoded = [torch.empty(1, heads, count, dim, dtype=dtype) for _ in kv]
+    _core.unpack_chunks(blobs, decoded, count)  # the decoded KV, in HF's layout
+    block_ids = [7, 2, 9, 0, 4, 10, 1]  # a request's blocks, scattered over the pool
+    paged = _engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype)
+    layout = _describe(kind, paged[0]).as_dict()
+    _core.unpack_chunks_paged(blobs, paged, torch.tensor(block_ids).numpy(), start, count, layout=layout)
+    positions = torch.arange(count)
+    blocks, offsets = torch.tensor(block_ids)[positions // block_size], positions % block_size
+    for i, layer in enumerate(paged):
+        keys, values = _read_like_vllm(kind, layer, blocks, offsets, dim)
+        assert torch.equal(keys[start:], decoded[2 * i][0, :, start:].transpose(0, 1))
+        assert torch.equal(values[start:], decoded[2 * i + 1][0, :, start:].transpose(0, 1))
+        assert not keys[:start].any() and not values[:start].any()  # positions before start untouched
+    written = sum(int(t.count_nonzero()) for t in paged)  # nothing else was written anywhere
+    zeros = sum(int((d[0, :, start:] == 0).sum()) for d in decoded)
+    assert written == 2 * layers * heads * dim * (count - start) - zeros
+    # and out again: what the engine holds comes back in the canonical layout kdn stores
+    out = torch.empty(layers, 2, count, heads, dim, dtype=dtype)
+    _core.gather_paged(paged, torch.tensor(block_ids).numpy(), out, layout=layout)
+    for i in range(layers):
+        for j in range(2):
+            assert torch.equal(out[i, j, start:], decoded[2 * i + j][0, :, start:].transpose(0, 1))
+
+
+def test_a_layout_that_reaches_beyond_the_tensor_is_refused_before_any_write():
+    from kdn.engine.paged import PagedLayout
+
+    layer = torch.zeros(4, 2, 16, 32)
+    layout = PagedLayout.packed(layer).as_dict()
+    kv = [torch.randn(1, 2, 32, 16) for _ in range(2)]
+    blob = _core.pack_chunk(kv, 0, 32, FP, bytes(16))
+    too_many = {**layout, "num_blocks": 5}
+    with pytest.raises(ValueError, match="beyond"):
+        _core.unpack_chunks_paged([blob], [layer], torch.tensor([0, 4]).numpy(), 0, 32, layout=too_many)
+    with pytest.raises(ValueError, match="non-negative"):
+        _core.unpack_chunks_paged([blob], [layer], torch.tensor([0, 1]).numpy(), 0, 32,
+                                  layout={**layout, "v": (16, -1, 512, 32, 1)})
+    with pytest.raises(ValueError, match="base, block, head, token, dim"):
+        _core.gather_paged([layer], torch.tensor([0, 1]).numpy(), torch.empty(1, 2, 32, 2, 16),
+                           layout={**layout, "k": (0, 1)})
+    assert not layer.any()
+    with pytest.raises(InvalidInputError, match="odd"):
+        PagedLayout.packed(torch.zeros(4, 2, 16, 31))
+    with pytest.raises(InvalidInputError, match="contiguous"):
+        PagedLayout.vllm_cpu_vec(torch.zeros(4, 16, 2, 32).permute(0, 2, 1, 3))

@@ -61,31 +61,63 @@ KvViews kv_views(const py::sequence& kv, bool need_writable) {
   return out;
 }
 
-// vLLM's paged CPU KV tensors, one per layer: [blocks, kv_heads, block_size, 2 * head_dim] (kdn/paged.h).
+// An engine's paged KV tensors, one per layer, and the layout they are read and written by
+// (kdn/paged.h): `layout` None is vLLM's CPU 'vec' layout of contiguous [blocks, kv_heads,
+// block_size, 2 * head_dim] tensors; otherwise a dict {"kv_heads", "head_dim", "block_size",
+// "num_blocks", "k": (base, block, head, token, dim), "v": (...)} of element strides
+// (python/kdn/engine/paged.py derives it from an engine's tensors).
 struct PagedLayers {
   std::vector<HeldView> held;
   std::vector<void*> ptrs;
-  PagedShape shape{};
+  PagedLayout layout{};
   DType dtype = DType::kFloat32;
 };
 
-PagedLayers paged_layers(const py::sequence& layers) {
+PlaneStrides plane_arg(const py::handle& value, const char* name) {
+  const auto t = value.cast<std::vector<int64_t>>();
+  KDN_CHECK_INPUT(t.size() == 5, std::string("paged layout: ") + name + " must be (base, block, head, token, dim)");
+  return PlaneStrides{t[0], t[1], t[2], t[3], t[4]};
+}
+
+// The largest element offset a tensor view can address (strides must be non-negative).
+int64_t view_extent(const TensorView& v) {
+  int64_t most = 0;
+  for (int i = 0; i < v.ndim; ++i) {
+    KDN_CHECK_INPUT(v.strides[i] >= 0, "paged layers: negative strides are not supported");
+    most += (v.shape[i] - 1) * v.strides[i];
+  }
+  return most;
+}
+
+PagedLayers paged_layers(const py::sequence& layers, const py::object& layout) {
   PagedLayers out;
   const size_t n = py::len(layers);
   KDN_CHECK_INPUT(n > 0, "paged layers: none given");
   for (size_t i = 0; i < n; ++i) {
     out.held.push_back(view_from_object(layers[i], "layers[" + std::to_string(i) + "]"));
     const TensorView& v = out.held.back().view;
-    KDN_CHECK_INPUT(v.device == DeviceType::kCPU && v.ndim == 4 && v.is_contiguous() && v.writable && v.shape[3] % 2 == 0,
-                    "paged layers must be writable contiguous CPU tensors [blocks, kv_heads, block_size, 2 * head_dim], "
-                    "got " + v.shape_str());
+    KDN_CHECK_INPUT(v.device == DeviceType::kCPU && v.writable, "paged layers must be writable CPU tensors");
     if (i == 0) {
-      out.shape = PagedShape{static_cast<int64_t>(n), v.shape[1], v.shape[3] / 2, v.shape[2], v.shape[0]};
       out.dtype = v.dtype;
+      if (layout.is_none()) {
+        KDN_CHECK_INPUT(v.ndim == 4 && v.is_contiguous() && v.shape[3] % 2 == 0,
+                        "paged layers in vLLM's CPU layout must be contiguous [blocks, kv_heads, block_size, "
+                        "2 * head_dim], got " + v.shape_str());
+        out.layout = vec_layout(static_cast<int64_t>(n), v.shape[1], v.shape[3] / 2, v.shape[2], v.shape[0]);
+      } else {
+        const py::dict d = layout.cast<py::dict>();
+        out.layout = PagedLayout{static_cast<int64_t>(n), d["kv_heads"].cast<int64_t>(), d["head_dim"].cast<int64_t>(),
+                                 d["block_size"].cast<int64_t>(), d["num_blocks"].cast<int64_t>(),
+                                 plane_arg(d["k"], "k"), plane_arg(d["v"], "v")};
+        const PagedLayout& l = out.layout;
+        KDN_CHECK_INPUT(l.kv_heads > 0 && l.head_dim > 0 && l.block_size > 0 && l.num_blocks > 0,
+                        "paged layout: kv_heads, head_dim, block_size and num_blocks must be positive");
+      }
+      KDN_CHECK_INPUT(paged_extent(out.layout) >= 0, "paged layout: strides must be non-negative");
     }
-    KDN_CHECK_INPUT(v.dtype == out.dtype && v.shape[0] == out.shape.num_blocks && v.shape[1] == out.shape.kv_heads &&
-                        v.shape[2] == out.shape.block_size && v.shape[3] == 2 * out.shape.head_dim,
-                    "paged layers differ in shape or dtype");
+    KDN_CHECK_INPUT(v.dtype == out.dtype, "paged layers differ in dtype");
+    KDN_CHECK_INPUT(paged_extent(out.layout) <= view_extent(v),
+                    "paged layout addresses elements beyond layers[" + std::to_string(i) + "] " + v.shape_str());
     out.ptrs.push_back(v.data);
   }
   return out;
@@ -151,39 +183,42 @@ void bind_kv(py::module_& m) {
   m.def(
       "unpack_chunks_paged",
       [](const py::list& blobs, const py::sequence& layers, py::array_t<int64_t, py::array::c_style> block_ids,
-         int64_t from, int64_t count, int64_t first_layer, int64_t total_layers) {
-        PagedLayers paged = paged_layers(layers);
+         int64_t from, int64_t count, int64_t first_layer, int64_t total_layers, const py::object& layout) {
+        PagedLayers paged = paged_layers(layers, layout);
         KDN_CHECK_INPUT(block_ids.ndim() == 1, "unpack_chunks_paged: block_ids must be 1-D");
         std::vector<ByteSpan> keep;
         const std::vector<ChunkBytes> spans = chunk_bytes(blobs, &keep);
         py::gil_scoped_release release;
-        unpack_chunks_paged(spans, paged.shape, paged.ptrs.data(), block_ids.data(), block_ids.shape(0), paged.dtype,
+        unpack_chunks_paged(spans, paged.layout, paged.ptrs.data(), block_ids.data(), block_ids.shape(0), paged.dtype,
                             from, count, default_num_threads(), first_layer, total_layers);
       },
       py::arg("blobs"), py::arg("layers"), py::arg("block_ids"), py::arg("start"), py::arg("count"),
-      py::arg("first_layer") = 0, py::arg("total_layers") = -1,
-      "Copy tokens [start, count) of consecutive blobs into vLLM's paged CPU KV blocks (layout in kdn/paged.h);\n"
-      "`layers` may hold layers [first_layer, ...) of the blobs' `total_layers` only (layer-wise delivery).");
+      py::arg("first_layer") = 0, py::arg("total_layers") = -1, py::arg("layout") = py::none(),
+      "Copy tokens [start, count) of consecutive blobs into an engine's paged CPU KV blocks (`layout`: a strides\n"
+      "dict, None for vLLM's CPU 'vec' layout; kdn/paged.h); `layers` may hold layers [first_layer, ...) of the\n"
+      "blobs' `total_layers` only (layer-wise delivery).");
 
   m.def(
       "gather_paged",
-      [](const py::sequence& layers, py::array_t<int64_t, py::array::c_style> block_ids, py::handle out) {
-        PagedLayers paged = paged_layers(layers);
+      [](const py::sequence& layers, py::array_t<int64_t, py::array::c_style> block_ids, py::handle out,
+         const py::object& layout) {
+        PagedLayers paged = paged_layers(layers, layout);
         HeldView dst = view_from_object(out, "out");
         const TensorView& v = dst.view;
         KDN_CHECK_INPUT(v.device == DeviceType::kCPU && v.is_contiguous() && v.writable && v.dtype == paged.dtype &&
-                            v.ndim == 5 && v.shape[0] == paged.shape.layers && v.shape[1] == 2 &&
-                            v.shape[3] == paged.shape.kv_heads && v.shape[4] == paged.shape.head_dim,
+                            v.ndim == 5 && v.shape[0] == paged.layout.layers && v.shape[1] == 2 &&
+                            v.shape[3] == paged.layout.kv_heads && v.shape[4] == paged.layout.head_dim,
                         "gather_paged: out must be a contiguous CPU tensor [layers, 2, tokens, kv_heads, head_dim] "
                         "in the layers' dtype, got " + v.shape_str());
         KDN_CHECK_INPUT(block_ids.ndim() == 1, "gather_paged: block_ids must be 1-D");
-        const KvShape shape{paged.shape.layers, v.shape[2], paged.shape.kv_heads, paged.shape.head_dim};
+        const KvShape shape{paged.layout.layers, v.shape[2], paged.layout.kv_heads, paged.layout.head_dim};
         py::gil_scoped_release release;
-        paged_copy_cpu(shape, paged.shape, paged.ptrs.data(), block_ids.data(), block_ids.shape(0), v.data,
+        paged_copy_cpu(shape, paged.layout, paged.ptrs.data(), block_ids.data(), block_ids.shape(0), v.data,
                        dtype_size(paged.dtype), 0, 0, shape.tokens, CopyDirection::kCacheToChunk, default_num_threads());
       },
-      py::arg("layers"), py::arg("block_ids"), py::arg("out"),
-      "Copy a request's first out.shape[2] tokens out of vLLM's paged CPU KV blocks into a canonical chunk `out`.");
+      py::arg("layers"), py::arg("block_ids"), py::arg("out"), py::arg("layout") = py::none(),
+      "Copy a request's first out.shape[2] tokens out of an engine's paged CPU KV blocks (`layout` as in\n"
+      "unpack_chunks_paged) into a canonical chunk `out`.");
 
   m.def(
       "decode_chunks",

@@ -120,7 +120,7 @@ void unpack_chunks(const std::vector<ChunkBytes>& blobs, const KvShape& shape, c
   }
 }
 
-void unpack_chunks_paged(const std::vector<ChunkBytes>& blobs, const PagedShape& paged, void* const* layers,
+void unpack_chunks_paged(const std::vector<ChunkBytes>& blobs, const PagedLayout& paged, void* const* layers,
                          const int64_t* block_ids, int64_t num_block_ids, DType dtype, int64_t from, int64_t count,
                          int threads, int64_t first_layer, int64_t total_layers) {
   if (total_layers < 0) total_layers = paged.layers;

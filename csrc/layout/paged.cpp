@@ -1,6 +1,7 @@
-// CPU copies between canonical chunks and paged KV blocks (kdn/paged.h); the oracle of kernels/paged.cu.
+// CPU copies between canonical chunks and paged KV blocks of any strided layout (kdn/paged.h); the oracle of kernels/paged.cu.
 #include "kdn/paged.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -9,22 +10,28 @@
 namespace kdn {
 namespace {
 
-// One token's K (head_dim values, contiguous in the chunk at byte offset c) <-> its column of the
-// block's transposed K.
+// One token's head_dim values: contiguous in the chunk, `stride` elements apart in the block.
 template <typename T>
-void copy_column(uint8_t* base, const PagedShape& paged, int64_t block, int64_t offset, int64_t head, void* chunk,
-                 int64_t c, int64_t dim, CopyDirection dir) {
-  T* column = reinterpret_cast<T*>(base) + paged_offset(paged, block, 0, offset, head, 0);
-  T* row = reinterpret_cast<T*>(static_cast<uint8_t*>(chunk) + c);
+void copy_strided(T* paged, int64_t stride, T* row, int64_t dim, CopyDirection dir) {
   if (dir == CopyDirection::kChunkToCache)
-    for (int64_t d = 0; d < dim; ++d) column[d * paged.block_size] = row[d];
+    for (int64_t d = 0; d < dim; ++d) paged[d * stride] = row[d];
   else
-    for (int64_t d = 0; d < dim; ++d) row[d] = column[d * paged.block_size];
+    for (int64_t d = 0; d < dim; ++d) row[d] = paged[d * stride];
 }
 
 }  // namespace
 
-void paged_copy_cpu(const KvShape& chunk_shape, const PagedShape& paged, void* const* layers, const int64_t* block_ids,
+int64_t paged_extent(const PagedLayout& p) {
+  int64_t most = 0;
+  for (const PlaneStrides& s : {p.k, p.v}) {
+    if (s.base < 0 || s.block < 0 || s.head < 0 || s.token < 0 || s.dim < 0) return -1;
+    most = std::max(most, s.base + (p.num_blocks - 1) * s.block + (p.kv_heads - 1) * s.head +
+                              (p.block_size - 1) * s.token + (p.head_dim - 1) * s.dim);
+  }
+  return most;
+}
+
+void paged_copy_cpu(const KvShape& chunk_shape, const PagedLayout& paged, void* const* layers, const int64_t* block_ids,
                     int64_t num_block_ids, void* chunk, int64_t elem_size, int64_t from,
                     int64_t position, int64_t count, CopyDirection dir, int threads) {
   KDN_CHECK_INPUT(elem_size == 2 || elem_size == 4, "paged_copy: element size must be 2 or 4");
@@ -42,24 +49,23 @@ void paged_copy_cpu(const KvShape& chunk_shape, const PagedShape& paged, void* c
   parallel_for(chunk_shape.layers * 2 * chunk_shape.kv_heads, threads, [&](int64_t item) {
     const int64_t tensor = item / chunk_shape.kv_heads, head = item % chunk_shape.kv_heads;
     const int64_t layer = tensor / 2, kv = tensor % 2;
+    const int64_t dim_stride = (kv == 0 ? paged.k : paged.v).dim;
     auto* base = static_cast<uint8_t*>(layers[layer]);
     for (int64_t t = 0; t < count; ++t) {
       const int64_t p = position + t;
-      const int64_t block = block_ids[p / paged.block_size], offset = p % paged.block_size;
-      const int64_t c = canonical_offset(chunk_shape, layer, kv, from + t, head, 0) * elem_size;
-      if (kv == 1) {  // V rows are contiguous on both sides
-        uint8_t* m = base + paged_offset(paged, block, 1, offset, head, 0) * elem_size;
+      uint8_t* m = base + paged_offset(paged, block_ids[p / paged.block_size], kv, p % paged.block_size, head, 0) *
+                              elem_size;
+      uint8_t* c = static_cast<uint8_t*>(chunk) + canonical_offset(chunk_shape, layer, kv, from + t, head, 0) * elem_size;
+      if (dim_stride == 1) {  // a row on both sides
         if (dir == CopyDirection::kChunkToCache)
-          std::memcpy(m, static_cast<const uint8_t*>(chunk) + c, row_bytes);
+          std::memcpy(m, c, row_bytes);
         else
-          std::memcpy(static_cast<uint8_t*>(chunk) + c, m, row_bytes);
-        continue;
+          std::memcpy(c, m, row_bytes);
+      } else if (elem_size == 4) {  // e.g. the 'vec' kernel's transposed K: one column per token
+        copy_strided(reinterpret_cast<uint32_t*>(m), dim_stride, reinterpret_cast<uint32_t*>(c), dim, dir);
+      } else {
+        copy_strided(reinterpret_cast<uint16_t*>(m), dim_stride, reinterpret_cast<uint16_t*>(c), dim, dir);
       }
-      // K is transposed in the block: one column per token (typed copies, not a memcpy call each)
-      if (elem_size == 4)
-        copy_column<uint32_t>(base, paged, block, offset, head, chunk, c, dim, dir);
-      else
-        copy_column<uint16_t>(base, paged, block, offset, head, chunk, c, dim, dir);
     }
   });
 }

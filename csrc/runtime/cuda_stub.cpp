@@ -9,7 +9,7 @@ namespace kdn {
 Status kv_copy_cuda(const KvShape&, const KvTable&, void*, int64_t, int64_t, int64_t, CopyDirection, uintptr_t) {
   return Status::Fail("kdn was built without CUDA");
 }
-Status paged_copy_cuda(const KvShape&, const PagedShape&, void* const*, const int64_t*, int64_t, void*, int64_t, int64_t,
+Status paged_copy_cuda(const KvShape&, const PagedLayout&, void* const*, const int64_t*, int64_t, void*, int64_t, int64_t,
                        int64_t, int64_t, CopyDirection, uintptr_t) {
   return Status::Fail("kdn was built without CUDA");
 }

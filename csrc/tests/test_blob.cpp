@@ -155,7 +155,7 @@ TEST(Paged, ChunksLandWhereVllmsCpuKernelReadsThemAndComeBackTheSame) {
   // 2 layers, 2 heads, dim 8; 40 tokens into blocks of 16 scattered over a pool of 5
   Cache cache(40);
   BufferPtr blob = pack_chunk(cache.shape(), cache.table(), DType::kFloat32, 0, 40, key_of(9), key_of(1), 1);
-  const PagedShape paged{2, 2, 8, 16, 5};
+  const PagedLayout paged = vec_layout(2, 2, 8, 16, 5);
   std::vector<std::vector<float>> layers(2, std::vector<float>(5 * 2 * 2 * 16 * 8, -1.0f));
   std::vector<void*> ptrs{layers[0].data(), layers[1].data()};
   const int64_t block_ids[3] = {4, 0, 2};

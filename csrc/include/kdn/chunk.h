@@ -47,7 +47,7 @@ int64_t verify_chunks(const std::vector<ChunkBytes>& blobs, const std::vector<Ke
 // hold go to sequence positions [from, count) of the paged `layers`. Coded blobs are decoded first.
 // `layers` may be layers [first_layer, first_layer + paged.layers) of the blobs' `total_layers`
 // (-1: paged.layers) only: layer-wise delivery into a serving engine's blocks.
-void unpack_chunks_paged(const std::vector<ChunkBytes>& blobs, const PagedShape& paged, void* const* layers,
+void unpack_chunks_paged(const std::vector<ChunkBytes>& blobs, const PagedLayout& paged, void* const* layers,
                          const int64_t* block_ids, int64_t num_block_ids, DType dtype, int64_t from, int64_t count,
                          int threads, int64_t first_layer = 0, int64_t total_layers = -1);
 

@@ -1,9 +1,15 @@
 // Copies between canonical chunks and a serving engine's paged KV blocks (CPU; CUDA twin in kernels/paged.cu).
 //
-// Paged layout of vLLM's CPU attention kernel 'vec' (measured against HF's cache, tests/test_vllm.py):
-// one tensor per layer, [num_blocks, kv_heads, 2 * block_size * head_dim]; per (block, head), K
-// transposed, [head_dim, block_size], then V, [block_size, head_dim]. Sequence position p of a
-// request lives in block block_ids[p / block_size] at offset p % block_size.
+// A paged layout is described by numbers, not named (FlashInfer's paged_kv_t is the model): one
+// tensor per layer; sequence position p of a request lives in block block_ids[p / block_size] at
+// offset p % block_size; element (block, head, offset, dim) of K sits at
+//   k.base + block * k.block + head * k.head + offset * k.token + dim * k.dim
+// elements from the layer's data pointer, and the same for V with v's strides. Every engine layout
+// kdn serves is one set of these numbers (python/kdn/engine/paged.py derives them from vLLM's tensors):
+//   vLLM CPU 'vec' kernel, [blocks, heads, block_size, 2 * head_dim] reinterpreted per (block, head)
+//     as K transposed [head_dim, block_size] then V [block_size, head_dim]  (vec_layout below);
+//   vLLM GPU, [blocks, heads, block_size, K||V] viewed over any physical stride order;
+//   older vLLM, (2, blocks, block_size, heads, dim) and (blocks, 2, block_size, heads, dim).
 #pragma once
 
 #include "kdn/kv_copy.h"
@@ -11,30 +17,48 @@
 
 namespace kdn {
 
-struct PagedShape {
+struct PlaneStrides {  // in elements
+  int64_t base, block, head, token, dim;
+};
+
+struct PagedLayout {
   int64_t layers;
   int64_t kv_heads;
   int64_t head_dim;
   int64_t block_size;
   int64_t num_blocks;
+  PlaneStrides k, v;
 };
 
-KDN_HD int64_t paged_offset(const PagedShape& p, int64_t block, int64_t kv, int64_t offset, int64_t head,
+KDN_HD int64_t paged_offset(const PagedLayout& p, int64_t block, int64_t kv, int64_t offset, int64_t head,
                             int64_t dim) {
-  const int64_t base = (block * p.kv_heads + head) * 2 * p.block_size * p.head_dim;
-  return kv == 0 ? base + dim * p.block_size + offset : base + (p.block_size + offset) * p.head_dim + dim;
+  const PlaneStrides& s = kv == 0 ? p.k : p.v;
+  return s.base + block * s.block + head * s.head + offset * s.token + dim * s.dim;
 }
+
+// vLLM's CPU 'vec' kernel layout (measured against HF's cache, tests/test_vllm.py).
+inline PagedLayout vec_layout(int64_t layers, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                              int64_t num_blocks) {
+  const int64_t page = 2 * block_size * head_dim;
+  return PagedLayout{layers, kv_heads, head_dim, block_size, num_blocks,
+                     PlaneStrides{0, kv_heads * page, page, 1, block_size},
+                     PlaneStrides{block_size * head_dim, kv_heads * page, page, head_dim, 1}};
+}
+
+// The largest element offset the layout addresses in one layer (for bounds checks), or -1 when a
+// stride is negative.
+int64_t paged_extent(const PagedLayout& p);
 
 // Copies `count` tokens: canonical chunk tokens [from, from + count) <-> sequence positions
 // [position, position + count) of the paged `layers` (layer pointers, host memory). The chunk's
 // shape.tokens may exceed from + count. Element size 2 or 4. Throws InputError when a position's
 // block is outside block_ids or a block id outside [0, num_blocks).
-void paged_copy_cpu(const KvShape& chunk_shape, const PagedShape& paged, void* const* layers, const int64_t* block_ids,
+void paged_copy_cpu(const KvShape& chunk_shape, const PagedLayout& paged, void* const* layers, const int64_t* block_ids,
                     int64_t num_block_ids, void* chunk, int64_t elem_size, int64_t from,
                     int64_t position, int64_t count, CopyDirection dir, int threads);
 
 // CUDA twin: `layers` and `block_ids` are host arrays (uploaded), the tensors and the chunk device memory.
-Status paged_copy_cuda(const KvShape& chunk_shape, const PagedShape& paged, void* const* layers,
+Status paged_copy_cuda(const KvShape& chunk_shape, const PagedLayout& paged, void* const* layers,
                        const int64_t* block_ids, int64_t num_block_ids, void* chunk, int64_t elem_size, int64_t from,
                        int64_t position, int64_t count, CopyDirection dir, uintptr_t stream);
 

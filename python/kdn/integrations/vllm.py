@@ -51,6 +51,7 @@ from kdn import _core
 from kdn.config import KDNConfig
 from kdn.delivery import Deliverer, DeliveryError
 from kdn.engine import ChunkIO, HFTarget, ModelSession
+from kdn.engine.paged import PagedLayout
 from kdn.engine.served import Served
 from kdn.engine.verify import plane_error
 from kdn.keys import checkpoint_fingerprint
@@ -168,18 +169,19 @@ class PagedBlocks:
     """A chunk target (like :class:`kdn.engine.HFTarget`): vLLM's paged CPU KV blocks of one request.
     Tokens from ``start`` on are decoded and laid straight into its blocks by kdn's C++ core."""
 
-    def __init__(self, layers: list[torch.Tensor], block_ids: list, start: int):
-        self.layers = layers
+    def __init__(self, layers: list[torch.Tensor], layout: PagedLayout, block_ids: list, start: int):
+        self.layers, self.layout = layers, layout.as_dict()
         self.block_ids = np.asarray(block_ids, dtype=np.int64)
         self.start = start
 
     def receive(self, session: ModelSession, blobs: list, num_tokens: int) -> int:
-        _core.unpack_chunks_paged(blobs, self.layers, self.block_ids, self.start, num_tokens)
+        _core.unpack_chunks_paged(blobs, self.layers, self.block_ids, self.start, num_tokens, layout=self.layout)
         return num_tokens
 
     def receive_layers(self, blobs: list, first: int, end: int, num_tokens: int, layers: int) -> None:
         """Layers [first, end) only (layer-wise delivery, :mod:`kdn.delivery`)."""
-        _core.unpack_chunks_paged(blobs, self.layers[first:end], self.block_ids, self.start, num_tokens, first, layers)
+        _core.unpack_chunks_paged(blobs, self.layers[first:end], self.block_ids, self.start, num_tokens, first, layers,
+                                  layout=self.layout)
 
 
 def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
@@ -240,6 +242,7 @@ class KDNConnector(KVConnectorBase_V1):
         self._requests: dict[str, _Request] = {}
         # worker side
         self._blocks: list[torch.Tensor] = []
+        self._layout: PagedLayout | None = None  # how kdn reads and writes them (set with the blocks)
         self._errors: set[int] = set()
         self._served: dict[str, Served] = {}  # what kdn served each running request
         self._streams: list = []  # (load spec, LayerStream) of this step's layer-wise loads
@@ -336,8 +339,9 @@ class KDNConnector(KVConnectorBase_V1):
             return
         # vLLM's CPU 'vec' kernel: each (block, head) holds K transposed, [head_dim, block_size], then
         # V, [block_size, head_dim] (measured against HF's cache); kdn's C++ core copies chunks in and
-        # out of it (kdn/paged.h)
+        # out of it by the strides that describe it (kdn.engine.paged, kdn/paged.h)
         self._blocks = [t for _, t in ordered]
+        self._layout = PagedLayout.vllm_cpu_vec(self._blocks[0])
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         if self.io is None or not self.has_connector_metadata():
@@ -352,10 +356,10 @@ class KDNConnector(KVConnectorBase_V1):
             tokens = np.asarray(spec.tokens, dtype=np.uint32)
             opened = None
             if self.config.delivery == "layerwise":  # layers arrive while the model computes the ones before
-                opened = self.delivery.open(self.session, tokens, spec.end, began,
-                                            lambda _, spec=spec: PagedBlocks(self._blocks, spec.block_ids, spec.start))
+                opened = self.delivery.open(self.session, tokens, spec.end, began, lambda _, spec=spec: PagedBlocks(
+                    self._blocks, self._layout, spec.block_ids, spec.start))
             if opened is None:  # whole: every layer before the forward
-                target = PagedBlocks(self._blocks, spec.block_ids, spec.start)
+                target = PagedBlocks(self._blocks, self._layout, spec.block_ids, spec.start)
                 _, hit = self.io.read(self.session, tokens, spec.end, target, info)
                 served.lossy |= info.get("lossy", False)
             else:
@@ -434,7 +438,7 @@ class KDNConnector(KVConnectorBase_V1):
         chunk = torch.empty(layout.layers, 2, end - first, layout.kv_heads, layout.head_dim,
                             dtype=self._blocks[0].dtype)
         ids = np.asarray(block_ids[first // self.block_size: -(-end // self.block_size)], dtype=np.int64)
-        _core.gather_paged(self._blocks, ids, chunk)
+        _core.gather_paged(self._blocks, ids, chunk, layout=self._layout.as_dict())
         return first, [chunk[i, side].transpose(0, 1).unsqueeze(0) for i in range(layout.layers) for side in (0, 1)]
 
     def _start_saver(self) -> None:

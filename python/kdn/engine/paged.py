@@ -1,0 +1,97 @@
+"""Engines' paged KV layouts described by numbers: where token p's K and V of each head sit in a layer's blocks.
+
+kdn's C++ core copies chunks in and out of any layout given as element strides (``kdn/paged.h``;
+FlashInfer's ``paged_kv_t`` is the model): element (block, head, offset, dim) of K is at
+``k.base + block * k.block + head * k.head + offset * k.token + dim * k.dim`` from the layer
+tensor's data pointer, V likewise. :class:`PagedLayout` derives those numbers from the tensors an
+engine hands over; a new engine layout is one more constructor here, not new C++.
+
+Example:
+    >>> from kdn.engine.paged import PagedLayout
+    >>> blocks = torch.zeros(8, 4, 16, 2 * 64)               # vLLM on a GPU: [blocks, heads, block, K||V]
+    >>> PagedLayout.packed(blocks).k, PagedLayout.packed(blocks).v
+    ((0, 8192, 2048, 128, 1), (64, 8192, 2048, 128, 1))
+    >>> nhd = torch.zeros(8, 16, 4, 128).permute(0, 2, 1, 3)  # the same, stored in the NHD stride order
+    >>> PagedLayout.packed(nhd).k
+    (0, 8192, 128, 512, 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kdn._core import InvalidInputError
+
+Plane = tuple[int, int, int, int, int]  # (base, block, head, token, dim) element strides
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedLayout:
+    """One engine layout: sizes, and the strides of K and V within a layer tensor (in elements)."""
+
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    k: Plane
+    v: Plane
+    name: str = ""
+
+    def as_dict(self) -> dict:
+        """What ``_core.unpack_chunks_paged`` / ``gather_paged`` take as ``layout``."""
+        return {"kv_heads": self.kv_heads, "head_dim": self.head_dim, "block_size": self.block_size,
+                "num_blocks": self.num_blocks, "k": self.k, "v": self.v}
+
+    @classmethod
+    def vllm_cpu_vec(cls, layer: torch.Tensor) -> PagedLayout:
+        """vLLM's CPU ``vec`` attention kernel: a contiguous ``[blocks, heads, block_size, 2 * head_dim]``
+        tensor whose every (block, head) page holds K transposed, ``[head_dim, block_size]``, then V,
+        ``[block_size, head_dim]`` (measured against HF's cache in tests/test_vllm.py)."""
+        _expect(layer, 4, "[blocks, kv_heads, block_size, 2 * head_dim]")
+        if not layer.is_contiguous() or layer.shape[3] % 2:
+            raise InvalidInputError(f"vLLM CPU 'vec' layout: a contiguous tensor with an even last dimension "
+                                    f"is expected, got {tuple(layer.shape)} with strides {layer.stride()}")
+        blocks, heads, size, both = layer.shape
+        dim, page = both // 2, size * both
+        return cls(heads, dim, size, blocks, (0, heads * page, page, 1, size),
+                   (size * dim, heads * page, page, dim, 1), "vllm-cpu-vec")
+
+    @classmethod
+    def packed(cls, layer: torch.Tensor) -> PagedLayout:
+        """vLLM's GPU backends since RFC #42082: a ``[blocks, kv_heads, block_size, K||V]`` view (K and
+        V packed in the last dimension) over any physical stride order (``LBHNC``, ``LBNHC``, ...): the
+        view's own strides say where everything is."""
+        _expect(layer, 4, "[blocks, kv_heads, block_size, 2 * head_dim]")
+        blocks, heads, size, both = layer.shape
+        if both % 2:
+            raise InvalidInputError(f"packed layout: the last dimension holds K then V, got {both} (odd)")
+        sb, sh, st, sd = layer.stride()
+        return cls(heads, both // 2, size, blocks, (0, sb, sh, st, sd), (both // 2 * sd, sb, sh, st, sd), "packed")
+
+    @classmethod
+    def kv_first(cls, layer: torch.Tensor) -> PagedLayout:
+        """Older vLLM FLASH_ATTN: ``(2, blocks, block_size, kv_heads, head_dim)``."""
+        _expect(layer, 5, "(2, blocks, block_size, kv_heads, head_dim)")
+        if layer.shape[0] != 2:
+            raise InvalidInputError(f"(2, blocks, ...) layout: the first dimension must be 2, got {tuple(layer.shape)}")
+        _, blocks, size, heads, dim = layer.shape
+        s2, sb, st, sh, sd = layer.stride()
+        return cls(heads, dim, size, blocks, (0, sb, sh, st, sd), (s2, sb, sh, st, sd), "kv-first")
+
+    @classmethod
+    def blocks_first(cls, layer: torch.Tensor) -> PagedLayout:
+        """Older vLLM FLASHINFER / TRITON_ATTN: ``(blocks, 2, block_size, kv_heads, head_dim)``."""
+        _expect(layer, 5, "(blocks, 2, block_size, kv_heads, head_dim)")
+        if layer.shape[1] != 2:
+            raise InvalidInputError(f"(blocks, 2, ...) layout: the second dimension must be 2, "
+                                    f"got {tuple(layer.shape)}")
+        blocks, _, size, heads, dim = layer.shape
+        sb, s2, st, sh, sd = layer.stride()
+        return cls(heads, dim, size, blocks, (0, sb, sh, st, sd), (s2, sb, sh, st, sd), "blocks-first")
+
+
+def _expect(layer: torch.Tensor, ndim: int, shape: str) -> None:
+    if layer.dim() != ndim:
+        raise InvalidInputError(f"paged layout {shape}: got a {layer.dim()}-D tensor {tuple(layer.shape)}")
