@@ -15,7 +15,7 @@ from kdn import _core, codecs
 from kdn._core import BlobError, KDNError
 from kdn.delivery import plan
 from kdn.engine import ChunkIO, ModelSession
-from kdn.layout import empty_kv_list
+from kdn.engine.targets import HFLayers
 
 log = logging.getLogger("kdn")
 
@@ -51,18 +51,6 @@ class _Level:
             self.view[: len(self.prefix)] = self.prefix
             self.view[self.total - len(self.trailer):] = self.trailer
         return self.buffer
-
-
-class HFLayers:
-    """Where a stream lays its layers out by default: HF's per-layer tensors on the CPU (``kv``,
-    ``2 * layers`` of ``[1, kv_heads, tokens, head_dim]``). Another target (vLLM's paged blocks)
-    has the same ``receive_layers``."""
-
-    def __init__(self, session: ModelSession, tokens: int):
-        self.kv = empty_kv_list(session.layout, tokens)
-
-    def receive_layers(self, blobs: list, first: int, end: int, tokens: int, layers: int) -> None:
-        _core.unpack_chunks(blobs, self.kv[2 * first:2 * end], tokens, first, layers)
 
 
 class LayerStream:

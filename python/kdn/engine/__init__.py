@@ -3,6 +3,6 @@ model sessions (identity, layout, keys) and the chunk reader/writer between the 
 
 from kdn.engine.chunks import ChunkIO
 from kdn.engine.session import ModelSession, Sessions
-from kdn.engine.targets import HFTarget
+from kdn.engine.targets import HFLayers, HFTarget, PagedBlocks, Target
 
-__all__ = ["ChunkIO", "HFTarget", "ModelSession", "Sessions"]
+__all__ = ["ChunkIO", "HFLayers", "HFTarget", "ModelSession", "PagedBlocks", "Sessions", "Target"]

@@ -1,13 +1,40 @@
-"""Where verified chunks are laid out: HF per-layer KV tensors on the CPU (the oracle) or on a CUDA device."""
+"""Where verified chunks are laid out (targets) and where stored KV comes from (sources): HF per-layer
+tensors (whole, or a layer group at a time) and an engine's paged blocks.
+
+Contract of a target (what :class:`kdn.engine.ChunkIO` and :mod:`kdn.delivery` call):
+
+* ``device``: where the KV ends up (a ``torch.device``).
+* ``receive(session, blobs, num_tokens)``: lay the first ``num_tokens`` tokens of the verified,
+  consecutive chunk ``blobs`` (the prompt's first chunk first) out in the target's layout, decoding
+  coded ones; return what the caller hands on (tensors, or the token count). Raises ``BlobError``
+  when a payload cannot be decoded: the caller drops the chunk and serves a miss, never wrong KV.
+* ``receive_layers(blobs, first, end, num_tokens, layers)``: the same for layers ``[first, end)``
+  of the blobs' ``layers`` only (layer-wise delivery: groups arrive while the model computes).
+
+A source (the save side) adds ``emit(start, end) -> (first, kv)``: the KV of tokens ``[first, end)``
+(``first`` = ``start`` rounded down to what the layout can give) as HF per-layer tensors, which
+:meth:`kdn.engine.ChunkIO.save` stores under the one rule of :mod:`kdn.engine.served`.
+"""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from kdn import _core
+from kdn.engine.paged import PagedLayout
 from kdn.engine.session import ModelSession
 from kdn.layout import ModelLayout, empty_kv_list
+
+
+class Target(Protocol):
+    device: torch.device
+
+    def receive(self, session: ModelSession, blobs: list, num_tokens: int): ...
+
+    def receive_layers(self, blobs: list, first: int, end: int, num_tokens: int, layers: int) -> None: ...
 
 # Codecs decoded by their CUDA decoder (kernels/codec.cu) on this path: int* (KIVI). cachegen has
 # one too, but its rANS lanes decode one chunk at a time and ran 1.3x slower than the host
@@ -38,6 +65,9 @@ class HFTarget:
 
     def __init__(self, device: torch.device | str | None = None):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+
+    def receive_layers(self, blobs: list, first: int, end: int, num_tokens: int, layers: int) -> None:
+        raise NotImplementedError("HFTarget lays out whole hits; layer-wise delivery uses HFLayers")
 
     def receive(self, session: ModelSession, blobs: list, num_tokens: int) -> list[torch.Tensor]:
         """The first ``num_tokens`` tokens of the verified ``blobs`` in this target's layout.
@@ -86,3 +116,52 @@ def _receive_cuda(layout: ModelLayout, blobs: list, num_tokens: int, device: tor
         _core.kv_copy_cuda(kv, chunk, h["tokens"], pos, count, False, stream)
         pos += count
     return kv
+
+
+class HFLayers:
+    """A layer-wise target: HF's per-layer tensors on the CPU (``kv``, ``2 * layers`` of ``[1,
+    kv_heads, tokens, head_dim]``), filled a layer group at a time (:mod:`kdn.delivery`)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, session: ModelSession, tokens: int):
+        self.kv = empty_kv_list(session.layout, tokens)
+
+    def receive(self, session: ModelSession, blobs: list, num_tokens: int) -> list[torch.Tensor]:
+        _core.unpack_chunks(blobs, self.kv, num_tokens)
+        return self.kv
+
+    def receive_layers(self, blobs: list, first: int, end: int, num_tokens: int, layers: int) -> None:
+        _core.unpack_chunks(blobs, self.kv[2 * first:2 * end], num_tokens, first, layers)
+
+
+class PagedBlocks:
+    """One request's KV in an engine's paged blocks (``layers``: one tensor per layer, read and
+    written by ``layout``, :mod:`kdn.engine.paged`): a target from sequence position ``start`` on,
+    and a source of what the engine computed into them. kdn's C++ core decodes chunks straight into
+    the blocks and gathers them back out."""
+
+    def __init__(self, layers: list[torch.Tensor], layout: PagedLayout, block_ids: list, start: int = 0):
+        self.layers, self.layout, self.start = layers, layout, start
+        self.block_ids = np.asarray(block_ids, dtype=np.int64)
+        self.device = layers[0].device
+
+    def receive(self, session: ModelSession, blobs: list, num_tokens: int) -> int:
+        _core.unpack_chunks_paged(blobs, self.layers, self.block_ids, self.start, num_tokens,
+                                  layout=self.layout.as_dict())
+        return num_tokens
+
+    def receive_layers(self, blobs: list, first: int, end: int, num_tokens: int, layers: int) -> None:
+        _core.unpack_chunks_paged(blobs, self.layers[first:end], self.block_ids, self.start, num_tokens, first, layers,
+                                  layout=self.layout.as_dict())
+
+    def emit(self, start: int, end: int) -> tuple[int, list[torch.Tensor]]:
+        """``(first, kv)``: tokens ``[first, end)`` (``first``: ``start`` rounded down to a block) as HF
+        per-layer tensors ``[1, kv_heads, end - first, head_dim]`` (views of one gathered chunk)."""
+        size, layout = self.layout.block_size, self.layout
+        first = start // size * size
+        chunk = torch.empty(len(self.layers), 2, end - first, layout.kv_heads, layout.head_dim,
+                            dtype=self.layers[0].dtype)
+        _core.gather_paged(self.layers, self.block_ids[first // size: -(-end // size)], chunk,
+                           layout=layout.as_dict())
+        return first, [chunk[i, side].transpose(0, 1).unsqueeze(0) for i in range(len(self.layers)) for side in (0, 1)]

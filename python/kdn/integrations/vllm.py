@@ -47,12 +47,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kdn import _core
 from kdn.config import KDNConfig
 from kdn.delivery import Deliverer, DeliveryError
 from kdn.engine import ChunkIO, HFTarget, ModelSession
 from kdn.engine.paged import PagedLayout
 from kdn.engine.served import Served
+from kdn.engine.targets import PagedBlocks
 from kdn.engine.verify import plane_error
 from kdn.keys import checkpoint_fingerprint
 from kdn.layout import ModelLayout
@@ -163,25 +163,6 @@ class _Request:
     tokens: list
     block_ids: list
     check: tuple | None = None  # (start, end): hit tokens held back to be verified
-
-
-class PagedBlocks:
-    """A chunk target (like :class:`kdn.engine.HFTarget`): vLLM's paged CPU KV blocks of one request.
-    Tokens from ``start`` on are decoded and laid straight into its blocks by kdn's C++ core."""
-
-    def __init__(self, layers: list[torch.Tensor], layout: PagedLayout, block_ids: list, start: int):
-        self.layers, self.layout = layers, layout.as_dict()
-        self.block_ids = np.asarray(block_ids, dtype=np.int64)
-        self.start = start
-
-    def receive(self, session: ModelSession, blobs: list, num_tokens: int) -> int:
-        _core.unpack_chunks_paged(blobs, self.layers, self.block_ids, self.start, num_tokens, layout=self.layout)
-        return num_tokens
-
-    def receive_layers(self, blobs: list, first: int, end: int, num_tokens: int, layers: int) -> None:
-        """Layers [first, end) only (layer-wise delivery, :mod:`kdn.delivery`)."""
-        _core.unpack_chunks_paged(blobs, self.layers[first:end], self.block_ids, self.start, num_tokens, first, layers,
-                                  layout=self.layout)
 
 
 def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
@@ -423,23 +404,13 @@ class KDNConnector(KVConnectorBase_V1):
                     _count(refused_stores=1)
                 continue  # else kdn served this prompt: it holds its KV already
             # a copy: the blocks are vLLM's to reuse once this returns
-            first, kv = self._gather(spec.block_ids, 0 if store else check[0], n if store else check[1])
+            blocks = PagedBlocks(self._blocks, self._layout, spec.block_ids)
+            first, kv = blocks.emit(0, n) if store else blocks.emit(*check)
             self._start_saver()
             self._saves.put((np.asarray(spec.tokens, dtype=np.uint32), first, kv, dataclasses.replace(served),
                              check, store))
         for served in self._served.values():
             served.failed = False  # vLLM recomputes what failed: the recomputed prefill is stored
-
-    def _gather(self, block_ids: list, start: int, end: int) -> tuple[int, list]:
-        """``(first, kv)``: the KV of tokens [first, end) out of the request's blocks (first: ``start``
-        rounded down to a block) as HF per-layer tensors ``[1, kv_heads, end - first, head_dim]``."""
-        layout = self.session.layout
-        first = start // self.block_size * self.block_size
-        chunk = torch.empty(layout.layers, 2, end - first, layout.kv_heads, layout.head_dim,
-                            dtype=self._blocks[0].dtype)
-        ids = np.asarray(block_ids[first // self.block_size: -(-end // self.block_size)], dtype=np.int64)
-        _core.gather_paged(self._blocks, ids, chunk, layout=self._layout.as_dict())
-        return first, [chunk[i, side].transpose(0, 1).unsqueeze(0) for i in range(layout.layers) for side in (0, 1)]
 
     def _start_saver(self) -> None:
         if self._saver is None:
