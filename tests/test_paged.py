@@ -191,3 +191,16 @@ def test_a_layout_that_reaches_beyond_the_tensor_is_refused_before_any_write():
         PagedLayout.packed(torch.zeros(4, 2, 16, 31))
     with pytest.raises(InvalidInputError, match="contiguous"):
         PagedLayout.vllm_cpu_vec(torch.zeros(4, 16, 2, 32).permute(0, 2, 1, 3))
+
+
+def test_a_blob_that_does_not_fit_is_found_before_any_block_is_written():
+    """Every header is checked against the destination first: no half-laid prefix in vLLM's blocks."""
+    good = [torch.randn(1, 2, 32, 16) for _ in range(2)]
+    other = [torch.randn(1, 3, 32, 16) for _ in range(2)]  # another model's KV heads
+    blobs = [_core.pack_chunk(good, 0, 32, FP, bytes(16)), _core.pack_chunk(other, 0, 32, FP, bytes([1]) * 16)]
+    paged = [torch.zeros(4, 2, 16, 32)]
+    with pytest.raises(ValueError, match="blob 1 layout does not match"):
+        _core.unpack_chunks_paged(blobs, paged, torch.tensor([0, 1, 2, 3]).numpy(), 0, 64)
+    with pytest.raises(ValueError, match="fewer than count=64"):
+        _core.unpack_chunks_paged(blobs[:1], paged, torch.tensor([0, 1, 2, 3]).numpy(), 0, 64)
+    assert not paged[0].any()

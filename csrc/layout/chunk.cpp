@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 
 #include "kdn/codec.h"
 #include "kdn/kv_copy.h"
@@ -79,32 +80,38 @@ int64_t verify_chunks(const std::vector<ChunkBytes>& blobs, const std::vector<Ke
   return static_cast<int64_t>(status.size());
 }
 
-void unpack_chunks(const std::vector<ChunkBytes>& blobs, const KvShape& shape, const KvTable& table, DType dtype,
-                   int64_t count, int threads, int64_t first_layer, int64_t total_layers) {
-  if (total_layers < 0) total_layers = shape.layers;
-  KDN_CHECK_INPUT(count >= 0 && count <= shape.tokens, "unpack_chunks: count exceeds the destination length");
-  KDN_CHECK_INPUT(first_layer >= 0 && shape.layers > 0 && first_layer + shape.layers <= total_layers,
-                  "unpack_chunks: bad layer range");
+namespace {
+
+// The one loop under unpack_chunks and unpack_chunks_paged: checks every blob's header against the
+// destination before anything is written, then decodes (when coded) layers [first_layer,
+// first_layer + layers) of each blob that holds tokens of [from, count) of the run and hands them to
+// place(chunk, chunk_shape, token_in_chunk, position, n).
+template <typename Place>
+void for_each_chunk(const char* what, const std::vector<ChunkBytes>& blobs, DType dtype, int64_t layers,
+                    int64_t kv_heads, int64_t head_dim, int64_t first_layer, int64_t total_layers, int64_t from,
+                    int64_t count, int threads, Place place) {
+  const std::string name(what);
+  KDN_CHECK_INPUT(from >= 0 && from <= count, name + ": bad token range");
+  KDN_CHECK_INPUT(first_layer >= 0 && layers > 0 && first_layer + layers <= total_layers, name + ": bad layer range");
   std::vector<BlobHeader> headers(blobs.size());
   int64_t available = 0;
   for (size_t i = 0; i < blobs.size(); ++i) {
     Status st = blob_parse(blobs[i].data, blobs[i].size, false, &headers[i]);
     if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
     const BlobHeader& h = headers[i];
-    KDN_CHECK_INPUT(h.kind == kBlobKindKV && h.dtype == dtype && h.layers == total_layers &&
-                        h.kv_heads == shape.kv_heads && h.head_dim == shape.head_dim,
-                    "unpack_chunks: blob " + std::to_string(i) + " layout does not match the destination");
+    KDN_CHECK_INPUT(h.kind == kBlobKindKV && h.dtype == dtype && h.layers == total_layers && h.kv_heads == kv_heads &&
+                        h.head_dim == head_dim,
+                    name + ": blob " + std::to_string(i) + " layout does not match the destination");
     available += h.tokens;
   }
-  KDN_CHECK_INPUT(available >= count, "unpack_chunks: blobs hold " + std::to_string(available) +
-                                          " tokens, fewer than count=" + std::to_string(count));
-  // Parallelism is inside each chunk's copy (over layers x heads); chunks run in order.
-  int64_t pos = 0;
-  for (size_t i = 0; i < blobs.size() && pos < count; ++i) {
+  KDN_CHECK_INPUT(available >= count, name + ": blobs hold " + std::to_string(available) + " tokens, fewer than count=" +
+                                          std::to_string(count));
+  const int64_t first = 2 * first_layer, last = 2 * (first_layer + layers);
+  int64_t start = 0;  // sequence position of blob i's first token; chunks run in order, each copy in parallel
+  for (size_t i = 0; i < blobs.size() && start < count; start += headers[i].tokens, ++i) {
     const BlobHeader& h = headers[i];
-    const int64_t n = std::min<int64_t>(h.tokens, count - pos);
-    const KvShape chunk_shape{shape.layers, h.tokens, shape.kv_heads, shape.head_dim};
-    const int64_t first = 2 * first_layer, last = 2 * (first_layer + shape.layers);
+    const int64_t end = std::min<int64_t>(start + h.tokens, count);
+    if (end <= from) continue;
     const size_t plane_raw = raw_payload_bytes(h) / (2 * h.layers);
     uint8_t* chunk = const_cast<uint8_t*>(blobs[i].data) + kBlobHeaderBytes + first * plane_raw;
     BufferPtr decoded;  // coded blobs are decoded into a pooled buffer, then copied like raw ones
@@ -112,49 +119,38 @@ void unpack_chunks(const std::vector<ChunkBytes>& blobs, const KvShape& shape, c
       decoded = std::make_shared<Buffer>((last - first) * plane_raw);
       Status st = codec_decode_planes(h, blobs[i].data + kBlobHeaderBytes, h.payload_bytes, decoded->data(), first,
                                       last, threads);
-      if (!st.ok) throw BlobError("unpack_chunks: blob " + std::to_string(i) + ": " + st.message, __FILE__, __LINE__);
+      if (!st.ok) throw BlobError(name + ": blob " + std::to_string(i) + ": " + st.message, __FILE__, __LINE__);
       chunk = decoded->data();
     }
-    kv_copy_cpu(chunk_shape, table, chunk, dtype_size(dtype), pos, n, CopyDirection::kChunkToCache, threads);
-    pos += n;
+    const int64_t position = std::max(from, start);
+    place(chunk, KvShape{layers, h.tokens, kv_heads, head_dim}, position - start, position, end - position);
   }
+}
+
+}  // namespace
+
+void unpack_chunks(const std::vector<ChunkBytes>& blobs, const KvShape& shape, const KvTable& table, DType dtype,
+                   int64_t count, int threads, int64_t first_layer, int64_t total_layers) {
+  if (total_layers < 0) total_layers = shape.layers;
+  KDN_CHECK_INPUT(count >= 0 && count <= shape.tokens, "unpack_chunks: count exceeds the destination length");
+  for_each_chunk("unpack_chunks", blobs, dtype, shape.layers, shape.kv_heads, shape.head_dim, first_layer, total_layers,
+                 0, count, threads, [&](uint8_t* chunk, const KvShape& chunk_shape, int64_t, int64_t position, int64_t n) {
+                   // from = 0: every chunk is copied from its first token
+                   kv_copy_cpu(chunk_shape, table, chunk, dtype_size(dtype), position, n, CopyDirection::kChunkToCache,
+                               threads);
+                 });
 }
 
 void unpack_chunks_paged(const std::vector<ChunkBytes>& blobs, const PagedLayout& paged, void* const* layers,
                          const int64_t* block_ids, int64_t num_block_ids, DType dtype, int64_t from, int64_t count,
                          int threads, int64_t first_layer, int64_t total_layers) {
   if (total_layers < 0) total_layers = paged.layers;
-  KDN_CHECK_INPUT(from >= 0 && from <= count, "unpack_chunks_paged: bad token range");
-  KDN_CHECK_INPUT(first_layer >= 0 && first_layer + paged.layers <= total_layers, "unpack_chunks_paged: bad layer range");
-  const int64_t first = 2 * first_layer, last = 2 * (first_layer + paged.layers);
-  int64_t start = 0;  // sequence position of the current blob's first token
-  for (size_t i = 0; i < blobs.size() && start < count; ++i) {
-    BlobHeader h;
-    Status st = blob_parse(blobs[i].data, blobs[i].size, false, &h);
-    if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
-    KDN_CHECK_INPUT(h.kind == kBlobKindKV && h.dtype == dtype && h.layers == total_layers &&
-                        h.kv_heads == paged.kv_heads && h.head_dim == paged.head_dim,
-                    "unpack_chunks_paged: blob " + std::to_string(i) + " layout does not match the paged layers");
-    const int64_t end = std::min<int64_t>(start + h.tokens, count);
-    if (end > from) {
-      const size_t plane_raw = raw_payload_bytes(h) / (2 * h.layers);
-      uint8_t* chunk = const_cast<uint8_t*>(blobs[i].data) + kBlobHeaderBytes + first * plane_raw;
-      BufferPtr decoded;
-      if (h.codec != kCodecRaw) {
-        decoded = std::make_shared<Buffer>((last - first) * plane_raw);
-        st = codec_decode_planes(h, blobs[i].data + kBlobHeaderBytes, h.payload_bytes, decoded->data(), first, last,
-                                 threads);
-        if (!st.ok) throw BlobError("unpack_chunks_paged: blob " + std::to_string(i) + ": " + st.message, __FILE__, __LINE__);
-        chunk = decoded->data();
-      }
-      const int64_t first_token = std::max(from, start);
-      const KvShape shape{paged.layers, h.tokens, paged.kv_heads, paged.head_dim};
-      paged_copy_cpu(shape, paged, layers, block_ids, num_block_ids, chunk, dtype_size(dtype), first_token - start,
-                     first_token, end - first_token, CopyDirection::kChunkToCache, threads);
-    }
-    start += h.tokens;
-  }
-  KDN_CHECK_INPUT(start >= count, "unpack_chunks_paged: the blobs hold fewer than count tokens");
+  for_each_chunk("unpack_chunks_paged", blobs, dtype, paged.layers, paged.kv_heads, paged.head_dim, first_layer,
+                 total_layers, from, count, threads,
+                 [&](uint8_t* chunk, const KvShape& chunk_shape, int64_t token, int64_t position, int64_t n) {
+                   paged_copy_cpu(chunk_shape, paged, layers, block_ids, num_block_ids, chunk, dtype_size(dtype), token,
+                                  position, n, CopyDirection::kChunkToCache, threads);
+                 });
 }
 
 void decode_chunks(const std::vector<ChunkBytes>& blobs, uint8_t* out, size_t out_bytes, int threads) {
