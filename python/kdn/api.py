@@ -12,10 +12,9 @@ import torch
 from kdn import _core
 from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
-from kdn.delivery import Deliverer, streamed_cache
-from kdn.engine import ChunkIO, HFTarget, ModelSession, Sessions
-from kdn.layout import cache_to_kv_list, check_kv_matches, kv_list_to_cache
-from kdn.storage import TierManager
+from kdn.engine import Engine, ModelSession
+from kdn.integrations import hf
+from kdn.layout import cache_to_kv_list, check_kv_matches
 
 log = logging.getLogger("kdn")
 
@@ -27,7 +26,8 @@ class KDN:
     so a different model never hits. Hits are token-granular: a prompt is served every leading token
     it shares with a stored prompt (found through pointers every ``config.probe_step`` tokens); the
     rest of it is prefilled.
-    Built on the engine layer (:mod:`kdn.engine`): ``session(model)`` and ``chunks``.
+    A face over one :class:`kdn.engine.Engine` (``engine``; ``session(model)``, ``chunks`` and
+    ``delivery`` are the engine's).
 
     Example:
         >>> cache = KDN(KDNConfig(chunk_size=16))
@@ -46,16 +46,23 @@ class KDN:
 
     def __init__(self, config: KDNConfig | None = None):
         self.config = config or KDNConfig()
-        self.chunks = ChunkIO(TierManager(self.config))
-        self.delivery = Deliverer(self.chunks, self.config)
-        self._sessions = Sessions(self.config.chunk_size, min(self.config.probe_step, self.config.chunk_size),
-                                  on_new=self.chunks.load_calibration)
+        self.engine = Engine(self.config)
         self._local = threading.local()
 
     # -- the engine -----------------------------------------------------------------------------
     def session(self, model) -> ModelSession:
         """The engine's view of ``model``: KV layout, fingerprint, prefix and segment keys."""
-        return self._sessions.of(model)
+        return self.engine.session(model)
+
+    @property
+    def chunks(self):
+        """The engine's chunk reader/writer (:class:`kdn.engine.ChunkIO`)."""
+        return self.engine.chunks
+
+    @property
+    def delivery(self):
+        """The engine's layer-wise deliverer (:class:`kdn.delivery.Deliverer`)."""
+        return self.engine.delivery
 
     def calibrate(self, model, contexts, **options) -> bytes:
         """Fit the ``kvtc`` codec's calibration of ``model`` on ``contexts`` (token id lists; see
@@ -92,7 +99,7 @@ class KDN:
         otherwise (``limit=len(token_ids)`` asks how much of the whole prompt is stored)."""
         session = self.session(model)
         tokens = session.tokens(token_ids)
-        return self.chunks.available(session, tokens, _limit(limit, len(tokens), "lookup"))
+        return self.engine.lookup(session, tokens, _limit(limit, len(tokens), "lookup"))
 
     def store(self, model, token_ids, past_key_values) -> int:
         """Store the KV of ``token_ids`` from ``past_key_values`` (its full chunks, and a tail of at
@@ -107,7 +114,7 @@ class KDN:
         tokens = session.tokens(token_ids)
         kv = cache_to_kv_list(past_key_values)
         check_kv_matches(session.layout, kv, len(tokens))
-        return self.chunks.write(session, tokens, [t.cpu() for t in kv])
+        return self.engine.save(session, tokens, [t.cpu() for t in kv])
 
     def retrieve(self, model, token_ids, limit: int | None = None, edits=None):
         """Fetch the stored KV of the longest stored prefix of ``token_ids``.
@@ -139,31 +146,17 @@ class KDN:
         started = time.perf_counter()
         session = self.session(model)
         tokens = session.tokens(token_ids)
-        limit = _limit(limit, len(tokens), "retrieve")
-        if edits:
-            from kdn.edits import stored
-
-            cache, hit, edit = stored.read(self, model, tokens, limit, edits)
-            if hit:
-                self._local.last_retrieve = {"hit_tokens": hit, "stream": None, "lossy": True, "edit": edit}
-                return cache, hit
-        device = next(model.parameters()).device
-        if self.config.delivery == "layerwise" and device.type == "cpu":
-            opened = self.delivery.open(session, tokens, limit, started)
-            if opened is not None:  # else: not streamable (e.g. a keyed remote tier): read whole
-                stream, hit = opened
-                self._local.last_retrieve = {"hit_tokens": hit, "stream": stream}
-                return (streamed_cache(model, stream), hit) if hit else (None, 0)
-        info: dict = {}
-        kv, hit = self.chunks.read(session, tokens, limit, HFTarget(device), info)
-        self._local.last_retrieve = {"hit_tokens": hit, "stream": None, "lossy": info.get("lossy", False)}
-        return (kv_list_to_cache(model, kv), hit) if hit else (None, 0)
+        cache, load = hf.load_cache(self.engine, model, tokens, _limit(limit, len(tokens), "retrieve"), edits, started)
+        self._local.last_retrieve = {"hit_tokens": load.hit, "stream": load.stream, "lossy": load.lossy,
+                                     "edit": load.edit}
+        return (cache, load.hit) if load.hit else (None, 0)
 
     @property
     def last_retrieve(self) -> dict | None:
-        """This thread's last :meth:`retrieve`: ``{"hit_tokens", "stream", "lossy"}``; ``stream`` is the
-        :class:`kdn.delivery.LayerStream` of a layer-wise hit (its ``stats``: levels, bytes,
-        bandwidth, chunks streamed and recomputed), and then ``lossy`` is in its stats."""
+        """This thread's last :meth:`retrieve`: ``{"hit_tokens", "stream", "lossy", "edit"}``; ``stream``
+        is the :class:`kdn.delivery.LayerStream` of a layer-wise hit (its ``stats``: levels, bytes,
+        bandwidth, chunks streamed and recomputed; whether it was lossy is known there once it ends),
+        ``edit`` the edit served (:mod:`kdn.edits`), if any."""
         return getattr(self._local, "last_retrieve", None)
 
     @property
@@ -177,9 +170,7 @@ class KDN:
 
         See :func:`kdn.integrations.hf.generate`.
         """
-        from kdn.integrations.hf import generate
-
-        out, stats = generate(self, model, input_ids, **generate_kwargs)
+        out, stats = hf.generate(self.engine, model, input_ids, **generate_kwargs)
         self._local.last_generate = stats
         return out
 
@@ -215,7 +206,7 @@ class KDN:
         """
         from kdn.blend import store_segments
 
-        return store_segments(self, model, segments, prefix)
+        return store_segments(self.engine, model, segments, prefix)
 
     def blend(self, model, segments, query, recompute_ratio: float = 0.15, prefix=None, mode: str = "blend",
               selection: str = "kv"):
@@ -240,7 +231,7 @@ class KDN:
         """
         from kdn.blend import blend
 
-        return blend(self, model, segments, query, prefix, recompute_ratio, mode, selection=selection)
+        return blend(self.engine, model, segments, query, prefix, recompute_ratio, mode, selection=selection)
 
     def blend_generate(self, model, segments, query, recompute_ratio: float = 0.15, prefix=None, mode="blend",
                        **generate_kwargs):
@@ -248,7 +239,7 @@ class KDN:
         returns the new tokens ([1, m]) and the blend stats."""
         from kdn.blend import blend, prompt_tokens
 
-        cache, stats = blend(self, model, segments, query, prefix, recompute_ratio, mode)
+        cache, stats = blend(self.engine, model, segments, query, prefix, recompute_ratio, mode)
         ids = prompt_tokens(self.session(model), model, segments, query, prefix)[3]
         ids = torch.tensor([ids], device=next(model.parameters()).device)
         kwargs = {"past_key_values": cache} if cache is not None else {}
@@ -304,7 +295,7 @@ class KDN:
 
     def flush(self) -> None:
         """Wait until queued disk writes are on disk and queued remote stores are sent."""
-        self.chunks.flush()
+        self.engine.flush()
 
     def stats(self) -> dict:
         """Per-tier counters: ``{"memory": {...}, "disk": {...}, "remote": {...}}`` with hits, misses,
@@ -312,7 +303,7 @@ class KDN:
         corrupt, dropped, queued bytes, last_error; remote: errors, dropped, corrupt, skipped,
         state "ok"/"down"), and ``"delivery"``: layer-wise streams, chunks streamed and recomputed,
         bytes, layer groups served per level, failures, measured bandwidth and round trip."""
-        return {**self.chunks.stats(), "delivery": self.delivery.stats()}
+        return self.engine.stats()
 
     def clear(self) -> None:
         """Drop every stored chunk from every tier (the disk tier's files included) and hand the

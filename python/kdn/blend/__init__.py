@@ -98,8 +98,10 @@ def blend(kdn, model, segments, query, prefix=None, recompute_ratio: float = 0.1
     if mode == "full":
         return None, {**stats, "tokens": 0, "segment_hits": 0, "blend_s": 0.0}
     if mode == "prefix":
-        cache, hit = kdn.retrieve(model, ids, limit=len(ids) - 1)
-        return cache, {**stats, "tokens": hit, "segment_hits": 0, "blend_s": time.perf_counter() - t0}
+        from kdn.integrations.hf import load_cache
+
+        cache, load = load_cache(kdn, model, session.tokens(ids), len(ids) - 1)
+        return cache, {**stats, "tokens": load.hit, "segment_hits": 0, "blend_s": time.perf_counter() - t0}
     parts, hits, offset, spans = [], 0, 0, []
     if prefix:
         kv, hit = segment_kv(kdn, model, session, [], prefix)

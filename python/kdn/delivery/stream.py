@@ -14,7 +14,8 @@ import numpy as np
 from kdn import _core, codecs
 from kdn._core import BlobError, KDNError
 from kdn.delivery import plan
-from kdn.engine import ChunkIO, ModelSession
+from kdn.engine.chunks import ChunkIO
+from kdn.engine.session import ModelSession
 from kdn.engine.targets import HFLayers
 
 log = logging.getLogger("kdn")

@@ -9,7 +9,8 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from kdn._core import InvalidInputError
-from kdn.delivery import DeliveryError
+from kdn.delivery import DeliveryError, streamed_cache
+from kdn.engine import Engine, HFLayers, HFTarget, Load
 from kdn.engine.served import Served
 from kdn.engine.verify import plane_error
 from kdn.layout import cache_to_kv_list, kv_list_to_cache
@@ -68,11 +69,34 @@ def _rows_per_prompt(model, generate_kwargs) -> int:
     return max(rows)
 
 
-def generate(kdn, model, input_ids, **generate_kwargs):
+def load_cache(engine: Engine, model, tokens, limit: int, edits=None, started: float | None = None):
+    """``(cache, load)``: the stored prefix of ``tokens`` (at most ``limit``) as an HF cache on the
+    model's device (None on a miss) and what :meth:`kdn.engine.Engine.load` served. With ``edits``,
+    the first edit stored for the prompt's leading chunks (a :class:`kdn.edits.stored.PrunedCache`);
+    on the CPU a layer-wise stream when the engine delivers layer-wise (the cache's layer i waits
+    for layer i); else a whole read."""
+    session = engine.session(model)
+    if edits:
+        from kdn.edits import stored
+
+        cache, hit, edit = stored.read(engine, model, tokens, limit, edits)
+        if hit:
+            return cache, Load(hit, lossy=True, edit=edit)
+    device = next(model.parameters()).device
+    layers = (lambda n: HFLayers(session, n)) if device.type == "cpu" else None
+    load = engine.load(session, tokens, limit, HFTarget(device), layers, started)
+    if not load.hit:
+        return None, load
+    if load.stream is not None:
+        return streamed_cache(model, load.stream), load
+    return kv_list_to_cache(model, load.result), load
+
+
+def generate(engine: Engine, model, input_ids, **generate_kwargs):
     """Retrieve the prompt's stored prefix, let ``model.generate`` prefill only the rest, store the new KV.
 
     Args:
-        kdn: the :class:`kdn.KDN` provider.
+        engine: the :class:`kdn.engine.Engine` (a :class:`kdn.KDN`'s is ``KDN.engine``).
         model: an HF causal LM.
         input_ids: [n] or [1, n] token ids.
         **generate_kwargs: passed to ``model.generate`` (``past_key_values`` is kdn's to provide;
@@ -91,10 +115,10 @@ def generate(kdn, model, input_ids, **generate_kwargs):
     recomputed after the answer and compared with the stored KV (:mod:`kdn.engine.verify`).
 
     Example:
-        >>> cache = kdn.KDN()
+        >>> engine = kdn.KDN().engine
         >>> prompt = tokenizer(document + question, return_tensors="pt").input_ids
-        >>> out, stats = generate(cache, model, prompt, max_new_tokens=8)   # a miss: prefilled, stored
-        >>> out, stats = generate(cache, model, prompt, max_new_tokens=8)   # a hit
+        >>> out, stats = generate(engine, model, prompt, max_new_tokens=8)   # a miss: prefilled, stored
+        >>> out, stats = generate(engine, model, prompt, max_new_tokens=8)   # a hit
         >>> stats["hit_tokens"] == prompt.shape[1] - 1                      # the last token is computed
         True
     """
@@ -108,9 +132,9 @@ def generate(kdn, model, input_ids, **generate_kwargs):
     rows = _rows_per_prompt(model, generate_kwargs)
     edits = generate_kwargs.pop("edits", None)
     started = time.perf_counter()
-    cache, hit = kdn.retrieve(model, ids[0], limit=ids.shape[1] - 1, edits=edits)
-    served = kdn.last_retrieve or {}
-    stream = served.get("stream")
+    session = engine.session(model)
+    cache, load = load_cache(engine, model, session.tokens(ids[0]), ids.shape[1] - 1, edits, started)
+    hit, stream = load.hit, load.stream
     if cache is not None:
         if rows > 1:  # beams / several sequences: generate expands the prompt, so the cache too
             cache.batch_repeat_interleave(rows)
@@ -121,7 +145,7 @@ def generate(kdn, model, input_ids, **generate_kwargs):
         out = model.generate(ids, return_dict_in_generate=True, use_cache=True, **generate_kwargs)
     except DeliveryError as exc:  # the link failed mid-stream: recompute, the answer is not lost
         log.warning("kdn: delivering the stored KV failed (%s); the prompt is recomputed", exc)
-        kdn.delivery.failed()
+        engine.delivery.failed()
         generate_kwargs.pop("past_key_values", None)
         hit, stream, first_forward[:] = 0, None, []
         started = time.perf_counter()
@@ -129,32 +153,31 @@ def generate(kdn, model, input_ids, **generate_kwargs):
     finally:
         hook.remove()
     stats = {"hit_tokens": hit, "prompt_tokens": int(ids.shape[1])}
-    if served.get("edit"):
-        stats["edit"] = served["edit"]
+    if load.edit:
+        stats["edit"] = load.edit
     if first_forward:
         stats["ttft_seconds"] = first_forward[0] - started
         if stream is None:  # a plain prefill of the rest: it teaches delivery this model's speed
-            kdn.delivery.estimates.observe_prefill(kdn.session(model).fingerprint, int(ids.shape[1]) - hit,
-                                                   first_forward[0] - started)
+            engine.delivery.estimates.observe_prefill(session.fingerprint, int(ids.shape[1]) - hit,
+                                                      first_forward[0] - started)
     if stream is not None:
         try:
             stream.wait_all()  # its layers are all in; its last bookkeeping (promotion, totals) ends
         except DeliveryError:
             pass  # a failure after the last layer arrived (keeping chunks whole) costs nothing served
         stats["delivery"] = stream.stats
-    lossy = stream.stats.get("lossy", False) if stream is not None else served.get("lossy", False)
+    lossy = stream.stats.get("lossy", False) if stream is not None else load.lossy
     record = Served(tokens=hit, lossy=lossy)
     try:
         final = out.past_key_values
         if final is not None and rows == 1 and hit:
-            record.suspect = not _verify_hit(kdn, model, ids, hit, cache_to_kv_list(final), lossy)
+            record.suspect = not _verify_hit(engine, model, ids, hit, cache_to_kv_list(final), lossy)
         if final is not None and rows == 1:
             n_kv = final.get_seq_length()
-            kdn.chunks.save(kdn.session(model), kdn.session(model).tokens(out.sequences[0, :n_kv]),
-                            [t.cpu() for t in cache_to_kv_list(final)], record)
+            engine.save(session, session.tokens(out.sequences[0, :n_kv]), [t.cpu() for t in cache_to_kv_list(final)],
+                        record)
         elif final is not None:  # rows diverge after the prompt (and beams reorder): store the prompt
-            kv = [t[:1].cpu() for t in cache_to_kv_list(final)]
-            kdn.chunks.save(kdn.session(model), kdn.session(model).tokens(ids[0]), kv, record)
+            engine.save(session, session.tokens(ids[0]), [t[:1].cpu() for t in cache_to_kv_list(final)], record)
     except Exception as exc:  # storing is best effort; the answer is already computed
         log.warning("kdn: storing the generated KV failed (%s); the result is returned unchanged", exc)
     if want_dict:
@@ -164,16 +187,16 @@ def generate(kdn, model, input_ids, **generate_kwargs):
 
 
 @torch.inference_mode()
-def _verify_hit(kdn, model, ids: torch.Tensor, hit: int, kv: list[torch.Tensor], lossy: bool) -> bool:
+def _verify_hit(engine: Engine, model, ids: torch.Tensor, hit: int, kv: list[torch.Tensor], lossy: bool) -> bool:
     """If this hit is sampled (``KDNConfig.verify_fraction``), recompute its last tokens over the
     served prefix and compare them with the served rows (``kv``: the generated cache, whose first
     ``hit`` tokens are what kdn served). On a mismatch, the whole prefix is recomputed to find the
     chunks that differ, and those are dropped from every tier. False when the hit failed."""
-    verifier = kdn.chunks.verifier
+    verifier = engine.chunks.verifier
     span = verifier.sample(hit)
     if not span:
         return True
-    session = kdn.session(model)
+    session = engine.session(model)
     tolerance = verifier.tolerance(session.layout.torch_dtype, lossy)
     if tolerance is None:
         return True
@@ -187,12 +210,12 @@ def _verify_hit(kdn, model, ids: torch.Tensor, hit: int, kv: list[torch.Tensor],
     # ones may be right yet computed over it, so each is judged on its own rows)
     reference = cache_to_kv_list(model(ids[:, :hit], use_cache=True).past_key_values)
     tokens = session.tokens(ids[0])
-    found = kdn.chunks.find(session, tokens, hit)
+    found = engine.chunks.find(session, tokens, hit)
     chunk = session.chunk_size
     differ = [i for i in range(len(found.keys))
               if plane_error([t[:, :, i * chunk:min((i + 1) * chunk, hit)] for t in kv],
                              [t[:, :, i * chunk:min((i + 1) * chunk, hit)] for t in reference]) > tolerance]
-    bad = kdn.chunks.drop_chunks(session, tokens, found, differ)
-    kdn.chunks.verifier.dropped(bad, f"{len(bad)} of {len(found.keys)} chunks of a {hit}-token hit differ "
+    bad = engine.chunks.drop_chunks(session, tokens, found, differ)
+    verifier.dropped(bad, f"{len(bad)} of {len(found.keys)} chunks of a {hit}-token hit differ "
                                      "from a full recompute")
     return False

@@ -48,20 +48,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kdn.config import KDNConfig
-from kdn.delivery import Deliverer, DeliveryError
-from kdn.engine import ChunkIO, HFTarget, ModelSession
+from kdn.delivery import DeliveryError
+from kdn.engine import Engine, HFTarget, ModelSession
 from kdn.engine.paged import PagedLayout
 from kdn.engine.served import Served
 from kdn.engine.targets import PagedBlocks
 from kdn.engine.verify import plane_error
 from kdn.keys import checkpoint_fingerprint
 from kdn.layout import ModelLayout
-from kdn.storage import TierManager
 
 log = logging.getLogger("kdn")
 
 # one store per (config, model) in a process: the scheduler's lookups see the worker's stores
-_stores: dict[tuple, tuple[ChunkIO, ModelSession]] = {}
+_stores: dict[tuple, tuple[Engine, ModelSession]] = {}
 _stores_lock = threading.Lock()
 _counters = {"lookups": 0, "hit_tokens": 0, "loads": 0, "loaded_tokens": 0, "load_errors": 0, "stores": 0,
              "stored_tokens": 0, "refused_stores": 0, "verify_checks": 0, "verify_mismatches": 0,
@@ -81,7 +80,7 @@ def stats() -> dict:
     """This process' connector counters (lookups, hit/loaded/stored tokens, load errors, seconds)
     and the tiers' own counters: ``{"connector": {...}, "memory": {...}, "disk": {...}, ...}``."""
     with _stores_lock:
-        tiers = {name: s for io, _ in _stores.values() for name, s in io.stats().items()}
+        tiers = {name: s for engine, _ in _stores.values() for name, s in engine.chunks.stats().items()}
         return {"connector": dict(_counters), **tiers}
 
 
@@ -184,7 +183,7 @@ def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
     return None
 
 
-def _store_for(config: KDNConfig, vllm_config) -> tuple[ChunkIO, ModelSession]:
+def _store_for(config: KDNConfig, vllm_config) -> tuple[Engine, ModelSession]:
     model = vllm_config.model_config
     key = (repr(config), str(model.model), str(model.dtype))
     with _stores_lock:
@@ -192,7 +191,7 @@ def _store_for(config: KDNConfig, vllm_config) -> tuple[ChunkIO, ModelSession]:
             layout = ModelLayout.from_config(model.hf_config, model.dtype)
             session = ModelSession(layout, checkpoint_fingerprint(model.model, model.dtype), config.chunk_size,
                                    min(config.probe_step, config.chunk_size))
-            _stores[key] = (ChunkIO(TierManager(config)), session)
+            _stores[key] = (Engine(config), session)
         return _stores[key]
 
 
@@ -205,13 +204,13 @@ class KDNConnector(KVConnectorBase_V1):
         self.config = KDNConfig(**extra)  # an unknown setting: InvalidInputError with "did you mean"
         self.block_size = vllm_config.cache_config.block_size
         self.reason = unsupported_reason(vllm_config, kv_cache_config)
-        self.io = self.session = None
+        self.engine = self.session = None  # one Engine per config and model in this process (both roles)
         if self.reason:
             if role == KVConnectorRole.SCHEDULER:
                 log.warning("kdn: not serving %s: %s; requests run without kdn", vllm_config.model_config.model,
                             self.reason)
         else:
-            self.io, self.session = _store_for(self.config, vllm_config)
+            self.engine, self.session = _store_for(self.config, vllm_config)
             policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
             if role == KVConnectorRole.SCHEDULER and policy != "recompute":
                 log.warning("kdn: kv_load_failure_policy=%r: a chunk evicted or damaged between lookup and load "
@@ -227,19 +226,18 @@ class KDNConnector(KVConnectorBase_V1):
         self._errors: set[int] = set()
         self._served: dict[str, Served] = {}  # what kdn served each running request
         self._streams: list = []  # (load spec, LayerStream) of this step's layer-wise loads
-        self.delivery = Deliverer(self.io, self.config) if self.io is not None else None
         self._saves: queue.Queue = queue.Queue(maxsize=8)
         self._saver: threading.Thread | None = None
         _connectors.add(self)
 
     # -- scheduler side ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        if self.io is None:
+        if self.engine is None:
             return 0, False
         tokens = np.asarray(request.prompt_token_ids or [], dtype=np.uint32)
-        hit = self.io.available(self.session, tokens, limit=len(tokens) - 1)  # the last token is computed
+        hit = self.engine.lookup(self.session, tokens, len(tokens) - 1)  # the last token is computed
         _count(lookups=1)
-        span = self.io.verifier.sample(hit - num_computed_tokens)  # verified: vLLM computes the last ones
+        span = self.engine.chunks.verifier.sample(hit - num_computed_tokens)  # verified: vLLM computes the last ones
         if span:
             self._checks[request.request_id] = (hit - span, hit)
         else:
@@ -252,7 +250,7 @@ class KDNConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = KDNConnectorMetadata()
-        if self.io is None:
+        if self.engine is None:
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -304,7 +302,7 @@ class KDNConnector(KVConnectorBase_V1):
 
     # -- worker side ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        if self.io is None:
+        if self.engine is None:
             return
         ordered = sorted(kv_caches.items(), key=lambda item: _layer_index(item[0]))
         layout = self.session.layout
@@ -316,7 +314,7 @@ class KDNConnector(KVConnectorBase_V1):
                            f"kernel {isa!r}) is not the one kdn reads: [blocks, {want[0]}, {want[1]}, {want[2]}] "
                            "on the 'vec' kernel")
             log.warning("kdn: not serving this engine: %s", self.reason)
-            self.io = None
+            self.engine = None
             return
         # vLLM's CPU 'vec' kernel: each (block, head) holds K transposed, [head_dim, block_size], then
         # V, [block_size, head_dim] (measured against HF's cache); kdn's C++ core copies chunks in and
@@ -325,7 +323,7 @@ class KDNConnector(KVConnectorBase_V1):
         self._layout = PagedLayout.vllm_cpu_vec(self._blocks[0])
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        if self.io is None or not self.has_connector_metadata():
+        if self.engine is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         for req_id in meta.fresh:
@@ -333,20 +331,14 @@ class KDNConnector(KVConnectorBase_V1):
         for spec in meta.loads:
             began = time.perf_counter()
             served = self._served.setdefault(spec.req_id, Served())
-            info: dict = {}
             tokens = np.asarray(spec.tokens, dtype=np.uint32)
-            opened = None
-            if self.config.delivery == "layerwise":  # layers arrive while the model computes the ones before
-                opened = self.delivery.open(self.session, tokens, spec.end, began, lambda _, spec=spec: PagedBlocks(
-                    self._blocks, self._layout, spec.block_ids, spec.start))
-            if opened is None:  # whole: every layer before the forward
-                target = PagedBlocks(self._blocks, self._layout, spec.block_ids, spec.start)
-                _, hit = self.io.read(self.session, tokens, spec.end, target, info)
-                served.lossy |= info.get("lossy", False)
-            else:
-                stream, hit = opened
-                if stream is not None:
-                    self._streams.append((spec, stream))
+            blocks = PagedBlocks(self._blocks, self._layout, spec.block_ids, spec.start)
+            # layer-wise when the engine streams: layers arrive while the model computes the ones before
+            load = self.engine.load(self.session, tokens, spec.end, blocks, lambda _, blocks=blocks: blocks, began)
+            hit = load.hit
+            served.lossy |= load.lossy  # a stream's is known when it ends (_finish_streams)
+            if load.stream is not None:
+                self._streams.append((spec, load.stream))
             upto = min(hit, spec.end)
             served.tokens = max(served.tokens, upto)
             if upto < spec.end:  # evicted or unusable since the lookup: vLLM recomputes these blocks
@@ -388,7 +380,7 @@ class KDNConnector(KVConnectorBase_V1):
         return  # wait_for_save copies finished prompts out after the forward
 
     def wait_for_save(self) -> None:
-        if self.io is None or not self.has_connector_metadata():
+        if self.engine is None or not self.has_connector_metadata():
             return
         self._finish_streams()  # every load of this step has ended: the rule below sees its failures
         for spec in self._get_connector_metadata().saves:
@@ -400,7 +392,7 @@ class KDNConnector(KVConnectorBase_V1):
             check = spec.check if not served.failed else None  # a failed step's blocks are stale: no check
             if not store and check is None:
                 if served.unstorable() is not None:
-                    self.io.save(self.session, np.asarray(spec.tokens, dtype=np.uint32), [], served)  # refused
+                    self.engine.save(self.session, np.asarray(spec.tokens, dtype=np.uint32), [], served)  # refused
                     _count(refused_stores=1)
                 continue  # else kdn served this prompt: it holds its KV already
             # a copy: the blocks are vLLM's to reuse once this returns
@@ -429,8 +421,8 @@ class KDNConnector(KVConnectorBase_V1):
                     served.suspect = not self._verify(tokens, first, kv, check, served)
                 if not store:
                     continue
-                stored = self.io.save(self.session, tokens, kv, served)
-                self.io.flush()
+                stored = self.engine.save(self.session, tokens, kv, served)
+                self.engine.flush()
                 if served.unstorable() is None:
                     _count(stores=1, stored_tokens=stored, store_seconds=time.perf_counter() - began)
                 else:
@@ -445,18 +437,18 @@ class KDNConnector(KVConnectorBase_V1):
         KV kdn stores for them; on a mismatch drop every chunk of the hit (vLLM cannot recompute the
         prefix on the side to tell which one is wrong; the next request recomputes and stores it)."""
         start, end = check
-        info: dict = {}
-        stored, hit = self.io.read(self.session, tokens[:end], end, HFTarget(), info)
-        verifier = self.io.verifier
-        tolerance = verifier.tolerance(self.session.layout.torch_dtype, served.lossy or info.get("lossy", False))
+        load = self.engine.load(self.session, tokens[:end], end, HFTarget())
+        stored, hit = load.result, load.hit
+        verifier = self.engine.chunks.verifier
+        tolerance = verifier.tolerance(self.session.layout.torch_dtype, served.lossy or load.lossy)
         if hit < end or tolerance is None:
             return True  # evicted since, or not judged
         error = plane_error([t[:, :, start:end] for t in stored], [t[:, :, start - first:end - first] for t in kv])
         ok = verifier.judge(error, tolerance)
         _count(verify_checks=1, verify_mismatches=0 if ok else 1)
         if not ok:
-            found = self.io.find(self.session, tokens[:end], end)
-            keys = self.io.drop_chunks(self.session, tokens, found, list(range(len(found.keys))))
+            found = self.engine.chunks.find(self.session, tokens[:end], end)
+            keys = self.engine.chunks.drop_chunks(self.session, tokens, found, list(range(len(found.keys))))
             verifier.dropped(keys, f"vLLM's KV of tokens [{start}, {end}) differs from kdn's by {error:.3g} "
                                    f"(tolerance {tolerance:.3g})")
         return ok

@@ -1,0 +1,96 @@
+"""The one engine every face holds: sessions, the chunk reader/writer and the layer-wise deliverer of a config.
+
+The HF facade (:class:`kdn.KDN`), the HF ``generate`` integration, blending, editing and both
+halves of the vLLM connector drive kdn through an :class:`Engine` and nothing else: ``lookup``,
+``load`` (whole or layer-wise, decided here once) and ``save`` (through the one rule of
+:mod:`kdn.engine.served`: KV computed over lossy or edited KV, or over a load that failed, is never
+stored under exact keys).
+
+Example:
+    >>> from kdn.engine import Engine, HFTarget
+    >>> engine = Engine(kdn.KDNConfig(chunk_size=16))
+    >>> session = engine.session(model)
+    >>> tokens = session.tokens(ids)
+    >>> kv = [t.detach() for t in kdn.layout.cache_to_kv_list(model(ids, use_cache=True).past_key_values)]
+    >>> engine.save(session, tokens, kv)     # an unserved prefill: 3 chunks of 16 (a short tail is not kept)
+    48
+    >>> load = engine.load(session, tokens, len(tokens) - 1, HFTarget("cpu"))
+    >>> load.hit, load.lossy, tuple(load.result[0].shape)
+    (48, False, (1, 4, 48, 8))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from kdn.delivery.stream import Deliverer, LayerStream
+from kdn.engine.chunks import ChunkIO
+from kdn.engine.served import Served
+from kdn.engine.session import ModelSession, Sessions
+from kdn.engine.targets import Target
+from kdn.storage import TierManager
+
+
+@dataclasses.dataclass
+class Load:
+    """What a load served: ``hit`` tokens; ``lossy`` (a codec level or an edit: KV computed over it is
+    never stored as exact; a stream's is known once it ends, in ``stream.stats``); ``stream``, the
+    :class:`kdn.delivery.LayerStream` of a layer-wise load (its layers arrive in the background);
+    ``result``, what the target returned for a whole load; ``edit``, the edit served, if any."""
+
+    hit: int = 0
+    lossy: bool = False
+    stream: LayerStream | None = None
+    result: object = None
+    edit: str | None = None
+
+
+class Engine:
+    """kdn's engine for one :class:`kdn.KDNConfig`: its tiers (:class:`kdn.storage.TierManager`), the
+    chunk reader/writer (:attr:`chunks`), the layer-wise deliverer (:attr:`delivery`) and the model
+    sessions (:meth:`session` for a live model; faces that know a model by its checkpoint build a
+    :class:`ModelSession` themselves)."""
+
+    def __init__(self, config, tiers: TierManager | None = None):
+        self.config = config
+        self.chunks = ChunkIO(tiers if tiers is not None else TierManager(config))
+        self.delivery = Deliverer(self.chunks, config)
+        self.sessions = Sessions(config.chunk_size, min(config.probe_step, config.chunk_size),
+                                 on_new=self.chunks.load_calibration)
+
+    def session(self, model) -> ModelSession:
+        """The engine's view of a live model: KV layout, fingerprint, prefix and segment keys."""
+        return self.sessions.of(model)
+
+    def lookup(self, session: ModelSession, tokens, limit: int) -> int:
+        """Leading tokens of ``tokens`` (at most ``limit``) a load would serve; only pointers are read."""
+        return self.chunks.available(session, tokens, limit)
+
+    def load(self, session: ModelSession, tokens, limit: int, target: Target,
+             layers: Callable[[int], Target] | None = None, started: float | None = None) -> Load:
+        """The stored prefix of ``tokens`` (at most ``limit`` tokens) into ``target``; with ``layers``
+        (a target for a hit of n tokens: ``layers(n)``) and ``config.delivery == "layerwise"``, as a
+        layer-wise stream when the prefix can be streamed, else whole. A chunk that fails
+        verification ends the hit before it (dropped, logged); a miss is ``Load()``."""
+        started = time.perf_counter() if started is None else started
+        if layers is not None and self.config.delivery == "layerwise":
+            opened = self.delivery.open(session, tokens, limit, started, layers)
+            if opened is not None:  # else not streamable (e.g. a keyed remote tier): read whole
+                stream, hit = opened
+                return Load(hit, stream=stream) if hit else Load()
+        info: dict = {}
+        result, hit = self.chunks.read(session, tokens, limit, target, info)
+        return Load(hit, info.get("lossy", False), result=result) if hit else Load()
+
+    def save(self, session: ModelSession, tokens, kv: list, served: Served | None = None) -> int:
+        """Store the KV of ``tokens`` (HF per-layer CPU tensors) unless what ``served`` says forbids it
+        (:mod:`kdn.engine.served`); the leading tokens a load can now serve (0 when refused)."""
+        return self.chunks.save(session, tokens, kv, served if served is not None else Served())
+
+    def flush(self) -> None:
+        self.chunks.flush()
+
+    def stats(self) -> dict:
+        return {**self.chunks.stats(), "delivery": self.delivery.stats()}
