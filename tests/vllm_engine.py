@@ -47,8 +47,8 @@ def main() -> None:
 
         def lookup_then_drop(self, request, num_computed_tokens):
             found = lookup(self, request, num_computed_tokens)
-            if self.io is not None:
-                self.io.clear()
+            if self.engine is not None:
+                self.engine.chunks.clear()
             return found
 
         connector.KDNConnector.get_num_new_matched_tokens = lookup_then_drop
@@ -63,10 +63,10 @@ def main() -> None:
         def lookup_then_drop_one(self, request, num_computed_tokens):
             found = lookup(self, request, num_computed_tokens)
             calls.append(request.request_id)
-            if len(calls) == at and self.io is not None:
+            if len(calls) == at and self.engine is not None:
                 tokens = np.asarray(request.prompt_token_ids, dtype=np.uint32)
-                prefix = self.io.find(self.session, tokens, len(tokens) - 1)
-                self.io.drop_chunks(self.session, tokens, prefix, [index])
+                prefix = self.engine.chunks.find(self.session, tokens, len(tokens) - 1)
+                self.engine.chunks.drop_chunks(self.session, tokens, prefix, [index])
             return found
 
         connector.KDNConnector.get_num_new_matched_tokens = lookup_then_drop_one

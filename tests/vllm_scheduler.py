@@ -69,8 +69,8 @@ class Harness:
         self.worker = connector.KDNConnector(config, KVConnectorRole.WORKER, kv_config)
         self.caches = {n: torch.full((blocks, self.heads, BLOCK, 2 * self.dim), STALE) for n in names}
         self.worker.register_kv_caches(self.caches)
-        assert self.worker.io is not None, self.worker.reason
-        self.io, self.session = self.worker.io, self.worker.session
+        assert self.worker.engine is not None, self.worker.reason
+        self.io, self.session = self.worker.engine.chunks, self.worker.session
         self.connector = connector
 
     def request(self, req_id: str, tokens: list, max_tokens: int = 4):
