@@ -195,7 +195,7 @@ class KDN:
         """
         from kdn.edits import stored
 
-        return stored.deposit(self, model, prompt, edits, tokenizer)
+        return stored.deposit(self.engine, model, prompt, edits, tokenizer)
 
     # -- blending ---------------------------------------------------------------------------
     def store_segments(self, model, segments, prefix=None) -> dict:
