@@ -272,8 +272,8 @@ class Deliverer:
             levels = []
             for v, spec in enumerate(specs):
                 prefix, tail = values[2 * (c * len(specs) + v)], values[2 * (c * len(specs) + v) + 1]
-                if prefix[:4] == b"KDNM" or prefix[4:6] == b"\x01\x00":
-                    return None  # split into parts, or format 1 (no section sums): read whole
+                if not remote.whole_value(prefix) or prefix[4:6] == b"\x01\x00":
+                    return None  # split into parts by the store, or blob format 1 (no section sums): read whole
                 levels.append(self._level(session, spec, codecs.address(key, spec), prefix, tail, index, tokens))
             if all(lv is None for lv in levels):
                 break

@@ -345,6 +345,12 @@ class RemoteTier(Tier):
 
         return self._call(run, None)
 
+    @staticmethod
+    def whole_value(prefix: bytes) -> bool:
+        """Whether a value whose first bytes :meth:`read_ranges` returned as ``prefix`` is one blob
+        (ranges of it are ranges of the blob), not the manifest of a value split into parts."""
+        return prefix[:4] != _MANIFEST_MAGIC
+
     def count_streamed(self, hits: int) -> None:
         """Counts chunks a delivery stream read in ranges (:meth:`read_ranges`) as hits."""
         self._stats["hits"] += hits
