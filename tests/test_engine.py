@@ -1,0 +1,48 @@
+"""The one engine every face holds (kdn.engine.Engine): load whole or layer by layer gives a full
+prefill's KV, and save applies the fidelity rule for every face alike."""
+
+import pytest
+import torch
+
+from conftest import full_prefill, random_ids
+from kdn import KDNConfig
+from kdn.engine import Engine, HFLayers, HFTarget
+from kdn.engine.served import Served
+from kdn.layout import cache_to_kv_list
+
+
+@pytest.mark.parametrize("delivery", ["layerwise", "whole"])
+def test_a_load_whole_or_layer_by_layer_is_a_full_prefills_kv(stories, delivery):
+    model, _ = stories
+    ids = random_ids(model, 300)
+    engine = Engine(KDNConfig(chunk_size=64, delivery=delivery))
+    session = engine.session(model)
+    tokens = session.tokens(ids)
+    _, cache = full_prefill(model, ids)
+    truth = cache_to_kv_list(cache)
+    assert engine.save(session, tokens, [t.detach() for t in truth]) == 300
+    load = engine.load(session, tokens, 299, HFTarget("cpu"), lambda n: HFLayers(session, n))
+    assert load.hit == 299 and not load.lossy
+    if delivery == "layerwise":
+        assert load.stream is not None and load.result is None
+        load.stream.wait_all()
+        kv = load.stream.take_kv()
+    else:
+        assert load.stream is None
+        kv = load.result
+    assert all(torch.equal(a, b[:, :, :299]) for a, b in zip(kv, truth))
+    assert engine.lookup(session, tokens, 299) == 299
+
+
+def test_save_refuses_kv_computed_over_what_the_rule_forbids_for_every_face(stories):
+    model, _ = stories
+    ids = random_ids(model, 200, seed=1)
+    engine = Engine(KDNConfig(chunk_size=64))
+    session = engine.session(model)
+    tokens = session.tokens(ids)
+    kv = [t.detach() for t in cache_to_kv_list(full_prefill(model, ids)[1])]
+    for served in (Served(tokens=64, lossy=True), Served(tokens=64, failed=True), Served(tokens=64, suspect=True)):
+        assert engine.save(session, tokens, kv, served) == 0
+    assert engine.lookup(session, tokens, 199) == 0 and engine.stats()["integrity"]["refused_stores"] == 3
+    assert engine.load(session, tokens, 199, HFTarget("cpu")).hit == 0
+    assert engine.save(session, tokens, kv, Served(tokens=64)) == 192  # exact: 3 chunks (an 8-token tail is not)
