@@ -1,6 +1,8 @@
 // CUDA twin of paged_copy_cpu: one thread per element, the same KDN_HD index math (kdn/paged.h).
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include "kdn/paged.h"
 #include "launch.cuh"
 
@@ -35,6 +37,10 @@ Status paged_copy_cuda(const KvShape& chunk_shape, const PagedLayout& paged, voi
   if (count == 0) return Status::Ok();
   if ((position + count - 1) / paged.block_size >= num_block_ids)
     return Status::Fail("paged_copy_cuda: positions beyond the blocks given");
+  for (int64_t b = position / paged.block_size; b <= (position + count - 1) / paged.block_size; ++b)
+    if (block_ids[b] < 0 || block_ids[b] >= paged.num_blocks)  // checked on the host: the kernel trusts them
+      return Status::Fail("paged_copy_cuda: block id " + std::to_string(block_ids[b]) + " outside [0, " +
+                          std::to_string(paged.num_blocks) + ")");
   auto s = reinterpret_cast<cudaStream_t>(stream);
   DeviceStaging staged(s, {{layers, size_t(paged.layers) * sizeof(void*)},
                            {block_ids, size_t(num_block_ids) * sizeof(int64_t)}});

@@ -84,3 +84,33 @@ def test_blending_on_the_gpu_equals_blending_on_the_cpu(stories, mode):
     for got, want in zip(caches[1], caches[0]):
         assert got.is_cuda
         torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["vec", "packed-LBHNC", "packed-LBNHC", "kv-first", "blocks-first"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_copies_on_the_device_equal_the_cpu_oracle_in_every_layout(kind, dtype):
+    """paged_copy_cuda (kernels/paged.cu) lays a chunk into GPU blocks and gathers it back bit-equal
+    to paged_copy_cpu on the same layout (vLLM's GPU packed layout in both stride orders among them)."""
+    import numpy as np
+
+    from kdn import _core
+    from test_paged import _describe, _engine_layers
+
+    layers, heads, dim, block_size, num_blocks = 3, 2, 16, 16, 11
+    chunk = torch.randn(layers, 2, 70, heads, dim).to(dtype)
+    ids = np.array([7, 2, 9, 0, 4, 10], dtype=np.int64)
+    cpu = _engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype)
+    gpu = [t.cuda() for t in _engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype)]
+    layout = _describe(kind, cpu[0]).as_dict()
+    assert _describe(kind, gpu[0]).as_dict() == layout
+    _core.paged_copy_cpu(cpu, ids, chunk, 5, 5, 60, False, layout=layout)
+    _core.paged_copy_cuda(gpu, ids, chunk.cuda(), 5, 5, 60, False, layout=layout,
+                          stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert all(torch.equal(g.cpu(), c) for g, c in zip(gpu, cpu))
+    back = torch.zeros(layers, 2, 70, heads, dim, dtype=dtype, device="cuda")
+    _core.paged_copy_cuda(gpu, ids, back, 5, 5, 60, True, layout=layout, stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert torch.equal(back[:, :, 5:65].cpu(), chunk[:, :, 5:65])
+    with pytest.raises(Exception, match="outside"):  # a block id the kernel would write out of bounds
+        _core.paged_copy_cuda(gpu, np.array([0, 99, 1, 2, 3], dtype=np.int64), back, 0, 0, 70, False, layout=layout)

@@ -204,3 +204,20 @@ def test_a_blob_that_does_not_fit_is_found_before_any_block_is_written():
     with pytest.raises(ValueError, match="fewer than count=64"):
         _core.unpack_chunks_paged(blobs[:1], paged, torch.tensor([0, 1, 2, 3]).numpy(), 0, 64)
     assert not paged[0].any()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_bound_paged_copy_is_the_unpack_and_gather_the_connector_uses(kind):
+    """_core.paged_copy_cpu (the oracle of the CUDA twin) writes what unpack_chunks_paged writes."""
+    layers, heads, dim, block_size, num_blocks = 2, 2, 16, 16, 8
+    kv = [torch.randn(1, heads, 64, dim) for _ in range(2 * layers)]
+    blob = _core.pack_chunk(kv, 0, 64, FP, bytes(16))
+    ids = torch.tensor([5, 0, 7, 2]).numpy()
+    by_unpack = _engine_layers(kind, layers, num_blocks, heads, block_size, dim, torch.float32)
+    by_copy = _engine_layers(kind, layers, num_blocks, heads, block_size, dim, torch.float32)
+    layout = _describe(kind, by_unpack[0]).as_dict()
+    _core.unpack_chunks_paged([blob], by_unpack, ids, 3, 64, layout=layout)
+    _core.paged_copy_cpu(by_copy, ids, codecs.decode(blob).contiguous(), 3, 3, 61, False, layout=layout)
+    assert all(torch.equal(a, b) for a, b in zip(by_unpack, by_copy))
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        _core.paged_copy_cuda(by_copy, ids, codecs.decode(blob).contiguous(), 0, 0, 64, False, layout=layout)

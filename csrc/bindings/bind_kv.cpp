@@ -89,14 +89,16 @@ int64_t view_extent(const TensorView& v) {
   return most;
 }
 
-PagedLayers paged_layers(const py::sequence& layers, const py::object& layout) {
+PagedLayers paged_layers(const py::sequence& layers, const py::object& layout,
+                         DeviceType device = DeviceType::kCPU) {
   PagedLayers out;
   const size_t n = py::len(layers);
   KDN_CHECK_INPUT(n > 0, "paged layers: none given");
   for (size_t i = 0; i < n; ++i) {
     out.held.push_back(view_from_object(layers[i], "layers[" + std::to_string(i) + "]"));
     const TensorView& v = out.held.back().view;
-    KDN_CHECK_INPUT(v.device == DeviceType::kCPU && v.writable, "paged layers must be writable CPU tensors");
+    KDN_CHECK_INPUT(v.device == device && v.writable, std::string("paged layers must be writable ") +
+                                                          (device == DeviceType::kCUDA ? "CUDA" : "CPU") + " tensors");
     if (i == 0) {
       out.dtype = v.dtype;
       if (layout.is_none()) {
@@ -277,6 +279,50 @@ void bind_kv(py::module_& m) {
       py::arg("blobs"), py::arg("kv"), py::arg("count"), py::arg("first_layer") = 0, py::arg("layers") = -1,
       "Copy the first `count` tokens held by consecutive blobs into per-layer KV tensors; `kv` may hold\n"
       "layers [first_layer, ...) of the blobs' `layers` only (layer-wise delivery; only those planes are read).");
+
+  // paged_copy_cpu / paged_copy_cuda: a canonical chunk tensor <-> an engine's paged blocks (any layout
+  // given as strides, kdn/paged.h); the same checks, then the CPU oracle or its CUDA twin.
+  auto bind_paged_copy = [&m](const char* name, DeviceType device, const char* doc) {
+    m.def(
+        name,
+        [name, device](const py::sequence& layers, py::array_t<int64_t, py::array::c_style> block_ids,
+                       py::handle chunk, int64_t from, int64_t position, int64_t count, bool to_chunk,
+                       const py::object& layout, uintptr_t stream) {
+          const std::string fn(name);
+          PagedLayers paged = paged_layers(layers, layout, device);
+          HeldView c = view_from_object(chunk, "chunk");
+          const TensorView& v = c.view;
+          KDN_CHECK_INPUT(v.device == device && v.is_contiguous() && v.writable && v.dtype == paged.dtype &&
+                              v.ndim == 5 && v.shape[0] == paged.layout.layers && v.shape[1] == 2 &&
+                              v.shape[3] == paged.layout.kv_heads && v.shape[4] == paged.layout.head_dim,
+                          fn + ": chunk must be a contiguous writable tensor [layers, 2, tokens, kv_heads, head_dim] "
+                               "on the blocks' device in their dtype, got " + v.shape_str());
+          KDN_CHECK_INPUT(block_ids.ndim() == 1, fn + ": block_ids must be 1-D");
+          KDN_CHECK_INPUT(from >= 0 && count >= 0 && from + count <= v.shape[2] && position >= 0,
+                          fn + ": token range outside the chunk");
+          const KvShape shape{paged.layout.layers, v.shape[2], paged.layout.kv_heads, paged.layout.head_dim};
+          const CopyDirection dir = to_chunk ? CopyDirection::kCacheToChunk : CopyDirection::kChunkToCache;
+          Status st;
+          {
+            py::gil_scoped_release release;
+            if (device == DeviceType::kCUDA)
+              st = paged_copy_cuda(shape, paged.layout, paged.ptrs.data(), block_ids.data(), block_ids.shape(0), v.data,
+                                   dtype_size(paged.dtype), from, position, count, dir, stream);
+            else
+              paged_copy_cpu(shape, paged.layout, paged.ptrs.data(), block_ids.data(), block_ids.shape(0), v.data,
+                             dtype_size(paged.dtype), from, position, count, dir, default_num_threads());
+          }
+          if (!st.ok) throw Error(fn + ": " + st.message, __FILE__, __LINE__);
+        },
+        py::arg("layers"), py::arg("block_ids"), py::arg("chunk"), py::arg("start"), py::arg("position"),
+        py::arg("count"), py::arg("to_chunk"), py::arg("layout") = py::none(), py::arg("stream") = 0, doc);
+  };
+  bind_paged_copy("paged_copy_cpu", DeviceType::kCPU,
+                  "CPU copy of chunk tokens [start, start + count) <-> sequence positions [position, ...) of paged\n"
+                  "blocks (`layout`: a strides dict, None for vLLM's CPU 'vec'; the oracle of paged_copy_cuda).");
+  bind_paged_copy("paged_copy_cuda", DeviceType::kCUDA,
+                  "CUDA twin of paged_copy_cpu: blocks and chunk on the device, block_ids on the host (uploaded);\n"
+                  "stream: cudaStream_t as an int.");
 
   // kv_copy_cpu / kv_copy_cuda: the same checks, then the CPU oracle or its CUDA twin.
   auto bind_copy = [&m](const char* name, DeviceType device, const char* doc) {
