@@ -94,15 +94,15 @@ def test_paged_copies_on_the_device_equal_the_cpu_oracle_in_every_layout(kind, d
     import numpy as np
 
     from kdn import _core
-    from test_paged import _describe, _engine_layers
+    from test_paged import describe_layout, engine_layers
 
     layers, heads, dim, block_size, num_blocks = 3, 2, 16, 16, 11
     chunk = torch.randn(layers, 2, 70, heads, dim).to(dtype)
     ids = np.array([7, 2, 9, 0, 4, 10], dtype=np.int64)
-    cpu = _engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype)
-    gpu = [t.cuda() for t in _engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype)]
-    layout = _describe(kind, cpu[0]).as_dict()
-    assert _describe(kind, gpu[0]).as_dict() == layout
+    cpu = engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype)
+    gpu = [t.cuda() for t in engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype)]
+    layout = describe_layout(kind, cpu[0]).as_dict()
+    assert describe_layout(kind, gpu[0]).as_dict() == layout
     _core.paged_copy_cpu(cpu, ids, chunk, 5, 5, 60, False, layout=layout)
     _core.paged_copy_cuda(gpu, ids, chunk.cuda(), 5, 5, 60, False, layout=layout,
                           stream=torch.cuda.current_stream().cuda_stream)

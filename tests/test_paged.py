@@ -92,7 +92,7 @@ def test_a_requests_kv_gathered_out_of_the_blocks_is_what_was_laid_in(dtype):
 
 # -- every engine layout, described by strides (kdn.engine.paged), against vLLM's own indexing ---------
 
-def _engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype):
+def engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype):
     """Per-layer tensors as an engine allocates them: one pool for all layers, viewed per layer."""
     if kind == "vec":
         return [torch.zeros(num_blocks, heads, block_size, 2 * dim, dtype=dtype) for _ in range(layers)]
@@ -108,7 +108,7 @@ def _engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype):
     return [pool[:, i] for i in range(layers)]
 
 
-def _describe(kind, layer):
+def describe_layout(kind, layer):
     from kdn.engine.paged import PagedLayout
 
     if kind == "vec":
@@ -118,7 +118,7 @@ def _describe(kind, layer):
     return PagedLayout.kv_first(layer) if kind == "kv-first" else PagedLayout.blocks_first(layer)
 
 
-def _read_like_vllm(kind, layer, blocks, offsets, dim):
+def read_like_vllm(kind, layer, blocks, offsets, dim):
     """K and V [tokens, heads, dim] of (block, offset) pairs, read the way vLLM's kernels and its
     reference connector index each layout."""
     if kind == "vec":
@@ -149,13 +149,13 @@ def test_every_engine_layout_gets_each_token_where_the_engine_reads_it(kind, dty
     decoded = [torch.empty(1, heads, count, dim, dtype=dtype) for _ in kv]
     _core.unpack_chunks(blobs, decoded, count)  # the decoded KV, in HF's layout
     block_ids = [7, 2, 9, 0, 4, 10, 1]  # a request's blocks, scattered over the pool
-    paged = _engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype)
-    layout = _describe(kind, paged[0]).as_dict()
+    paged = engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype)
+    layout = describe_layout(kind, paged[0]).as_dict()
     _core.unpack_chunks_paged(blobs, paged, torch.tensor(block_ids).numpy(), start, count, layout=layout)
     positions = torch.arange(count)
     blocks, offsets = torch.tensor(block_ids)[positions // block_size], positions % block_size
     for i, layer in enumerate(paged):
-        keys, values = _read_like_vllm(kind, layer, blocks, offsets, dim)
+        keys, values = read_like_vllm(kind, layer, blocks, offsets, dim)
         assert torch.equal(keys[start:], decoded[2 * i][0, :, start:].transpose(0, 1))
         assert torch.equal(values[start:], decoded[2 * i + 1][0, :, start:].transpose(0, 1))
         assert not keys[:start].any() and not values[:start].any()  # positions before start untouched
@@ -213,9 +213,9 @@ def test_the_bound_paged_copy_is_the_unpack_and_gather_the_connector_uses(kind):
     kv = [torch.randn(1, heads, 64, dim) for _ in range(2 * layers)]
     blob = _core.pack_chunk(kv, 0, 64, FP, bytes(16))
     ids = torch.tensor([5, 0, 7, 2]).numpy()
-    by_unpack = _engine_layers(kind, layers, num_blocks, heads, block_size, dim, torch.float32)
-    by_copy = _engine_layers(kind, layers, num_blocks, heads, block_size, dim, torch.float32)
-    layout = _describe(kind, by_unpack[0]).as_dict()
+    by_unpack = engine_layers(kind, layers, num_blocks, heads, block_size, dim, torch.float32)
+    by_copy = engine_layers(kind, layers, num_blocks, heads, block_size, dim, torch.float32)
+    layout = describe_layout(kind, by_unpack[0]).as_dict()
     _core.unpack_chunks_paged([blob], by_unpack, ids, 3, 64, layout=layout)
     _core.paged_copy_cpu(by_copy, ids, codecs.decode(blob).contiguous(), 3, 3, 61, False, layout=layout)
     assert all(torch.equal(a, b) for a, b in zip(by_unpack, by_copy))
