@@ -29,15 +29,22 @@ def vec_blocks_reference(kv, num_blocks, block_size, block_ids, start, count):
     return out
 
 
+def coded_chunks(dtype, codec, count, layers=3, heads=2, dim=16, chunk=32):
+    """Three stored chunks of 96 random tokens in ``codec`` and the first ``count`` tokens they
+    decode to, in HF's per-layer layout (what every paged layout must hold)."""
+    kv = [torch.randn(1, heads, 96, dim).to(dtype) for _ in range(2 * layers)]
+    blobs = [codecs.encode(_core.pack_chunk(kv, i * chunk, chunk, FP, bytes([i]) * 16), codec) for i in range(3)]
+    decoded = [torch.empty(1, heads, count, dim, dtype=dtype) for _ in kv]
+    _core.unpack_chunks(blobs, decoded, count)
+    return blobs, decoded
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("codec", ["raw", "lossless", "int8"])
 @pytest.mark.parametrize("start,count", [(0, 96), (10, 75), (40, 41)])
 def test_chunks_land_in_vllm_cpu_blocks_where_its_kernel_reads_them(dtype, codec, start, count):
-    layers, heads, dim, chunk, block_size, num_blocks = 3, 2, 16, 32, 16, 11
-    kv = [torch.randn(1, heads, 96, dim).to(dtype) for _ in range(2 * layers)]
-    blobs = [codecs.encode(_core.pack_chunk(kv, i * chunk, chunk, FP, bytes([i]) * 16), codec) for i in range(3)]
-    oracle = [torch.empty(1, heads, count, dim, dtype=dtype) for _ in kv]
-    _core.unpack_chunks(blobs, oracle, count)  # the decoded KV, in HF's layout
+    layers, heads, dim, block_size, num_blocks = 3, 2, 16, 16, 11
+    blobs, oracle = coded_chunks(dtype, codec, count)  # the decoded KV, in HF's layout
     block_ids = [7, 2, 9, 0, 4, 10, 1]  # a request's blocks, scattered over the pool
     expected = vec_blocks_reference(oracle, num_blocks, block_size, block_ids, start, count)
     paged = [torch.zeros(num_blocks, heads, block_size, 2 * dim, dtype=dtype) for _ in range(layers)]
@@ -143,11 +150,8 @@ KINDS = ["vec", "packed-LBHNC", "packed-LBNHC", "kv-first", "blocks-first"]
 @pytest.mark.parametrize("codec", ["raw", "int8"])
 @pytest.mark.parametrize("start,count", [(0, 96), (10, 75), (40, 41)])
 def test_every_engine_layout_gets_each_token_where_the_engine_reads_it(kind, dtype, codec, start, count):
-    layers, heads, dim, chunk, block_size, num_blocks = 3, 2, 16, 32, 16, 11
-    kv = [torch.randn(1, heads, 96, dim).to(dtype) for _ in range(2 * layers)]
-    blobs = [codecs.encode(_core.pack_chunk(kv, i * chunk, chunk, FP, bytes([i]) * 16), codec) for i in range(3)]
-    decoded = [torch.empty(1, heads, count, dim, dtype=dtype) for _ in kv]
-    _core.unpack_chunks(blobs, decoded, count)  # the decoded KV, in HF's layout
+    layers, heads, dim, block_size, num_blocks = 3, 2, 16, 16, 11
+    blobs, decoded = coded_chunks(dtype, codec, count)  # the decoded KV, in HF's layout
     block_ids = [7, 2, 9, 0, 4, 10, 1]  # a request's blocks, scattered over the pool
     paged = engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype)
     layout = describe_layout(kind, paged[0]).as_dict()

@@ -22,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 
 from kdn.delivery.stream import Deliverer, LayerStream
@@ -74,7 +73,6 @@ class Engine:
         (a target for a hit of n tokens: ``layers(n)``) and ``config.delivery == "layerwise"``, as a
         layer-wise stream when the prefix can be streamed, else whole. A chunk that fails
         verification ends the hit before it (dropped, logged); a miss is ``Load()``."""
-        started = time.perf_counter() if started is None else started
         if layers is not None and self.config.delivery == "layerwise":
             opened = self.delivery.open(session, tokens, limit, started, layers)
             if opened is not None:  # else not streamable (e.g. a keyed remote tier): read whole
