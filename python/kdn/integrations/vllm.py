@@ -64,7 +64,9 @@ _stores: dict[tuple, tuple[Engine, ModelSession]] = {}
 _stores_lock = threading.Lock()
 _counters = {"lookups": 0, "hit_tokens": 0, "loads": 0, "loaded_tokens": 0, "load_errors": 0, "stores": 0,
              "stored_tokens": 0, "refused_stores": 0, "verify_checks": 0, "verify_mismatches": 0,
-             "load_seconds": 0.0, "store_seconds": 0.0}
+             "load_seconds": 0.0, "store_seconds": 0.0,
+             # chunks each tier served to this process' loads (from the tiers' own counters)
+             "memory_chunks": 0, "disk_chunks": 0, "remote_chunks": 0}
 
 
 _connectors: weakref.WeakSet = weakref.WeakSet()
@@ -467,6 +469,8 @@ class KDNConnector(KVConnectorBase_V1):
         if self.role != KVConnectorRole.WORKER:
             return None
         with _stores_lock:
+            for tier in ("memory", "disk", "remote"):
+                _counters[f"{tier}_chunks"] = sum(engine.chunks.tiers.served.get(tier, 0) for engine, _ in _stores.values())
             delta = {name: _counters[name] - _reported[name] for name in _counters}
             _reported.update(_counters)
         return KDNStats(data=delta) if any(delta.values()) else None

@@ -63,6 +63,7 @@ class TierManager:
         if not self.tiers or not isinstance(self.tiers[0], MemoryTier):
             raise InvalidInputError("TierManager: the first tier must be a MemoryTier")
         self.memory = self.tiers[0]
+        self.served = {t.name: 0 for t in self.tiers}  # chunks each tier served to readers (fetch)
         below = next((t for t in self.tiers[1:] if t.local), None)
         if below is not None and config.write_policy == "write-back":
             self.memory.spill_to(below)
@@ -136,6 +137,7 @@ class TierManager:
         Keys derive from the model fingerprint; readers verify it in every blob."""
         variants = [[k] if exact else self.addresses(k) for k in keys]
         found: list = [None] * len(keys)  # (blob, address) per chunk
+        source: list = [self.memory.name] * len(keys)  # the tier that served it
         for level, tier in enumerate(self.tiers):
             if local and not tier.local:
                 continue
@@ -153,12 +155,15 @@ class TierManager:
                 for i, address, blob in zip(todo, wanted, tier.get_many(wanted)):
                     if blob is not None:
                         found[i] = (blob, address) if level == 0 else self._promote(address, blob, v > 0, level)
+                        source[i] = tier.name
         blobs, addresses = [], []
-        for f in found:
+        for f, name in zip(found, source):
             if f is None:
                 break
             blobs.append(f[0])
             addresses.append(f[1])
+            if not exact:  # chunks, not pointers or calibrations
+                self.served[name] += 1
         return blobs, addresses
 
     def _memory_get(self, addresses: list[bytes]):
@@ -171,6 +176,7 @@ class TierManager:
     def promote(self, address: bytes, blob, tier: str, lossy: bool) -> None:
         """Keep a verified chunk that ``tier`` served (a stream that read all of it) in the local
         tiers above it, as a hit of :meth:`fetch` would be; ``lossy``: it is filed under a lossy address."""
+        self.served[tier] += 1
         self._promote(address, blob, lossy, next(i for i, t in enumerate(self.tiers) if t.name == tier))
 
     def _promote(self, address: bytes, blob, lossy: bool, level: int) -> tuple:
@@ -249,4 +255,5 @@ class TierManager:
             t.clear()
 
     def stats(self) -> dict:
-        return {t.name: t.stats() for t in self.tiers}
+        """Each tier's own counters, with ``served``: the chunks it served to readers."""
+        return {t.name: {**t.stats(), "served": self.served[t.name]} for t in self.tiers}

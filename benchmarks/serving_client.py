@@ -1,0 +1,89 @@
+"""The clients of bench_serving.py: concurrent streamed completions against running vLLM servers
+through the `openai` async client (run in the vLLM venv, which has it). Reads a JSON job, prints one
+JSON line ``KDN-RESULT {...}`` with a record per request.
+
+Job: ``{"urls": [...], "model": DIR, "concurrency": C, "max_tokens": M, "workload": "docqa",
+"prompts": [[ids], ...]}`` (prompts sent in order, at most C in flight, request i to server
+i % len(urls)) or ``{"workload": "chat", "sessions": [[opening ids], ...], "turns": [[ids], ...]}``
+(round r: every session sends its history + turn r, C at a time; its reply joins its history).
+
+    python benchmarks/serving_client.py job.json
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+
+async def complete(client, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed request: TTFT (first chunk), latency, prompt and cached tokens, reply ids."""
+    t0 = time.perf_counter()
+    ttft, reply, usage = None, [], None
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"return_token_ids": True})
+    async for chunk in stream:
+        if chunk.choices:
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            reply += getattr(chunk.choices[0], "token_ids", None) or []
+        if chunk.usage is not None:
+            usage = chunk.usage
+    details = getattr(usage, "prompt_tokens_details", None)
+    return {"ttft": ttft, "latency": time.perf_counter() - t0, "prompt_tokens": usage.prompt_tokens,
+            "cached_tokens": (details.cached_tokens or 0) if details is not None else 0, "reply": reply,
+            "start": t0}
+
+
+async def run_all(clients: list, job: dict, prompts: list[list[int]]) -> list[dict]:
+    """``prompts`` in order, at most ``concurrency`` in flight; request i goes to server i % servers."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for item in enumerate(prompts):
+        queue.put_nowait(item)
+    out: list = [None] * len(prompts)
+
+    async def worker() -> None:
+        while not queue.empty():
+            i, prompt = queue.get_nowait()
+            try:
+                out[i] = await complete(clients[i % len(clients)], job["model"], prompt, job["max_tokens"])
+            except Exception as e:  # a failed request is a result, not the end of the run
+                out[i] = {"error": repr(e)[:300]}
+            out[i]["server"] = i % len(clients)
+
+    await asyncio.gather(*[worker() for _ in range(job["concurrency"])])
+    return out
+
+
+async def main(job: dict) -> dict:
+    from openai import AsyncOpenAI
+
+    clients = [AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=3600, max_retries=0)
+               for url in job["urls"]]
+    t0 = time.perf_counter()
+    if job["workload"] == "docqa":
+        records = await run_all(clients, job, job["prompts"])
+    else:  # chat: rounds; a session's reply joins its history before its next turn
+        histories = [list(s) for s in job["sessions"]]
+        records = []
+        for r, turn in enumerate(job["turns"]):
+            prompts = [h + turn for h in histories]
+            done = await run_all(clients, job, prompts)
+            for s, (prompt, rec) in enumerate(zip(prompts, done)):
+                rec.update(session=s, round=r, prior_tokens=len(histories[s]) if r else 0)
+                histories[s] = prompt + rec.get("reply", [])
+            records += done
+    wall = time.perf_counter() - t0
+    for rec in records:
+        rec.pop("reply", None)
+        rec["start"] = rec.get("start", t0) - t0
+    return {"wall": wall, "records": records}
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        result = asyncio.run(main(json.load(f)))
+    print("KDN-RESULT " + json.dumps(result), flush=True)
