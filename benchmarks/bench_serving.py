@@ -192,10 +192,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_out/serving")
     args = parser.parse_args()
+    from transformers import AutoTokenizer
+
     import kdn
     from redis_servers import RedisServer
     from test_vllm import vllm_python
-    from transformers import AutoTokenizer
 
     python, model = vllm_python(), model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -283,8 +284,8 @@ def line(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| workload | N | C | configuration | requests | TTFT p50 ms | p90 | p99 | req/s | hit rate | "
-            "docs prefilled | x prefix-cache req/s | x lower p50 TTFT | of miss bound | chunks served (memory/disk/remote) |")
+    head = ("| workload | N | C | configuration | requests | TTFT p50 ms | p90 | p99 | req/s | hit rate "
+            "| docs prefilled | x prefix-cache req/s | x lower p50 TTFT | of miss bound | chunks served (memory/disk/remote) |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         tiers = "/".join(str(int(r["kdn"].get(f"{t}_chunks", 0))) for t in ("memory", "disk", "remote"))
@@ -314,7 +315,8 @@ def plot(rows: list[dict], path: Path) -> None:
         axes[1].plot([r["n"] for r in by_n], [r["throughput_rps"] for r in by_n], "o-", label=config)
         n0 = max(r["n"] for r in mine)
         by_c = sorted((r for r in mine if r["n"] == n0), key=lambda r: r["concurrency"])
-        axes[2].plot([r["concurrency"] for r in by_c], [r["ttft_p50_s"] for r in by_c], "o-", label=f"{config} (N={n0})")
+        axes[2].plot([r["concurrency"] for r in by_c], [r["ttft_p50_s"] for r in by_c], "o-",
+                     label=f"{config} (N={n0})")
     for ax, title, xlabel in ((axes[0], "TTFT p50 vs documents", "documents N"),
                               (axes[1], "throughput vs documents", "documents N"),
                               (axes[2], "TTFT p50 vs concurrency", "concurrent clients")):

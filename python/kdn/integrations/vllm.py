@@ -470,7 +470,8 @@ class KDNConnector(KVConnectorBase_V1):
             return None
         with _stores_lock:
             for tier in ("memory", "disk", "remote"):
-                _counters[f"{tier}_chunks"] = sum(engine.chunks.tiers.served.get(tier, 0) for engine, _ in _stores.values())
+                served = [engine.chunks.tiers.served.get(tier, 0) for engine, _ in _stores.values()]
+                _counters[f"{tier}_chunks"] = sum(served)
             delta = {name: _counters[name] - _reported[name] for name in _counters}
             _reported.update(_counters)
         return KDNStats(data=delta) if any(delta.values()) else None
