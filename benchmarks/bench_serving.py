@@ -285,7 +285,8 @@ def line(row: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("| workload | N | C | configuration | requests | TTFT p50 ms | p90 | p99 | req/s | hit rate "
-            "| docs prefilled | x prefix-cache req/s | x lower p50 TTFT | of miss bound | chunks served (memory/disk/remote) |")
+            "| docs prefilled | x prefix-cache req/s | x lower p50 TTFT | of miss bound "
+            "| chunks served (memory/disk/remote) |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         tiers = "/".join(str(int(r["kdn"].get(f"{t}_chunks", 0))) for t in ("memory", "disk", "remote"))
