@@ -27,7 +27,10 @@ BufferPtr buffer_from_object(py::handle obj) {
 py::dict header_to_dict(const BlobHeader& h) {
   py::dict d;
   d["version"] = h.version;
-  d["kind"] = h.kind == kBlobKindKV ? "kv" : h.kind == kBlobKindPointer ? "pointer" : "calibration";
+  d["kind"] = h.kind == kBlobKindKV            ? "kv"
+              : h.kind == kBlobKindPointer     ? "pointer"
+              : h.kind == kBlobKindCalibration ? "calibration"
+                                               : "sidecar";
   d["codec"] = h.codec;
   d["codec_params"] = h.codec_params;
   d["dtype"] = dtype_name(h.dtype);
@@ -77,6 +80,27 @@ void bind_store(py::module_& m) {
                                {static_cast<ssize_t>(b.size())}, {1}, /*readonly=*/!b.writable());
       });
 
+  m.def(
+      "sidecar_pack",
+      [](py::handle fingerprint, py::handle key, py::handle data) {
+        ByteSpan span = bytes_from_object(data, "sidecar");
+        return pack_bytes_blob(kBlobKindSidecar, key_arg(fingerprint, "fingerprint"), key_arg(key, "key"), span.data,
+                               span.size);
+      },
+      py::arg("fingerprint"), py::arg("key"), py::arg("data"),
+      "A sealed sidecar blob (an edit's bytes kept beside the KV) filed under `key` for the model `fingerprint`.");
+  m.def(
+      "sidecar_read",
+      [](py::handle blob, py::handle fingerprint, py::handle key) {
+        ByteSpan span = bytes_from_object(blob, "blob");
+        size_t offset = 0, bytes = 0;
+        Status st = read_bytes_blob(span.data, span.size, kBlobKindSidecar, key_arg(fingerprint, "fingerprint"),
+                                    key_arg(key, "key"), &offset, &bytes);
+        if (!st.ok) throw BlobError("sidecar: " + st.message, __FILE__, __LINE__);
+        return py::bytes(reinterpret_cast<const char*>(span.data + offset), bytes);
+      },
+      py::arg("blob"), py::arg("fingerprint"), py::arg("key"),
+      "The bytes of a sidecar blob of this model and key (checksum verified); BlobError if unusable.");
   m.def("buffer_join", [](const py::list& parts) {
         std::vector<ByteSpan> spans;
         size_t total = 0;

@@ -281,27 +281,15 @@ void kvtc_unload_all() {
 
 BufferPtr kvtc_pack(const Key128& fingerprint, const Key128& key, const uint8_t* data, size_t size) {
   KDN_CHECK_INPUT(kvtc_parse(data, size)->fingerprint == fingerprint, "kvtc_pack: calibration of another model");
-  BlobHeader h;
-  h.kind = kBlobKindCalibration;
-  h.fingerprint = fingerprint;
-  h.key = key;
-  h.payload_bytes = size;
-  auto blob = std::make_shared<Buffer>(blob_total_bytes(h));
-  blob_write_header(h, blob->data());
-  std::memcpy(blob->data() + kBlobHeaderBytes, data, size);
-  blob_seal(blob->data(), blob->size());
-  blob->mark_verified();
-  return blob;
+  return pack_bytes_blob(kBlobKindCalibration, fingerprint, key, data, size);
 }
 
 Status kvtc_load_blob(const uint8_t* blob, size_t size, const Key128& fingerprint, const Key128& key, Key128* id) {
-  BlobHeader h;
-  Status st = blob_parse(blob, size, true, &h);
+  size_t offset = 0, bytes = 0;
+  Status st = read_bytes_blob(blob, size, kBlobKindCalibration, fingerprint, key, &offset, &bytes);
   if (!st.ok) return st;
-  if (h.kind != kBlobKindCalibration) return Status::Fail("blob is not a calibration");
-  if (h.fingerprint != fingerprint || h.key != key) return Status::Fail("calibration of another model or key");
   try {
-    *id = kvtc_load(blob + kBlobHeaderBytes, h.payload_bytes);
+    *id = kvtc_load(blob + offset, bytes);
   } catch (const InputError& e) {
     return Status::Fail(e.what());
   }

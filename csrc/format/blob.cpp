@@ -31,7 +31,7 @@ uint64_t raw_payload_bytes(const BlobHeader& h) {
     if (h.layers || h.kv_heads || h.head_dim || h.tokens == 0 || h.tokens > kMaxTokens) return 0;
     return 16 + 4 * uint64_t(h.tokens);
   }
-  if (h.kind == kBlobKindCalibration)
+  if (h.kind == kBlobKindCalibration || h.kind == kBlobKindSidecar)
     return h.layers || h.kv_heads || h.head_dim || h.tokens || h.payload_bytes > (1ull << 30) ? 0 : h.payload_bytes;
   if (h.layers == 0 || h.kv_heads == 0 || h.head_dim == 0 || h.tokens == 0) return 0;
   if (h.layers > kMaxDim || h.kv_heads > kMaxDim || h.head_dim > kMaxDim || h.tokens > kMaxTokens)
@@ -142,9 +142,9 @@ Status blob_parse_header(const uint8_t* data, size_t size, BlobHeader* out) {
   BlobHeader h;
   h.version = version;
   h.kind = get_le<uint16_t>(data, 10);
-  if (h.kind > kBlobKindCalibration) return Status::Fail("unknown blob kind " + std::to_string(h.kind));
+  if (h.kind > kBlobKindSidecar) return Status::Fail("unknown blob kind " + std::to_string(h.kind));
   h.codec = data[8];
-  if (h.kind != kBlobKindKV && h.codec != kCodecRaw) return Status::Fail("a pointer or calibration blob must be raw");
+  if (h.kind != kBlobKindKV && h.codec != kCodecRaw) return Status::Fail("only a KV blob may be coded");
   h.codec_params = get_le<uint32_t>(data, 32);
   if (h.codec == kCodecRaw && h.codec_params != 0) return Status::Fail("raw blob with codec parameters");
   if (h.codec != kCodecRaw) {
@@ -193,6 +193,35 @@ Status blob_parse(const uint8_t* data, size_t size, bool verify_checksum, BlobHe
     return Status::Fail("blob checksum mismatch");
   }
   *out = h;
+  return Status::Ok();
+}
+
+BufferPtr pack_bytes_blob(uint16_t kind, const Key128& fingerprint, const Key128& key, const uint8_t* data,
+                          size_t size) {
+  KDN_CHECK_INPUT(kind == kBlobKindCalibration || kind == kBlobKindSidecar, "pack_bytes_blob: not a bytes kind");
+  KDN_CHECK_INPUT(size <= (1ull << 30), "pack_bytes_blob: more than 1 GiB");
+  BlobHeader h;
+  h.kind = kind;
+  h.fingerprint = fingerprint;
+  h.key = key;
+  h.payload_bytes = size;
+  auto blob = std::make_shared<Buffer>(blob_total_bytes(h));
+  blob_write_header(h, blob->data());
+  if (size) std::memcpy(blob->data() + kBlobHeaderBytes, data, size);
+  blob_seal(blob->data(), blob->size());
+  blob->mark_verified();
+  return blob;
+}
+
+Status read_bytes_blob(const uint8_t* blob, size_t size, uint16_t kind, const Key128& fingerprint,
+                       const Key128& key, size_t* offset, size_t* bytes) {
+  BlobHeader h;
+  Status st = blob_parse(blob, size, true, &h);
+  if (!st.ok) return st;
+  if (h.kind != kind) return Status::Fail("blob of kind " + std::to_string(h.kind) + ", not " + std::to_string(kind));
+  if (h.fingerprint != fingerprint || h.key != key) return Status::Fail("blob of another model or key");
+  *offset = kBlobHeaderBytes;
+  *bytes = h.payload_bytes;
   return Status::Ok();
 }
 

@@ -140,15 +140,17 @@ class KDN:
 
         ``edits`` (a spec or a list, :mod:`kdn.edits`) accepts edited caches deposited with
         :meth:`deposit`: the first edit stored for the prompt's leading chunks is served (a
-        :class:`kdn.edits.stored.PrunedCache` for ``kvzip``: fewer rows, the original positions),
-        else the exact cache as without ``edits``.
+        :class:`kdn.edits.stored.PrunedCache` for ``kvzip``: fewer rows, the original positions;
+        for ``steer`` the exact cache, with the attention biases in ``last_retrieve["steering"]``, to
+        run the model under ``kdn.edits.steer.applied(model, biases)``), else the exact cache as
+        without ``edits``.
         """
         started = time.perf_counter()
         session = self.session(model)
         tokens = session.tokens(token_ids)
         cache, load = hf.load_cache(self.engine, model, tokens, _limit(limit, len(tokens), "retrieve"), edits, started)
         self._local.last_retrieve = {"hit_tokens": load.hit, "stream": load.stream, "lossy": load.lossy,
-                                     "edit": load.edit}
+                                     "edit": load.edit, "steering": load.steering}
         return (cache, load.hit) if load.hit else (None, 0)
 
     @property
@@ -175,11 +177,13 @@ class KDN:
         return out
 
     # -- editing at deposit ----------------------------------------------------------------------
-    def deposit(self, model, prompt, edits=(), tokenizer=None) -> dict:
+    def deposit(self, model, prompt, edits=(), tokenizer=None, emphasize=None) -> dict:
         """Store ``prompt``'s KV (text with ``tokenizer``, or token ids) exactly and, for each of
         ``edits`` (e.g. ``["kvzip:keep=0.3"]``, :mod:`kdn.edits`), an edited form under that edit's
         own addresses, which only readers naming the edit are served (``generate(..., edits=...)``).
-        Every edit is computed before anything is stored: an edit that fails stores nothing.
+        ``emphasize``: the spans a ``steer`` edit emphasizes, ``[(start, end), ...]`` (characters
+        of a text prompt, tokens of ids). Every edit is computed before anything is stored: an edit
+        that fails stores nothing.
         Returns ``{"tokens", "exact_tokens", "prefill_seconds", "edits": {spec: {"chunks", "bytes",
         "seconds"}}}``.
 
@@ -195,7 +199,7 @@ class KDN:
         """
         from kdn.edits import stored
 
-        return stored.deposit(self.engine, model, prompt, edits, tokenizer)
+        return stored.deposit(self.engine, model, prompt, edits, tokenizer, emphasize)
 
     # -- blending ---------------------------------------------------------------------------
     def store_segments(self, model, segments, prefix=None) -> dict:

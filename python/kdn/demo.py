@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.resources
 import statistics
 
 import torch
+
+from kdn.data import velmora
 
 QUESTIONS = [
     "Who founded Velmora, and in what year?",
@@ -18,7 +19,7 @@ QUESTIONS = [
 
 def document() -> str:
     """The bundled demo document (an invented city guide, ~2,900 SmolLM2 tokens)."""
-    return importlib.resources.files("kdn.data").joinpath("velmora.txt").read_text(encoding="utf-8")
+    return velmora()
 
 
 def prompt_ids(tokenizer, doc: str, question: str) -> torch.Tensor:

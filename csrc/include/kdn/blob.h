@@ -24,8 +24,10 @@
 // Kinds: 0 = a KV chunk (payload: [layers, 2, tokens, kv_heads, head_dim] in `dtype`, or coded);
 // 1 = a pointer (raw; layers, kv heads and head dim 0; payload: the 16-byte key of a stored
 // chunk, then its `tokens` token ids as u32; see kdn/chunk.h); 2 = a codec calibration (raw; all
-// dimensions 0; payload: a model's kvtc calibration, kdn/kvtc.h). Readers of format 1 that predate
-// kinds 1 and 2 reject them (their dimensions are 0), so they never read as KV.
+// dimensions 0; payload: a model's kvtc calibration, kdn/kvtc.h); 3 = an edit's sidecar (raw; all
+// dimensions 0; payload: bytes an edit keeps beside the KV, e.g. steering's emphasized tokens,
+// kdn/edits in Python). Readers of format 1 that predate kinds 1-3 reject them (their dimensions
+// are 0), so they never read as KV.
 #pragma once
 
 #include <atomic>
@@ -48,6 +50,7 @@ constexpr uint8_t kCodecRaw = 0;
 constexpr uint16_t kBlobKindKV = 0;
 constexpr uint16_t kBlobKindPointer = 1;
 constexpr uint16_t kBlobKindCalibration = 2;
+constexpr uint16_t kBlobKindSidecar = 3;
 
 struct BlobHeader {
   uint16_t version = kBlobVersion;
@@ -108,6 +111,16 @@ void blob_write_header(const BlobHeader& h, uint8_t* out);
 
 // Writes the checksum trailer of a complete blob of `size` bytes (its header says the version).
 void blob_seal(uint8_t* blob, size_t size);
+
+// A sealed raw blob of `kind` (calibration or sidecar: all dimensions 0) holding `size` bytes of
+// `data`, filed under `key` for the model `fingerprint`.
+BufferPtr pack_bytes_blob(uint16_t kind, const Key128& fingerprint, const Key128& key, const uint8_t* data,
+                          size_t size);
+
+// The payload of a raw blob of `kind` (checksum verified) filed under `key` for `fingerprint`:
+// its offset and size in `blob`, or a failed Status naming why it is unusable.
+Status read_bytes_blob(const uint8_t* blob, size_t size, uint16_t kind, const Key128& fingerprint,
+                       const Key128& key, size_t* offset, size_t* bytes);
 
 // Parses and validates a blob: bounds, magic, version, codec and its parameters, dims, sizes and
 // (if verify_checksum) the checksum. Never reads outside [data, data+size). A raw payload must be

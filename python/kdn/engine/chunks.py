@@ -176,6 +176,25 @@ class ChunkIO:
                         len(blob))
         return kvtc.load(calibration)
 
+    # -- sidecars (bytes an edit keeps beside the KV: kdn.edits) -----------------------------------
+    def store_sidecar(self, session: ModelSession, address: bytes, payload: bytes) -> bool:
+        """File ``payload`` under ``address`` (an edit's address) for the session's model; True if
+        some tier holds it."""
+        return self.tiers.put(address, _core.sidecar_pack(session.fingerprint, address, payload))
+
+    def read_sidecar(self, session: ModelSession, address: bytes) -> bytes | None:
+        """The sidecar filed under ``address`` for the session's model, or None (an unusable one is
+        dropped and logged)."""
+        blobs, _ = self.tiers.fetch([address], exact=True)
+        if not blobs:
+            return None
+        try:
+            return _core.sidecar_read(blobs[0], session.fingerprint, address)
+        except BlobError as e:
+            log.warning("kdn: dropping an unusable stored sidecar (treated as a miss): %s", e)
+            self.tiers.drop(address)
+            return None
+
     def _calibrated(self, session: ModelSession, blobs: list) -> int:
         """How many leading ``blobs`` can be decoded: a ``kvtc`` chunk needs its calibration loaded
         (from the tiers, once, if it is not)."""

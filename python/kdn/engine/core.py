@@ -37,13 +37,16 @@ class Load:
     """What a load served: ``hit`` tokens; ``lossy`` (a codec level or an edit: KV computed over it is
     never stored as exact; a stream's is known once it ends, in ``stream.stats``); ``stream``, the
     :class:`kdn.delivery.LayerStream` of a layer-wise load (its layers arrive in the background);
-    ``result``, what the target returned for a whole load; ``edit``, the edit served, if any."""
+    ``result``, what the target returned for a whole load; ``edit``, the edit served, if any;
+    ``steering``, a ``steer`` edit's per-layer attention biases (:mod:`kdn.edits.steer`: the reader
+    runs the model under them)."""
 
     hit: int = 0
     lossy: bool = False
     stream: LayerStream | None = None
     result: object = None
     edit: str | None = None
+    steering: dict | None = None
 
 
 class Engine:

@@ -76,13 +76,21 @@ def load_cache(engine: Engine, model, tokens, limit: int, edits=None, started: f
     on the CPU a layer-wise stream when the engine delivers layer-wise (the cache's layer i waits
     for layer i); else a whole read."""
     session = engine.session(model)
-    if edits:
-        from kdn.edits import stored
-
-        cache, hit, edit = stored.read(engine, model, tokens, limit, edits)
-        if hit:
-            return cache, Load(hit, lossy=True, edit=edit)
     device = next(model.parameters()).device
+    if edits:
+        from kdn.edits import parse_many, stored
+
+        for edit in parse_many(edits):  # the first edit stored for the prompt is served
+            if edit.name == "steer":  # the exact KV, read whole, and the sidecars' biases
+                found = stored.steering(engine, model, tokens, limit, edit)
+                load = engine.load(session, tokens, limit, HFTarget(device)) if found else Load()
+                if load.hit:
+                    return kv_list_to_cache(model, load.result), Load(load.hit, lossy=True, edit=edit.spec,
+                                                                      steering=found[0])
+                continue
+            cache, hit, spec = stored.read(engine, model, tokens, limit, [edit])
+            if hit:
+                return cache, Load(hit, lossy=True, edit=spec)
     layers = (lambda n: HFLayers(session, n)) if device.type == "cpu" else None
     load = engine.load(session, tokens, limit, HFTarget(device), layers, started)
     if not load.hit:
@@ -142,7 +150,13 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
     first_forward: list = []
     hook = model.register_forward_hook(lambda *_: first_forward.append(time.perf_counter()))
     try:
-        out = model.generate(ids, return_dict_in_generate=True, use_cache=True, **generate_kwargs)
+        if load.steering is not None:
+            from kdn.edits import steer
+
+            with steer.applied(model, load.steering):
+                out = model.generate(ids, return_dict_in_generate=True, use_cache=True, **generate_kwargs)
+        else:
+            out = model.generate(ids, return_dict_in_generate=True, use_cache=True, **generate_kwargs)
     except DeliveryError as exc:  # the link failed mid-stream: recompute, the answer is not lost
         log.warning("kdn: delivering the stored KV failed (%s); the prompt is recomputed", exc)
         engine.delivery.failed()

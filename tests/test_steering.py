@@ -1,0 +1,145 @@
+"""Attention steering at deposit (kdn.edits.steer, PASTA): the steered attention equals masking
+the non-emphasized tokens out as alpha -> 0 and a plain hit at alpha = 1; readers that do not
+name the edit get the exact KV and the model's own attention (bit-identical); the sidecars and
+the head profile live in the tiers (a new process on the same disk reads them); bad input is a
+typed error that stores nothing."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kdn import KDN, InvalidInputError, KDNConfig
+from kdn.data import velmora
+from kdn.edits import steer
+from kdn.layout import cache_to_kv_list, kv_list_to_cache
+
+CHUNK = 32
+
+
+@pytest.fixture(scope="module")
+def case(stories):
+    """stories260K, one probe: (model, tokenizer, context, emphasized span, prompt ids, context ids)."""
+    model, tokenizer = stories
+    context, span, question, _ = steer.probe(velmora(), random.Random(1), words=60)
+    ctx_ids = tokenizer(context)["input_ids"]
+    ids = torch.tensor([ctx_ids + tokenizer(question, add_special_tokens=False)["input_ids"]])
+    return model, tokenizer, context, span, ids, ctx_ids
+
+
+def exact_cache(model, ctx_ids, hit):
+    with torch.inference_mode():
+        kv = cache_to_kv_list(model(torch.tensor([ctx_ids[:hit]]), use_cache=True).past_key_values)
+    return kv
+
+
+def test_steering_every_head_towards_zero_equals_masking_the_other_tokens_out(case):
+    """The reference: HF's own padding mask over the cached context, zero on the non-emphasized
+    tokens, for the question's queries; steering every head of every layer with alpha=1e-30."""
+    model, tokenizer, context, span, ids, ctx_ids = case
+    n = len(ctx_ids)
+    offsets = tokenizer(context, return_offsets_mapping=True)["offset_mapping"]
+    emphasized = steer.token_mask([span], n, offsets)
+    assert 0 < emphasized.sum() < n
+    kv = exact_cache(model, ctx_ids, n)
+    heads, layers = model.config.num_attention_heads, model.config.num_hidden_layers
+    everything = [(layer, head) for layer in range(layers) for head in range(heads)]
+    tail = ids[:, n:]
+    with torch.inference_mode():
+        with steer.applied(model, steer.biases(everything, 1e-30, emphasized, heads, layers)):
+            steered = model(tail, past_key_values=kv_list_to_cache(model, list(kv))).logits[0]
+        mask = torch.ones(1, ids.shape[1], dtype=torch.long)
+        mask[0, :n] = torch.from_numpy(emphasized).long()
+        masked = model(tail, past_key_values=kv_list_to_cache(model, list(kv)), attention_mask=mask).logits[0]
+        plain = model(tail, past_key_values=kv_list_to_cache(model, list(kv))).logits[0]
+    assert torch.allclose(steered, masked, atol=1e-4)
+    assert not torch.allclose(steered, plain, atol=1e-2)  # it did something
+
+
+def test_alpha_one_is_a_plain_hit(case):
+    model, _, _, span, ids, ctx_ids = case
+    n = len(ctx_ids)
+    kv = exact_cache(model, ctx_ids, n)
+    heads, layers = model.config.num_attention_heads, model.config.num_hidden_layers
+    everything = [(layer, head) for layer in range(layers) for head in range(heads)]
+    emphasized = steer.token_mask([(0, 3)], n)
+    with torch.inference_mode():
+        with steer.applied(model, steer.biases(everything, 1.0, emphasized, heads, layers)):
+            steered = model(ids[:, n:], past_key_values=kv_list_to_cache(model, list(kv))).logits[0]
+        plain = model(ids[:, n:], past_key_values=kv_list_to_cache(model, list(kv))).logits[0]
+    assert torch.allclose(steered, plain, atol=1e-4)
+
+
+def test_a_steered_generate_and_an_exact_reader_of_the_same_deposit(case, tmp_path):
+    """The deposit stores the exact KV, a sidecar per full chunk and the model's head profile; a
+    reader naming the edit is served the exact KV with the steering (and nothing it computes is
+    stored); a reader that does not name it is bit-identical to a plain hit; a new process on the
+    same disk folder reads the sidecars and the profile (nothing is profiled again)."""
+    model, tokenizer, context, span, ids, ctx_ids = case
+    spec = "steer:alpha=0.01,heads=4"
+    config = KDNConfig(chunk_size=CHUNK, disk_dir=str(tmp_path / "kv"), write_policy="write-through")
+    writer = KDN(config)
+    report = writer.deposit(model, context, edits=[spec], tokenizer=tokenizer, emphasize=[span])
+    full_chunks = len(ctx_ids) // CHUNK
+    assert report["edits"]["steer:alpha=0.01,heads=4"]["chunks"] == full_chunks
+    writer.flush()
+    plain = KDN(KDNConfig(chunk_size=CHUNK))
+    plain.deposit(model, ctx_ids)
+    reference = plain.generate(model, ids, max_new_tokens=6, do_sample=False)
+    with torch.inference_mode():
+        ref_logits = model(ids).logits[0, -1]
+
+    reader = KDN(KDNConfig(chunk_size=CHUNK, disk_dir=config.disk_dir))
+    calls = []
+    original = steer.profile
+    steer.profile = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        steered = reader.generate(model, ids, edits=spec, max_new_tokens=6, do_sample=False)
+    finally:
+        steer.profile = original
+    assert not calls, "the head profile was recomputed instead of read from the disk tier"
+    stats = reader.last_generate
+    assert stats["edit"] == spec and stats["hit_tokens"] >= full_chunks * CHUNK
+    assert reader.stats()["integrity"]["refused_stores"] == 1  # KV computed under steering is not stored
+    cache, hit = reader.retrieve(model, ids[0], edits=spec)
+    biases = reader.last_retrieve["steering"]
+    # the exact KV of the context; the biases over its full chunks (the tail is the question's chunk)
+    assert hit == stats["hit_tokens"] and biases and all(b.shape[1] == full_chunks * CHUNK for b in biases.values())
+    assert torch.allclose(reader.retrieve(model, ids[0])[0].layers[0].keys, cache.layers[0].keys)
+    with torch.inference_mode():
+        with steer.applied(model, biases):
+            by_hand = model(ids[:, hit:], past_key_values=cache).logits[0, -1]
+    cache, _ = reader.retrieve(model, ids[0], edits=spec)
+    with torch.inference_mode():
+        unsteered = model(ids[:, hit:], past_key_values=cache).logits[0, -1]
+    assert torch.allclose(unsteered, ref_logits, atol=1e-4) and not torch.allclose(by_hand, ref_logits, atol=1e-3)
+    assert steered.shape == reference.shape
+
+    exact = reader.generate(model, ids, max_new_tokens=6, do_sample=False)  # no edit named: a plain hit
+    assert torch.equal(exact, reference) and reader.last_generate.get("edit") is None
+    other = reader.generate(model, ids, edits="kvzip:keep=0.5", max_new_tokens=6, do_sample=False)
+    assert torch.equal(other, reference) and reader.last_generate.get("edit") is None
+
+
+@pytest.mark.parametrize("spans, why", [(None, "give the emphasized spans"), ([(5, 3)], "outside the prompt"),
+                                        ([(0, 10**6)], "outside the prompt"), ([("a",)], "a span is")])
+def test_bad_spans_are_typed_errors_and_store_nothing(case, spans, why):
+    model, tokenizer, context, _, _, _ = case
+    kdn = KDN(KDNConfig(chunk_size=CHUNK))
+    with pytest.raises(InvalidInputError, match=why):
+        kdn.deposit(model, context, edits=["steer"], tokenizer=tokenizer, emphasize=spans)
+    assert kdn.memory.stats()["entries"] == 0
+
+
+def test_a_model_whose_attention_cannot_take_a_bias_is_refused():
+    fake = SimpleNamespace(config=SimpleNamespace())
+    with pytest.raises(InvalidInputError, match="cannot take a steering bias"):
+        steer.check_model(fake)
+
+
+def test_sidecar_flags_round_trip():
+    flags = torch.rand(77).numpy() > 0.5
+    assert (steer.unpack_flags(steer.pack_flags(flags)) == flags).all()
