@@ -171,8 +171,8 @@ def probe(filler: str, rng: random.Random, words: int = 300) -> tuple[str, tuple
 
 
 @torch.inference_mode()
-def profile(model, tokenizer, filler: str, cases: int = 4, alpha: float = 0.01, seed: int = 0,
-            progress: bool = True) -> list:
+def profile(model, tokenizer, filler: str, cases: int = 3, alpha: float = 0.01, seed: int = 0,
+            progress: bool = True, words: int = 150) -> list:
     """``[(layer, head, gain), ...]`` best first: each query head steered alone (``alpha``) over
     ``cases`` synthetic contexts (:func:`probe`), by the mean rise of the answer's log-probability.
     One batched forward per layer and case (row 0 unsteered, row ``h + 1`` steers head ``h``)."""
@@ -186,7 +186,7 @@ def profile(model, tokenizer, filler: str, cases: int = 4, alpha: float = 0.01, 
     gains = torch.zeros(layers, heads, dtype=torch.float64)
     bar = tqdm(total=cases * layers, desc="kdn steer: profiling heads", disable=not progress, unit="layer")
     for _ in range(cases):
-        context, span, question, answer = probe(filler, rng)
+        context, span, question, answer = probe(filler, rng, words)
         enc = tokenizer(context, return_offsets_mapping=True)
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
         penalty = biases([(0, 0)], alpha, token_mask([span], len(ids), offsets), 1, 1)[0][0]  # [n]

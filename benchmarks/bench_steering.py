@@ -1,0 +1,87 @@
+"""Attention steering at deposit (`steer`, PASTA) against the unedited hit, at identical prompts.
+
+Task: a context with two conflicting statements about one role ("The records are clear that X was
+A." / "Some say X was B.", in random order, buried in filler text); the first is emphasized at
+deposit; the question asks who X was. Correct = the answer names A. Cases are drawn with seeds
+disjoint from the head profiling's (which uses the same template family, as PASTA profiles on
+task examples). Each case is deposited once; the unedited hit and the steered hit answer the same
+prompt. Reports accuracy of each, the paired gain with its 95% bootstrap interval, and how often
+each names the other (wrong) candidate.
+
+    python benchmarks/bench_steering.py --model smollm2-135m --cases 60 --out benchmarks/results/editing/steering
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+from timing import save_result
+
+import kdn
+from kdn.data import velmora
+from kdn.edits import steer
+from kdn.eval.stats import bootstrap_ci, paired_difference
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--cases", type=int, default=60)
+    parser.add_argument("--words", type=int, default=150, help="filler words around the two statements")
+    parser.add_argument("--alpha", type=float, default=0.01)
+    parser.add_argument("--heads", default="4,16", help="steered head counts to compare")
+    parser.add_argument("--out", default="bench_out/steering")
+    args = parser.parse_args()
+    model, tokenizer = kdn.models.load(args.model)
+    cache = kdn.KDN(kdn.KDNConfig(chunk_size=32))
+    t0 = time.perf_counter()
+    from kdn.edits import stored
+
+    ranked = stored.head_profile(cache.engine, model, tokenizer)
+    profile_s = time.perf_counter() - t0
+    print(f"head profile: {profile_s:.0f} s; best {ranked[:5]}", flush=True)
+    specs = [f"steer:alpha={args.alpha:g},heads={h}" for h in args.heads.split(",")]
+    rng = random.Random(1000)  # the profile draws from seed 0
+    right: dict = {"plain": {}}
+    wrong: dict = {"plain": {}}
+    for spec in specs:
+        right[spec], wrong[spec] = {}, {}
+    for case in range(args.cases):
+        context, span, question, answer = steer.probe(velmora(), rng, words=args.words)
+        other = next(n for n in steer.NAMES if f" was {n}." in context and n != answer.strip())
+        cache.deposit(model, context, edits=specs, tokenizer=tokenizer, emphasize=[span])
+        ids = tokenizer(context + question, return_tensors="pt").input_ids
+        for method in ["plain", *specs]:
+            out = cache.generate(model, ids, edits=None if method == "plain" else method, max_new_tokens=6,
+                                 do_sample=False)
+            text = tokenizer.decode(out[0, ids.shape[1]:])
+            right[method][case] = float(answer.strip() in text)
+            wrong[method][case] = float(other in text)
+        line = "  ".join(f"{m}: {sum(right[m].values()) / (case + 1):.2f}" for m in right)
+        print(f"case {case + 1}/{args.cases}  accuracy {line}", flush=True)
+    rows = {}
+    for method in right:
+        rows[method] = {"accuracy": sum(right[method].values()) / args.cases,
+                        "accuracy_ci95": bootstrap_ci(right[method].values()),
+                        "names_the_other": sum(wrong[method].values()) / args.cases}
+        if method != "plain":
+            rows[method]["gain_vs_plain"] = paired_difference(right[method], right["plain"])
+    print("\n| method | accuracy | 95% CI | names the other candidate | gain vs unedited hit (95% CI) |")
+    print("|---|---:|---:|---:|---:|")
+    for method, r in rows.items():
+        gain = r.get("gain_vs_plain")
+        g = f"{gain['mean']:+.3f} ({gain['ci95'][0]:+.3f}, {gain['ci95'][1]:+.3f})" if gain else "-"
+        print(f"| {method} | {r['accuracy']:.3f} | {r['accuracy_ci95'][0]:.2f}-{r['accuracy_ci95'][1]:.2f} | "
+              f"{r['names_the_other']:.3f} | {g} |")
+    path = save_result(Path(args.out) / f"bench_steering_{args.model}.json",
+                       {"model": args.model, "cases": args.cases, "words": args.words, "profile_seconds": profile_s,
+                        "profile_top": ranked[:16], "rows": rows, "torch": torch.__version__})
+    print("saved", path)
+
+
+if __name__ == "__main__":
+    main()
