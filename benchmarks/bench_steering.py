@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 import torch
-from timing import save_result
 
 import kdn
 from kdn.data import velmora
 from kdn.edits import steer
 from kdn.eval.stats import bootstrap_ci, paired_difference
+from timing import save_result
 
 
 def main() -> None:
