@@ -143,3 +143,26 @@ def test_a_model_whose_attention_cannot_take_a_bias_is_refused():
 def test_sidecar_flags_round_trip():
     flags = torch.rand(77).numpy() > 0.5
     assert (steer.unpack_flags(steer.pack_flags(flags)) == flags).all()
+
+
+def test_kdn_deposit_reads_emphasized_spans_from_jsonl(tmp_path, case, capsys):
+    """`kdn deposit docs.jsonl STORE --edit steer`: the spans of each line are the emphasis (its
+    sidecars are in the store); a line with none is refused by name, after the ones before it."""
+    import json
+
+    from kdn.cli import main
+
+    model, tokenizer, context, span, ids, ctx_ids = case
+    source = tmp_path / "docs.jsonl"
+    source.write_text(json.dumps({"id": "a", "text": context, "emphasize": [list(span)]}) + "\n")
+    store = tmp_path / "store"
+    args = ["deposit", str(source), str(store), "--model", "stories260k", "--edit", "steer:heads=4",
+            "--chunk-size", str(CHUNK)]
+    assert main(args) == 0
+    reader = KDN(KDNConfig(chunk_size=CHUNK, disk_dir=str(store)))
+    reader.retrieve(model, ids[0], edits="steer:heads=4")
+    assert reader.last_retrieve["edit"] == "steer:alpha=0.01,heads=4" and reader.last_retrieve["steering"]
+    source.write_text(source.read_text() + json.dumps({"id": "b", "text": "Another text. " * 20}) + "\n")
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "document b: steer: give the emphasized spans" in capsys.readouterr().err

@@ -197,8 +197,10 @@ def test_an_unknown_setting_stops_the_engine_with_did_you_mean(setup):
 
 
 def test_vllm_serve_answers_through_openai_with_kdn_counters_on_metrics(setup, tmp_path):
-    """`vllm serve` with the connector (the engine in its own process): the second question about the
-    same document comes back sooner, and kdn's counters are on vLLM's Prometheus /metrics."""
+    """`vllm serve` with the connector (the engine in its own process): a prompt over the engine's
+    length is refused and a client that leaves mid-stream costs nothing (the engine keeps serving);
+    the second question about the same document comes back sooner, and kdn's counters (per tier
+    too) are on vLLM's Prometheus /metrics."""
     from vllm_servers import VLLMServer
 
     python, folder, _ = setup
@@ -210,6 +212,8 @@ def test_vllm_serve_answers_through_openai_with_kdn_counters_on_metrics(setup, t
     assert second["ttft"] < first["ttft"] and first["text"] and second["text"]
     assert out["metrics"].get("vllm:kdn_loaded_tokens_total", 0) > 1000
     assert out["metrics"].get("vllm:kdn_stores_total", 0) >= 1
+    assert out["too_long"] == "BadRequestError"
+    assert out["metrics"].get("vllm:kdn_memory_chunks_total", 0) >= 1  # the second question's hit, by tier
 
 
 def test_redis_going_down_mid_run_costs_hits_not_answers(setup, reference, tmp_path):

@@ -1,4 +1,5 @@
-"""Asks a running `vllm serve` the same document twice through the real openai client (streamed,
+"""Sends a running `vllm serve` a prompt over its length and a request it leaves mid-stream, then
+asks it the same document twice through the real openai client (streamed,
 so the first chunk's arrival is the TTFT) and reads its /metrics; prints one JSON line. Run in the
 vLLM venv by tests/test_vllm.py:
 
@@ -23,6 +24,15 @@ def main() -> None:
 
     client = OpenAI(base_url=args.url + "/v1", api_key="unused")
     document = open(args.document).read()
+    # bad input first: a prompt over the engine's length, and a client that leaves mid-stream
+    try:
+        client.completions.create(model=args.model, prompt=document * 8, max_tokens=4)
+        too_long = "accepted"
+    except Exception as e:  # openai.BadRequestError: the server refused it and keeps serving
+        too_long = type(e).__name__
+    stream = client.completions.create(model=args.model, prompt=document[::-1][:3000], max_tokens=64, stream=True)
+    next(iter(stream))
+    stream.close()  # the client disconnects after the first chunk
     answers = []
     for question in ("Who founded the city?", "How long does the ferry take?"):
         t0 = time.perf_counter()
@@ -41,7 +51,7 @@ def main() -> None:
             name, value = line.rsplit(" ", 1)
             name = name.split("{")[0]
             kdn[name] = kdn.get(name, 0.0) + float(value)
-    print("KDN-RESULT " + json.dumps({"answers": answers, "metrics": kdn}), flush=True)
+    print("KDN-RESULT " + json.dumps({"answers": answers, "metrics": kdn, "too_long": too_long}), flush=True)
 
 
 if __name__ == "__main__":

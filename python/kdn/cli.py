@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     ver.add_argument("--dtype", default=None, choices=[None, "float32", "float16", "bfloat16"])
     ver.add_argument("--seed", type=int, default=0, help="which prompts --sample picks")
     dep = sub.add_parser("deposit", help="store documents' KV (and edited forms) into a store, resumably")
-    dep.add_argument("source", help="a folder of .txt/.md files, or a JSONL file ({\"text\": ...} per line)")
+    dep.add_argument("source", help="a folder of .txt/.md files, or a JSONL file ({\"text\": ...} per line; "
+                                    "\"emphasize\": [[start, end], ...] for --edit steer)")
     dep.add_argument("store", help="a disk tier's folder (created if missing) or a remote store URL")
     dep.add_argument("--model", required=True, help="smollm2-135m, stories260k, qwen2.5-coder-*, or an HF folder")
     dep.add_argument("--edit", action="append", default=[], help="an edit to store too, e.g. kvzip:keep=0.3 "
@@ -169,8 +170,12 @@ def run_deposit_command(args) -> int:
     if not docs:
         return fail(f"{args.source} holds no documents")
     model, tokenizer = load_any_model(args.model, dtype=args.dtype)
-    report = deposit_many(cache, model, tokenizer, docs, edits,
-                          progress=lambda it: tqdm(it, desc="depositing", unit="doc"))
+    try:
+        report = deposit_many(cache, model, tokenizer, docs, edits,
+                              progress=lambda it: tqdm(it, desc="depositing", unit="doc"))
+    except KDNError as e:  # a document the edits refuse (the ones before it are stored: rerun resumes)
+        cache.flush()
+        return fail(str(e))
     edited = "".join(f"; {spec}: {r['chunks']} chunks, {r['bytes'] / 2**20:.1f} MiB"
                      for spec, r in report["edits"].items())
     print(f"{report['deposited']} documents deposited ({report['skipped']} already stored), {report['tokens']} "

@@ -13,14 +13,16 @@ from kdn.edits import parse_many
 TEXT_FIELDS = ("text", "context", "document")
 
 
-def documents(source: str | Path) -> list[tuple[str, str]]:
-    """``(name, text)`` pairs: every ``*.txt`` / ``*.md`` file of a folder (sorted by name), or every
-    line of a JSONL file (an object with a ``text``, ``context`` or ``document`` field, and an
-    optional ``id``). A source that is neither, or a line without text, is an InvalidInputError."""
+def documents(source: str | Path) -> list[tuple[str, str, list | None]]:
+    """``(name, text, emphasize)`` triples: every ``*.txt`` / ``*.md`` file of a folder (sorted by
+    name), or every line of a JSONL file (an object with a ``text``, ``context`` or ``document``
+    field, an optional ``id`` and an optional ``emphasize``: ``[[start, end], ...]`` character spans
+    a ``steer`` edit emphasizes). A source that is neither, or a line without text, is an
+    InvalidInputError."""
     source = Path(source)
     if source.is_dir():
         files = sorted(p for p in source.iterdir() if p.suffix in (".txt", ".md") and p.is_file())
-        return [(p.name, p.read_text(encoding="utf-8")) for p in files]
+        return [(p.name, p.read_text(encoding="utf-8"), None) for p in files]
     if not source.is_file():
         raise InvalidInputError(f"{source}: no such folder or file")
     docs = []
@@ -35,7 +37,10 @@ def documents(source: str | Path) -> list[tuple[str, str]]:
                     None)
         if text is None:
             raise InvalidInputError(f"{source}:{number}: no text field ({', '.join(TEXT_FIELDS)})")
-        docs.append((str(record.get("id", number)), text))
+        emphasize = record.get("emphasize")
+        if emphasize is not None and not isinstance(emphasize, list):
+            raise InvalidInputError(f"{source}:{number}: emphasize is a list of [start, end] character spans")
+        docs.append((str(record.get("id", number)), text, emphasize))
     return docs
 
 
@@ -47,19 +52,22 @@ def stored(kdn, model, ids: list[int], edits) -> bool:
     return not keys or all(kdn.chunks.holds(edit.address(keys[-1])) for edit in edits)
 
 
-def deposit_many(kdn, model, tokenizer, docs: list[tuple[str, str]], edits=(), progress=None) -> dict:
+def deposit_many(kdn, model, tokenizer, docs: list[tuple], edits=(), progress=None) -> dict:
     """Deposit each document not stored yet; returns counts, tokens, seconds and tokens/s."""
     edits = parse_many(edits)
     done = skipped = tokens = 0
     per_edit: dict = {}
     started = time.perf_counter()
     bar = progress(docs) if progress else docs
-    for _name, text in bar:
+    for name, text, emphasize in bar:
         ids = list(tokenizer(text)["input_ids"])
         if stored(kdn, model, ids, edits):
             skipped += 1
             continue
-        report = kdn.deposit(model, ids, edits=edits, tokenizer=tokenizer)
+        try:
+            report = kdn.deposit(model, text, edits=edits, tokenizer=tokenizer, emphasize=emphasize)
+        except InvalidInputError as e:
+            raise InvalidInputError(f"document {name}: {e}") from None
         done += 1
         tokens += report["tokens"]
         for spec, r in report["edits"].items():
