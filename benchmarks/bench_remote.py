@@ -49,6 +49,7 @@ def private_redis():
 def bench_throughput(url, kv, fingerprint, repeats):
     raw = redis.Redis.from_url(url)
     tier = RemoteTier(url)
+    through_redis_py = RemoteTier(url, direct_reads=False)  # the read path before kdn's RESP reader
     rows = []
     for chunk, count in ((16, 64), (64, 16), (256, 8)):
         keys = [i.to_bytes(16, "little") for i in range(count)]
@@ -79,10 +80,12 @@ def bench_throughput(url, kv, fingerprint, repeats):
         t_raw_get = timed(raw_get, repeats)
         t_put = timed(tier_put, repeats, setup=tier.clear)
         t_get = timed(lambda: tier.get_many(keys), repeats)
+        t_get_py = timed(lambda: through_redis_py.get_many(keys), repeats)
         assert all(b is not None for b in tier.get_many(keys))
         rows.append({"chunk_tokens": chunk, "value_mb": len(values[0]) / 1e6, "values": count,
                      "raw_set_mbs": total / t_raw_set, "kdn_put_mbs": total / t_put,
                      "raw_get_mbs": total / t_raw_get, "kdn_get_mbs": total / t_get,
+                     "kdn_get_redis_py_mbs": total / t_get_py, "direct_vs_redis_py": t_get_py / t_get,
                      "put_ratio": t_raw_set / t_put, "get_ratio": t_raw_get / t_get})
     raw.flushdb()
     return rows
@@ -139,12 +142,13 @@ def main() -> None:
         thr = bench_throughput(url, kv, fingerprint, args.repeats)
         print(f"\nremote tier vs raw redis-py pipelines (SmolLM2 fp32 KV chunks, loopback, medians of {args.repeats})")
         print("| chunk | value | values | raw SET MB/s | kdn put MB/s | put ratio | raw GET MB/s | kdn get MB/s "
-              "| get ratio |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| get ratio | kdn get through redis-py MB/s | RESP reader vs redis-py |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in thr:
             print(f"| {r['chunk_tokens']} tok | {r['value_mb']:.1f} MB | {r['values']} | {r['raw_set_mbs']:.0f} | "
                   f"{r['kdn_put_mbs']:.0f} | {r['put_ratio']:.2f} | {r['raw_get_mbs']:.0f} | "
-                  f"{r['kdn_get_mbs']:.0f} | {r['get_ratio']:.2f} |")
+                  f"{r['kdn_get_mbs']:.0f} | {r['get_ratio']:.2f} | {r['kdn_get_redis_py_mbs']:.0f} | "
+                  f"{r['direct_vs_redis_py']:.2f}x |")
         ttft = bench_ttft(model, tokenizer, url, [int(x) for x in args.lengths.split(",")], args.repeats)
         print("\ntime to first token: remote hit (memory cleared before each) vs full prefill")
         print("| context | full prefill | remote hit | speedup | max logit diff |")

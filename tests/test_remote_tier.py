@@ -34,6 +34,9 @@ def count_round_trips(tier, monkeypatch) -> list:
         return pipe
 
     monkeypatch.setattr(tier._client, "pipeline", pipeline)
+    if tier._direct is not None:  # reads straight into Buffers: one pipelined round trip too
+        direct = tier._direct.get_many
+        monkeypatch.setattr(tier._direct, "get_many", lambda names: (calls.append("pipeline"), direct(names))[1])
     return calls
 
 
@@ -185,6 +188,29 @@ def test_a_wrong_password_is_a_clear_error_at_start_up(tmp_path):
         assert "wrong" not in str(info.value)
         ok = KDN(KDNConfig(remote_url=f"redis://:s3cret@127.0.0.1:{server.port}/0"))
         assert ok.stats()["remote"]["state"] == "ok"
+    finally:
+        server.stop()
+
+
+def test_reads_land_in_buffers_with_a_password_and_error_replies_are_refusals(tmp_path, caplog):
+    """Plain redis:// reads go through kdn's own RESP reader (replies straight into Buffers): with
+    AUTH, the values are the ones written; an error reply (a key of another type) is a refused
+    read, a miss, and the connection keeps serving."""
+    require_redis()
+    server = RedisServer(tmp_path / "redis", None, "--requirepass", "s3cret")
+    try:
+        tier = fresh_tier(f"redis://:s3cret@127.0.0.1:{server.port}/0")
+        assert tier._direct is not None
+        for i in range(3):
+            tier.put(key(i), blob_for(i))
+        tier.flush()
+        got = tier.get_many([key(i) for i in range(3)] + [key(99)])
+        assert [bytes(b) for b in got[:3]] == [bytes(blob_for(i)) for i in range(3)] and got[3] is None
+        tier._client.lpush(RemoteTier.redis_key(key(50)), b"a list, not a string")
+        with caplog.at_level(logging.WARNING, logger="kdn"):
+            assert tier.get_many([key(50), key(1)]) == [None, None]  # the whole read refused
+        assert tier.stats()["refused"] == 1 and tier.stats()["state"] == "ok"
+        assert bytes(tier.get_many([key(1)])[0]) == bytes(blob_for(1))
     finally:
         server.stop()
 

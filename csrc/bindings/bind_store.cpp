@@ -7,6 +7,7 @@
 #include "kdn/codec.h"
 #include "kdn/disk_store.h"
 #include "kdn/memory_store.h"
+#include "kdn/resp.h"
 #include "tensor.h"
 
 namespace py = pybind11;
@@ -80,6 +81,33 @@ void bind_store(py::module_& m) {
                                {static_cast<ssize_t>(b.size())}, {1}, /*readonly=*/!b.writable());
       });
 
+  py::register_exception<RespError>(m, "RespError", PyExc_RuntimeError);
+  py::register_exception<RespIOError>(m, "RespIOError", PyExc_ConnectionError);
+  py::class_<RespConnection>(m, "RespConnection",
+                             "One Redis connection whose GET replies land straight in pooled Buffers (kdn/resp.h).")
+      .def(py::init([](const std::string& host, int port, double timeout, const std::string& user,
+                       const std::string& password, int db) {
+             py::gil_scoped_release release;
+             return std::make_unique<RespConnection>(host, port, std::max(1, static_cast<int>(timeout * 1000)), user,
+                                                     password, db);
+           }),
+           py::arg("host"), py::arg("port"), py::arg("timeout") = 1.0, py::arg("user") = "",
+           py::arg("password") = "", py::arg("db") = 0,
+           "host:port (a unix socket path when port < 0); AUTH and SELECT when given.")
+      .def(
+          "get_many",
+          [](RespConnection& self, const std::vector<std::string>& names) {
+            std::vector<BufferPtr> values;
+            {
+              py::gil_scoped_release release;
+              values = self.get_many(names);
+            }
+            py::list out;
+            for (auto& v : values) out.append(v ? py::cast(v) : py::none());
+            return out;
+          },
+          py::arg("names"), "GET of every name in one round trip: a Buffer per value, None for a missing key.")
+      .def_property_readonly("open", &RespConnection::open);
   m.def(
       "sidecar_pack",
       [](py::handle fingerprint, py::handle key, py::handle data) {

@@ -45,6 +45,42 @@ def connect(url: str, timeout: float):
     return redis.Redis.from_url(url, retry_on_timeout=False, **options)
 
 
+class _DirectReads:
+    """The read path at memory speed: pooled :class:`kdn._core.RespConnection` s whose GET replies
+    land straight in kdn's Buffers (no Python ``bytes`` per value), for plain ``redis://`` and
+    ``unix://`` URLs (TLS and cluster URLs read through redis-py)."""
+
+    def __init__(self, url: str, timeout: float):
+        parts = urllib.parse.urlsplit(url)
+        query = {k: v[-1] for k, v in urllib.parse.parse_qs(parts.query).items()}
+        if parts.scheme == "unix":
+            self.where = (parts.path, -1)
+            self.db = int(query.get("db", 0))
+        else:
+            self.where = (parts.hostname or "127.0.0.1", parts.port or 6379)
+            self.db = int(query.get("db", parts.path.strip("/") or 0))
+        self.user = urllib.parse.unquote(parts.username or "")
+        self.password = urllib.parse.unquote(parts.password or "") or query.get("password", "")
+        self.timeout = timeout
+        self._idle: list = []
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def usable(url: str) -> bool:
+        return urllib.parse.urlsplit(url).scheme in ("redis", "unix")
+
+    def get_many(self, names: list[str]) -> list:
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = _core.RespConnection(*self.where, timeout=self.timeout, user=self.user, password=self.password,
+                                        db=self.db)
+        values = conn.get_many(names)  # a RespIOError drops the connection with the exception
+        with self._lock:
+            self._idle.append(conn)
+        return values
+
+
 class _Breaker:
     """Circuit breaker: after a failure, calls are skipped for ``retry_seconds``, then one is tried."""
 
@@ -111,7 +147,7 @@ class RemoteTier(Tier):
 
     def __init__(self, url: str, timeout: float = 1.0, ttl: float | None = None, part_bytes: int = 16 << 20,
                  queue_bytes: int = 256 << 20, retry_seconds: float = 5.0, codec: str = "raw", mac_key: bytes = b"",
-                 levels: tuple = ()):
+                 levels: tuple = (), direct_reads: bool = True):
         self.codec = codecs.parse(codec).spec
         self.levels = tuple(s for s in dict.fromkeys(codecs.parse(c).spec for c in levels) if s != self.codec)
         if mac_key and len(mac_key) != 32:
@@ -120,6 +156,8 @@ class RemoteTier(Tier):
         self.url, self.ttl, self.part_bytes, self.queue_bytes = url, ttl, part_bytes, queue_bytes
         self.cluster = "+cluster" in urllib.parse.urlsplit(url).scheme
         self._client = connect(url, timeout)
+        # plain redis:// and unix:// reads through kdn's RESP reader (False: through redis-py, as TLS/cluster)
+        self._direct = _DirectReads(url, timeout) if direct_reads and _DirectReads.usable(url) else None
         self._breaker = _Breaker(url, retry_seconds)
         self._stats = collections.Counter()
         self._queue: collections.deque = collections.deque()
@@ -164,7 +202,10 @@ class RemoteTier(Tier):
                 return self._corrupt(key, "keyed tag mismatch (written without the secret, or altered)")
             value = body
         try:
-            blob = _core.buffer_join(value) if isinstance(value, list) else _core.Buffer(value)
+            if isinstance(value, list):
+                blob = _core.buffer_join(value)
+            else:  # a direct read is a Buffer already
+                blob = value if isinstance(value, _core.Buffer) else _core.Buffer(value)
             header = _core.blob_parse(blob)  # checksum; marks the Buffer verified
         except BlobError as e:
             return self._corrupt(key, str(e))
@@ -234,11 +275,14 @@ class RemoteTier(Tier):
         names = [self.redis_key(k) for k in keys]
 
         def run():
-            pipe = self._client.pipeline(transaction=False)
-            for name in names:
-                pipe.get(name)
-            values = pipe.execute()
-            split = [i for i, v in enumerate(values) if v is not None and v[:4] == _MANIFEST_MAGIC]
+            if self._direct is not None:
+                values = self._direct.get_many(names)
+            else:
+                pipe = self._client.pipeline(transaction=False)
+                for name in names:
+                    pipe.get(name)
+                values = pipe.execute()
+            split = [i for i, v in enumerate(values) if v is not None and bytes(memoryview(v)[:4]) == _MANIFEST_MAGIC]
             manifests = {i: values[i] for i in split}
             if split:
                 pipe = self._client.pipeline(transaction=False)
@@ -435,7 +479,7 @@ def _is_refusal(error: Exception) -> bool:
     """An error reply from a reachable server (OOM, READONLY, a rejected argument), not an outage."""
     from redis.exceptions import ResponseError
 
-    return isinstance(error, ResponseError)
+    return isinstance(error, (ResponseError, _core.RespError))
 
 
 def _is_auth_error(error: Exception) -> bool:
@@ -444,4 +488,5 @@ def _is_auth_error(error: Exception) -> bool:
     if isinstance(error, (AuthenticationError, AuthorizationError)):
         return True
     text = str(error)
-    return isinstance(error, ResponseError) and ("WRONGPASS" in text or "NOAUTH" in text or "invalid password" in text)
+    return isinstance(error, (ResponseError, _core.RespError)) and (
+        "WRONGPASS" in text or "NOAUTH" in text or "invalid password" in text)

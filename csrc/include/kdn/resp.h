@@ -1,0 +1,56 @@
+// The remote tier's read path at memory speed: pipelined Redis GETs over one socket, each bulk
+// reply received straight into a pooled Buffer (no intermediate copies, no per-value Python bytes).
+//
+// A minimal RESP2 client for one connection (TCP or a unix socket, plain text: TLS and cluster
+// URLs stay on redis-py). Not thread-safe: one connection per caller thread (the Python side pools
+// them). A socket failure or a malformed reply throws RespIOError and closes the connection; an
+// error reply (-ERR ...) throws RespError with the server's text (the connection stays usable).
+#pragma once
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kdn/blob.h"
+#include "kdn/common.h"
+
+namespace kdn {
+
+class RespError : public std::runtime_error {  // the server answered with an error reply
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class RespIOError : public std::runtime_error {  // the connection failed (closed, timed out, garbled)
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class RespConnection {
+ public:
+  // host:port, or a unix socket path when port < 0. timeout_ms bounds every send and receive.
+  // With a password, AUTH [user] password; with db > 0, SELECT db.
+  RespConnection(const std::string& host, int port, int timeout_ms, const std::string& user,
+                 const std::string& password, int db);
+  ~RespConnection();
+  RespConnection(const RespConnection&) = delete;
+  RespConnection& operator=(const RespConnection&) = delete;
+
+  // GET of every name in one round trip: a Buffer per value, nullptr for a missing key.
+  std::vector<BufferPtr> get_many(const std::vector<std::string>& names);
+  bool open() const { return fd_ >= 0; }
+
+ private:
+  void send_all(const std::string& data);
+  void fill();                              // at least one more byte into the read buffer
+  std::string read_line();                  // up to CRLF, without it
+  BufferPtr read_bulk();                    // one reply: a bulk string, nil, or an error
+  void expect_ok();
+  [[noreturn]] void fail(const std::string& why);  // close, throw RespIOError
+
+  int fd_ = -1;
+  std::vector<uint8_t> buf_;
+  size_t head_ = 0, tail_ = 0;              // unread bytes: buf_[head_, tail_)
+};
+
+}  // namespace kdn

@@ -1,0 +1,198 @@
+// Pipelined Redis GETs into pooled Buffers (kdn/resp.h).
+#include "kdn/resp.h"
+
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace kdn {
+namespace {
+
+constexpr size_t kReadChunk = 1 << 16;
+constexpr int64_t kMaxBulk = int64_t(1) << 32;  // a value this tier wrote is at most part_bytes (16 MiB)
+
+void append_command(std::string& out, const std::vector<std::string>& args) {
+  out += "*" + std::to_string(args.size()) + "\r\n";
+  for (const auto& a : args) {
+    out += "$" + std::to_string(a.size()) + "\r\n";
+    out += a;
+    out += "\r\n";
+  }
+}
+
+int connect_socket(const std::string& host, int port, int timeout_ms) {
+  int fd = -1;
+  if (port < 0) {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    if (host.size() >= sizeof(addr.sun_path)) throw RespIOError("unix socket path too long: " + host);
+    std::memcpy(addr.sun_path, host.c_str(), host.size() + 1);
+    fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      const std::string why = std::strerror(errno);
+      ::close(fd);
+      throw RespIOError("connect " + host + ": " + why);
+    }
+  } else {
+    addrinfo hints{}, *found = nullptr;
+    hints.ai_socktype = SOCK_STREAM;
+    const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+    if (rc != 0) throw RespIOError("resolve " + host + ": " + gai_strerror(rc));
+    std::string why = "no address";
+    for (addrinfo* a = found; a; a = a->ai_next) {
+      fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+      if (fd < 0) continue;
+      timeval tv{timeout_ms / 1000, (timeout_ms % 1000) * 1000};
+      ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));  // bounds connect too on Linux
+      if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) break;
+      why = std::strerror(errno);
+      ::close(fd);
+      fd = -1;
+    }
+    ::freeaddrinfo(found);
+    if (fd < 0) throw RespIOError("connect " + host + ":" + std::to_string(port) + ": " + why);
+    int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  }
+  if (fd < 0) throw RespIOError(std::string("socket: ") + std::strerror(errno));
+  timeval tv{timeout_ms / 1000, (timeout_ms % 1000) * 1000};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  return fd;
+}
+
+}  // namespace
+
+RespConnection::RespConnection(const std::string& host, int port, int timeout_ms, const std::string& user,
+                               const std::string& password, int db)
+    : fd_(connect_socket(host, port, timeout_ms)), buf_(kReadChunk) {
+  std::string hello;
+  int replies = 0;
+  if (!password.empty()) {
+    append_command(hello, user.empty() ? std::vector<std::string>{"AUTH", password}
+                                       : std::vector<std::string>{"AUTH", user, password});
+    ++replies;
+  }
+  if (db > 0) {
+    append_command(hello, {"SELECT", std::to_string(db)});
+    ++replies;
+  }
+  if (replies) {
+    send_all(hello);
+    for (int i = 0; i < replies; ++i) expect_ok();
+  }
+}
+
+RespConnection::~RespConnection() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void RespConnection::fail(const std::string& why) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  throw RespIOError(why);
+}
+
+void RespConnection::send_all(const std::string& data) {
+  if (fd_ < 0) throw RespIOError("connection closed");
+  size_t sent = 0;
+  while (sent < data.size()) {
+    const ssize_t n = ::send(fd_, data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fail(std::string("send: ") + (n < 0 ? std::strerror(errno) : "closed"));
+    sent += static_cast<size_t>(n);
+  }
+}
+
+void RespConnection::fill() {
+  if (head_ == tail_) head_ = tail_ = 0;
+  if (tail_ == buf_.size()) {  // compact, then grow if a line is longer than the buffer
+    std::memmove(buf_.data(), buf_.data() + head_, tail_ - head_);
+    tail_ -= head_;
+    head_ = 0;
+    if (tail_ == buf_.size()) buf_.resize(buf_.size() * 2);
+  }
+  for (;;) {
+    const ssize_t n = ::recv(fd_, buf_.data() + tail_, buf_.size() - tail_, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fail(std::string("recv: ") + (n < 0 ? std::strerror(errno) : "connection closed by the server"));
+    tail_ += static_cast<size_t>(n);
+    return;
+  }
+}
+
+std::string RespConnection::read_line() {
+  size_t scanned = head_;
+  for (;;) {
+    for (size_t i = scanned; i + 1 < tail_; ++i)
+      if (buf_[i] == '\r' && buf_[i + 1] == '\n') {
+        std::string line(reinterpret_cast<const char*>(buf_.data() + head_), i - head_);
+        head_ = i + 2;
+        return line;
+      }
+    scanned = tail_ > head_ ? tail_ - 1 : head_;
+    const size_t offset = scanned - head_;
+    fill();
+    scanned = head_ + offset;
+  }
+}
+
+void RespConnection::expect_ok() {
+  const std::string line = read_line();
+  if (!line.empty() && line[0] == '-') throw RespError(line.substr(1));
+  if (line != "+OK") fail("unexpected reply: " + line.substr(0, 80));
+}
+
+BufferPtr RespConnection::read_bulk() {
+  const std::string line = read_line();
+  if (line.empty()) fail("empty reply line");
+  if (line[0] == '-') throw RespError(line.substr(1));
+  if (line[0] != '$') fail("expected a bulk string, got: " + line.substr(0, 80));
+  char* end = nullptr;
+  const long long n = std::strtoll(line.c_str() + 1, &end, 10);
+  if (end == line.c_str() + 1 || *end != '\0' || n < -1 || n > kMaxBulk) fail("bad bulk length: " + line);
+  if (n == -1) return nullptr;
+  auto out = std::make_shared<Buffer>(static_cast<size_t>(n));
+  uint8_t* dst = out->data();
+  size_t have = std::min(static_cast<size_t>(n), tail_ - head_);
+  std::memcpy(dst, buf_.data() + head_, have);
+  head_ += have;
+  while (have < static_cast<size_t>(n)) {  // the rest straight from the socket into the Buffer
+    const ssize_t got = ::recv(fd_, dst + have, static_cast<size_t>(n) - have, 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) fail(std::string("recv: ") + (got < 0 ? std::strerror(errno) : "connection closed by the server"));
+    have += static_cast<size_t>(got);
+  }
+  while (tail_ - head_ < 2) fill();
+  if (buf_[head_] != '\r' || buf_[head_ + 1] != '\n') fail("bulk string not followed by CRLF");
+  head_ += 2;
+  return out;
+}
+
+std::vector<BufferPtr> RespConnection::get_many(const std::vector<std::string>& names) {
+  std::string request;
+  for (const auto& name : names) append_command(request, {"GET", name});
+  send_all(request);
+  std::vector<BufferPtr> out;
+  out.reserve(names.size());
+  std::string error;
+  for (size_t i = 0; i < names.size(); ++i) {
+    try {
+      out.push_back(read_bulk());
+    } catch (const RespError& e) {  // read every reply before reporting, so the stream stays in step
+      if (error.empty()) error = e.what();
+      out.push_back(nullptr);
+    }
+  }
+  if (!error.empty()) throw RespError(error);
+  return out;
+}
+
+}  // namespace kdn
