@@ -26,6 +26,7 @@ requests / misses). Needs the vLLM venv (.ci/vllm-env) and redis-server.
 
     python benchmarks/bench_serving.py --docs 2,8,32 --concurrency 4 --out benchmarks/results/serving
     python benchmarks/bench_serving.py --docs 8 --concurrency 1,4,16 --workloads docqa
+    python benchmarks/bench_serving.py --merge a/bench_serving.json b/bench_serving.json --out merged
 """
 
 from __future__ import annotations
@@ -191,7 +192,16 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "qwen2.5-coder-0.5b"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_out/serving")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="only redraw the table and plot of earlier "
+                                                                   "runs' bench_serving.json files, into --out")
     args = parser.parse_args()
+    if args.merge:
+        rows = bound([r for path in args.merge for r in json.loads(Path(path).read_text())["rows"]])
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "bench_serving.md").write_text(table(rows) + "\n")
+        plot(rows, Path(args.out) / "bench_serving.png")
+        print(table(rows))
+        return
     from transformers import AutoTokenizer
 
     import kdn
