@@ -1,14 +1,16 @@
 """Attention steering at deposit (`steer`, PASTA) against the unedited hit, at identical prompts.
 
-Task: a context with two conflicting statements about one role ("The records are clear that X was
-A." / "Some say X was B.", in random order, buried in filler text); the first is emphasized at
-deposit; the question asks who X was. Correct = the answer names A. Cases are drawn with seeds
-disjoint from the head profiling's (which uses the same template family, as PASTA profiles on
-task examples). Each case is deposited once; the unedited hit and the steered hit answer the same
-prompt. Reports accuracy of each, the paired gain with its 95% bootstrap interval, and how often
-each names the other (wrong) candidate.
+Task `conflict` (default): a context with two conflicting statements about one role ("The records
+are clear that X was A." / "Some say X was B.", in random order, buried in filler text); the first
+is emphasized at deposit; the question asks who X was. Correct = the answer names A. Task `single`:
+the same with one statement only (steering should not cost accuracy where the model already
+answers). Cases are drawn with seeds disjoint from the head profiling's (which uses the conflict
+template, as PASTA profiles on task examples). Each case is deposited once; the unedited hit and
+the steered hits answer the same prompt. Reports accuracy of each, the paired gain with its 95%
+bootstrap interval, and how often each names the other (wrong) candidate.
 
-    python benchmarks/bench_steering.py --model smollm2-135m --cases 60 --out benchmarks/results/editing/steering
+    python benchmarks/bench_steering.py --model smollm2-135m --cases 50 --out benchmarks/results/editing/steering
+    python benchmarks/bench_steering.py --model smollm2-135m --cases 50 --task single --out ...
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def main() -> None:
     parser.add_argument("--words", type=int, default=150, help="filler words around the two statements")
     parser.add_argument("--alpha", type=float, default=0.01)
     parser.add_argument("--heads", default="4,16", help="steered head counts to compare")
+    parser.add_argument("--task", default="conflict", choices=["conflict", "single"],
+                        help="conflict: two names, the right one emphasized; single: one name, emphasized")
     parser.add_argument("--out", default="bench_out/steering")
     args = parser.parse_args()
     model, tokenizer = kdn.models.load(args.model)
@@ -51,8 +55,9 @@ def main() -> None:
     for spec in specs:
         right[spec], wrong[spec] = {}, {}
     for case in range(args.cases):
-        context, span, question, answer = steer.probe(velmora(), rng, words=args.words)
-        other = next(n for n in steer.NAMES if f" was {n}." in context and n != answer.strip())
+        context, span, question, answer = steer.probe(velmora(), rng, words=args.words,
+                                                      conflict=args.task == "conflict")
+        other = next((n for n in steer.NAMES if f" was {n}." in context and n != answer.strip()), "\0")
         cache.deposit(model, context, edits=specs, tokenizer=tokenizer, emphasize=[span])
         ids = tokenizer(context + question, return_tensors="pt").input_ids
         for method in ["plain", *specs]:
@@ -77,8 +82,9 @@ def main() -> None:
         g = f"{gain['mean']:+.3f} ({gain['ci95'][0]:+.3f}, {gain['ci95'][1]:+.3f})" if gain else "-"
         print(f"| {method} | {r['accuracy']:.3f} | {r['accuracy_ci95'][0]:.2f}-{r['accuracy_ci95'][1]:.2f} | "
               f"{r['names_the_other']:.3f} | {g} |")
-    path = save_result(Path(args.out) / f"bench_steering_{args.model}.json",
-                       {"model": args.model, "cases": args.cases, "words": args.words, "profile_seconds": profile_s,
+    path = save_result(Path(args.out) / f"bench_steering_{args.model}_{args.task}.json",
+                       {"model": args.model, "task": args.task, "cases": args.cases, "words": args.words,
+                        "profile_seconds": profile_s,
                         "profile_top": ranked[:16], "rows": rows, "torch": torch.__version__})
     print("saved", path)
 

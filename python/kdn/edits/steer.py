@@ -149,14 +149,16 @@ THINGS = ["the lighthouse keeper", "the harbour master", "the first archivist", 
           "the ferry captain", "the guild treasurer", "the clock maker", "the school founder"]
 
 
-def probe(filler: str, rng: random.Random, words: int = 300) -> tuple[str, tuple[int, int], str, str]:
+def probe(filler: str, rng: random.Random, words: int = 300, conflict: bool = True) -> tuple[str, tuple[int, int],
+                                                                                          str, str]:
     """One synthetic emphasis case: ``(context, emphasized character span, question, answer)``: the
     context states two different names for one role, in random order; the emphasized statement is
-    the one the answer must follow. ``words``: words of filler around them."""
+    the one the answer must follow (``conflict=False``: the second statement names no one, so the
+    emphasized one is the only answer). ``words``: words of filler around them."""
     thing = rng.choice(THINGS)
     right, wrong = rng.sample(NAMES, 2)
     true_fact = f" The records are clear that {thing} was {right}."
-    false_fact = f" Some say {thing} was {wrong}."
+    false_fact = f" Some say {thing} was {wrong}." if conflict else " Some records of that year were lost."
     text = filler.split()
     start = rng.randrange(max(1, len(text) - words - 100))
     body = text[start:start + words]
