@@ -114,7 +114,11 @@ def drive(python: str, job: dict) -> dict:
 def kdn_counters(servers: list) -> dict:
     total: dict = {}
     for server in servers:
-        for name, value in server.metrics("vllm:kdn_").items():
+        try:
+            metrics = server.metrics("vllm:kdn_")
+        except OSError:  # a server that died mid-run: its requests are the row's errors
+            continue
+        for name, value in metrics.items():
             key = name.removeprefix("vllm:kdn_").removesuffix("_total")
             total[key] = total.get(key, 0.0) + value
     return total
