@@ -469,9 +469,9 @@ class KDNConnector(KVConnectorBase_V1):
         if self.role != KVConnectorRole.WORKER:
             return None
         with _stores_lock:
+            tiers = [engine.chunks.stats() for engine, _ in _stores.values()]
             for tier in ("memory", "disk", "remote"):
-                served = [engine.chunks.tiers.served.get(tier, 0) for engine, _ in _stores.values()]
-                _counters[f"{tier}_chunks"] = sum(served)
+                _counters[f"{tier}_chunks"] = sum(t.get(tier, {}).get("served", 0) for t in tiers)
             delta = {name: _counters[name] - _reported[name] for name in _counters}
             _reported.update(_counters)
         return KDNStats(data=delta) if any(delta.values()) else None
