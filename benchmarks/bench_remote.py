@@ -21,6 +21,7 @@ import torch
 
 import kdn
 from kdn import KDN, KDNConfig, _core
+from kdn.storage.redis_transport import RedisTransport
 from kdn.storage.remote import RemoteTier
 from timing import save_result, timed
 
@@ -49,7 +50,8 @@ def private_redis():
 def bench_throughput(url, kv, fingerprint, repeats):
     raw = redis.Redis.from_url(url)
     tier = RemoteTier(url)
-    through_redis_py = RemoteTier(url, direct_reads=False)  # the read path before kdn's RESP reader
+    # the read path before kdn's RESP reader
+    through_redis_py = RemoteTier(url, transport=RedisTransport(url, 1.0, direct_reads=False))
     rows = []
     for chunk, count in ((16, 64), (64, 16), (256, 8)):
         keys = [i.to_bytes(16, "little") for i in range(count)]

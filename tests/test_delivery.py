@@ -277,13 +277,13 @@ def test_a_corrupt_range_is_never_served(model4, redis_server, caplog):
     writer = store_remote(model4, ids, redis_server.url)
     key = writer.chunk_keys(model4, ids)[1]
     name = writer.remote.redis_key(key)
-    value = bytearray(writer.remote._client.get(name))
+    value = bytearray(writer.remote.transport.get([name])[0])
     value[80 + 5000] ^= 0x40  # a byte of layer 0's keys, its section sum unchanged
-    writer.remote._client.set(name, bytes(value))
+    writer.remote.transport.put([(name, bytes(value))], None)
     reader = KDN(KDNConfig(chunk_size=CHUNK, remote_url=redis_server.url))
     with caplog.at_level(logging.WARNING, logger="kdn"):
         out = reader.generate(model4, ids, max_new_tokens=3, do_sample=False)
     assert torch.equal(out, greedy(model4, ids, 3))
     assert "checksum" in caplog.text and reader.last_generate["hit_tokens"] == 0
     reader.flush()  # the damaged value was dropped, and the recomputed prompt stored again
-    assert _core.blob_parse(writer.remote._client.get(name))["key"] == key
+    assert _core.blob_parse(writer.remote.transport.get([name])[0])["key"] == key

@@ -23,9 +23,10 @@ def fresh_tier(url, **kw) -> RemoteTier:
 
 
 def count_round_trips(tier, monkeypatch) -> list:
-    """Patches the tier's client so that every pipeline execute / direct command is recorded."""
+    """Records every round trip the tier makes: each transport call is one (pipelined), and so
+    is each pipeline the Redis client executes underneath."""
     calls = []
-    make_pipeline = tier._client.pipeline
+    make_pipeline = tier.transport.client.pipeline
 
     def pipeline(*args, **kwargs):
         pipe = make_pipeline(*args, **kwargs)
@@ -33,10 +34,10 @@ def count_round_trips(tier, monkeypatch) -> list:
         pipe.execute = lambda *a, **k: (calls.append("pipeline"), execute(*a, **k))[1]
         return pipe
 
-    monkeypatch.setattr(tier._client, "pipeline", pipeline)
-    if tier._direct is not None:  # reads straight into Buffers: one pipelined round trip too
-        direct = tier._direct.get_many
-        monkeypatch.setattr(tier._direct, "get_many", lambda names: (calls.append("pipeline"), direct(names))[1])
+    monkeypatch.setattr(tier.transport.client, "pipeline", pipeline)
+    if tier.transport.direct_reads:  # reads straight into Buffers, outside redis-py: one round trip too
+        get = tier.transport.get
+        monkeypatch.setattr(tier.transport, "get", lambda names: (calls.append("pipeline"), get(names))[1])
     return calls
 
 
@@ -73,7 +74,7 @@ def test_garbage_or_foreign_values_are_misses(redis_server, caplog):
     for i in range(3):
         tier.put(key(i), blob_for(i), wait=True)
     redis_server.cli("SET", tier.redis_key(key(0)), "garbage")
-    tier._client.set(tier.redis_key(key(1)), bytes(blob_for(7)))  # a valid blob under another chunk's name
+    tier.transport.put([(tier.redis_key(key(1)), bytes(blob_for(7)))], None)  # a valid blob under another chunk's name
     with caplog.at_level(logging.WARNING, logger="kdn"):
         assert tier.get_many([key(0)]) == [None]
         assert tier.get_many([key(1)]) == [None]
@@ -99,8 +100,8 @@ def test_values_are_sent_in_the_tier_codec_and_promoted_raw(tiny_llama, redis_se
     first.flush()
     keys = first.chunk_keys(tiny_llama, ids[0].tolist())
     lossy_key = codecs.address(keys[0], "int8")  # lossy KV is filed under its own key
-    assert first.remote._client.get(first.remote.redis_key(keys[0])) is None
-    stored = first.remote._client.get(first.remote.redis_key(lossy_key))
+    assert first.remote.transport.get([first.remote.redis_key(keys[0])]) == [None]
+    stored = first.remote.transport.get([first.remote.redis_key(lossy_key)])[0]
     assert codecs.codec_of(stored).spec == "int8" and len(stored) < 0.4 * len(first.memory.get(keys[0]))
     second = KDN(config)  # empty memory: served from the remote store, decoded, promoted raw
     got, hit = second.retrieve(tiny_llama, ids, limit=32)
@@ -200,13 +201,13 @@ def test_reads_land_in_buffers_with_a_password_and_error_replies_are_refusals(tm
     server = RedisServer(tmp_path / "redis", None, "--requirepass", "s3cret")
     try:
         tier = fresh_tier(f"redis://:s3cret@127.0.0.1:{server.port}/0")
-        assert tier._direct is not None
+        assert tier.transport.direct_reads
         for i in range(3):
             tier.put(key(i), blob_for(i))
         tier.flush()
         got = tier.get_many([key(i) for i in range(3)] + [key(99)])
         assert [bytes(b) for b in got[:3]] == [bytes(blob_for(i)) for i in range(3)] and got[3] is None
-        tier._client.lpush(RemoteTier.redis_key(key(50)), b"a list, not a string")
+        tier.transport.client.lpush(RemoteTier.redis_key(key(50)), b"a list, not a string")
         with caplog.at_level(logging.WARNING, logger="kdn"):
             assert tier.get_many([key(50), key(1)]) == [None, None]  # the whole read refused
         assert tier.stats()["refused"] == 1 and tier.stats()["state"] == "ok"

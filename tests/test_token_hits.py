@@ -111,7 +111,7 @@ def test_another_process_or_machine_serves_the_shared_tokens(tiny_llama, tmp_pat
     a, b = prompts(tiny_llama, 50)
     where = str(tmp_path / "kdn") if tier == "disk" else request.getfixturevalue("redis_server").url
     if tier == "remote":
-        KDN(KDNConfig(remote_url=where)).remote._client.flushdb()
+        KDN(KDNConfig(remote_url=where)).remote.clear()
     proc = python_process(STORER, where, ",".join(map(str, a[0].tolist())), stdout=subprocess.PIPE, text=True)
     proc.communicate(timeout=120)
     assert proc.returncode == 0

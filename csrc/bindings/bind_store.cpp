@@ -84,7 +84,7 @@ void bind_store(py::module_& m) {
   py::register_exception<RespError>(m, "RespError", PyExc_RuntimeError);
   py::register_exception<RespIOError>(m, "RespIOError", PyExc_ConnectionError);
   py::class_<RespConnection>(m, "RespConnection",
-                             "One Redis connection whose GET replies land straight in pooled Buffers (kdn/resp.h).")
+                             "One Redis connection whose GET and GETRANGE replies land straight in pooled Buffers (kdn/resp.h).")
       .def(py::init([](const std::string& host, int port, double timeout, const std::string& user,
                        const std::string& password, int db) {
              py::gil_scoped_release release;
@@ -107,6 +107,24 @@ void bind_store(py::module_& m) {
             return out;
           },
           py::arg("names"), "GET of every name in one round trip: a Buffer per value, None for a missing key.")
+      .def(
+          "get_ranges",
+          [](RespConnection& self, const std::vector<std::tuple<std::string, int64_t, int64_t>>& requests) {
+            std::vector<RespConnection::Range> ranges;
+            ranges.reserve(requests.size());
+            for (const auto& [name, start, end] : requests) ranges.push_back({name, start, end});
+            std::vector<BufferPtr> values;
+            {
+              py::gil_scoped_release release;
+              values = self.get_ranges(ranges);
+            }
+            py::list out;
+            for (auto& v : values) out.append(py::cast(v));
+            return out;
+          },
+          py::arg("requests"),
+          "GETRANGE of every (name, start, end) in one round trip (inclusive ends, negative from the "
+          "value's end): a Buffer per range, empty for a missing key.")
       .def_property_readonly("open", &RespConnection::open);
   m.def(
       "sidecar_pack",

@@ -1,4 +1,4 @@
-// Pipelined Redis GETs into pooled Buffers (kdn/resp.h).
+// Pipelined Redis GETs and GETRANGEs into pooled Buffers (kdn/resp.h).
 #include "kdn/resp.h"
 
 #include <netdb.h>
@@ -176,14 +176,12 @@ BufferPtr RespConnection::read_bulk() {
   return out;
 }
 
-std::vector<BufferPtr> RespConnection::get_many(const std::vector<std::string>& names) {
-  std::string request;
-  for (const auto& name : names) append_command(request, {"GET", name});
+std::vector<BufferPtr> RespConnection::pipelined(const std::string& request, size_t replies) {
   send_all(request);
   std::vector<BufferPtr> out;
-  out.reserve(names.size());
+  out.reserve(replies);
   std::string error;
-  for (size_t i = 0; i < names.size(); ++i) {
+  for (size_t i = 0; i < replies; ++i) {
     try {
       out.push_back(read_bulk());
     } catch (const RespError& e) {  // read every reply before reporting, so the stream stays in step
@@ -192,6 +190,21 @@ std::vector<BufferPtr> RespConnection::get_many(const std::vector<std::string>& 
     }
   }
   if (!error.empty()) throw RespError(error);
+  return out;
+}
+
+std::vector<BufferPtr> RespConnection::get_many(const std::vector<std::string>& names) {
+  std::string request;
+  for (const auto& name : names) append_command(request, {"GET", name});
+  return pipelined(request, names.size());
+}
+
+std::vector<BufferPtr> RespConnection::get_ranges(const std::vector<Range>& ranges) {
+  std::string request;
+  for (const auto& r : ranges) append_command(request, {"GETRANGE", r.name, std::to_string(r.start), std::to_string(r.end)});
+  std::vector<BufferPtr> out = pipelined(request, ranges.size());
+  for (auto& v : out)
+    if (!v) fail("GETRANGE answered nil");  // the server answers "" for a missing key
   return out;
 }
 

@@ -11,7 +11,8 @@ import warnings
 from pathlib import Path
 
 from kdn._core import InvalidInputError
-from kdn.urls import SCHEMES, redact
+from kdn.storage import transport
+from kdn.urls import redact
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": KiB, "m": 1000**2, "mb": 1000**2, "mib": MiB,
@@ -238,10 +239,7 @@ class KDNConfig:
                 raise InvalidInputError(f"KDNConfig.delivery_levels: {spec!r} is exact; the exact level (remote_codec) "
                                         "is always first, list the lossy levels after it")
         if self.remote_url is not None:
-            scheme = str(self.remote_url).split("://", 1)[0] if "://" in str(self.remote_url) else ""
-            if scheme not in SCHEMES:
-                raise InvalidInputError(f"KDNConfig.remote_url={redact(str(self.remote_url))!r}: expected a URL "
-                                        f"with scheme {', '.join(SCHEMES)} (e.g. redis://127.0.0.1:6379/0)")
+            transport.check_url(self.remote_url, "KDNConfig.remote_url")
         if self.disk_dir is not None:
             if not isinstance(self.disk_dir, (str, os.PathLike)) or str(self.disk_dir) == "":
                 raise InvalidInputError(f"KDNConfig.disk_dir must be a path, 'auto' or None, got {self.disk_dir!r}")

@@ -1,10 +1,10 @@
-"""Remote store URLs: the schemes kdn speaks and credential redaction (shared by the config and the tier)."""
+"""Remote store URLs: credential redaction for logs, errors and stats (the schemes are the
+transports', :mod:`kdn.storage.transport`)."""
 
 from __future__ import annotations
 
 import urllib.parse
 
-SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
 _SECRET_PARAMS = {"password", "pass", "pwd", "auth", "token", "secret"}
 
 

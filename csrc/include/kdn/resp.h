@@ -1,5 +1,6 @@
-// The remote tier's read path at memory speed: pipelined Redis GETs over one socket, each bulk
-// reply received straight into a pooled Buffer (no intermediate copies, no per-value Python bytes).
+// The remote tier's read path at memory speed: pipelined Redis GETs and GETRANGEs over one socket,
+// each bulk reply received straight into a pooled Buffer (no intermediate copies, no per-value
+// Python bytes).
 //
 // A minimal RESP2 client for one connection (TCP or a unix socket, plain text: TLS and cluster
 // URLs stay on redis-py). Not thread-safe: one connection per caller thread (the Python side pools
@@ -38,6 +39,13 @@ class RespConnection {
 
   // GET of every name in one round trip: a Buffer per value, nullptr for a missing key.
   std::vector<BufferPtr> get_many(const std::vector<std::string>& names);
+  // GETRANGE name start end (both inclusive; negative: from the value's end) of every request in
+  // one round trip: a Buffer per range (empty for a missing key, as the server answers).
+  struct Range {
+    std::string name;
+    int64_t start, end;
+  };
+  std::vector<BufferPtr> get_ranges(const std::vector<Range>& ranges);
   bool open() const { return fd_ >= 0; }
 
  private:
@@ -45,6 +53,7 @@ class RespConnection {
   void fill();                              // at least one more byte into the read buffer
   std::string read_line();                  // up to CRLF, without it
   BufferPtr read_bulk();                    // one reply: a bulk string, nil, or an error
+  std::vector<BufferPtr> pipelined(const std::string& request, size_t replies);  // send, read every bulk reply
   void expect_ok();
   [[noreturn]] void fail(const std::string& why);  // close, throw RespIOError
 

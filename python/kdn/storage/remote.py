@@ -1,4 +1,5 @@
-"""Remote tier: KV blobs in Redis, Valkey or a Redis Cluster, shared by every process and machine."""
+"""Remote tier: KV blobs in a store shared by every process and machine (Redis, Valkey, a Redis
+Cluster, or any :class:`~kdn.storage.transport.RemoteTransport`)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import logging
 import struct
 import threading
 import time
-import urllib.parse
 
 from kdn import _core, codecs
 from kdn._core import BlobError, InvalidInputError
 from kdn.storage.base import Tier, at_exit
-from kdn.urls import SCHEMES, redact
+from kdn.storage.transport import RemoteTransport, open_transport
+from kdn.urls import redact
 
 log = logging.getLogger("kdn")
 
@@ -22,63 +23,6 @@ FORMAT = 2  # bump when the key or value layout changes: old values become invis
 _MANIFEST = struct.Struct("<4sIIQ")  # magic, format, parts, total bytes (the blob inside has its own checksum)
 _MANIFEST_MAGIC = b"KDNM"
 _TAG_BYTES = 32  # keyed mode: a BLAKE3 tag of the blob follows it in the value
-
-
-def connect(url: str, timeout: float):
-    """A redis-py client (pooled connections, hiredis parser when installed) for a kdn remote URL.
-
-    ``redis://[user:password@]host:port[/db]``, ``rediss://`` for TLS, ``redis+cluster://host:port``
-    (any node of the cluster; ``rediss+cluster://`` with TLS), ``unix:///path/to/socket``.
-    """
-    try:
-        import redis
-        from redis.cluster import RedisCluster
-    except ImportError:
-        raise InvalidInputError("the remote tier needs redis-py: pip install 'kdn[redis]'") from None
-    scheme = urllib.parse.urlsplit(url).scheme
-    if scheme not in SCHEMES:
-        raise InvalidInputError(f"remote_url {redact(url)!r}: scheme must be one of {', '.join(SCHEMES)}")
-    options = dict(socket_timeout=timeout, socket_connect_timeout=timeout)
-    if scheme.endswith("+cluster"):
-        plain = url.replace("+cluster://", "://", 1)
-        return RedisCluster.from_url(plain, **options)
-    return redis.Redis.from_url(url, retry_on_timeout=False, **options)
-
-
-class _DirectReads:
-    """The read path at memory speed: pooled :class:`kdn._core.RespConnection` s whose GET replies
-    land straight in kdn's Buffers (no Python ``bytes`` per value), for plain ``redis://`` and
-    ``unix://`` URLs (TLS and cluster URLs read through redis-py)."""
-
-    def __init__(self, url: str, timeout: float):
-        parts = urllib.parse.urlsplit(url)
-        query = {k: v[-1] for k, v in urllib.parse.parse_qs(parts.query).items()}
-        if parts.scheme == "unix":
-            self.where = (parts.path, -1)
-            self.db = int(query.get("db", 0))
-        else:
-            self.where = (parts.hostname or "127.0.0.1", parts.port or 6379)
-            self.db = int(query.get("db", parts.path.strip("/") or 0))
-        self.user = urllib.parse.unquote(parts.username or "")
-        self.password = urllib.parse.unquote(parts.password or "") or query.get("password", "")
-        self.timeout = timeout
-        self._idle: list = []
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def usable(url: str) -> bool:
-        return urllib.parse.urlsplit(url).scheme in ("redis", "unix")
-
-    def get_many(self, names: list[str]) -> list:
-        with self._lock:
-            conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            conn = _core.RespConnection(*self.where, timeout=self.timeout, user=self.user, password=self.password,
-                                        db=self.db)
-        values = conn.get_many(names)  # a RespIOError drops the connection with the exception
-        with self._lock:
-            self._idle.append(conn)
-        return values
 
 
 class _Breaker:
@@ -109,7 +53,8 @@ class _Breaker:
 
 
 class RemoteTier(Tier):
-    """KV blobs in a Redis-protocol store under ``kdn:<format>:{<chunk key>}``.
+    """KV blobs in a shared store under ``kdn:<format>:{<chunk key>}``, through the transport that
+    serves ``url``'s scheme (:mod:`kdn.storage.transport`; ``transport=`` gives one ready-made).
 
     Contract:
 
@@ -129,7 +74,8 @@ class RemoteTier(Tier):
     * ``ttl`` (seconds) expires values in the store; ``None`` keeps them until the store evicts.
     * ``levels``: lossy codec specs each stored chunk is also sent in, under its lossy address
       (:func:`kdn.codecs.address`), for bandwidth-adaptive delivery (:mod:`kdn.delivery`), which
-      reads byte ranges of them (:meth:`read_ranges`) layer group by layer group.
+      reads byte ranges of them (:meth:`read_ranges`) layer group by layer group, when the
+      transport ``supports_ranges``.
 
     Example:
         >>> cache = kdn.KDN(kdn.KDNConfig(chunk_size=16))
@@ -147,17 +93,15 @@ class RemoteTier(Tier):
 
     def __init__(self, url: str, timeout: float = 1.0, ttl: float | None = None, part_bytes: int = 16 << 20,
                  queue_bytes: int = 256 << 20, retry_seconds: float = 5.0, codec: str = "raw", mac_key: bytes = b"",
-                 levels: tuple = (), direct_reads: bool = True):
+                 levels: tuple = (), transport: RemoteTransport | None = None):
         self.codec = codecs.parse(codec).spec
         self.levels = tuple(s for s in dict.fromkeys(codecs.parse(c).spec for c in levels) if s != self.codec)
         if mac_key and len(mac_key) != 32:
             raise InvalidInputError("remote tier: mac_key must be 32 bytes")
         self._mac_key = bytes(mac_key)
         self.url, self.ttl, self.part_bytes, self.queue_bytes = url, ttl, part_bytes, queue_bytes
-        self.cluster = "+cluster" in urllib.parse.urlsplit(url).scheme
-        self._client = connect(url, timeout)
-        # plain redis:// and unix:// reads through kdn's RESP reader (False: through redis-py, as TLS/cluster)
-        self._direct = _DirectReads(url, timeout) if direct_reads and _DirectReads.usable(url) else None
+        self.transport = transport if transport is not None else open_transport(url, timeout)
+        self.cluster = self.transport.cluster
         self._breaker = _Breaker(url, retry_seconds)
         self._stats = collections.Counter()
         self._queue: collections.deque = collections.deque()
@@ -171,8 +115,7 @@ class RemoteTier(Tier):
     # -- keys and values ------------------------------------------------------------------------
     def keys(self):
         """Every key this format files in the store (SCAN, for offline audits; raises on a failure)."""
-        for name in self._client.scan_iter(match=f"kdn:{FORMAT}:{{*}}", count=1000):
-            name = name.decode() if isinstance(name, bytes) else name
+        for name in self.transport.scan(f"kdn:{FORMAT}:{{*}}"):
             inner = name[name.index("{") + 1:name.index("}")]
             if len(inner) == 32:
                 yield bytes.fromhex(inner)
@@ -226,11 +169,12 @@ class RemoteTier(Tier):
             return default
         try:
             result = fn()
-        except Exception as e:  # redis errors, socket errors, cluster errors: the store is unusable now
+        except Exception as e:  # the transport's errors, socket errors: the store is unusable now
             self._stats["errors"] += 1
-            if _is_auth_error(e):
+            kind = self.transport.classify(e)
+            if kind == "auth":
                 log.error("kdn remote tier %s: %s", redact(self.url), e)
-            elif _is_refusal(e):  # the server answered: reachable, it refused this command (OOM, ACL, ...)
+            elif kind == "refused":  # the server answered: reachable, it refused this command (OOM, ACL, ...)
                 self._stats["refused"] += 1
                 if self._stats["refused"] == 1:
                     log.warning("kdn remote tier %s refused a command (%s); that store or read is skipped",
@@ -243,9 +187,9 @@ class RemoteTier(Tier):
 
     def _check_connection(self) -> None:
         try:
-            self._client.ping()
+            self.transport.ping()
         except Exception as e:
-            if _is_auth_error(e):
+            if self.transport.classify(e) == "auth":
                 raise InvalidInputError(f"remote tier {redact(self.url)}: authentication failed ({e}); "
                                         "check the user and password in remote_url") from None
             self._stats["errors"] += 1
@@ -257,13 +201,7 @@ class RemoteTier(Tier):
         if not keys:
             return []
 
-        def run():
-            pipe = self._client.pipeline(transaction=False)
-            for k in keys:
-                pipe.exists(self.redis_key(k))
-            return [bool(x) for x in pipe.execute()]
-
-        return self._call(run, [False] * len(keys))
+        return self._call(lambda: self.transport.exists([self.redis_key(k) for k in keys]), [False] * len(keys))
 
     def contains(self, key: bytes) -> bool:
         return self.present([key]) == [True]
@@ -275,32 +213,20 @@ class RemoteTier(Tier):
         names = [self.redis_key(k) for k in keys]
 
         def run():
-            if self._direct is not None:
-                values = self._direct.get_many(names)
-            else:
-                pipe = self._client.pipeline(transaction=False)
-                for name in names:
-                    pipe.get(name)
-                values = pipe.execute()
-            split = [i for i, v in enumerate(values) if v is not None and bytes(memoryview(v)[:4]) == _MANIFEST_MAGIC]
-            manifests = {i: values[i] for i in split}
-            if split:
-                pipe = self._client.pipeline(transaction=False)
-                for i in split:
-                    n = _MANIFEST.unpack_from(values[i])[2]
-                    pipe.mget([f"{names[i]}:p{j}" for j in range(1, n + 1)])
+            values = self.transport.get(names)
+            split = {i: _MANIFEST.unpack_from(v)[2] for i, v in enumerate(values)
+                     if v is not None and bytes(memoryview(v)[:4]) == _MANIFEST_MAGIC}
+            if split:  # every part of every split value in one more round trip
+                part_names = {i: _part_names(names[i], n) for i, n in split.items()}
+                parts = iter(self.transport.get([p for ps in part_names.values() for p in ps]))
                 broken = []
-                for i, parts in zip(split, pipe.execute()):
-                    values[i] = self._join(values[i], parts)
+                for i, ps in part_names.items():
+                    values[i] = self._join(values[i], [next(parts) for _ in ps])
                     if values[i] is None:  # a part was evicted: drop the value so the next store rewrites it
-                        broken.append(i)
+                        broken += [names[i], *ps]
                 if broken:
-                    pipe = self._client.pipeline(transaction=False)
-                    for i in broken:
-                        n = _MANIFEST.unpack_from(manifests[i])[2]
-                        pipe.delete(names[i], *[f"{names[i]}:p{j}" for j in range(1, n + 1)])
-                    pipe.execute()
-                    self._stats["repaired"] += len(broken)
+                    self.transport.delete(broken)
+                    self._stats["repaired"] += sum(values[i] is None for i in split)
             return values
 
         values = self._call(run, [None] * len(keys))
@@ -342,22 +268,18 @@ class RemoteTier(Tier):
         todo = list({name: (name, b, c) for name, b, c in reversed(todo)}.values())[::-1]  # a pointer has one name
 
         def run():
-            pipe = self._client.pipeline(transaction=False)
-            for name, _, _ in todo:
-                pipe.exists(name)
-            present = pipe.execute()
-            pipe = self._client.pipeline(transaction=False)
-            sent = 0
+            present = self.transport.exists([name for name, _, _ in todo])
+            items, sent = [], 0
             for (name, blob, codec), there in zip(todo, present):
                 coded = None if there else self._coded(blob, codec)  # only what the store lacks is encoded
                 if coded is None:
                     continue
                 values = self._encode(coded)
-                for j, value in enumerate(values[1:], start=1):  # parts before the manifest that names them
-                    pipe.set(f"{name}:p{j}", value, px=self._ttl_ms())
-                pipe.set(name, values[0], px=self._ttl_ms())
+                items += list(zip(_part_names(name, len(values) - 1), values[1:]))  # parts before their manifest
+                items.append((name, values[0]))
                 sent += codec == self.codec
-            pipe.execute()
+            if items:
+                self.transport.put(items, self._ttl_ms())
             return sent
 
         sent = self._call(run, None)
@@ -369,8 +291,9 @@ class RemoteTier(Tier):
 
     @property
     def range_readable(self) -> bool:
-        """Whether values can be read in byte ranges (not in keyed mode: a tag covers a whole value)."""
-        return not self._mac_key
+        """Whether values can be read in byte ranges (the transport can, and not in keyed mode: a
+        tag covers a whole value)."""
+        return self.transport.supports_ranges and not self._mac_key
 
     def read_ranges(self, requests: list) -> list | None:
         """Byte ranges of stored values in one pipelined round trip: ``(key, start, end)`` per range,
@@ -381,13 +304,7 @@ class RemoteTier(Tier):
         if not requests:
             return []
 
-        def run():
-            pipe = self._client.pipeline(transaction=False)
-            for key, start, end in requests:
-                pipe.getrange(self.redis_key(key), start, end)
-            return pipe.execute()
-
-        return self._call(run, None)
+        return self._call(lambda: self.transport.get_ranges([(self.redis_key(k), s, e) for k, s, e in requests]), None)
 
     @staticmethod
     def whole_value(prefix: bytes) -> bool:
@@ -440,14 +357,11 @@ class RemoteTier(Tier):
         name = self.redis_key(key)
 
         def run():
-            manifest = self._client.get(name)
+            manifest = self.transport.get([name])[0]
             names = [name]
-            if manifest is not None and manifest[:4] == _MANIFEST_MAGIC:
-                names += [f"{name}:p{j}" for j in range(1, _MANIFEST.unpack_from(manifest)[2] + 1)]
-            pipe = self._client.pipeline(transaction=False)
-            for n in names:
-                pipe.delete(n)
-            return any(pipe.execute())
+            if manifest is not None and bytes(memoryview(manifest)[:4]) == _MANIFEST_MAGIC:
+                names += _part_names(name, _MANIFEST.unpack_from(manifest)[2])
+            return self.transport.delete(names) > 0
 
         return bool(self._call(run, False))
 
@@ -455,12 +369,9 @@ class RemoteTier(Tier):
         """Delete every kdn value of this format from the store (all nodes of a cluster)."""
 
         def run():
-            names = list(self._client.scan_iter(match=f"kdn:{FORMAT}:*", count=1000))
+            names = list(self.transport.scan(f"kdn:{FORMAT}:*"))
             for i in range(0, len(names), 500):
-                pipe = self._client.pipeline(transaction=False)
-                for n in names[i:i + 500]:
-                    pipe.delete(n)
-                pipe.execute()
+                self.transport.delete(names[i:i + 500])
 
         self._call(run, None)
 
@@ -475,18 +386,6 @@ class RemoteTier(Tier):
                 "url": redact(self.url), "cluster": self.cluster}
 
 
-def _is_refusal(error: Exception) -> bool:
-    """An error reply from a reachable server (OOM, READONLY, a rejected argument), not an outage."""
-    from redis.exceptions import ResponseError
-
-    return isinstance(error, (ResponseError, _core.RespError))
-
-
-def _is_auth_error(error: Exception) -> bool:
-    from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
-
-    if isinstance(error, (AuthenticationError, AuthorizationError)):
-        return True
-    text = str(error)
-    return isinstance(error, (ResponseError, _core.RespError)) and (
-        "WRONGPASS" in text or "NOAUTH" in text or "invalid password" in text)
+def _part_names(name: str, parts: int) -> list[str]:
+    """The names of a split value's parts (under the value's hash tag: one cluster slot)."""
+    return [f"{name}:p{j}" for j in range(1, parts + 1)]

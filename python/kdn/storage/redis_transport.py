@@ -1,0 +1,120 @@
+"""The Redis-protocol transport: Redis, Valkey or a Redis Cluster over TCP, TLS or a unix socket
+(redis-py), with plain connections read through kdn's RESP reader into pooled Buffers."""
+
+from __future__ import annotations
+
+import threading
+import urllib.parse
+
+from kdn import _core
+from kdn._core import InvalidInputError
+from kdn.storage.transport import RemoteTransport, register
+
+
+@register
+class RedisTransport(RemoteTransport):
+    """``redis://[user:password@]host:port[/db]``, ``rediss://`` for TLS, ``redis+cluster://host:port``
+    (any node of the cluster; ``rediss+cluster://`` with TLS), ``unix:///path/to/socket``.
+
+    Writes, lookups and scans go through redis-py (pooled connections, the hiredis parser when
+    installed); ``get`` and ``get_ranges`` of plain ``redis://`` and ``unix://`` URLs through
+    :class:`kdn._core.RespConnection` (``direct_reads=False``: through redis-py too).
+    """
+
+    schemes = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
+    supports_ranges = True
+
+    def __init__(self, url: str, timeout: float, direct_reads: bool = True):
+        try:
+            import redis
+            from redis.cluster import RedisCluster
+        except ImportError:
+            raise InvalidInputError("the remote tier needs redis-py: pip install 'kdn[redis]'") from None
+        scheme = urllib.parse.urlsplit(url).scheme
+        self.cluster = scheme.endswith("+cluster")
+        options = dict(socket_timeout=timeout, socket_connect_timeout=timeout)
+        if self.cluster:
+            self.client = RedisCluster.from_url(url.replace("+cluster://", "://", 1), **options)
+        else:
+            self.client = redis.Redis.from_url(url, retry_on_timeout=False, **options)
+        self._direct = _DirectReads(url, timeout) if direct_reads and scheme in ("redis", "unix") else None
+
+    @property
+    def direct_reads(self) -> bool:
+        """Whether reads land straight in Buffers (kdn's RESP reader) rather than through redis-py."""
+        return self._direct is not None
+
+    def _pipeline(self, command: str, args: list) -> list:
+        pipe = self.client.pipeline(transaction=False)
+        for a in args:
+            getattr(pipe, command)(*a)
+        return pipe.execute()
+
+    def ping(self) -> None:
+        self.client.ping()
+
+    def exists(self, names: list[str]) -> list[bool]:
+        return [bool(x) for x in self._pipeline("exists", [(n,) for n in names])]
+
+    def get(self, names: list[str]) -> list:
+        if self._direct is not None:
+            return self._direct.call("get_many", names)
+        return self._pipeline("get", [(n,) for n in names])
+
+    def get_ranges(self, requests: list[tuple[str, int, int]]) -> list:
+        if self._direct is not None:
+            return [memoryview(v) for v in self._direct.call("get_ranges", requests)]
+        return self._pipeline("getrange", requests)
+
+    def put(self, items: list[tuple[str, object]], ttl_ms: int | None) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for name, value in items:
+            pipe.set(name, value, px=ttl_ms)
+        pipe.execute()
+
+    def delete(self, names: list[str]) -> int:
+        return sum(self._pipeline("delete", [(n,) for n in names])) if names else 0
+
+    def scan(self, pattern: str):
+        for name in self.client.scan_iter(match=pattern, count=1000):
+            yield name.decode() if isinstance(name, bytes) else name
+
+    def classify(self, error: Exception) -> str:
+        from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
+
+        if isinstance(error, (AuthenticationError, AuthorizationError)):
+            return "auth"
+        if isinstance(error, (ResponseError, _core.RespError)):  # the server answered: it refused this command
+            text = str(error)
+            return "auth" if "WRONGPASS" in text or "NOAUTH" in text or "invalid password" in text else "refused"
+        return "down"
+
+
+class _DirectReads:
+    """A pool of :class:`kdn._core.RespConnection` s for one plain URL (one per concurrent caller)."""
+
+    def __init__(self, url: str, timeout: float):
+        parts = urllib.parse.urlsplit(url)
+        query = {k: v[-1] for k, v in urllib.parse.parse_qs(parts.query).items()}
+        if parts.scheme == "unix":
+            self.where = (parts.path, -1)
+            self.db = int(query.get("db", 0))
+        else:
+            self.where = (parts.hostname or "127.0.0.1", parts.port or 6379)
+            self.db = int(query.get("db", parts.path.strip("/") or 0))
+        self.user = urllib.parse.unquote(parts.username or "")
+        self.password = urllib.parse.unquote(parts.password or "") or query.get("password", "")
+        self.timeout = timeout
+        self._idle: list = []
+        self._lock = threading.Lock()
+
+    def call(self, method: str, args: list) -> list:
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = _core.RespConnection(*self.where, timeout=self.timeout, user=self.user, password=self.password,
+                                        db=self.db)
+        values = getattr(conn, method)(args)  # a RespIOError drops the connection with the exception
+        with self._lock:
+            self._idle.append(conn)
+        return values
