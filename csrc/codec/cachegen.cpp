@@ -132,7 +132,15 @@ int cachegen_choose_model(const uint32_t* h, int range, double* model_bits, doub
   return choice;
 }
 
-std::vector<uint8_t> cachegen_encode(const Plane& p, uint32_t params, const uint8_t* raw, CodecReport* report) {
+Status cachegen_check(uint32_t params) {
+  const uint32_t level = params & 0xff, flags = params >> 8;
+  if (level < 1 || level > 3) return Status::Fail("cachegen level must be 1, 2 or 3, got " + std::to_string(level));
+  if (flags > 1) return Status::Fail("cachegen: unknown flags " + std::to_string(flags));
+  return Status::Ok();
+}
+
+std::vector<uint8_t> cachegen_encode(const Plane& p, uint32_t params, const uint8_t* raw, const void*,
+                                     CodecReport* report) {
   const bool anchor = (params >> 8) & 1;
   const CacheGenStep st = cachegen_step(static_cast<int>(params & 0xff), p.layer, p.layers, p.values);
   const int64_t T = p.tokens, C = p.channels, n = p.count(), symbols = 2 * st.range + 1;

@@ -1,10 +1,9 @@
-// Codec dispatch: parameter checks and the plane structure shared by every codec (kdn/codec.h).
+// Codec dispatch through the registry (kCodecs in kdn/codec.h) and the plane structure every codec shares.
 #include "kdn/codec.h"
 
 #include <cstring>
 
 #include "kdn/byte_io.h"
-#include "kdn/kvtc.h"
 #include "kdn/parallel.h"
 
 namespace kdn {
@@ -19,40 +18,17 @@ void CodecReport::add(const CodecReport& o) {
 }
 
 Status codec_check(uint8_t codec, uint32_t params) {
-  switch (codec) {
-    case kCodecLossless:
-      return params == 0 ? Status::Ok() : Status::Fail("lossless codec takes no parameters");
-    case kCodecKivi: {
-      const uint32_t bits = params & 0xff, group = params >> 16;
-      if (bits != 2 && bits != 4 && bits != 8) return Status::Fail("int codec bits must be 2, 4 or 8, got " + std::to_string(bits));
-      if ((params >> 8 & 0xff) != 0) return Status::Fail("int codec: reserved parameter bits set");
-      if (group < 4 || group > 4096) return Status::Fail("int codec group must be in [4, 4096], got " + std::to_string(group));
-      return Status::Ok();
-    }
-    case kCodecCacheGen: {
-      const uint32_t level = params & 0xff, flags = params >> 8;
-      if (level < 1 || level > 3) return Status::Fail("cachegen level must be 1, 2 or 3, got " + std::to_string(level));
-      if (flags > 1) return Status::Fail("cachegen: unknown flags " + std::to_string(flags));
-      return Status::Ok();
-    }
-    case kCodecKvtc: {
-      const uint32_t ratio = params & 0xff;
-      if (ratio < 2) return Status::Fail("kvtc ratio must be in [2, 255], got " + std::to_string(ratio));
-      if (params >> 24) return Status::Fail("kvtc: reserved parameter bits set");
-      return Status::Ok();
-    }
-    default:
-      return Status::Fail("unknown codec id " + std::to_string(codec));
-  }
+  const CodecOps* ops = codec_ops(codec);
+  return ops ? ops->check(params) : Status::Fail("unknown codec id " + std::to_string(codec));
 }
 
 void codec_require(int64_t codec, uint32_t params) {
-  if (codec < 0 || codec > kCodecLast) throw InputError("unknown codec id " + std::to_string(codec), __FILE__, __LINE__);
   if (codec == kCodecRaw) {
     if (params != 0) throw InputError("raw codec takes no parameters", __FILE__, __LINE__);
     return;
   }
-  Status st = codec_check(static_cast<uint8_t>(codec), params);
+  Status st = codec >= 0 && codec < 256 ? codec_check(static_cast<uint8_t>(codec), params)
+                                        : Status::Fail("unknown codec id " + std::to_string(codec));
   if (!st.ok) throw InputError(st.message, __FILE__, __LINE__);
 }
 
@@ -70,20 +46,12 @@ std::vector<uint8_t> codec_encode(const BlobHeader& h, const uint8_t* raw, int t
   KDN_CHECK_INPUT(h.codec != kCodecRaw, "codec_encode: raw is not an encoding");
   const int64_t planes = 2 * static_cast<int64_t>(h.layers);
   const size_t plane_raw = raw_payload_bytes(h) / planes;
-  std::shared_ptr<const KvtcCalibration> calibration;
-  if (h.codec == kCodecKvtc) {
-    calibration = kvtc_for_model(h.fingerprint);
-    KDN_CHECK_INPUT(calibration, "kvtc: no calibration is loaded for this model (kdn.kvtc.calibrate, KDN.calibrate)");
-  }
+  const CodecOps& ops = *codec_ops(h.codec);
+  const std::shared_ptr<const void> state = ops.prepare ? ops.prepare(h) : nullptr;
   std::vector<std::vector<uint8_t>> coded(planes);
   std::vector<CodecReport> reports(planes);
   parallel_for(planes, threads, [&](int64_t p) {
-    const Plane plane = plane_of(h, p);
-    const uint8_t* in = raw + p * plane_raw;
-    if (h.codec == kCodecLossless) coded[p] = lossless_encode(plane, in, &reports[p]);
-    else if (h.codec == kCodecKivi) coded[p] = kivi_encode(plane, h.codec_params, in, &reports[p]);
-    else if (h.codec == kCodecKvtc) coded[p] = kvtc_encode(plane, h.codec_params, in, *calibration, &reports[p]);
-    else coded[p] = cachegen_encode(plane, h.codec_params, in, &reports[p]);
+    coded[p] = ops.encode(plane_of(h, p), h.codec_params, raw + p * plane_raw, state.get(), &reports[p]);
   });
   ByteWriter out;
   size_t total = 4 * planes;
@@ -120,15 +88,11 @@ Status codec_decode_planes(const BlobHeader& h, const uint8_t* payload, size_t s
   for (auto& s : sizes) s = reader.get<uint32_t>();
   for (int64_t p = 0; p < planes; ++p) starts[p] = reader.take(sizes[p]);
   if (!reader.ok() || reader.remaining() != 0) return Status::Fail("codec payload: plane sizes do not match the payload");
+  const CodecOps& ops = *codec_ops(h.codec);
   std::vector<char> ok(planes, 1);
   parallel_for(last - first, threads, [&](int64_t i) {
     const int64_t p = first + i;
-    const Plane plane = plane_of(h, p);
-    uint8_t* dst = out + i * plane_raw;
-    if (h.codec == kCodecLossless) ok[p] = lossless_decode(plane, starts[p], sizes[p], dst);
-    else if (h.codec == kCodecKivi) ok[p] = kivi_decode(plane, h.codec_params, starts[p], sizes[p], dst);
-    else if (h.codec == kCodecKvtc) ok[p] = kvtc_decode(plane, h.codec_params, starts[p], sizes[p], dst);
-    else ok[p] = cachegen_decode(plane, h.codec_params, starts[p], sizes[p], dst);
+    ok[p] = ops.decode(plane_of(h, p), h.codec_params, starts[p], sizes[p], out + i * plane_raw);
   });
   for (int64_t p = first; p < last; ++p)
     if (!ok[p])

@@ -32,7 +32,15 @@ Layout layout_of(const Plane& p, uint32_t params) {
 
 }  // namespace
 
-std::vector<uint8_t> kivi_encode(const Plane& p, uint32_t params, const uint8_t* raw, CodecReport* report) {
+Status kivi_check(uint32_t params) {
+  const uint32_t bits = params & 0xff, group = params >> 16;
+  if (bits != 2 && bits != 4 && bits != 8) return Status::Fail("int codec bits must be 2, 4 or 8, got " + std::to_string(bits));
+  if ((params >> 8 & 0xff) != 0) return Status::Fail("int codec: reserved parameter bits set");
+  if (group < 4 || group > 4096) return Status::Fail("int codec group must be in [4, 4096], got " + std::to_string(group));
+  return Status::Ok();
+}
+
+std::vector<uint8_t> kivi_encode(const Plane& p, uint32_t params, const uint8_t* raw, const void*, CodecReport* report) {
   const Layout l = layout_of(p, params);
   std::vector<float> lo(l.groups, INFINITY), hi(l.groups, -INFINITY);
   for (int64_t t = 0; t < p.tokens; ++t)

@@ -338,8 +338,22 @@ bool kvtc_plane_calibration(const uint8_t* plane, size_t size, Key128* id) {
   return true;
 }
 
-std::vector<uint8_t> kvtc_encode(const Plane& p, uint32_t params, const uint8_t* raw, const KvtcCalibration& cal,
+Status kvtc_check(uint32_t params) {
+  const uint32_t ratio = params & 0xff;
+  if (ratio < 2) return Status::Fail("kvtc ratio must be in [2, 255], got " + std::to_string(ratio));
+  if (params >> 24) return Status::Fail("kvtc: reserved parameter bits set");
+  return Status::Ok();
+}
+
+std::shared_ptr<const void> kvtc_prepare(const BlobHeader& h) {
+  std::shared_ptr<const KvtcCalibration> calibration = kvtc_for_model(h.fingerprint);
+  KDN_CHECK_INPUT(calibration, "kvtc: no calibration is loaded for this model (kdn.kvtc.calibrate, KDN.calibrate)");
+  return calibration;
+}
+
+std::vector<uint8_t> kvtc_encode(const Plane& p, uint32_t params, const uint8_t* raw, const void* state,
                                  CodecReport* report) {
+  const KvtcCalibration& cal = *static_cast<const KvtcCalibration*>(state);
   KvtcLayout L;
   if (!kvtc_layout(p, params, cal, &L)) {
     std::string offered;

@@ -11,7 +11,11 @@
 
 namespace kdn {
 
-std::vector<uint8_t> lossless_encode(const Plane& p, const uint8_t* raw, CodecReport* report) {
+Status lossless_check(uint32_t params) {
+  return params == 0 ? Status::Ok() : Status::Fail("lossless codec takes no parameters");
+}
+
+std::vector<uint8_t> lossless_encode(const Plane& p, uint32_t, const uint8_t* raw, const void*, CodecReport* report) {
   const int64_t n = p.count();
   const int es = static_cast<int>(dtype_size(p.dtype));
   ByteWriter w;
@@ -62,7 +66,7 @@ std::vector<uint8_t> lossless_encode(const Plane& p, const uint8_t* raw, CodecRe
   return std::move(w.out);
 }
 
-bool lossless_decode(const Plane& p, const uint8_t* in, size_t size, uint8_t* out) {
+bool lossless_decode(const Plane& p, uint32_t, const uint8_t* in, size_t size, uint8_t* out) {
   const int64_t n = p.count();
   const int es = static_cast<int>(dtype_size(p.dtype));
   ByteReader r(in, size);

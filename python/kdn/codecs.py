@@ -46,11 +46,38 @@ import torch
 from kdn import _core
 from kdn._core import InvalidInputError
 
-_LOSSLESS, _KIVI, _CACHEGEN, _KVTC = 1, 2, 3, 4
-NAMES = ("raw", "lossless", "int8", "int4", "int2", "cachegen", "kvtc")
-_OPTIONS = {"int8": {"group": 32}, "int4": {"group": 32}, "int2": {"group": 32},
-            "cachegen": {"level": 2, "anchor": 0}, "kvtc": {"ratio": 8, "sink": 4, "recent": 0}}
-_IDS = {"raw": 0, "lossless": _LOSSLESS, "cachegen": _CACHEGEN, "kvtc": _KVTC}
+
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+    """One row of the codec registry: the id in blob headers, the options with their defaults, how
+    (name, options) pack into the header's params and back, and whether decoding is exact."""
+
+    id: int
+    lossy: bool
+    options: dict = dataclasses.field(default_factory=dict)
+    pack: object = lambda name, o: 0
+    unpack: object = None  # params -> spec string; None: the name alone
+    limit: int = 1 << 15  # each option is below this
+
+
+_KIVI = _Kind(2, True, {"group": 32}, lambda name, o: int(name[3:]) | o["group"] << 16,  # int8, int4, int2
+              lambda p: f"int{p & 0xff}:group={p >> 16}")
+
+
+# The codec registry (its C++ twin: kCodecs in csrc/include/kdn/codec.h). Adding a codec: its C++
+# file, its row there, its row here.
+_KINDS = {
+    "raw": _Kind(0, False),
+    "lossless": _Kind(1, False),
+    "int8": _KIVI, "int4": _KIVI, "int2": _KIVI,
+    "cachegen": _Kind(3, True, {"level": 2, "anchor": 0}, lambda name, o: o["level"] | o["anchor"] << 8,
+                      lambda p: f"cachegen:level={p & 0xff},anchor={p >> 8}"),
+    "kvtc": _Kind(4, True, {"ratio": 8, "sink": 4, "recent": 0},
+                  lambda name, o: o["ratio"] | o["sink"] << 8 | o["recent"] << 16,
+                  lambda p: f"kvtc:ratio={p & 0xff},sink={p >> 8 & 0xff},recent={p >> 16 & 0xff}", limit=256),
+}
+NAMES = tuple(_KINDS)
+_BY_ID = {kind.id: name for name, kind in reversed(_KINDS.items())}  # int8 names KIVI's id (unpack gives the width)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -63,28 +90,22 @@ class Codec:
 
     @property
     def id(self) -> int:
-        return _IDS.get(self.name, _KIVI)
+        return _KINDS[self.name].id
 
     @property
     def params(self) -> int:
-        opts = dict(self.options)
-        if self.id == _KIVI:
-            return int(self.name[3:]) | opts["group"] << 16
-        if self.id == _CACHEGEN:
-            return opts["level"] | opts["anchor"] << 8
-        if self.id == _KVTC:
-            return opts["ratio"] | opts["sink"] << 8 | opts["recent"] << 16
-        return 0
+        return _KINDS[self.name].pack(self.name, dict(self.options))
 
     @property
     def lossy(self) -> bool:
         """True for int*, cachegen and kvtc: decoding does not give back the exact KV."""
-        return self.id in (_KIVI, _CACHEGEN, _KVTC)
+        return _KINDS[self.name].lossy
 
     @property
     def spec(self) -> str:
         """The canonical spec string: defaults left out, so equal codecs have equal specs."""
-        changed = [f"{k}={v}" for k, v in self.options if v != _OPTIONS[self.name][k]]
+        defaults = _KINDS[self.name].options
+        changed = [f"{k}={v}" for k, v in self.options if v != defaults[k]]
         return self.name + (":" + ",".join(changed) if changed else "")
 
     def __str__(self) -> str:
@@ -98,9 +119,10 @@ def parse(spec) -> Codec:
     if not isinstance(spec, str):
         raise InvalidInputError(f"codec spec must be a string such as 'int4' or 'cachegen:level=3', got {spec!r}")
     name, _, rest = spec.strip().partition(":")
-    if name not in NAMES:
+    if name not in _KINDS:
         raise InvalidInputError(f"unknown codec {name!r}; choose one of {', '.join(NAMES)}")
-    options = dict(_OPTIONS.get(name, {}))
+    kind = _KINDS[name]
+    options = dict(kind.options)
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, value = item.partition("=")
         if key not in options or not eq:
@@ -110,7 +132,7 @@ def parse(spec) -> Codec:
             options[key] = int(value)
         except ValueError:
             raise InvalidInputError(f"codec {name!r}: option {key} must be an integer, got {value!r}") from None
-        if not 0 <= options[key] < (256 if name == "kvtc" else 1 << 15):
+        if not 0 <= options[key] < kind.limit:
             raise InvalidInputError(f"codec {name!r}: option {key}={options[key]} is out of range")
     codec = Codec(name, tuple(options.items()))
     if codec.id:
@@ -121,14 +143,11 @@ def parse(spec) -> Codec:
 def codec_of(blob) -> Codec:
     """The codec a blob was written with (from its header)."""
     h = _core.blob_parse(blob, verify_checksum=False)
-    cid, params = h["codec"], h["codec_params"]
-    if cid == _KIVI:
-        return parse(f"int{params & 0xff}:group={params >> 16}")
-    if cid == _CACHEGEN:
-        return parse(f"cachegen:level={params & 0xff},anchor={params >> 8}")
-    if cid == _KVTC:
-        return parse(f"kvtc:ratio={params & 0xff},sink={params >> 8 & 0xff},recent={params >> 16 & 0xff}")
-    return parse("raw" if cid == 0 else "lossless")
+    name = _BY_ID.get(h["codec"])
+    if name is None:
+        raise InvalidInputError(f"blob written with codec id {h['codec']}, which this kdn does not know")
+    unpack = _KINDS[name].unpack
+    return parse(unpack(h["codec_params"]) if unpack else name)
 
 
 def address(key: bytes, codec) -> bytes:

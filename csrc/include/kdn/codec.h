@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,13 +17,13 @@
 
 namespace kdn {
 
+// Codec ids as written in blob headers (0 is raw, kdn/blob.h); each codec is one row of kCodecs below.
 enum CodecId : uint8_t {
   kCodecLossless = 1,  // bit-exact: byte planes + rANS (params 0)
   kCodecKivi = 2,      // KIVI integers: params = bits (2, 4, 8) | group << 16
   kCodecCacheGen = 3,  // CacheGen-style: params = level (1..3) | flags << 8 (bit 0: anchor/delta)
   kCodecKvtc = 4,      // transform coding under a model calibration (kdn/kvtc.h): ratio | sink << 8 | recent << 16
 };
-constexpr uint8_t kCodecLast = kCodecKvtc;
 
 // What an encoder spent its bits on; for the physical-limit report.
 struct CodecReport {
@@ -65,23 +66,58 @@ struct Plane {
   int64_t count() const { return tokens * channels; }
 };
 
-std::vector<uint8_t> lossless_encode(const Plane& p, const uint8_t* raw, CodecReport* report);
-bool lossless_decode(const Plane& p, const uint8_t* in, size_t size, uint8_t* out);
-std::vector<uint8_t> kivi_encode(const Plane& p, uint32_t params, const uint8_t* raw, CodecReport* report);
-bool kivi_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size, uint8_t* out);
-std::vector<uint8_t> cachegen_encode(const Plane& p, uint32_t params, const uint8_t* raw, CodecReport* report);
-bool cachegen_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size, uint8_t* out);
-struct KvtcCalibration;
-std::vector<uint8_t> kvtc_encode(const Plane& p, uint32_t params, const uint8_t* raw, const KvtcCalibration& cal,
+// One codec: what the dispatch (codec.cpp) needs of it, all in its own file (csrc/codec/<name>.cpp).
+// `check` validates params; `prepare` (may be null) returns state every plane of one blob shares
+// while encoding (kvtc: the model's calibration) and throws InputError when there is none; `encode`
+// and `decode` code one plane (decode: false for a malformed plane, never a crash).
+struct CodecOps {
+  uint8_t id;
+  const char* name;  // as in specs (KIVI's widths share "int")
+  bool lossy;        // decode is not bit-exact
+  Status (*check)(uint32_t params);
+  std::shared_ptr<const void> (*prepare)(const BlobHeader& h);
+  std::vector<uint8_t> (*encode)(const Plane& p, uint32_t params, const uint8_t* raw, const void* state,
                                  CodecReport* report);
-bool kvtc_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size, uint8_t* out);
+  bool (*decode)(const Plane& p, uint32_t params, const uint8_t* in, size_t size, uint8_t* out);
+};
+
+#define KDN_DECLARE_CODEC(name)                                                                                \
+  Status name##_check(uint32_t params);                                                                        \
+  std::vector<uint8_t> name##_encode(const Plane& p, uint32_t params, const uint8_t* raw, const void* state,  \
+                                     CodecReport* report);                                                     \
+  bool name##_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size, uint8_t* out)
+KDN_DECLARE_CODEC(lossless);
+KDN_DECLARE_CODEC(kivi);
+KDN_DECLARE_CODEC(cachegen);
+KDN_DECLARE_CODEC(kvtc);
+#undef KDN_DECLARE_CODEC
+std::shared_ptr<const void> kvtc_prepare(const BlobHeader& h);
+
+// The codec registry: adding a codec is its file, a row here (and its id above), and its row in
+// python/kdn/codecs.py.
+inline constexpr CodecOps kCodecs[] = {
+    {kCodecLossless, "lossless", false, lossless_check, nullptr, lossless_encode, lossless_decode},
+    {kCodecKivi, "int", true, kivi_check, nullptr, kivi_encode, kivi_decode},
+    {kCodecCacheGen, "cachegen", true, cachegen_check, nullptr, cachegen_encode, cachegen_decode},
+    {kCodecKvtc, "kvtc", true, kvtc_check, kvtc_prepare, kvtc_encode, kvtc_decode},
+};
+
+// The row of codec id `codec`, or nullptr (raw, or unknown).
+inline const CodecOps* codec_ops(uint8_t codec) {
+  for (const CodecOps& ops : kCodecs)
+    if (ops.id == codec) return &ops;
+  return nullptr;
+}
 
 }  // namespace kdn
 
 namespace kdn {
 
 // True for codecs whose decode is not bit-exact (int*, cachegen, kvtc); raw and lossless are exact.
-inline bool codec_is_lossy(uint8_t codec) { return codec == kCodecKivi || codec == kCodecCacheGen || codec == kCodecKvtc; }
+inline bool codec_is_lossy(uint8_t codec) {
+  const CodecOps* ops = codec_ops(codec);
+  return ops && ops->lossy;
+}
 
 // Where lossy KV is filed: BLAKE3("kdn/lossy-key" | key | codec | params LE)[:16]. A chunk coded
 // with a lossy codec never lives under its exact key, so a reader that wants exact KV can never be
