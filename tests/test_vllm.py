@@ -206,7 +206,9 @@ def test_vllm_serve_answers_through_openai_with_kdn_counters_on_metrics(setup, t
     python, folder, _ = setup
     document = tmp_path / "document.txt"
     document.write_text((Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()[:6000])
-    with VLLMServer(python, folder, tmp_path / "serve.log", kdn={"disk_dir": str(tmp_path / "kv")}) as server:
+    # kdn in memory only: vLLM serves from two processes (scheduler, worker), and the memory tier is
+    # the worker's; the scheduler's lookups must reach it
+    with VLLMServer(python, folder, tmp_path / "serve.log", kdn={}) as server:
         out = run(python, "vllm_client.py", "--url", server.url, "--model", folder, "--document", str(document))
     first, second = out["answers"]
     assert second["ttft"] < first["ttft"] and first["text"] and second["text"]

@@ -23,7 +23,10 @@ lossy; after a failed load vLLM recomputes the request, and the recomputed promp
 With ``verify_fraction`` a sampled hit's last tokens are held back, computed by vLLM and compared
 with what kdn stores (:mod:`kdn.engine.verify`). A model kdn cannot serve (sliding window, MLA, hybrid
 or mamba layers, a KV layout it does not know) is logged once at start-up and served nothing.
-Scheduler and worker share one kdn store per process (vLLM's CPU engine runs both in one).
+Scheduler and worker share one kdn store per process; where vLLM runs them in different processes
+(``vllm serve``: the worker in a process of its own), the scheduler's lookups are answered by the
+worker's process over a unix socket (:mod:`kdn.integrations.lookups`), so that a memory tier,
+private to the worker, is seen.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from kdn.engine.paged import PagedLayout
 from kdn.engine.served import Served
 from kdn.engine.targets import PagedBlocks
 from kdn.engine.verify import plane_error
+from kdn.integrations.lookups import LookupClient, LookupServer, socket_path
 from kdn.keys import checkpoint_fingerprint
 from kdn.layout import ModelLayout
 
@@ -61,6 +65,7 @@ log = logging.getLogger("kdn")
 
 # one store per (config, model) in a process: the scheduler's lookups see the worker's stores
 _stores: dict[tuple, tuple[Engine, ModelSession]] = {}
+_lookup_servers: dict[str, LookupServer] = {}  # socket path -> the server of this process' worker
 _stores_lock = threading.Lock()
 _counters = {"lookups": 0, "hit_tokens": 0, "loads": 0, "loaded_tokens": 0, "load_errors": 0, "stores": 0,
              "stored_tokens": 0, "refused_stores": 0, "verify_checks": 0, "verify_mismatches": 0,
@@ -185,7 +190,9 @@ def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
     return None
 
 
-def _store_for(config: KDNConfig, vllm_config) -> tuple[Engine, ModelSession]:
+def _store_for(config: KDNConfig, vllm_config) -> tuple[Engine, ModelSession, str]:
+    """This process' engine and session for (config, model), and the lookup socket both of vLLM's
+    processes derive for them (the engine id names one vLLM engine)."""
     model = vllm_config.model_config
     key = (repr(config), str(model.model), str(model.dtype))
     with _stores_lock:
@@ -194,7 +201,15 @@ def _store_for(config: KDNConfig, vllm_config) -> tuple[Engine, ModelSession]:
             session = ModelSession(layout, checkpoint_fingerprint(model.model, model.dtype), config.chunk_size,
                                    min(config.probe_step, config.chunk_size))
             _stores[key] = (Engine(config), session)
-        return _stores[key]
+        engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None) or ""
+        return (*_stores[key], socket_path(f"{engine_id}|{key}"))
+
+
+def _serve_lookups(path: str, engine: Engine, session: ModelSession) -> None:
+    """Start this process' lookup server for its worker's store (once per socket)."""
+    with _stores_lock:
+        if path not in _lookup_servers:
+            _lookup_servers[path] = LookupServer(path, lambda tokens, limit: engine.lookup(session, tokens, limit))
 
 
 class KDNConnector(KVConnectorBase_V1):
@@ -212,7 +227,11 @@ class KDNConnector(KVConnectorBase_V1):
                 log.warning("kdn: not serving %s: %s; requests run without kdn", vllm_config.model_config.model,
                             self.reason)
         else:
-            self.engine, self.session = _store_for(self.config, vllm_config)
+            self.engine, self.session, lookups = _store_for(self.config, vllm_config)
+            if role == KVConnectorRole.WORKER:
+                _serve_lookups(lookups, self.engine, self.session)
+            else:
+                self._lookups = LookupClient(lookups)
             policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
             if role == KVConnectorRole.SCHEDULER and policy != "recompute":
                 log.warning("kdn: kv_load_failure_policy=%r: a chunk evicted or damaged between lookup and load "
@@ -237,7 +256,11 @@ class KDNConnector(KVConnectorBase_V1):
         if self.engine is None:
             return 0, False
         tokens = np.asarray(request.prompt_token_ids or [], dtype=np.uint32)
-        hit = self.engine.lookup(self.session, tokens, len(tokens) - 1)  # the last token is computed
+        hit = None  # the last token is computed: limit len - 1
+        if not self._worker_here():  # ask the worker's process: its memory tier is its own
+            hit = self._lookups.lookup(tokens, len(tokens) - 1)
+        if hit is None:
+            hit = self.engine.lookup(self.session, tokens, len(tokens) - 1)
         _count(lookups=1)
         span = self.engine.chunks.verifier.sample(hit - num_computed_tokens)  # verified: vLLM computes the last ones
         if span:
@@ -245,6 +268,10 @@ class KDNConnector(KVConnectorBase_V1):
         else:
             self._checks.pop(request.request_id, None)
         return max(0, hit - span - num_computed_tokens), False
+
+    def _worker_here(self) -> bool:
+        """Whether a worker connector of this process holds the same store (then its tiers are ours)."""
+        return any(c.role == KVConnectorRole.WORKER and c.engine is self.engine for c in list(_connectors))
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
