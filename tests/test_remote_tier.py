@@ -224,3 +224,19 @@ def test_an_unreachable_server_at_start_up_is_only_a_warning(caplog):
         kdn = KDN(KDNConfig(remote_url=f"redis://127.0.0.1:{free_port()}/0", remote_timeout=0.2))
     assert kdn.stats()["remote"]["state"] == "down"
     assert any("unreachable" in r.getMessage() for r in caplog.records)
+
+
+def test_byte_ranges_through_kdns_reader_equal_redis_pys(redis_server):
+    """GETRANGE replies received straight into Buffers (the layer-wise stream's reads) are the bytes
+    redis-py reads: from the start, from the end, past the end, and empty for a missing value."""
+    from kdn.storage.redis_transport import RedisTransport
+
+    direct, plain = RedisTransport(redis_server.url, 1.0), RedisTransport(redis_server.url, 1.0, direct_reads=False)
+    assert direct.direct_reads and not plain.direct_reads
+    value = bytes(range(256)) * 40
+    direct.put([("kdn:test:ranges", value)], None)
+    requests = [("kdn:test:ranges", 0, 79), ("kdn:test:ranges", -24, -1), ("kdn:test:ranges", 5000, 20000),
+                ("kdn:test:absent", 0, 10)]
+    got = [bytes(v) for v in direct.get_ranges(requests)]
+    assert got == [bytes(v) for v in plain.get_ranges(requests)] == [value[:80], value[-24:], value[5000:], b""]
+    assert direct.delete(["kdn:test:ranges", "kdn:test:absent"]) == 1
