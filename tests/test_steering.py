@@ -166,3 +166,67 @@ def test_kdn_deposit_reads_emphasized_spans_from_jsonl(tmp_path, case, capsys):
     capsys.readouterr()
     assert main(args) == 2
     assert "document b: steer: give the emphasized spans" in capsys.readouterr().err
+
+
+AUTO_TEXT = ("Once upon a time, there was a little girl named Lily. She was very happy. One day, she went to the park "
+             "and saw a big ball.")
+
+
+def test_auto_spans_are_the_sentences_the_answer_copied():
+    from kdn.edits import autospans
+
+    text = "The sky was grey. Tom found a gold key under the old bridge! He went home.\nThe end"
+    assert autospans.sentences(text) == [(0, 17), (18, 60), (61, 74), (75, 82)]
+    assert autospans.match(text, "tom found the gold key under a bridge") == [(18, 60)]
+    assert autospans.match(text, "He went home. The sky was grey.") == [(0, 17), (61, 74)]  # text order
+    assert autospans.match(text, "Nothing here went as planned.") == []  # "went" alone is not a sentence
+
+
+def test_auto_spans_continue_the_deposits_kv_as_a_full_prefill_would(stories):
+    """The model's answer is generated on the deposit's own KV; a greedy decode that prefills the
+    text, the instruction and the answer so far at every step gives the same answer."""
+    from kdn.edits import autospans
+
+    model, tokenizer = stories
+    ids = tokenizer(AUTO_TEXT)["input_ids"]
+    with torch.inference_mode():
+        kv = cache_to_kv_list(model(torch.tensor([ids]), use_cache=True).past_key_values)
+    before = [t.clone() for t in kv]
+    spans, answer = autospans.find(model, tokenizer, AUTO_TEXT, kv)
+    assert all(torch.equal(a, b) for a, b in zip(kv, before))  # the deposit's KV is left as it was
+    prompt = ids + tokenizer(autospans.INSTRUCTION, add_special_tokens=False)["input_ids"]
+    out = []
+    with torch.inference_mode():
+        for _ in range(48):
+            token = int(model(torch.tensor([prompt + out])).logits[0, -1].argmax())
+            if token == model.config.eos_token_id:
+                break
+            out.append(token)
+            said = tokenizer.decode(out).lstrip()
+            if said and "\n" in said:
+                break
+    assert answer == tokenizer.decode(out).strip()
+    assert spans == autospans.match(AUTO_TEXT, answer) and spans  # stories260K copies a sentence of this text
+
+
+def test_deposit_emphasize_auto_stores_the_named_sentences(stories):
+    """emphasize="auto": the sentences the model names are the emphasis a steered reader gets; a
+    text in which it names none is refused and stores nothing."""
+    model, tokenizer = stories
+    chunk = 16
+    kdn = KDN(KDNConfig(chunk_size=chunk))
+    report = kdn.deposit(model, AUTO_TEXT, edits=["steer:heads=4"], tokenizer=tokenizer, emphasize="auto")
+    spans = report["auto_spans"]["spans"]
+    assert spans and all(AUTO_TEXT[a:b].endswith((".", "!", "?")) for a, b in spans)
+    enc = tokenizer(AUTO_TEXT, return_offsets_mapping=True)
+    full = len(enc["input_ids"]) // chunk * chunk
+    expected = steer.token_mask(spans, len(enc["input_ids"]), enc["offset_mapping"])[:full]
+    _, hit = kdn.retrieve(model, torch.tensor(enc["input_ids"] + [5]), edits="steer:heads=4")
+    steered = [row for bias in kdn.last_retrieve["steering"].values() for row in bias if row.any()]
+    assert hit >= full and steered and all(((row == 0).numpy() == expected).all() for row in steered)
+
+    refused = KDN(KDNConfig(chunk_size=chunk))
+    with pytest.raises(InvalidInputError, match="found no sentence"):
+        refused.deposit(model, "Lily was very happy. She went to the park and saw a big ball. Max ran to the tree.",
+                        edits=["steer"], tokenizer=tokenizer, emphasize="auto")
+    assert refused.memory.stats()["entries"] == 0

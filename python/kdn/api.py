@@ -182,10 +182,12 @@ class KDN:
         ``edits`` (e.g. ``["kvzip:keep=0.3"]``, :mod:`kdn.edits`), an edited form under that edit's
         own addresses, which only readers naming the edit are served (``generate(..., edits=...)``).
         ``emphasize``: the spans a ``steer`` edit emphasizes, ``[(start, end), ...]`` (characters
-        of a text prompt, tokens of ids). Every edit is computed before anything is stored: an edit
-        that fails stores nothing.
+        of a text prompt, tokens of ids), or ``"auto"``: the sentences the model names when asked
+        for the text's most important facts (AutoPASTA at deposit, :mod:`kdn.edits.autospans`;
+        a model that names none is an InvalidInputError). Every edit is computed before anything
+        is stored: an edit that fails stores nothing.
         Returns ``{"tokens", "exact_tokens", "prefill_seconds", "edits": {spec: {"chunks", "bytes",
-        "seconds"}}}``.
+        "seconds"}}}``, and with ``"auto"`` ``"auto_spans": {"spans", "answer", "seconds"}``.
 
         Example:
             >>> cache = KDN(KDNConfig(chunk_size=16))

@@ -75,11 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     ver.add_argument("--seed", type=int, default=0, help="which prompts --sample picks")
     dep = sub.add_parser("deposit", help="store documents' KV (and edited forms) into a store, resumably")
     dep.add_argument("source", help="a folder of .txt/.md files, or a JSONL file ({\"text\": ...} per line; "
-                                    "\"emphasize\": [[start, end], ...] for --edit steer)")
+                                    "\"emphasize\": [[start, end], ...] or \"auto\" for --edit steer)")
     dep.add_argument("store", help="a disk tier's folder (created if missing) or a remote store URL")
     dep.add_argument("--model", required=True, help="smollm2-135m, stories260k, qwen2.5-coder-*, or an HF folder")
     dep.add_argument("--edit", action="append", default=[], help="an edit to store too, e.g. kvzip:keep=0.3 "
                                                                  "(repeatable)")
+    dep.add_argument("--emphasize", choices=["auto"], default=None,
+                     help="for --edit steer: documents without their own spans emphasize the sentences the "
+                          "model names as the most important (AutoPASTA at deposit)")
     dep.add_argument("--chunk-size", type=int, default=256)
     dep.add_argument("--dtype", default=None, choices=[None, "float32", "float16", "bfloat16"])
     args = parser.parse_args(argv)
@@ -158,7 +161,8 @@ def run_deposit_command(args) -> int:
 
     try:
         edits = parse_many(args.edit)
-        docs = documents(args.source)
+        docs = [(name, text, emphasize if emphasize is not None else args.emphasize)
+                for name, text, emphasize in documents(args.source)]
         why = unknown_model(args.model)
         if why:
             return fail(why)

@@ -17,7 +17,7 @@ def documents(source: str | Path) -> list[tuple[str, str, list | None]]:
     """``(name, text, emphasize)`` triples: every ``*.txt`` / ``*.md`` file of a folder (sorted by
     name), or every line of a JSONL file (an object with a ``text``, ``context`` or ``document``
     field, an optional ``id`` and an optional ``emphasize``: ``[[start, end], ...]`` character spans
-    a ``steer`` edit emphasizes). A source that is neither, or a line without text, is an
+    a ``steer`` edit emphasizes, or ``"auto"``). A source that is neither, or a line without text, is an
     InvalidInputError."""
     source = Path(source)
     if source.is_dir():
@@ -38,8 +38,9 @@ def documents(source: str | Path) -> list[tuple[str, str, list | None]]:
         if text is None:
             raise InvalidInputError(f"{source}:{number}: no text field ({', '.join(TEXT_FIELDS)})")
         emphasize = record.get("emphasize")
-        if emphasize is not None and not isinstance(emphasize, list):
-            raise InvalidInputError(f"{source}:{number}: emphasize is a list of [start, end] character spans")
+        if emphasize is not None and not isinstance(emphasize, list) and emphasize != "auto":
+            raise InvalidInputError(f"{source}:{number}: emphasize is a list of [start, end] character spans "
+                                    "or \"auto\"")
         docs.append((str(record.get("id", number)), text, emphasize))
     return docs
 

@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from kdn._core import InvalidInputError
-from kdn.edits import Edit, kvzip, parse_many, steer
+from kdn.edits import Edit, autospans, kvzip, parse_many, steer
 from kdn.engine.targets import HFTarget
 from kdn.layout import cache_to_kv_list, kv_list_to_cache
 
@@ -49,16 +49,20 @@ def _prompt_ids(prompt, tokenizer) -> list[int]:
 def deposit(kdn, model, prompt, edits=(), tokenizer=None, emphasize=None) -> dict:
     """Prefill ``prompt`` (text with ``tokenizer``, or token ids), store its exact KV and, for each
     edit, its edited chunks (``kvzip``) or sidecars (``steer``: the ``emphasize`` spans, character
-    ranges of a text or token ranges of ids) under the edit's addresses. Every edit is computed
-    before anything is stored, so an edit that fails stores nothing for this prompt."""
+    ranges of a text or token ranges of ids, or ``"auto"``: the sentences the model itself names,
+    :mod:`kdn.edits.autospans`) under the edit's addresses. Every edit is computed before anything
+    is stored, so an edit that fails stores nothing for this prompt."""
     edits = parse_many(edits)
     session = kdn.session(model)
     ids = _prompt_ids(prompt, tokenizer)
-    emphasized = None
+    emphasized = offsets = None
+    auto = isinstance(emphasize, str) and emphasize == "auto"
     if any(e.name == "steer" for e in edits):
         steer.check_model(model)
         offsets = tokenizer(prompt, return_offsets_mapping=True)["offset_mapping"] if isinstance(prompt, str) else None
-        emphasized = steer.token_mask(emphasize, len(ids), offsets)
+        if auto and offsets is None:
+            raise InvalidInputError("deposit: emphasize='auto' needs the prompt as text and its tokenizer")
+        emphasized = None if auto else steer.token_mask(emphasize, len(ids), offsets)
     tokens = session.tokens(ids)
     device = next(model.parameters()).device
     started = time.perf_counter()
@@ -68,6 +72,15 @@ def deposit(kdn, model, prompt, edits=(), tokenizer=None, emphasize=None) -> dic
     keys = session.prefix_keys(tokens)  # edited chunks: the full chunks (a reader's prompt goes on after them)
     chunk = session.chunk_size
     planned, sidecars, report = [], [], {}
+    found = None
+    if auto and emphasized is None:
+        t0 = time.perf_counter()
+        spans, answer = autospans.find(model, tokenizer, prompt, kv)
+        if not spans:
+            raise InvalidInputError(f"deposit: emphasize='auto' found no sentence of the text in the model's answer "
+                                    f"({answer[:80]!r}); give the spans (emphasize=[(start, end), ...])")
+        emphasized = steer.token_mask(spans, len(ids), offsets)
+        found = {"spans": spans, "answer": answer, "seconds": time.perf_counter() - t0}
     for edit in edits:
         t0 = time.perf_counter()
         if edit.name == "steer":
@@ -87,7 +100,8 @@ def deposit(kdn, model, prompt, edits=(), tokenizer=None, emphasize=None) -> dic
         kdn.chunks.write_segment(session, address, rows, 0, rows[0].shape[2])
     for address, payload in sidecars:
         kdn.chunks.store_sidecar(session, address, payload)
-    return {"tokens": len(ids), "exact_tokens": exact, "prefill_seconds": prefill_s, "edits": report}
+    out = {"tokens": len(ids), "exact_tokens": exact, "prefill_seconds": prefill_s, "edits": report}
+    return {**out, "auto_spans": found} if found else out
 
 
 def head_profile(kdn, model, tokenizer=None) -> list | None:
