@@ -272,7 +272,9 @@ def test_the_connector_under_vllms_real_scheduler(setup):
     blocks filled by the script): a chunk evicted between lookup and load (whole and layer-wise)
     stores nothing in the failed step and the recomputed prompt after it, exactly; a prefill aborted
     half-way stores nothing; a verified hit holds its last 16 tokens back, passes when honest, and a
-    planted chunk fails, is dropped with the hit, and nothing computed over it is stored."""
+    planted chunk fails, is dropped with the hit, and nothing computed over it is stored; two
+    questions of one new document arriving together prefill it once (the second waits, then loads
+    exactly what the first stored)."""
     python, folder, _ = setup
     out = run(python, "vllm_scheduler.py", "--model", folder)
     for delivery in ("whole", "layerwise"):
@@ -286,6 +288,9 @@ def test_the_connector_under_vllms_real_scheduler(setup):
     assert v["loaded_to"] == 584 and v["check"] == [584, 600]
     assert v["honest_checks"] == 1 and v["honest_mismatches"] == 0
     assert v["planted_mismatches"] == 1 and v["stored_after"] == 0 and v["refused_stores"] == 1
+    f = out["in_flight"]  # two questions of one new document: prefilled once, the second loads it
+    assert f["first_step"] == ["a"] and f["second_step"] == ["b"] and f["waits"] == 1
+    assert f["second_loads"] == [["b", 0, 600]] and f["stored_tokens"] == 620 and f["equal_to_truth"]
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ def main() -> None:
         results[f"load_error_{delivery}"] = load_error(args.model, delivery)
     results["aborted_prefill"] = aborted_prefill(args.model)
     results["verified_hit"] = verified_hit(args.model)
+    results["in_flight"] = in_flight(args.model)
     print("KDN-RESULT " + json.dumps(results), flush=True)
 
 
@@ -228,6 +229,26 @@ def verified_hit(model: str) -> dict:
     return {**honest, "honest_checks": before["checks"], "honest_mismatches": before["mismatches"],
             "planted_mismatches": after["mismatches"] - before["mismatches"],
             "stored_after": h.stored(doc)[0], "refused_stores": h.io.refused_stores}
+
+
+def in_flight(model: str) -> dict:
+    """Two questions of one document kdn does not hold arrive together: the second waits (vLLM asks
+    again each step) while the first prefills, then loads the document from kdn: prefilled once;
+    what it loaded is what an exact reader of the store gets, the first request's KV."""
+    h = Harness(model, chunk_size=256)
+    doc = _tokens(600, 11)
+    first, second = doc + _tokens(20, 12), doc + _tokens(20, 13)
+    truth = _random_kv(h, 620, 14)
+    other = _random_kv(h, 620, 15)
+    truth2 = [torch.cat([a[:, :, :600], b[:, :, 600:]], dim=2) for a, b in zip(truth, other)]
+    h.request("a", first)
+    h.request("b", second)
+    waits = h.connector.stats()["connector"]["in_flight_waits"]
+    one, _ = h.step({"a": truth, "b": truth2})
+    two, _ = h.step({"a": truth, "b": truth2})
+    return {"first_step": one.fresh, "second_step": two.fresh,
+            "second_loads": [[s.req_id, s.start, s.end] for s in two.loads],
+            "waits": h.connector.stats()["connector"]["in_flight_waits"] - waits, **_exact(h, second, truth2)}
 
 
 if __name__ == "__main__":

@@ -71,10 +71,15 @@ _counters = {"lookups": 0, "hit_tokens": 0, "loads": 0, "loaded_tokens": 0, "loa
              "stored_tokens": 0, "refused_stores": 0, "verify_checks": 0, "verify_mismatches": 0,
              "load_seconds": 0.0, "store_seconds": 0.0,
              # chunks each tier served to this process' loads (from the tiers' own counters)
-             "memory_chunks": 0, "disk_chunks": 0, "remote_chunks": 0}
+             "memory_chunks": 0, "disk_chunks": 0, "remote_chunks": 0,
+             # requests that waited for another's prefill of their document (asked again later)
+             "in_flight_waits": 0}
 
 
 _connectors: weakref.WeakSet = weakref.WeakSet()
+# a request whose next chunk another request is prefilling waits for it (asked again each step) at
+# most this long; a prefill that completed is waited on this long more, while its store lands
+IN_FLIGHT_WAIT_S, STORE_GRACE_S = 60.0, 2.0
 
 
 def drain() -> None:
@@ -209,7 +214,11 @@ def _serve_lookups(path: str, engine: Engine, session: ModelSession) -> None:
     """Start this process' lookup server for its worker's store (once per socket)."""
     with _stores_lock:
         if path not in _lookup_servers:
-            _lookup_servers[path] = LookupServer(path, lambda tokens, limit: engine.lookup(session, tokens, limit))
+            def lookup(tokens, limit):  # counted here: this process' counters reach vLLM's /metrics
+                _count(lookups=1)
+                return engine.lookup(session, tokens, limit)
+
+            _lookup_servers[path] = LookupServer(path, lookup)
 
 
 class KDNConnector(KVConnectorBase_V1):
@@ -240,6 +249,8 @@ class KDNConnector(KVConnectorBase_V1):
         # scheduler side
         self._pending: dict[str, int] = {}  # req_id -> external tokens to load
         self._checks: dict[str, tuple] = {}  # req_id -> (start, end) of a hit held back for verification
+        self._waiting: dict[str, float] = {}  # req_id -> since when it waits for another's prefill
+        self._admitted: dict[str, list] = {}  # req_id -> [prompt tokens, when its prefill completed or None]
         self._requests: dict[str, _Request] = {}
         # worker side
         self._blocks: list[torch.Tensor] = []
@@ -261,7 +272,9 @@ class KDNConnector(KVConnectorBase_V1):
             hit = self._lookups.lookup(tokens, len(tokens) - 1)
         if hit is None:
             hit = self.engine.lookup(self.session, tokens, len(tokens) - 1)
-        _count(lookups=1)
+            _count(lookups=1)
+        if self._prefilled_elsewhere(request.request_id, tokens, hit):
+            return None, False  # vLLM skips the request this step and asks again
         span = self.engine.chunks.verifier.sample(hit - num_computed_tokens)  # verified: vLLM computes the last ones
         if span:
             self._checks[request.request_id] = (hit - span, hit)
@@ -269,11 +282,34 @@ class KDNConnector(KVConnectorBase_V1):
             self._checks.pop(request.request_id, None)
         return max(0, hit - span - num_computed_tokens), False
 
+    def _prefilled_elsewhere(self, req_id: str, tokens: np.ndarray, hit: int) -> bool:
+        """Whether a running request is prefilling at least one more chunk of this prompt than kdn
+        holds (two questions of one document arriving together): then this request waits for that
+        KV to be stored, so the document is prefilled once, at most ``IN_FLIGHT_WAIT_S``."""
+        need = hit + self.session.chunk_size
+        now = time.monotonic()
+        if need < len(tokens):
+            for other_id, (other, saved_at) in self._admitted.items():
+                if other_id == req_id or len(other) < need:
+                    continue
+                if saved_at is not None and now - saved_at > STORE_GRACE_S:
+                    continue  # prefilled and stored (or refused) already: nothing to wait for
+                if np.array_equal(other[:need], tokens[:need]):
+                    first = self._waiting.setdefault(req_id, now)
+                    if now - first < IN_FLIGHT_WAIT_S:
+                        return True
+                    break
+        if self._waiting.pop(req_id, None) is not None:
+            _count(in_flight_waits=1)
+        return False
+
     def _worker_here(self) -> bool:
         """Whether a worker connector of this process holds the same store (then its tiers are ours)."""
         return any(c.role == KVConnectorRole.WORKER and c.engine is self.engine for c in list(_connectors))
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        # admitted: the next request's lookup in this very step sees that this one prefills its prompt
+        self._admitted[request.request_id] = [np.asarray(request.prompt_token_ids or [], dtype=np.uint32), None]
         if num_external_tokens > 0:
             self._pending[request.request_id] = num_external_tokens
 
@@ -321,12 +357,16 @@ class KDNConnector(KVConnectorBase_V1):
         if not computed < n <= computed + scheduled:
             return
         check = req.check if req.check is not None and computed <= req.check[0] else None
+        if req_id in self._admitted:
+            self._admitted[req_id][1] = time.monotonic()
         meta.saves.append(SaveSpec(req_id, req.tokens, req.block_ids[: -(-n // self.block_size)], check))
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
         self._checks.pop(request.request_id, None)
+        self._waiting.pop(request.request_id, None)
+        self._admitted.pop(request.request_id, None)
         return False, None  # the KV was copied out in the step that finished the prefill
 
     # -- worker side ------------------------------------------------------------------------------
