@@ -267,16 +267,16 @@ def test_models_kdn_cannot_serve_are_named_and_served_nothing(setup):
     assert "SlidingWindowSpec" in why["swa_group"] and "not a local HF checkpoint" in why["hub_name"]
 
 
-def test_the_connector_under_vllms_real_scheduler(setup):
+def test_the_connector_under_vllms_real_scheduler(setup, redis_server):
     """Issue 27, scenario 3: vLLM's Scheduler in-process with both connector halves (the worker's
     blocks filled by the script): a chunk evicted between lookup and load (whole and layer-wise)
     stores nothing in the failed step and the recomputed prompt after it, exactly; a prefill aborted
     half-way stores nothing; a verified hit holds its last 16 tokens back, passes when honest, and a
     planted chunk fails, is dropped with the hit, and nothing computed over it is stored; two
     questions of one new document arriving together prefill it once (the second waits, then loads
-    exactly what the first stored)."""
+    exactly what the first stored), in one engine and across two sharing Redis (a claim there)."""
     python, folder, _ = setup
-    out = run(python, "vllm_scheduler.py", "--model", folder)
+    out = run(python, "vllm_scheduler.py", "--model", folder, "--redis", redis_server.url)
     for delivery in ("whole", "layerwise"):
         r = out[f"load_error_{delivery}"]
         assert r["loads"] == 1 and r["load_errors"] > 0 and r["first_saves"] == 1
@@ -291,6 +291,9 @@ def test_the_connector_under_vllms_real_scheduler(setup):
     f = out["in_flight"]  # two questions of one new document: prefilled once, the second loads it
     assert f["first_step"] == ["a"] and f["second_step"] == ["b"] and f["waits"] == 1
     assert f["second_loads"] == [["b", 0, 600]] and f["stored_tokens"] == 620 and f["equal_to_truth"]
+    c = out["claimed_elsewhere"]  # the same across two engines sharing Redis, through a claim there
+    assert c["a_first"] == ["a"] and c["claimed_by_a"] and c["b_waiting"] == [] and c["b_after"] == ["b"]
+    assert c["b_loads"] == [["b", 0, 600]] and c["stored_tokens"] == 620 and c["equal_to_truth"]
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ STALE = 7.0  # what a previous request left in the blocks
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", required=True)
+    parser.add_argument("--redis", default=None, help="a Redis URL: run the two-engine scenario on it")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     results = {}
@@ -30,6 +31,8 @@ def main() -> None:
     results["aborted_prefill"] = aborted_prefill(args.model)
     results["verified_hit"] = verified_hit(args.model)
     results["in_flight"] = in_flight(args.model)
+    if args.redis:
+        results["claimed_elsewhere"] = claimed_elsewhere(args.model, args.redis)
     print("KDN-RESULT " + json.dumps(results), flush=True)
 
 
@@ -249,6 +252,33 @@ def in_flight(model: str) -> dict:
     return {"first_step": one.fresh, "second_step": two.fresh,
             "second_loads": [[s.req_id, s.start, s.end] for s in two.loads],
             "waits": h.connector.stats()["connector"]["in_flight_waits"] - waits, **_exact(h, second, truth2)}
+
+
+def claimed_elsewhere(model: str, url: str) -> dict:
+    """Two engines sharing a Redis store: engine A admits a document's first question and claims
+    the chunk it computes (its prefill spans steps); engine B, asked the document's second question
+    meanwhile, waits while the claim is live, then loads what A stored: prefilled once."""
+    a = Harness(model, chunk_size=256, remote_url=url, batch=256)
+    b = Harness(model, chunk_size=256, remote_url=url)
+    a.io.remote.clear()
+    doc = _tokens(600, 21)
+    truth = _random_kv(a, 620, 22)
+    other = _random_kv(a, 620, 23)
+    truth2 = [torch.cat([x[:, :, :600], y[:, :, 600:]], dim=2) for x, y in zip(truth, other)]
+    a.request("a", doc + _tokens(20, 24))
+    a_first, _ = a.step({"a": truth})  # 256 of 620 prompt tokens: the claim is live, nothing stored yet
+    key = a.worker.engine.computing_key(a.session, np.asarray(doc, dtype=np.uint32), 0)
+    owner = a.io.remote.claimant(key)
+    b.request("b", doc + _tokens(20, 25))
+    b_waiting, _ = b.step({"b": truth2})
+    while a.scheduler.requests["a"].num_computed_tokens < 620:
+        a.step({"a": truth})
+    a.io.flush()
+    b_after, _ = b.step({"b": truth2})
+    return {"a_first": a_first.fresh, "claimed_by_a": owner is not None and owner == a.worker._owner,
+            "b_waiting": b_waiting.fresh, "b_after": b_after.fresh,
+            "b_loads": [[s.req_id, s.start, s.end] for s in b_after.loads],
+            **_exact(b, doc + _tokens(20, 25), truth2)}
 
 
 if __name__ == "__main__":

@@ -85,6 +85,26 @@ class Engine:
         result, hit = self.chunks.read(session, tokens, limit, target, info)
         return Load(hit, info.get("lossy", False), result=result) if hit else Load()
 
+    # -- claims: engines sharing a remote store tell each other which chunk each is computing ----
+    def computing_key(self, session: ModelSession, tokens, hit: int) -> bytes | None:
+        """The key of the chunk a prefill of ``tokens`` computes first after a hit of ``hit``
+        tokens (None: no remote store to tell, or no full chunk left)."""
+        if self.chunks.remote is None:
+            return None
+        keys = session.prefix_keys(session.tokens(tokens))
+        return keys[hit // session.chunk_size] if hit // session.chunk_size < len(keys) else None
+
+    def claim(self, key: bytes, owner: str, ttl: float) -> bool:
+        """Tell the engines sharing the remote store that ``owner`` computes chunk ``key``."""
+        return self.chunks.remote.claim(key, owner, ttl)
+
+    def claimed_by_other(self, key: bytes, owner: str) -> bool:
+        held = self.chunks.remote.claimant(key)
+        return held is not None and held != owner
+
+    def release(self, key: bytes, owner: str) -> None:
+        self.chunks.remote.release(key, owner)
+
     def save(self, session: ModelSession, tokens, kv: list, served: Served | None = None) -> int:
         """Store the KV of ``tokens`` (HF per-layer CPU tensors) unless what ``served`` says forbids it
         (:mod:`kdn.engine.served`); the leading tokens a load can now serve (0 when refused)."""

@@ -77,8 +77,9 @@ _counters = {"lookups": 0, "hit_tokens": 0, "loads": 0, "loaded_tokens": 0, "loa
 
 
 _connectors: weakref.WeakSet = weakref.WeakSet()
-# a request whose next chunk another request is prefilling waits for it (asked again each step) at
-# most this long; a prefill that completed is waited on this long more, while its store lands
+# a request whose next chunk another request is prefilling (in this engine, or claimed in the remote
+# store by another) waits for it (asked again each step) at most this long; a prefill that completed
+# is waited on this long more, while its store lands
 IN_FLIGHT_WAIT_S, STORE_GRACE_S = 60.0, 2.0
 
 
@@ -250,7 +251,9 @@ class KDNConnector(KVConnectorBase_V1):
         self._pending: dict[str, int] = {}  # req_id -> external tokens to load
         self._checks: dict[str, tuple] = {}  # req_id -> (start, end) of a hit held back for verification
         self._waiting: dict[str, float] = {}  # req_id -> since when it waits for another's prefill
-        self._admitted: dict[str, list] = {}  # req_id -> [prompt tokens, when its prefill completed or None]
+        self._admitted: dict[str, list] = {}  # req_id -> [prompt tokens, prefill completed at, claimed key]
+        self._claims: dict[str, bytes | None] = {}  # req_id -> the chunk it will compute first (to claim)
+        self._owner = getattr(vllm_config.kv_transfer_config, "engine_id", None) or f"kdn-{id(self)}"
         self._requests: dict[str, _Request] = {}
         # worker side
         self._blocks: list[torch.Tensor] = []
@@ -283,22 +286,31 @@ class KDNConnector(KVConnectorBase_V1):
         return max(0, hit - span - num_computed_tokens), False
 
     def _prefilled_elsewhere(self, req_id: str, tokens: np.ndarray, hit: int) -> bool:
-        """Whether a running request is prefilling at least one more chunk of this prompt than kdn
-        holds (two questions of one document arriving together): then this request waits for that
-        KV to be stored, so the document is prefilled once, at most ``IN_FLIGHT_WAIT_S``."""
+        """Whether another request is computing at least one more chunk of this prompt than kdn
+        holds (two questions of one document arriving together): one admitted in this engine, or,
+        with a remote store, one another engine claimed there. Then this request waits for that KV
+        to be stored, so the document is prefilled once (at most ``IN_FLIGHT_WAIT_S``); otherwise
+        the chunk it will compute is claimed when it is admitted."""
         need = hit + self.session.chunk_size
         now = time.monotonic()
+        busy, key = False, None
         if need < len(tokens):
-            for other_id, (other, saved_at) in self._admitted.items():
+            for other_id, (other, saved_at, _) in self._admitted.items():
                 if other_id == req_id or len(other) < need:
                     continue
                 if saved_at is not None and now - saved_at > STORE_GRACE_S:
                     continue  # prefilled and stored (or refused) already: nothing to wait for
                 if np.array_equal(other[:need], tokens[:need]):
-                    first = self._waiting.setdefault(req_id, now)
-                    if now - first < IN_FLIGHT_WAIT_S:
-                        return True
+                    busy = True
                     break
+            key = self.engine.computing_key(self.session, tokens, hit)
+            if not busy and key is not None:
+                busy = self.engine.claimed_by_other(key, self._owner)
+        if busy:
+            first = self._waiting.setdefault(req_id, now)
+            if now - first < IN_FLIGHT_WAIT_S:
+                return True
+        self._claims[req_id] = key
         if self._waiting.pop(req_id, None) is not None:
             _count(in_flight_waits=1)
         return False
@@ -309,7 +321,10 @@ class KDNConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         # admitted: the next request's lookup in this very step sees that this one prefills its prompt
-        self._admitted[request.request_id] = [np.asarray(request.prompt_token_ids or [], dtype=np.uint32), None]
+        key = self._claims.pop(request.request_id, None)
+        if key is not None and not self.engine.claim(key, self._owner, IN_FLIGHT_WAIT_S):
+            key = None  # another engine's claim came first: it computes the chunk too (a race, not an error)
+        self._admitted[request.request_id] = [np.asarray(request.prompt_token_ids or [], dtype=np.uint32), None, key]
         if num_external_tokens > 0:
             self._pending[request.request_id] = num_external_tokens
 
@@ -366,7 +381,10 @@ class KDNConnector(KVConnectorBase_V1):
         self._pending.pop(request.request_id, None)
         self._checks.pop(request.request_id, None)
         self._waiting.pop(request.request_id, None)
-        self._admitted.pop(request.request_id, None)
+        self._claims.pop(request.request_id, None)
+        admitted = self._admitted.pop(request.request_id, None)
+        if admitted is not None and admitted[2] is not None:
+            self.engine.release(admitted[2], self._owner)
         return False, None  # the KV was copied out in the step that finished the prefill
 
     # -- worker side ------------------------------------------------------------------------------

@@ -375,6 +375,36 @@ class RemoteTier(Tier):
 
         self._call(run, None)
 
+    # -- claims: which engine is computing a chunk (hints the engines sharing this store read) ----
+    @staticmethod
+    def claim_name(key: bytes) -> str:
+        return f"kdn:{FORMAT}:claim:{key.hex()}"
+
+    def claim(self, key: bytes, owner: str, ttl: float) -> bool:
+        """Record for ``ttl`` seconds that ``owner`` is computing chunk ``key``, unless another
+        owner's claim is live; False then, or when the store cannot be used. A hint, not a lock:
+        two engines racing may both claim, and each then computes it, as without claims."""
+        name = self.claim_name(key)
+
+        def run():
+            held = self.transport.get([name])[0]
+            if held is not None and bytes(held).decode() != owner:
+                return False
+            self.transport.put([(name, owner.encode())], max(1, round(ttl * 1000)))
+            return True
+
+        return bool(self._call(run, False))
+
+    def claimant(self, key: bytes) -> str | None:
+        """The owner of a live claim on chunk ``key``, or None (none, or the store is down)."""
+        held = self._call(lambda: self.transport.get([self.claim_name(key)])[0], None)
+        return None if held is None else bytes(held).decode()
+
+    def release(self, key: bytes, owner: str) -> None:
+        """Drop ``owner``'s claim on ``key`` (another owner's is left alone)."""
+        if self.claimant(key) == owner:
+            self._call(lambda: self.transport.delete([self.claim_name(key)]), None)
+
     def stats(self) -> dict:
         with self._cv:
             queued, queued_bytes = len(self._queue), self._queued_bytes
