@@ -80,7 +80,7 @@ _connectors: weakref.WeakSet = weakref.WeakSet()
 # a request whose next chunk another request is prefilling (in this engine, or claimed in the remote
 # store by another) waits for it (asked again each step) at most this long; a prefill that completed
 # is waited on this long more, while its store lands
-IN_FLIGHT_WAIT_S, STORE_GRACE_S = 60.0, 2.0
+IN_FLIGHT_WAIT_S, STORE_GRACE_S = 120.0, 10.0
 
 
 def drain() -> None:
