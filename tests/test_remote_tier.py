@@ -240,3 +240,18 @@ def test_byte_ranges_through_kdns_reader_equal_redis_pys(redis_server):
     got = [bytes(v) for v in direct.get_ranges(requests)]
     assert got == [bytes(v) for v in plain.get_ranges(requests)] == [value[:80], value[-24:], value[5000:], b""]
     assert direct.delete(["kdn:test:ranges", "kdn:test:absent"]) == 1
+
+
+def test_claims_name_one_owner_expire_and_are_released_only_by_it(redis_server):
+    """The in-flight hints engines share: a live claim of one owner refuses another's, is renewed by
+    its own, is released only by it, and expires by itself (an engine that died holds nothing)."""
+    tier = fresh_tier(redis_server.url)
+    assert tier.claimant(key(1)) is None
+    assert tier.claim(key(1), "engine-a", ttl=30) and not tier.claim(key(1), "engine-b", ttl=30)
+    assert tier.claim(key(1), "engine-a", ttl=30) and tier.claimant(key(1)) == "engine-a"
+    tier.release(key(1), "engine-b")
+    assert tier.claimant(key(1)) == "engine-a"
+    tier.release(key(1), "engine-a")
+    assert tier.claimant(key(1)) is None and tier.claim(key(1), "engine-b", ttl=0.2)
+    time.sleep(0.4)
+    assert tier.claimant(key(1)) is None and tier.count_prefix([key(1)]) == 0  # a claim is not a chunk
