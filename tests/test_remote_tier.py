@@ -255,3 +255,25 @@ def test_claims_name_one_owner_expire_and_are_released_only_by_it(redis_server):
     assert tier.claimant(key(1)) is None and tier.claim(key(1), "engine-b", ttl=0.2)
     time.sleep(0.4)
     assert tier.claimant(key(1)) is None and tier.count_prefix([key(1)]) == 0  # a claim is not a chunk
+
+
+def test_of_owners_claiming_at_once_exactly_one_wins(redis_server):
+    """Claims are taken at lookup by engines asked the same document in the same instant: on a
+    Redis store (SET NX) exactly one of them wins, however the calls interleave."""
+    import threading
+
+    tier = fresh_tier(redis_server.url)
+    for round_ in range(5):
+        won, start = [], threading.Barrier(8)
+
+        def claim(owner):
+            start.wait()
+            if tier.claim(key(100 + round_), owner, ttl=30):
+                won.append(owner)
+
+        threads = [threading.Thread(target=claim, args=(f"engine-{i}",)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(won) == 1 and tier.claimant(key(100 + round_)) == won[0]

@@ -95,12 +95,9 @@ class Engine:
         return keys[hit // session.chunk_size] if hit // session.chunk_size < len(keys) else None
 
     def claim(self, key: bytes, owner: str, ttl: float) -> bool:
-        """Tell the engines sharing the remote store that ``owner`` computes chunk ``key``."""
+        """Tell the engines sharing the remote store that ``owner`` computes chunk ``key``; False if
+        another owner's claim is live (:meth:`kdn.storage.remote.RemoteTier.claim`)."""
         return self.chunks.remote.claim(key, owner, ttl)
-
-    def claimed_by_other(self, key: bytes, owner: str) -> bool:
-        held = self.chunks.remote.claimant(key)
-        return held is not None and held != owner
 
     def release(self, key: bytes, owner: str) -> None:
         self.chunks.remote.release(key, owner)

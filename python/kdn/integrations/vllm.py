@@ -290,7 +290,7 @@ class KDNConnector(KVConnectorBase_V1):
         holds (two questions of one document arriving together): one admitted in this engine, or,
         with a remote store, one another engine claimed there. Then this request waits for that KV
         to be stored, so the document is prefilled once (at most ``IN_FLIGHT_WAIT_S``); otherwise
-        the chunk it will compute is claimed when it is admitted."""
+        it has claimed the chunk it will compute (released when it finishes)."""
         need = hit + self.session.chunk_size
         now = time.monotonic()
         busy, key = False, None
@@ -304,12 +304,13 @@ class KDNConnector(KVConnectorBase_V1):
                     busy = True
                     break
             key = self.engine.computing_key(self.session, tokens, hit)
-            if not busy and key is not None:
-                busy = self.engine.claimed_by_other(key, self._owner)
+            if not busy and key is not None:  # claimed now, at lookup: of two engines asked at once, one computes
+                busy = not self.engine.claim(key, self._owner, IN_FLIGHT_WAIT_S)
         if busy:
             first = self._waiting.setdefault(req_id, now)
             if now - first < IN_FLIGHT_WAIT_S:
                 return True
+            key = None  # waited long enough: computes it too, without a claim
         self._claims[req_id] = key
         if self._waiting.pop(req_id, None) is not None:
             _count(in_flight_waits=1)
@@ -321,9 +322,7 @@ class KDNConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         # admitted: the next request's lookup in this very step sees that this one prefills its prompt
-        key = self._claims.pop(request.request_id, None)
-        if key is not None and not self.engine.claim(key, self._owner, IN_FLIGHT_WAIT_S):
-            key = None  # another engine's claim came first: it computes the chunk too (a race, not an error)
+        key = self._claims.pop(request.request_id, None)  # claimed at its lookup: released when it finishes
         self._admitted[request.request_id] = [np.asarray(request.prompt_token_ids or [], dtype=np.uint32), None, key]
         if num_external_tokens > 0:
             self._pending[request.request_id] = num_external_tokens
@@ -381,10 +380,10 @@ class KDNConnector(KVConnectorBase_V1):
         self._pending.pop(request.request_id, None)
         self._checks.pop(request.request_id, None)
         self._waiting.pop(request.request_id, None)
-        self._claims.pop(request.request_id, None)
         admitted = self._admitted.pop(request.request_id, None)
-        if admitted is not None and admitted[2] is not None:
-            self.engine.release(admitted[2], self._owner)
+        key = self._claims.pop(request.request_id, None) or (admitted[2] if admitted is not None else None)
+        if key is not None:
+            self.engine.release(key, self._owner)
         return False, None  # the KV was copied out in the step that finished the prefill
 
     # -- worker side ------------------------------------------------------------------------------

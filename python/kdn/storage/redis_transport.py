@@ -23,6 +23,7 @@ class RedisTransport(RemoteTransport):
 
     schemes = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
     supports_ranges = True
+    supports_put_if_absent = True
 
     def __init__(self, url: str, timeout: float, direct_reads: bool = True):
         try:
@@ -71,6 +72,9 @@ class RedisTransport(RemoteTransport):
         for name, value in items:
             pipe.set(name, value, px=ttl_ms)
         pipe.execute()
+
+    def put_if_absent(self, name: str, value, ttl_ms: int) -> bool:
+        return bool(self.client.set(name, value, nx=True, px=ttl_ms))
 
     def delete(self, names: list[str]) -> int:
         return sum(self._pipeline("delete", [(n,) for n in names])) if names else 0

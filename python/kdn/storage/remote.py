@@ -382,15 +382,19 @@ class RemoteTier(Tier):
 
     def claim(self, key: bytes, owner: str, ttl: float) -> bool:
         """Record for ``ttl`` seconds that ``owner`` is computing chunk ``key``, unless another
-        owner's claim is live; False then, or when the store cannot be used. A hint, not a lock:
-        two engines racing may both claim, and each then computes it, as without claims."""
+        owner's claim is live; False then, or when the store cannot be used. Atomic where the
+        transport ``supports_put_if_absent`` (of two owners claiming at once, one wins); else a
+        hint two racing owners may both win (each then computes the chunk, as without claims)."""
         name = self.claim_name(key)
+        ttl_ms = max(1, round(ttl * 1000))
 
         def run():
+            if self.transport.supports_put_if_absent and self.transport.put_if_absent(name, owner.encode(), ttl_ms):
+                return True
             held = self.transport.get([name])[0]
             if held is not None and bytes(held).decode() != owner:
                 return False
-            self.transport.put([(name, owner.encode())], max(1, round(ttl * 1000)))
+            self.transport.put([(name, owner.encode())], ttl_ms)  # renewed by its owner (or a plain write)
             return True
 
         return bool(self._call(run, False))

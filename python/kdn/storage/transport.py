@@ -48,12 +48,14 @@ class RemoteTransport(abc.ABC):
     * Thread-safe: the tier calls from its readers and its writer thread at once.
 
     Capabilities (class or instance attributes): ``supports_ranges`` (:meth:`get_ranges` reads byte
-    ranges of values without reading the rest), ``cluster`` (values are spread over nodes by name;
-    names sharing a ``{tag}`` live together).
+    ranges of values without reading the rest), ``supports_put_if_absent`` (:meth:`put_if_absent`
+    is atomic), ``cluster`` (values are spread over nodes by name; names sharing a ``{tag}`` live
+    together).
     """
 
     schemes: tuple[str, ...] = ()
     supports_ranges: bool = False
+    supports_put_if_absent: bool = False
     cluster: bool = False
 
     @abc.abstractmethod
@@ -75,6 +77,11 @@ class RemoteTransport(abc.ABC):
     @abc.abstractmethod
     def put(self, items: list[tuple[str, object]], ttl_ms: int | None) -> None:
         """Write each ``(name, value)`` in order (expiring after ``ttl_ms`` when given)."""
+
+    def put_if_absent(self, name: str, value, ttl_ms: int) -> bool:
+        """Write ``value`` under ``name`` (expiring after ``ttl_ms``) only if nothing is there, in
+        one atomic step; whether it was written. Only when ``supports_put_if_absent``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write if absent")
 
     @abc.abstractmethod
     def delete(self, names: list[str]) -> int:
