@@ -99,9 +99,6 @@ class Engine:
         another owner's claim is live (:meth:`kdn.storage.remote.RemoteTier.claim`)."""
         return self.chunks.remote.claim(key, owner, ttl)
 
-    def release(self, key: bytes, owner: str) -> None:
-        self.chunks.remote.release(key, owner)
-
     def save(self, session: ModelSession, tokens, kv: list, served: Served | None = None) -> int:
         """Store the KV of ``tokens`` (HF per-layer CPU tensors) unless what ``served`` says forbids it
         (:mod:`kdn.engine.served`); the leading tokens a load can now serve (0 when refused)."""

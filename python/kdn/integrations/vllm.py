@@ -290,7 +290,8 @@ class KDNConnector(KVConnectorBase_V1):
         holds (two questions of one document arriving together): one admitted in this engine, or,
         with a remote store, one another engine claimed there. Then this request waits for that KV
         to be stored, so the document is prefilled once (at most ``IN_FLIGHT_WAIT_S``); otherwise
-        it has claimed the chunk it will compute (released when it finishes)."""
+        it has claimed the chunk it will compute (until ``STORE_GRACE_S`` after it finishes: its
+        stores to a remote tier are queued, and a claim dropped at once let another engine miss)."""
         need = hit + self.session.chunk_size
         now = time.monotonic()
         busy, key = False, None
@@ -382,8 +383,8 @@ class KDNConnector(KVConnectorBase_V1):
         self._waiting.pop(request.request_id, None)
         admitted = self._admitted.pop(request.request_id, None)
         key = self._claims.pop(request.request_id, None) or (admitted[2] if admitted is not None else None)
-        if key is not None:
-            self.engine.release(key, self._owner)
+        if key is not None:  # kept STORE_GRACE_S more, not dropped: its KV may still be on its way to the store
+            self.engine.claim(key, self._owner, STORE_GRACE_S)
         return False, None  # the KV was copied out in the step that finished the prefill
 
     # -- worker side ------------------------------------------------------------------------------
