@@ -1,10 +1,13 @@
 """Prefix reuse end to end: retrieve + suffix prefill equals a full prefill (logits and greedy output)."""
 
+import logging
+import warnings
+
 import pytest
 import torch
 
 from conftest import full_prefill, random_ids
-from kdn import KDN, KDNConfig
+from kdn import KDN, KDNConfig, layout
 from kdn.models.tiny import tiny_model
 
 # (arch, layers, heads, kv_heads, head_dim): GQA ratios 1, 2 and 4; head dims 8 to 64
@@ -129,3 +132,25 @@ def test_the_documented_hf_patterns_equal_plain_generate(stories, stored):
     assert int(logits.argmax()) == int(expected[0, 70])
     cache, hit = kdn.retrieve(model, ids)
     assert torch.equal(model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False), expected)
+
+
+@pytest.mark.skipif(layout.CACHE_ARG == "past_key_values",
+                    reason="transformers < 5.24 knows only `past_key_values`: nothing is deprecated")
+def test_kdn_passes_the_cache_by_the_installed_transformers_name(tiny_llama, monkeypatch):
+    """transformers 5.24 renamed forward's and generate's ``past_key_values`` to ``cache`` (the old name
+    warns until 5.40 removes it): kdn's own calls — a stored miss, a verified hit, a KVzip deposit,
+    a blend — use the installed name, so a user never sees the warning from kdn."""
+    said = []
+    monkeypatch.setattr(logging.Logger, "warning_once", lambda self, msg, *a, **k: said.append(str(msg)))
+    kdn = KDN(KDNConfig(chunk_size=8, verify_fraction=1.0))
+    ids = random_ids(tiny_llama, 40)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = kdn.generate(tiny_llama, ids, max_new_tokens=4, do_sample=False)
+        again = kdn.generate(tiny_llama, ids, max_new_tokens=4, do_sample=False)
+        kdn.deposit(tiny_llama, ids[0, :32], edits=["kvzip:keep=0.5"])
+        kdn.blend_generate(tiny_llama, [ids[0, :16].tolist(), ids[0, 16:32].tolist()], ids[0, 32:].tolist(),
+                           max_new_tokens=2, do_sample=False)
+    assert kdn.last_generate is not None and torch.equal(first, again)
+    said += [str(w.message) for w in caught]
+    assert [m for m in said if "past_key_values" in m] == []

@@ -14,7 +14,7 @@ from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
 from kdn.engine import Engine, ModelSession
 from kdn.integrations import hf
-from kdn.layout import cache_to_kv_list, check_kv_matches
+from kdn.layout import cache_arg, cache_to_kv_list, check_kv_matches
 
 log = logging.getLogger("kdn")
 
@@ -248,8 +248,7 @@ class KDN:
         cache, stats = blend(self.engine, model, segments, query, prefix, recompute_ratio, mode)
         ids = prompt_tokens(self.session(model), model, segments, query, prefix)[3]
         ids = torch.tensor([ids], device=next(model.parameters()).device)
-        kwargs = {"past_key_values": cache} if cache is not None else {}
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs, **generate_kwargs)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), **generate_kwargs)
         return out[:, ids.shape[1]:], stats
 
     # -- management -------------------------------------------------------------------------

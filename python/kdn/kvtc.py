@@ -67,7 +67,7 @@ def calibrate(model, contexts, prerope: bool = True, key_weight: float = KEY_WEI
     """Fit a calibration of ``model`` on ``contexts`` (lists of token ids; a few thousand tokens in
     all is enough for PCA over a plane's channels). Returns its bytes (see :func:`load`)."""
     from kdn.blend.rope import inv_freq as model_inv_freq
-    from kdn.layout import ModelLayout, cache_to_kv_list
+    from kdn.layout import ModelLayout, cache_to_kv_list, output_cache
 
     contexts = [list(map(int, c)) for c in contexts]
     if not contexts or any(len(c) <= SINK for c in contexts):
@@ -78,7 +78,7 @@ def calibrate(model, contexts, prerope: bool = True, key_weight: float = KEY_WEI
     device = next(model.parameters()).device
     for ids in _progress(contexts, progress, "kvtc: reading calibration contexts"):
         out = model(torch.tensor([ids], device=device), use_cache=True)
-        for p, t in enumerate(cache_to_kv_list(out.past_key_values)):
+        for p, t in enumerate(cache_to_kv_list(output_cache(out))):
             rows = t[0].permute(1, 0, 2).double().cpu()  # [tokens, heads, head_dim]
             if p % 2 == 0 and prerope:
                 rows = _unrotate(rows, inv_freq)

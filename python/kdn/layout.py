@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
+import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kdn import _core
 from kdn._core import InvalidInputError
+
+# transformers 5.24 renamed forward's and generate's ``past_key_values`` (argument and output field) to
+# ``cache``; the old name warns until its removal (5.40). kdn speaks the installed version's name.
+_MAJOR_MINOR = tuple(int(n) for n in re.findall(r"\d+", transformers.__version__)[:2])
+CACHE_ARG = "cache" if _MAJOR_MINOR >= (5, 24) else "past_key_values"
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -62,6 +69,16 @@ def empty_kv_list(layout: ModelLayout, num_tokens: int) -> list[torch.Tensor]:
     nbytes = layout.bytes_per_token() * num_tokens
     flat = torch.frombuffer(_core.host_array(nbytes), dtype=layout.torch_dtype)
     return list(flat.view(shape).unbind(0))
+
+
+def cache_arg(cache) -> dict:
+    """The keyword arguments that hand ``cache`` to a model's forward or generate (none for None)."""
+    return {} if cache is None else {CACHE_ARG: cache}
+
+
+def output_cache(out):
+    """The cache a forward's or generate's output carries (None when it has none)."""
+    return getattr(out, CACHE_ARG, None)
 
 
 def cache_to_kv_list(cache) -> list[torch.Tensor]:

@@ -20,7 +20,7 @@ import re
 import torch
 
 from kdn._core import InvalidInputError
-from kdn.layout import kv_list_to_cache
+from kdn.layout import cache_arg, kv_list_to_cache
 
 INSTRUCTION = "\n\nCopy, word for word, the sentence of the text above that states its most important fact:\n"
 _SENTENCE = re.compile(r"[^.!?\n]+(?:[.!?]+|$)")
@@ -69,7 +69,7 @@ def find(model, tokenizer, text: str, kv: list, max_new_tokens: int = 48) -> tup
         model.config.eos_token_id or ())
     out: list[int] = []
     for _ in range(max_new_tokens):
-        logits = model(step, past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = model(step, **cache_arg(cache), use_cache=True).logits[0, -1]
         token = int(torch.argmax(logits))
         if token in eos:
             break

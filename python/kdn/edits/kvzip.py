@@ -17,7 +17,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from kdn._core import InvalidInputError
-from kdn.layout import kv_list_to_cache
+from kdn.layout import cache_arg, kv_list_to_cache
 
 INSTRUCTION = "\n\nRepeat the previous context exactly.\n\n"
 _NAME = "kdn_kvzip_score"
@@ -64,7 +64,7 @@ def scores(model, kv: list[torch.Tensor], context_ids: list[int], instruction_id
         model.set_attn_implementation(_NAME)
         for start in range(0, len(stream), piece):
             ids = torch.tensor([stream[start:start + piece]], device=device)
-            model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(ids, **cache_arg(cache), use_cache=True, logits_to_keep=1)
         return _state.scores
     finally:
         model.set_attn_implementation(before)

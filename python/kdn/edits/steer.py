@@ -34,7 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from kdn._core import InvalidInputError
-from kdn.layout import cache_to_kv_list, kv_list_to_cache
+from kdn.layout import cache_arg, cache_to_kv_list, kv_list_to_cache, output_cache
 
 _NAME = "kdn_steer"
 _state = threading.local()
@@ -193,7 +193,7 @@ def profile(model, tokenizer, filler: str, cases: int = 3, alpha: float = 0.01, 
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
         penalty = biases([(0, 0)], alpha, token_mask([span], len(ids), offsets), 1, 1)[0][0]  # [n]
         out = model(torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1)
-        kv = cache_to_kv_list(out.past_key_values)
+        kv = cache_to_kv_list(output_cache(out))
         tail = tokenizer(question + answer, add_special_tokens=False)["input_ids"]
         n_answer = len(tokenizer(answer, add_special_tokens=False)["input_ids"])
         target = torch.tensor(tail[-n_answer:], device=device)
@@ -205,7 +205,7 @@ def profile(model, tokenizer, filler: str, cases: int = 3, alpha: float = 0.01, 
                 bias[h + 1, h] = penalty
             cache = kv_list_to_cache(model, [t.expand(rows, *t.shape[1:]).contiguous() for t in kv])
             with applied(model, {layer: bias}):
-                logits = model(batch_tail, past_key_values=cache, use_cache=True).logits
+                logits = model(batch_tail, **cache_arg(cache), use_cache=True).logits
             logp = torch.log_softmax(logits[:, -n_answer - 1:-1].float(), dim=-1)
             score = logp.gather(2, target[None, :, None].expand(rows, -1, 1)).sum(dim=(1, 2)).double().cpu()
             gains[layer] += score[1:] - score[0]

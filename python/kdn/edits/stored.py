@@ -13,7 +13,7 @@ from transformers import DynamicCache
 from kdn._core import InvalidInputError
 from kdn.edits import Edit, autospans, kvzip, parse_many, steer
 from kdn.engine.targets import HFTarget
-from kdn.layout import cache_to_kv_list, kv_list_to_cache
+from kdn.layout import cache_to_kv_list, kv_list_to_cache, output_cache
 
 
 class PrunedCache(DynamicCache):
@@ -67,7 +67,7 @@ def deposit(kdn, model, prompt, edits=(), tokenizer=None, emphasize=None) -> dic
     device = next(model.parameters()).device
     started = time.perf_counter()
     out = model(torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1)
-    kv = cache_to_kv_list(out.past_key_values)
+    kv = cache_to_kv_list(output_cache(out))
     prefill_s = time.perf_counter() - started
     keys = session.prefix_keys(tokens)  # edited chunks: the full chunks (a reader's prompt goes on after them)
     chunk = session.chunk_size

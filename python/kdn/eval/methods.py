@@ -21,6 +21,7 @@ from kdn.api import KDN
 from kdn.blend.recompute import SELECTIONS
 from kdn.config import KDNConfig
 from kdn.integrations.hf import FirstTokenTimer
+from kdn.layout import cache_arg, output_cache
 
 
 @dataclasses.dataclass
@@ -57,11 +58,11 @@ class Method:
 def _generate(model, ids, max_new_tokens, past_key_values=None):
     """Greedy answer tokens, the first-token timer, and the cache generate ended with."""
     timer = FirstTokenTimer()
-    kwargs = {"past_key_values": past_key_values} if past_key_values is not None else {}
     with torch.inference_mode():
         out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, streamer=timer,
-                             attention_mask=torch.ones_like(ids), return_dict_in_generate=True, **kwargs)
-    return out.sequences[0, ids.shape[1]:].tolist(), timer, out.past_key_values
+                             attention_mask=torch.ones_like(ids), return_dict_in_generate=True,
+                             **cache_arg(past_key_values))
+    return out.sequences[0, ids.shape[1]:].tolist(), timer, output_cache(out)
 
 
 @dataclasses.dataclass
@@ -117,7 +118,7 @@ class Reuse(Method):
             _context_kv.clear()
             t0 = time.perf_counter()
             with torch.inference_mode():
-                kv = model(context, use_cache=True).past_key_values
+                kv = output_cache(model(context, use_cache=True))
             prefill_s = time.perf_counter() - t0
             _share_context_kv(_ContextKV(model, context, kv, prefill_s))
         t0 = time.perf_counter()

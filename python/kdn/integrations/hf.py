@@ -13,7 +13,7 @@ from kdn.delivery import DeliveryError, streamed_cache
 from kdn.engine import Engine, HFLayers, HFTarget, Load
 from kdn.engine.served import Served
 from kdn.engine.verify import plane_error
-from kdn.layout import cache_to_kv_list, kv_list_to_cache
+from kdn.layout import CACHE_ARG, cache_arg, cache_to_kv_list, kv_list_to_cache, output_cache
 
 log = logging.getLogger("kdn")
 
@@ -131,8 +131,9 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
         True
     """
     ids = _as_batch_one(model, input_ids)
-    if "past_key_values" in generate_kwargs:
-        raise InvalidInputError("generate: past_key_values is provided by kdn; do not pass it")
+    given = {"past_key_values", "cache"} & set(generate_kwargs)
+    if given:
+        raise InvalidInputError(f"generate: {given.pop()} is provided by kdn; do not pass it")
     mask = generate_kwargs.get("attention_mask")
     if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
         raise InvalidInputError("generate: attention_mask with padding is not supported (batch size 1, no padding)")
@@ -146,7 +147,7 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
     if cache is not None:
         if rows > 1:  # beams / several sequences: generate expands the prompt, so the cache too
             cache.batch_repeat_interleave(rows)
-        generate_kwargs["past_key_values"] = cache
+        generate_kwargs.update(cache_arg(cache))
     first_forward: list = []
     hook = model.register_forward_hook(lambda *_: first_forward.append(time.perf_counter()))
     try:
@@ -160,7 +161,7 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
     except DeliveryError as exc:  # the link failed mid-stream: recompute, the answer is not lost
         log.warning("kdn: delivering the stored KV failed (%s); the prompt is recomputed", exc)
         engine.delivery.failed()
-        generate_kwargs.pop("past_key_values", None)
+        generate_kwargs.pop(CACHE_ARG, None)
         hit, stream, first_forward[:] = 0, None, []
         started = time.perf_counter()
         out = model.generate(ids, return_dict_in_generate=True, use_cache=True, **generate_kwargs)
@@ -183,7 +184,7 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
     lossy = stream.stats.get("lossy", False) if stream is not None else load.lossy
     record = Served(tokens=hit, lossy=lossy)
     try:
-        final = out.past_key_values
+        final = output_cache(out)
         if final is not None and rows == 1 and hit:
             record.suspect = not _verify_hit(engine, model, ids, hit, cache_to_kv_list(final), lossy)
         if final is not None and rows == 1:
@@ -216,13 +217,13 @@ def _verify_hit(engine: Engine, model, ids: torch.Tensor, hit: int, kv: list[tor
         return True
     start = hit - span
     prefix = kv_list_to_cache(model, [t[:, :, :start] for t in kv]) if start else None
-    out = model(ids[:, start:hit], past_key_values=prefix, use_cache=True, logits_to_keep=1)
-    recomputed = [t[:, :, start:hit] for t in cache_to_kv_list(out.past_key_values)]
+    out = model(ids[:, start:hit], **cache_arg(prefix), use_cache=True, logits_to_keep=1)
+    recomputed = [t[:, :, start:hit] for t in cache_to_kv_list(output_cache(out))]
     if verifier.judge(plane_error([t[:, :, start:hit] for t in kv], recomputed), tolerance):
         return True
     # find the chunks that differ from a full recompute (the first one that differs is wrong; later
     # ones may be right yet computed over it, so each is judged on its own rows)
-    reference = cache_to_kv_list(model(ids[:, :hit], use_cache=True).past_key_values)
+    reference = cache_to_kv_list(output_cache(model(ids[:, :hit], use_cache=True)))
     tokens = session.tokens(ids[0])
     found = engine.chunks.find(session, tokens, hit)
     chunk = session.chunk_size
