@@ -257,6 +257,19 @@ def test_claims_name_one_owner_expire_and_are_released_only_by_it(redis_server):
     assert tier.claimant(key(1)) is None and tier.count_prefix([key(1)]) == 0  # a claim is not a chunk
 
 
+def test_a_won_claim_covers_the_chunks_its_owner_computes_after_it(redis_server):
+    """``also``: the chunks after the first are claimed with it when it wins (an engine that finds
+    the first stored and the rest on their way sees them claimed), and not when it loses."""
+    tier = fresh_tier(redis_server.url)
+    assert tier.claim(key(11), "engine-a", ttl=30, also=[key(12), key(13)])
+    assert [tier.claimant(key(i)) for i in (11, 12, 13)] == ["engine-a"] * 3
+    assert not tier.claim(key(12), "engine-b", ttl=30, also=[key(13)])
+    assert not tier.claim(key(11), "engine-b", ttl=30, also=[key(14)]) and tier.claimant(key(14)) is None
+    assert tier.claim(key(11), "engine-a", ttl=0.2, also=[key(12), key(13)])  # renewed, shorter
+    time.sleep(0.4)
+    assert [tier.claimant(key(i)) for i in (11, 12, 13)] == [None] * 3
+
+
 def test_of_owners_claiming_at_once_exactly_one_wins(redis_server):
     """Claims are taken at lookup by engines asked the same document in the same instant: on a
     Redis store (SET NX) exactly one of them wins, however the calls interleave."""
@@ -264,11 +277,11 @@ def test_of_owners_claiming_at_once_exactly_one_wins(redis_server):
 
     tier = fresh_tier(redis_server.url)
     for round_ in range(5):
-        won, start = [], threading.Barrier(8)
+        won, start, chunk = [], threading.Barrier(8), key(100 + round_)
 
-        def claim(owner):
+        def claim(owner, start=start, won=won, chunk=chunk):
             start.wait()
-            if tier.claim(key(100 + round_), owner, ttl=30):
+            if tier.claim(chunk, owner, ttl=30):
                 won.append(owner)
 
         threads = [threading.Thread(target=claim, args=(f"engine-{i}",)) for i in range(8)]

@@ -274,7 +274,9 @@ def test_the_connector_under_vllms_real_scheduler(setup, redis_server):
     half-way stores nothing; a verified hit holds its last 16 tokens back, passes when honest, and a
     planted chunk fails, is dropped with the hit, and nothing computed over it is stored; two
     questions of one new document arriving together prefill it once (the second waits, then loads
-    exactly what the first stored), in one engine and across two sharing Redis (a claim there)."""
+    exactly what the first stored), in one engine and across two sharing Redis (a claim there), also
+    when the step completing the first prefill outlasts the store grace and when the other engine
+    finds the first chunk stored and the rest still on their way."""
     python, folder, _ = setup
     out = run(python, "vllm_scheduler.py", "--model", folder, "--redis", redis_server.url)
     for delivery in ("whole", "layerwise"):
@@ -294,6 +296,13 @@ def test_the_connector_under_vllms_real_scheduler(setup, redis_server):
     c = out["claimed_elsewhere"]  # the same across two engines sharing Redis, through a claim there
     assert c["a_first"] == ["a"] and c["claimed_by_a"] and c["b_waiting"] == [] and c["b_after"] == ["b"]
     assert c["b_loads"] == [["b", 0, 600]] and c["stored_tokens"] == 620 and c["equal_to_truth"]
+    s = out["in_flight_slow_step"]  # the step completing a's prefill outlasted the grace, its store held
+    assert s["first_step"] == ["a"] and s["second_step"] == [] and s["third_step"] == ["b"]
+    assert s["third_loads"] == [["b", 0, 600]] and s["stored_tokens"] == 620 and s["equal_to_truth"]
+    p = out["claimed_partly_stored"]  # B's lookup finds A's first chunk stored, the rest on their way
+    assert p["b_hit_while_storing"] == 256 and all(p["claimed_by_a"])
+    assert p["b_waiting"] == [] and p["b_after"] == ["b"]
+    assert p["b_loads"] == [["b", 0, 600]] and p["stored_tokens"] == 620 and p["equal_to_truth"]
 
 
 @pytest.fixture(scope="module")

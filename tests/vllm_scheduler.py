@@ -31,8 +31,10 @@ def main() -> None:
     results["aborted_prefill"] = aborted_prefill(args.model)
     results["verified_hit"] = verified_hit(args.model)
     results["in_flight"] = in_flight(args.model)
+    results["in_flight_slow_step"] = in_flight_slow_step(args.model)
     if args.redis:
         results["claimed_elsewhere"] = claimed_elsewhere(args.model, args.redis)
+        results["claimed_partly_stored"] = claimed_partly_stored(args.model, args.redis)
     print("KDN-RESULT " + json.dumps(results), flush=True)
 
 
@@ -88,10 +90,11 @@ class Harness:
         self.scheduler.add_request(request)
         return request
 
-    def step(self, truth: dict, drop=None, invalid_from_worker: bool = True):
+    def step(self, truth: dict, drop=None, invalid_from_worker: bool = True, drain: bool = True):
         """One engine step: schedule, the worker loads, the "model" writes ``truth[req_id]`` (the KV of
-        its tokens, or None: garbage) into the rows this step computes, the worker saves; then the
-        scheduler reads the step's output. ``drop(io)`` runs between the lookup and the load."""
+        its tokens, or None: garbage) into the rows this step computes, the worker saves (``drain``:
+        waits until stored); then the scheduler reads the step's output. ``drop(io)`` runs between
+        the lookup and the load."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         out = self.scheduler.schedule()
@@ -108,7 +111,8 @@ class Harness:
         self.worker.wait_for_save()
         errors = self.worker.get_block_ids_with_load_errors()
         self.worker.clear_connector_metadata()
-        self.connector.drain()
+        if drain:
+            self.connector.drain()
         ids = list(out.num_scheduled_tokens)
         result = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                    sampled_token_ids=[[5] for _ in ids], logprobs=None, prompt_logprobs_dict={},
@@ -144,6 +148,19 @@ class Harness:
         (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
         layers = [self.caches[f"model.layers.{i}.self_attn.attn"] for i in range(self.layers)]
         _core.unpack_chunks_paged([blob], layers, np.asarray(block_ids, dtype=np.int64), start, end)
+
+    def hold_saves(self):
+        """Hold the worker's stores until the returned event is set (a store still on its way)."""
+        import threading
+
+        gate, save = threading.Event(), self.worker.engine.save
+
+        def held(*args, **kwargs):
+            gate.wait(60)
+            return save(*args, **kwargs)
+
+        self.worker.engine.save = held
+        return gate
 
     def stored(self, tokens: list):
         """(hit, KV) of ``tokens`` as an exact reader of the store sees it."""
@@ -267,7 +284,7 @@ def claimed_elsewhere(model: str, url: str) -> dict:
     truth2 = [torch.cat([x[:, :, :600], y[:, :, 600:]], dim=2) for x, y in zip(truth, other)]
     a.request("a", doc + _tokens(20, 24))
     a_first, _ = a.step({"a": truth})  # 256 of 620 prompt tokens: the claim is live, nothing stored yet
-    key = a.worker.engine.computing_key(a.session, np.asarray(doc, dtype=np.uint32), 0)
+    key = a.worker.engine.computing_keys(a.session, np.asarray(doc, dtype=np.uint32), 0)[0]
     owner = a.io.remote.claimant(key)
     b.request("b", doc + _tokens(20, 25))
     b_waiting, _ = b.step({"b": truth2})
@@ -279,6 +296,62 @@ def claimed_elsewhere(model: str, url: str) -> dict:
             "b_waiting": b_waiting.fresh, "b_after": b_after.fresh,
             "b_loads": [[s.req_id, s.start, s.end] for s in b_after.loads],
             **_exact(b, doc + _tokens(20, 25), truth2)}
+
+
+def in_flight_slow_step(model: str) -> dict:
+    """The step that completes a prefill outlasts the store grace (a loaded host; the grace is 0
+    here) and its store has not landed: a question of that document asked now still waits for it,
+    then loads what was stored (it did not: the grace ran from when the step was scheduled, and a
+    document was prefilled twice under load)."""
+    h = Harness(model, chunk_size=256)
+    h.connector.STORE_GRACE_S = 0.0
+    doc = _tokens(600, 31)
+    truth = _random_kv(h, 620, 32)
+    truth2 = [torch.cat([t[:, :, :600], _random_kv(h, 620, 33)[i][:, :, 600:]], dim=2) for i, t in enumerate(truth)]
+    gate = h.hold_saves()
+    h.request("a", doc + _tokens(20, 34))
+    one, _ = h.step({"a": truth}, drain=False)  # a's whole prompt in one step; its store is held
+    h.request("b", doc + _tokens(20, 35))
+    two, _ = h.step({"a": truth, "b": truth2}, drain=False)
+    gate.set()
+    h.connector.drain()
+    three, _ = h.step({"a": truth, "b": truth2})
+    h.connector.STORE_GRACE_S = 10.0
+    return {"first_step": one.fresh, "second_step": two.fresh, "third_step": three.fresh,
+            "third_loads": [[s.req_id, s.start, s.end] for s in three.loads],
+            **_exact(h, doc + _tokens(20, 35), truth2)}
+
+
+def claimed_partly_stored(model: str, url: str) -> dict:
+    """Two engines on one Redis: engine A claims every chunk it computes, so engine B, whose lookup
+    finds A's first chunk stored and the rest still on their way, waits for them instead of
+    claiming and computing the second chunk itself (a document prefilled twice, 256 tokens served)."""
+    a = Harness(model, chunk_size=256, remote_url=url)
+    b = Harness(model, chunk_size=256, remote_url=url)
+    a.io.remote.clear()
+    doc = _tokens(600, 41)
+    truth = _random_kv(a, 620, 42)
+    truth2 = [torch.cat([t[:, :, :600], _random_kv(a, 620, 43)[i][:, :, 600:]], dim=2) for i, t in enumerate(truth)]
+    gate = a.hold_saves()
+    a.request("a", doc + _tokens(20, 44))
+    a.step({"a": truth}, drain=False)  # computed (claimed) in one step; its store is held
+    tokens = np.asarray(doc, dtype=np.uint32)
+    keys = a.worker.engine.computing_keys(a.session, tokens, 0)
+    from kdn import _core
+
+    # A's first chunk lands before the rest
+    a.io.remote.put(keys[0], _core.pack_chunk(truth, 0, 256, a.session.fingerprint, keys[0]), wait=True)
+    b.request("b", doc + _tokens(20, 45))
+    b_hit = b.worker.engine.lookup(b.session, tokens, 600)
+    b_waiting, _ = b.step({"b": truth2})
+    gate.set()
+    a.connector.drain()
+    a.io.flush()
+    b_after, _ = b.step({"b": truth2})
+    return {"b_hit_while_storing": b_hit, "claimed_by_a": [a.io.remote.claimant(k) == a.worker._owner for k in keys],
+            "b_waiting": b_waiting.fresh, "b_after": b_after.fresh,
+            "b_loads": [[s.req_id, s.start, s.end] for s in b_after.loads],
+            **_exact(b, doc + _tokens(20, 45), truth2)}
 
 
 if __name__ == "__main__":

@@ -86,18 +86,18 @@ class Engine:
         return Load(hit, info.get("lossy", False), result=result) if hit else Load()
 
     # -- claims: engines sharing a remote store tell each other which chunk each is computing ----
-    def computing_key(self, session: ModelSession, tokens, hit: int) -> bytes | None:
-        """The key of the chunk a prefill of ``tokens`` computes first after a hit of ``hit``
-        tokens (None: no remote store to tell, or no full chunk left)."""
+    def computing_keys(self, session: ModelSession, tokens, hit: int) -> list[bytes]:
+        """The keys of the full chunks a prefill of ``tokens`` computes after a hit of ``hit``
+        tokens, in order (empty: no remote store to tell, or no full chunk left)."""
         if self.chunks.remote is None:
-            return None
-        keys = session.prefix_keys(session.tokens(tokens))
-        return keys[hit // session.chunk_size] if hit // session.chunk_size < len(keys) else None
+            return []
+        return session.prefix_keys(session.tokens(tokens))[hit // session.chunk_size:]
 
-    def claim(self, key: bytes, owner: str, ttl: float) -> bool:
-        """Tell the engines sharing the remote store that ``owner`` computes chunk ``key``; False if
-        another owner's claim is live (:meth:`kdn.storage.remote.RemoteTier.claim`)."""
-        return self.chunks.remote.claim(key, owner, ttl)
+    def claim(self, keys: list[bytes], owner: str, ttl: float) -> bool:
+        """Tell the engines sharing the remote store that ``owner`` computes the chunks ``keys``
+        (the first decides: False if another owner's claim on it is live;
+        :meth:`kdn.storage.remote.RemoteTier.claim`)."""
+        return self.chunks.remote.claim(keys[0], owner, ttl, also=keys[1:])
 
     def save(self, session: ModelSession, tokens, kv: list, served: Served | None = None) -> int:
         """Store the KV of ``tokens`` (HF per-layer CPU tensors) unless what ``served`` says forbids it

@@ -79,8 +79,10 @@ _counters = {"lookups": 0, "hit_tokens": 0, "loads": 0, "loaded_tokens": 0, "loa
 _connectors: weakref.WeakSet = weakref.WeakSet()
 # a request whose next chunk another request is prefilling (in this engine, or claimed in the remote
 # store by another) waits for it (asked again each step) at most this long; a prefill that completed
-# is waited on this long more, while its store lands
+# (its last step executed, not scheduled: a step may take longer than this on a loaded host) is
+# waited on this long more, while its store lands
 IN_FLIGHT_WAIT_S, STORE_GRACE_S = 120.0, 10.0
+_COMPLETING = float("inf")  # an admitted request whose prefill's last step is scheduled, not yet run
 
 
 def drain() -> None:
@@ -251,8 +253,10 @@ class KDNConnector(KVConnectorBase_V1):
         self._pending: dict[str, int] = {}  # req_id -> external tokens to load
         self._checks: dict[str, tuple] = {}  # req_id -> (start, end) of a hit held back for verification
         self._waiting: dict[str, float] = {}  # req_id -> since when it waits for another's prefill
-        self._admitted: dict[str, list] = {}  # req_id -> [prompt tokens, prefill completed at, claimed key]
-        self._claims: dict[str, bytes | None] = {}  # req_id -> the chunk it will compute first (to claim)
+        # req_id -> [prompt tokens, prefill completed at (None: running, _COMPLETING), claimed keys];
+        # kept STORE_GRACE_S past its request's end, while its store lands
+        self._admitted: dict[str, list] = {}
+        self._claims: dict[str, list[bytes]] = {}  # req_id -> the chunks it will compute (claimed)
         self._owner = getattr(vllm_config.kv_transfer_config, "engine_id", None) or f"kdn-{id(self)}"
         self._requests: dict[str, _Request] = {}
         # worker side
@@ -294,25 +298,23 @@ class KDNConnector(KVConnectorBase_V1):
         stores to a remote tier are queued, and a claim dropped at once let another engine miss)."""
         need = hit + self.session.chunk_size
         now = time.monotonic()
-        busy, key = False, None
+        for done in [r for r, (_, at, _) in self._admitted.items() if at is not None and now - at > STORE_GRACE_S]:
+            del self._admitted[done]  # prefilled and stored (or refused) already: nothing to wait for
+        busy, keys = False, []
         if need < len(tokens):
-            for other_id, (other, saved_at, _) in self._admitted.items():
-                if other_id == req_id or len(other) < need:
-                    continue
-                if saved_at is not None and now - saved_at > STORE_GRACE_S:
-                    continue  # prefilled and stored (or refused) already: nothing to wait for
-                if np.array_equal(other[:need], tokens[:need]):
+            for other_id, (other, _, _) in self._admitted.items():
+                if other_id != req_id and len(other) >= need and np.array_equal(other[:need], tokens[:need]):
                     busy = True
                     break
-            key = self.engine.computing_key(self.session, tokens, hit)
-            if not busy and key is not None:  # claimed now, at lookup: of two engines asked at once, one computes
-                busy = not self.engine.claim(key, self._owner, IN_FLIGHT_WAIT_S)
+            keys = self.engine.computing_keys(self.session, tokens, hit)
+            if not busy and keys:  # claimed now, at lookup: of two engines asked at once, one computes
+                busy = not self.engine.claim(keys, self._owner, IN_FLIGHT_WAIT_S)
         if busy:
             first = self._waiting.setdefault(req_id, now)
             if now - first < IN_FLIGHT_WAIT_S:
                 return True
-            key = None  # waited long enough: computes it too, without a claim
-        self._claims[req_id] = key
+            keys = []  # waited long enough: computes it too, without a claim
+        self._claims[req_id] = keys
         if self._waiting.pop(req_id, None) is not None:
             _count(in_flight_waits=1)
         return False
@@ -323,8 +325,8 @@ class KDNConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         # admitted: the next request's lookup in this very step sees that this one prefills its prompt
-        key = self._claims.pop(request.request_id, None)  # claimed at its lookup: released when it finishes
-        self._admitted[request.request_id] = [np.asarray(request.prompt_token_ids or [], dtype=np.uint32), None, key]
+        keys = self._claims.pop(request.request_id, [])  # claimed at its lookup: renewed when it finishes
+        self._admitted[request.request_id] = [np.asarray(request.prompt_token_ids or [], dtype=np.uint32), None, keys]
         if num_external_tokens > 0:
             self._pending[request.request_id] = num_external_tokens
 
@@ -352,6 +354,9 @@ class KDNConnector(KVConnectorBase_V1):
             resumed = req_id in cached.resumed_req_ids
             if new_blocks is not None:
                 req.block_ids = list(new_blocks[0]) if resumed else req.block_ids + list(new_blocks[0])
+            admitted = self._admitted.get(req_id)
+            if admitted is not None and admitted[1] == _COMPLETING and cached.num_computed_tokens[i] >= len(req.tokens):
+                admitted[1] = time.monotonic()  # the step that completed its prefill has run
             if resumed:  # preempted, now recomputed (and perhaps loaded) from scratch
                 meta.fresh.append(req_id)
                 req.check = self._checks.pop(req_id, None)
@@ -373,7 +378,7 @@ class KDNConnector(KVConnectorBase_V1):
             return
         check = req.check if req.check is not None and computed <= req.check[0] else None
         if req_id in self._admitted:
-            self._admitted[req_id][1] = time.monotonic()
+            self._admitted[req_id][1] = _COMPLETING
         meta.saves.append(SaveSpec(req_id, req.tokens, req.block_ids[: -(-n // self.block_size)], check))
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
@@ -381,10 +386,15 @@ class KDNConnector(KVConnectorBase_V1):
         self._pending.pop(request.request_id, None)
         self._checks.pop(request.request_id, None)
         self._waiting.pop(request.request_id, None)
-        admitted = self._admitted.pop(request.request_id, None)
-        key = self._claims.pop(request.request_id, None) or (admitted[2] if admitted is not None else None)
-        if key is not None:  # kept STORE_GRACE_S more, not dropped: its KV may still be on its way to the store
-            self.engine.claim(key, self._owner, STORE_GRACE_S)
+        admitted = self._admitted.get(request.request_id)
+        keys = self._claims.pop(request.request_id, None) or (admitted[2] if admitted is not None else [])
+        if admitted is not None:
+            if admitted[1] is None:  # ended before its prefill completed: nothing of it is on its way
+                del self._admitted[request.request_id]
+            else:  # its store may still be on its way: others wait STORE_GRACE_S more for it
+                admitted[1] = min(admitted[1], time.monotonic())
+        if keys:  # kept STORE_GRACE_S more, not dropped: its KV may still be on its way to the store
+            self.engine.claim(keys, self._owner, STORE_GRACE_S)
         return False, None  # the KV was copied out in the step that finished the prefill
 
     # -- worker side ------------------------------------------------------------------------------

@@ -380,21 +380,28 @@ class RemoteTier(Tier):
     def claim_name(key: bytes) -> str:
         return f"kdn:{FORMAT}:claim:{key.hex()}"
 
-    def claim(self, key: bytes, owner: str, ttl: float) -> bool:
+    def claim(self, key: bytes, owner: str, ttl: float, also=()) -> bool:
         """Record for ``ttl`` seconds that ``owner`` is computing chunk ``key``, unless another
         owner's claim is live; False then, or when the store cannot be used. Atomic where the
         transport ``supports_put_if_absent`` (of two owners claiming at once, one wins); else a
-        hint two racing owners may both win (each then computes the chunk, as without claims)."""
+        hint two racing owners may both win (each then computes the chunk, as without claims).
+        ``also``: the chunks the owner computes after ``key``, claimed with it when it wins (an
+        engine whose lookup sees the first of them stored while the rest are on their way then
+        waits for the rest instead of computing them again)."""
         name = self.claim_name(key)
         ttl_ms = max(1, round(ttl * 1000))
+        value = owner.encode()
 
         def run():
-            if self.transport.supports_put_if_absent and self.transport.put_if_absent(name, owner.encode(), ttl_ms):
-                return True
-            held = self.transport.get([name])[0]
-            if held is not None and bytes(held).decode() != owner:
-                return False
-            self.transport.put([(name, owner.encode())], ttl_ms)  # renewed by its owner (or a plain write)
+            won = self.transport.supports_put_if_absent and self.transport.put_if_absent(name, value, ttl_ms)
+            if not won:
+                held = self.transport.get([name])[0]
+                if held is not None and bytes(held).decode() != owner:
+                    return False
+            rest = [] if won else [(name, value)]  # renewed by its owner (or a plain write)
+            rest += [(self.claim_name(k), value) for k in also]
+            if rest:
+                self.transport.put(rest, ttl_ms)
             return True
 
         return bool(self._call(run, False))
