@@ -137,6 +137,10 @@ def summarise(out: dict, doc_tokens: int, docs_of: list | None, chunk: int) -> d
     if docs_of is not None:  # a document was prefilled when less than all but its last chunk was served
         row["docs_prefilled"] = sum(r["cached_tokens"] < doc_tokens - chunk for r in records)
         row["docs"] = len(set(docs_of))
+        # per request, in order sent: which document, which server, when, and what was served (to
+        # trace a document prefilled twice)
+        row["requests_log"] = [{"doc": d, **{k: r.get(k) for k in ("server", "start", "ttft", "cached_tokens")}}
+                               for d, r in zip(docs_of, out["records"])]
     returning = [r for r in records if r.get("round", 0) > 0]
     if returning:
         row["returning_served"] = sum(min(r["cached_tokens"], r["prior_tokens"]) for r in returning) / \
