@@ -200,7 +200,8 @@ def test_vllm_serve_answers_through_openai_with_kdn_counters_on_metrics(setup, t
     """`vllm serve` with the connector (the engine in its own process): a prompt over the engine's
     length is refused and a client that leaves mid-stream costs nothing (the engine keeps serving);
     the second question about the same document comes back sooner, and kdn's counters (per tier
-    too) are on vLLM's Prometheus /metrics."""
+    too, and the scheduler process' own: two questions of a new document at once, one waits) are
+    on vLLM's Prometheus /metrics."""
     from vllm_servers import VLLMServer
 
     python, folder, _ = setup
@@ -216,6 +217,9 @@ def test_vllm_serve_answers_through_openai_with_kdn_counters_on_metrics(setup, t
     assert out["metrics"].get("vllm:kdn_stores_total", 0) >= 1
     assert out["too_long"] == "BadRequestError"
     assert out["metrics"].get("vllm:kdn_memory_chunks_total", 0) >= 1  # the second question's hit, by tier
+    # two questions of a new document at once: one waited for the other's prefill, a count that
+    # lives in the scheduler's process and reaches /metrics too
+    assert all(out["together"]) and out["metrics"].get("vllm:kdn_in_flight_waits_total", 0) >= 1
 
 
 def test_redis_going_down_mid_run_costs_hits_not_answers(setup, reference, tmp_path):

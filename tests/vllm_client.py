@@ -1,6 +1,7 @@
 """Sends a running `vllm serve` a prompt over its length and a request it leaves mid-stream, then
 asks it the same document twice through the real openai client (streamed,
-so the first chunk's arrival is the TTFT) and reads its /metrics; prints one JSON line. Run in the
+so the first chunk's arrival is the TTFT), then two questions of a new document at once, and reads
+its /metrics; prints one JSON line. Run in the
 vLLM venv by tests/test_vllm.py:
 
     python tests/vllm_client.py --url http://127.0.0.1:8000 --model DIR --document doc.txt
@@ -12,6 +13,7 @@ import argparse
 import json
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 
 def main() -> None:
@@ -44,6 +46,13 @@ def main() -> None:
                 ttft = time.perf_counter() - t0
             text += chunk.choices[0].text
         answers.append({"ttft": ttft, "text": text})
+    # two questions about a new document at once: the second waits for the first's prefill (counted
+    # by the scheduler's process, reported on /metrics with the worker's counters)
+    other = document[len(document) // 2:] + "\nQuestion: "
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(lambda q: client.completions.create(
+            model=args.model, prompt=other + q, max_tokens=4, temperature=0).choices[0].text,
+            ("Where is the harbour?", "What is the oldest bridge?")))
     metrics = urllib.request.urlopen(args.url + "/metrics", timeout=30).read().decode()
     kdn = {}
     for line in metrics.splitlines():
@@ -51,7 +60,8 @@ def main() -> None:
             name, value = line.rsplit(" ", 1)
             name = name.split("{")[0]
             kdn[name] = kdn.get(name, 0.0) + float(value)
-    print("KDN-RESULT " + json.dumps({"answers": answers, "metrics": kdn, "too_long": too_long}), flush=True)
+    print("KDN-RESULT " + json.dumps({"answers": answers, "together": together, "metrics": kdn,
+                                           "too_long": too_long}), flush=True)
 
 
 if __name__ == "__main__":

@@ -561,8 +561,9 @@ class KDNConnector(KVConnectorBase_V1):
 
     # -- metrics ----------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self.role != KVConnectorRole.WORKER:
-            return None
+        # both halves report (vLLM sums them): under `vllm serve` the scheduler's counts (its own
+        # lookups, in-flight waits) live in another process than the worker's; in one process the
+        # first caller takes the increments and the other finds none
         with _stores_lock:
             tiers = [engine.chunks.stats() for engine, _ in _stores.values()]
             for tier in ("memory", "disk", "remote"):
