@@ -193,4 +193,17 @@ Status codec_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t siz
   return bad ? Status::Fail("codec payload: an entropy-coded lane is corrupt") : Status::Ok();
 }
 
+Status codec_decode_cuda_many(const std::vector<DecodeJob>& jobs, uintptr_t stream) {
+  std::vector<DecodeJob> kvtc;
+  for (const DecodeJob& job : jobs) {
+    if (job.header->codec == kCodecKvtc) {
+      kvtc.push_back(job);
+      continue;
+    }
+    Status st = codec_decode_cuda(*job.header, job.payload, job.size, job.out, stream);
+    if (!st.ok) return st;
+  }
+  return kvtc.empty() ? Status::Ok() : kvtc_decode_cuda_batch(kvtc, stream);
+}
+
 }  // namespace kdn

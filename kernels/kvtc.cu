@@ -1,16 +1,19 @@
 // CUDA decoder of the `kvtc` codec (kdn/kvtc.h), on the same KDN_HD math as the CPU decoder: the
-// host checks each plane's structure against its calibration (loaded in this process) and uploads
-// the basis rows and steps of the components with coded symbols and the models they use; one thread per (plane, rANS lane) decodes symbols,
-// then one thread per (plane, row, head, RoPE pair) sums the components in the CPU's order with
-// the same IEEE fused multiply-add (__fmaf_rn) and turns keys back to post-RoPE.
-//
-// The calibration rows are uploaded with every call (a device-resident calibration cache is the
-// next step when this decoder is on a serving path).
+// host checks each plane's structure against its calibration (loaded in this process); one thread
+// per (plane, rANS lane) decodes symbols, then one thread per (plane, row, head, RoPE pair) sums the
+// components in the CPU's order with the same IEEE fused multiply-add (__fmaf_rn) and turns keys
+// back to post-RoPE. A batch of chunks decodes in one pair of launches; each calibration's means,
+// bases and steps are uploaded once per device and kept there (keyed by the calibration's id, a
+// hash of its bytes, so a copy is never stale), and only the chunks, their plane descriptions and
+// RoPE angles travel with a call.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kdn/byte_io.h"
@@ -23,18 +26,20 @@ namespace kdn {
 namespace {
 
 struct KvtcPlaneInfo {
-  uint64_t exact;                       // payload offset of the exact rows
-  uint64_t slots;                       // offset into the staged table slots of the live components
+  uint64_t exact;                       // batch payload offset of the exact rows
+  uint64_t slots;                       // offset into the staged model slots / component indices of the live components
   uint64_t lane[kRansLanes], lane_end[kRansLanes];
-  uint64_t rows, steps, mean, q, angles;  // offsets into the staged floats (rows, steps, mean, angles) and q
-  int64_t coded, first_coded, end_coded;  // coded: the live components (symbols coded)
-  int rotate;
+  uint64_t q;                           // offset into the decoded integers
+  const float *mean, *basis, *steps;    // in the device-resident calibration
+  uint64_t angles;                      // offset into the staged angles (keys coded pre-RoPE)
+  uint8_t* out;                         // the plane's rows [tokens][channels]
+  int64_t tokens, coded, first_coded, end_coded;  // coded: the live components (symbols coded)
+  int rotate, style;
 };
 
 struct KvtcGeometry {
-  int64_t tokens, channels, head_dim, planes;
+  int64_t channels, head_dim, planes, max_tokens;
   DType dtype;
-  RopeStyle style;
 };
 
 __global__ void kvtc_symbols_kernel(KvtcGeometry g, const uint8_t* payload, const KvtcPlaneInfo* planes,
@@ -53,139 +58,209 @@ __global__ void kvtc_symbols_kernel(KvtcGeometry g, const uint8_t* payload, cons
 }
 
 __global__ void kvtc_values_kernel(KvtcGeometry g, const uint8_t* payload, const KvtcPlaneInfo* planes,
-                                   const float* floats, const int16_t* q, uint8_t* out) {
-  const int64_t pairs = g.channels / 2, per_plane = g.tokens * pairs, size = dtype_size(g.dtype);
+                                   const int* components, const float* angles,
+                                   const int16_t* q) {
+  const int64_t pairs = g.channels / 2, per_plane = g.max_tokens * pairs, size = dtype_size(g.dtype);
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < g.planes * per_plane;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t p = i / per_plane, t = i % per_plane / pairs, pair = i % pairs;
-    const int64_t head = pair / (g.head_dim / 2), k = pair % (g.head_dim / 2);
     const KvtcPlaneInfo& info = planes[p];
+    if (t >= info.tokens) continue;
+    const int64_t head = pair / (g.head_dim / 2), k = pair % (g.head_dim / 2);
     int64_t a, b;
-    rope_pair(g.style, g.head_dim, k, &a, &b);
+    rope_pair(static_cast<RopeStyle>(info.style), g.head_dim, k, &a, &b);
     a += head * g.head_dim;
     b += head * g.head_dim;
-    uint8_t* plane_out = out + p * g.tokens * g.channels * size;
     if (t < info.first_coded || t >= info.end_coded) {  // exact rows: sink rows, then recent rows
       const int64_t row = t < info.first_coded ? t : info.first_coded + (t - info.end_coded);
       const uint8_t* src = payload + info.exact + row * g.channels * size;
-      memcpy(plane_out + (t * g.channels + a) * size, src + a * size, size);
-      memcpy(plane_out + (t * g.channels + b) * size, src + b * size, size);
+      memcpy(info.out + (t * g.channels + a) * size, src + a * size, size);
+      memcpy(info.out + (t * g.channels + b) * size, src + b * size, size);
       continue;
     }
-    const float* mean = floats + info.mean;
+    const float *mean = info.mean, *basis = info.basis, *steps = info.steps;
+    const int* comp = components + info.slots;
     float xa = mean[a], xb = mean[b];
     const int16_t* qs = q + info.q + (t - info.first_coded) * info.coded;
     for (int64_t j = 0; j < info.coded; ++j) {
       if (!qs[j]) continue;
-      const float v = static_cast<float>(qs[j]) * floats[info.steps + j];
-      const float* row = floats + info.rows + j * g.channels;
+      const float v = static_cast<float>(qs[j]) * steps[comp[j]];
+      const float* row = basis + int64_t(comp[j]) * g.channels;
       xa = __fmaf_rn(v, row[a], xa);  // the CPU decoder's fused multiply-add, in its order
       xb = __fmaf_rn(v, row[b], xb);
     }
     if (info.rotate) {
-      const float* cs = floats + info.angles + t * g.head_dim + 2 * k;
+      const float* cs = angles + info.angles + t * g.head_dim + 2 * k;
       rope_turn(&xa, &xb, cs[0], cs[1]);
     }
-    store_float(plane_out, g.dtype, t * g.channels + a, xa);
-    store_float(plane_out, g.dtype, t * g.channels + b, xb);
+    store_float(info.out, g.dtype, t * g.channels + a, xa);
+    store_float(info.out, g.dtype, t * g.channels + b, xb);
   }
 }
 
-}  // namespace
+// A calibration on the device: per plane its mean [channels], basis [components][channels] and
+// steps [ratios][components], back to back (plane_floats each).
+struct DeviceCalibration {
+  float* data = nullptr;
+  uint64_t plane_floats = 0;
+};
 
-Status kvtc_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size, void* out, uintptr_t stream) {
-  const KvtcGeometry g{h.tokens, int64_t(h.kv_heads) * h.head_dim, h.head_dim, 2 * int64_t(h.layers), h.dtype,
-                       RopeStyle::kRotateHalf};
-  ByteReader r(payload, size);
-  std::vector<uint32_t> sizes(g.planes);
-  for (auto& s : sizes) s = r.get<uint32_t>();
-  std::vector<KvtcPlaneInfo> planes(g.planes);
-  std::vector<float> floats;
-  std::vector<RansTable> tables;  // the models the payload uses, each once
-  std::vector<int> slots, slot_of(kKvtcModels, -1);
-  int64_t q_count = 0;
-  std::shared_ptr<const KvtcCalibration> cal;
-  KvtcGeometry geometry = g;
+// The device copy of `cal` on the current device, uploaded on first use and kept for the process.
+Status device_calibration(const KvtcCalibration& cal, DeviceCalibration* out) {
+  static std::mutex mu;
+  static std::map<std::pair<Key128, int>, DeviceCalibration> copies;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return failed(err, "kvtc_decode_cuda");
+  std::lock_guard<std::mutex> lock(mu);
+  auto found = copies.find({cal.id, device});
+  if (found != copies.end()) {
+    *out = found->second;
+    return Status::Ok();
+  }
+  DeviceCalibration d;
+  d.plane_floats = uint64_t(cal.channels) * (1 + cal.components) + uint64_t(cal.ratios.size()) * cal.components;
+  std::vector<float> host;
+  host.reserve(d.plane_floats * cal.planes.size());
+  for (const KvtcPlane& plane : cal.planes) {
+    host.insert(host.end(), plane.mean.begin(), plane.mean.end());
+    host.insert(host.end(), plane.basis.begin(), plane.basis.end());
+    host.insert(host.end(), plane.step.begin(), plane.step.end());
+  }
+  if (host.size() != d.plane_floats * cal.planes.size()) return Status::Fail("kvtc calibration: inconsistent sizes");
+  err = cudaMalloc(reinterpret_cast<void**>(&d.data), host.size() * sizeof(float));
+  if (err == cudaSuccess) err = cudaMemcpy(d.data, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice);
+  if (err != cudaSuccess) {
+    if (d.data) cudaFree(d.data);
+    return failed(err, "kvtc_decode_cuda");
+  }
+  copies[{cal.id, device}] = d;
+  *out = d;
+  return Status::Ok();
+}
+
+// Everything one launch pair needs, appended chunk by chunk.
+struct KvtcBatch {
+  std::vector<uint8_t> payload;
+  std::vector<KvtcPlaneInfo> planes;
+  std::vector<RansTable> tables;       // the models the batch uses, each once
+  std::vector<int> slot_of = std::vector<int>(kKvtcModels, -1);
+  std::vector<int> slots, components;  // per live component: its model's table, its basis row
+  std::vector<float> angles;
+  int64_t q_count = 0, max_tokens = 0, channels = -1, head_dim = -1;
+  DType dtype{};
+};
+
+Status add_chunk(const BlobHeader& h, const uint8_t* payload, size_t size, uint8_t* out, KvtcBatch* b) {
+  const int64_t channels = int64_t(h.kv_heads) * h.head_dim, planes = 2 * int64_t(h.layers);
+  if (b->channels < 0) b->channels = channels, b->head_dim = h.head_dim, b->dtype = h.dtype;
+  if (b->channels != channels || b->head_dim != h.head_dim || b->dtype != h.dtype)
+    return Status::Fail("kvtc_decode_cuda: a batch's chunks must share one model shape and dtype");
+  const uint64_t base = b->payload.size();
+  b->payload.insert(b->payload.end(), payload, payload + size);
+  b->max_tokens = std::max<int64_t>(b->max_tokens, h.tokens);
   const size_t dsize = dtype_size(h.dtype);
-  for (int64_t p = 0; p < g.planes; ++p) {
+  ByteReader r(payload, size);
+  std::vector<uint32_t> sizes(planes);
+  for (auto& s : sizes) s = r.get<uint32_t>();
+  int64_t angles_at = -1;
+  for (int64_t p = 0; p < planes; ++p) {
     const uint64_t offset = size - r.remaining();
     const uint8_t* plane = r.take(sizes[p]);
     if (!plane) return Status::Fail("codec payload: plane sizes do not match the payload");
     Key128 id;
+    std::shared_ptr<const KvtcCalibration> cal;
     if (!kvtc_plane_calibration(plane, sizes[p], &id) || !(cal = kvtc_by_id(id)))
       return Status::Fail("kvtc payload: its calibration is not loaded");
-    geometry.style = cal->style;
-    const Plane shape{h.tokens, g.channels, int(p / 2), int(h.layers), (p & 1) != 0, h.dtype, h.head_dim, h.position};
+    DeviceCalibration d;
+    Status st = device_calibration(*cal, &d);
+    if (!st.ok) return st;
+    const Plane shape{h.tokens, channels, int(p / 2), int(h.layers), (p & 1) != 0, h.dtype, h.head_dim, h.position};
     KvtcLayout L;
     if (!kvtc_layout(shape, h.codec_params, *cal, &L)) return Status::Fail("kvtc payload: calibration does not fit");
-    KvtcPlaneInfo& info = planes[p];
+    KvtcPlaneInfo info{};
+    info.tokens = h.tokens;
+    info.out = out + p * h.tokens * channels * dsize;
     info.first_coded = L.first_coded;
     info.end_coded = L.end_coded;
+    info.style = static_cast<int>(cal->style);
+    const int ratio = cal->ratio_index(h.codec_params & 0xff);
+    info.mean = d.data + p * d.plane_floats;
+    info.basis = info.mean + channels;
+    info.steps = info.basis + uint64_t(cal->components) * channels + uint64_t(ratio) * cal->components;
     ByteReader pr(plane, sizes[p]);
     pr.take(16);
     const uint8_t* choice = pr.take(L.coded.size());
-    info.exact = offset + 16 + L.coded.size();
-    pr.take((g.tokens - (L.end_coded - L.first_coded)) * g.channels * dsize);
+    info.exact = base + offset + 16 + L.coded.size();
+    pr.take((h.tokens - (L.end_coded - L.first_coded)) * channels * dsize);
     if (!choice) return Status::Fail("kvtc payload: plane " + std::to_string(p) + " is corrupt");
-    std::vector<size_t> live;
-    info.slots = slots.size();
+    info.slots = b->slots.size();
     for (size_t j = 0; j < L.coded.size(); ++j) {
       if (choice[j] == kKvtcAllZero) continue;
       if (choice[j] >= kKvtcModels) return Status::Fail("kvtc payload: bad model choice");
-      if (slot_of[choice[j]] < 0) {
-        slot_of[choice[j]] = static_cast<int>(tables.size());
-        tables.push_back(kvtc_table(choice[j]));
+      if (b->slot_of[choice[j]] < 0) {
+        b->slot_of[choice[j]] = static_cast<int>(b->tables.size());
+        b->tables.push_back(kvtc_table(choice[j]));
       }
-      slots.push_back(slot_of[choice[j]]);
-      live.push_back(j);
+      b->slots.push_back(b->slot_of[choice[j]]);
+      b->components.push_back(L.coded[j]);
     }
-    info.coded = static_cast<int64_t>(live.size());
+    info.coded = static_cast<int64_t>(b->slots.size() - info.slots);
     uint32_t lanes[kRansLanes];
     for (auto& l : lanes) l = pr.get<uint32_t>();
-    uint64_t at = offset + (sizes[p] - pr.remaining());
+    uint64_t at = base + offset + (sizes[p] - pr.remaining());
     for (int j = 0; j < kRansLanes; ++j) {
       if (!pr.take(lanes[j]) || lanes[j] < 4) return Status::Fail("kvtc payload: plane " + std::to_string(p) + " is corrupt");
       info.lane[j] = at;
       info.lane_end[j] = at += lanes[j];
     }
     if (!pr.ok() || pr.remaining() != 0) return Status::Fail("kvtc payload: plane " + std::to_string(p) + " is corrupt");
-    info.q = q_count;
-    q_count += (L.end_coded - L.first_coded) * info.coded;
-    info.rows = floats.size();
-    for (size_t j : live) {
-      const float* row = &L.plane->basis[size_t(L.coded[j]) * g.channels];
-      floats.insert(floats.end(), row, row + g.channels);
+    info.q = b->q_count;
+    b->q_count += (L.end_coded - L.first_coded) * info.coded;
+    info.rotate = L.angles != nullptr;
+    if (info.rotate && angles_at < 0) {  // every key plane of a chunk turns by the same angles
+      angles_at = static_cast<int64_t>(b->angles.size());
+      b->angles.insert(b->angles.end(), L.angles->begin(), L.angles->end());
     }
-    info.steps = floats.size();
-    for (size_t j : live) floats.push_back(L.steps[j]);
-    info.mean = floats.size();
-    floats.insert(floats.end(), L.plane->mean.begin(), L.plane->mean.end());
-    info.rotate = !L.angles.empty();
-    info.angles = floats.size();
-    floats.insert(floats.end(), L.angles.begin(), L.angles.end());
+    info.angles = info.rotate ? uint64_t(angles_at) : 0;
+    b->planes.push_back(info);
   }
   if (!r.ok() || r.remaining() != 0) return Status::Fail("codec payload: plane sizes do not match the payload");
-  if (tables.empty()) tables.push_back(kvtc_table(0));  // nothing coded: keep the uploads non-empty
-  if (slots.empty()) slots.push_back(0);
+  return Status::Ok();
+}
 
+}  // namespace
+
+Status kvtc_decode_cuda_batch(const std::vector<DecodeJob>& jobs, uintptr_t stream) {
+  KvtcBatch b;
+  for (const DecodeJob& job : jobs) {
+    Status st = add_chunk(*job.header, job.payload, job.size, static_cast<uint8_t*>(job.out), &b);
+    if (!st.ok) return st;
+  }
+  if (b.planes.empty()) return Status::Ok();
+  if (b.tables.empty()) b.tables.push_back(kvtc_table(0));  // nothing coded: keep the uploads non-empty
+  if (b.slots.empty()) b.slots.push_back(0), b.components.push_back(0);
+  if (b.angles.empty()) b.angles.push_back(0.f);
+  const KvtcGeometry g{b.channels, b.head_dim, static_cast<int64_t>(b.planes.size()), b.max_tokens, b.dtype};
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  DeviceStaging staged(s, {{payload, size},
-                           {planes.data(), planes.size() * sizeof(KvtcPlaneInfo)},
-                           {tables.data(), tables.size() * sizeof(RansTable)},
-                           {floats.data(), floats.size() * sizeof(float)},
-                           {nullptr, size_t(std::max<int64_t>(q_count, 1)) * sizeof(int16_t)},
+  DeviceStaging staged(s, {{b.payload.data(), b.payload.size()},
+                           {b.planes.data(), b.planes.size() * sizeof(KvtcPlaneInfo)},
+                           {b.tables.data(), b.tables.size() * sizeof(RansTable)},
+                           {b.angles.data(), b.angles.size() * sizeof(float)},
+                           {nullptr, size_t(std::max<int64_t>(b.q_count, 1)) * sizeof(int16_t)},
                            {nullptr, sizeof(int)},
-                           {slots.data(), slots.size() * sizeof(int)}});
+                           {b.slots.data(), b.slots.size() * sizeof(int)},
+                           {b.components.data(), b.components.size() * sizeof(int)}});
   if (staged.error() != cudaSuccess) return failed(staged.error(), "kvtc_decode_cuda");
   auto* d_bad = staged.part<int>(5);
   const int lane_blocks = static_cast<int>((g.planes * kRansLanes + 63) / 64);
-  kvtc_symbols_kernel<<<lane_blocks, 64, 0, s>>>(geometry, staged.part<const uint8_t>(0),
-                                                 staged.part<const KvtcPlaneInfo>(1), staged.part<const RansTable>(2),
-                                                 staged.part<const int>(6), staged.part<int16_t>(4), d_bad);
-  const int threads = 256, blocks = grid_for(g.planes * g.tokens * (g.channels / 2), threads);
-  kvtc_values_kernel<<<blocks, threads, 0, s>>>(geometry, staged.part<const uint8_t>(0),
-                                                staged.part<const KvtcPlaneInfo>(1), staged.part<const float>(3),
-                                                staged.part<const int16_t>(4), static_cast<uint8_t*>(out));
+  kvtc_symbols_kernel<<<lane_blocks, 64, 0, s>>>(g, staged.part<const uint8_t>(0), staged.part<const KvtcPlaneInfo>(1),
+                                                 staged.part<const RansTable>(2), staged.part<const int>(6),
+                                                 staged.part<int16_t>(4), d_bad);
+  const int threads = 256, blocks = grid_for(g.planes * g.max_tokens * (g.channels / 2), threads);
+  kvtc_values_kernel<<<blocks, threads, 0, s>>>(g, staged.part<const uint8_t>(0), staged.part<const KvtcPlaneInfo>(1),
+                                                staged.part<const int>(7),
+                                                staged.part<const float>(3), staged.part<const int16_t>(4));
   int bad = 0;
   cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess) err = cudaMemcpyAsync(&bad, d_bad, sizeof(int), cudaMemcpyDeviceToHost, s);
@@ -193,6 +268,10 @@ Status kvtc_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size
   Status st = finish(s, "kvtc_decode_cuda");  // host vectors must outlive the uploads
   if (!st.ok) return st;
   return bad ? Status::Fail("codec payload: an entropy-coded lane is corrupt") : Status::Ok();
+}
+
+Status kvtc_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size, void* out, uintptr_t stream) {
+  return kvtc_decode_cuda_batch({DecodeJob{&h, payload, size, out}}, stream);
 }
 
 }  // namespace kdn

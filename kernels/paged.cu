@@ -1,5 +1,9 @@
-// CUDA twin of paged_copy_cpu: one thread per element, the same KDN_HD index math (kdn/paged.h).
+// CUDA twin of paged_copy_cpu, on the same KDN_HD index math (kdn/paged.h): one thread per 16-byte
+// piece of a head's row wherever both sides keep head_dim contiguous and 16-byte aligned (every GPU
+// layout of vLLM), else one thread per element (the CPU 'vec' layout's transposed K, odd shapes).
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include <string>
 
@@ -28,6 +32,46 @@ __global__ void paged_copy_kernel(KvShape chunk_shape, PagedLayout paged, void* 
   }
 }
 
+// `piece` elements (16 bytes) at a time; the caller checked every row start is 16-byte aligned. The
+// flat index is taken apart in `Index` (32-bit where it fits: a 64-bit division costs ~20x more).
+template <typename Index>
+__global__ void paged_copy_rows_kernel(KvShape chunk_shape, PagedLayout paged, void* const* layers,
+                                       const int64_t* block_ids, uint8_t* chunk, int64_t elem_size, int64_t from,
+                                       int64_t position, int64_t count, CopyDirection dir) {
+  const Index piece = Index(16 / elem_size), pieces = Index(chunk_shape.head_dim) / piece;
+  const Index heads = Index(chunk_shape.kv_heads), tokens = Index(count), block_size = Index(paged.block_size);
+  const int64_t total = chunk_shape.layers * 2 * count * chunk_shape.kv_heads * pieces;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    Index row = Index(i) / pieces;
+    const Index dim = (Index(i) - row * pieces) * piece;
+    const Index head = row % heads;
+    row /= heads;
+    const Index token = row % tokens, tensor = row / tokens, p = Index(position) + token;
+    auto* m = reinterpret_cast<uint4*>(static_cast<uint8_t*>(layers[tensor / 2]) +
+                                       elem_size * paged_offset(paged, block_ids[p / block_size], tensor % 2,
+                                                                p % block_size, head, dim));
+    auto* c = reinterpret_cast<uint4*>(
+        chunk + elem_size * canonical_offset(chunk_shape, tensor / 2, tensor % 2, from + token, head, dim));
+    if (dir == CopyDirection::kChunkToCache)
+      *m = *c;
+    else
+      *c = *m;
+  }
+}
+
+// Rows of head_dim elements contiguous and every row start 16-byte aligned on both sides.
+bool rows_aligned(const KvShape& chunk_shape, const PagedLayout& paged, void* const* layers, const void* chunk,
+                  int64_t elem_size) {
+  auto aligned = [&](int64_t elements) { return (elements * elem_size) % 16 == 0; };
+  for (const PlaneStrides* s : {&paged.k, &paged.v})
+    if (s->dim != 1 || !aligned(s->base) || !aligned(s->block) || !aligned(s->head) || !aligned(s->token))
+      return false;
+  if (!aligned(chunk_shape.head_dim) || reinterpret_cast<uintptr_t>(chunk) % 16) return false;
+  for (int64_t l = 0; l < paged.layers; ++l)
+    if (reinterpret_cast<uintptr_t>(layers[l]) % 16) return false;
+  return true;
+}
+
 }  // namespace
 
 Status paged_copy_cuda(const KvShape& chunk_shape, const PagedLayout& paged, void* const* layers,
@@ -46,7 +90,18 @@ Status paged_copy_cuda(const KvShape& chunk_shape, const PagedLayout& paged, voi
                            {block_ids, size_t(num_block_ids) * sizeof(int64_t)}});
   if (staged.error() != cudaSuccess) return failed(staged.error(), "paged_copy_cuda");
   const int64_t total = chunk_shape.layers * 2 * count * chunk_shape.kv_heads * chunk_shape.head_dim;
-  const int threads = 256, blocks = grid_for(total, threads);
+  const int threads = 256;
+  if (rows_aligned(chunk_shape, paged, layers, chunk, elem_size)) {
+    const int64_t pieces = total * elem_size / 16;
+    auto* kernel = pieces < (int64_t(1) << 31) && position + count < (int64_t(1) << 31)
+                       ? paged_copy_rows_kernel<uint32_t>
+                       : paged_copy_rows_kernel<int64_t>;
+    kernel<<<grid_for(pieces, threads), threads, 0, s>>>(chunk_shape, paged, staged.part<void* const>(0),
+                                                         staged.part<const int64_t>(1), static_cast<uint8_t*>(chunk),
+                                                         elem_size, from, position, count, dir);
+    return finish(s, "paged_copy_cuda");
+  }
+  const int blocks = grid_for(total, threads);
   if (elem_size == 4)
     paged_copy_kernel<uint32_t><<<blocks, threads, 0, s>>>(chunk_shape, paged, staged.part<void* const>(0),
                                                            staged.part<const int64_t>(1),

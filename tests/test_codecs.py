@@ -291,12 +291,22 @@ def test_cuda_decoder_matches_the_cpu_decoder():
             out = torch.empty(cpu.shape, dtype=dtype, device="cuda")
             _core.codec_decode_cuda(coded, out)
             assert torch.equal(out.cpu(), cpu)  # same KDN_HD math, built without fused multiply-adds
-            if codecs.parse(spec).name == "cachegen":  # a corrupt lane is reported, not decoded
-                bad = bytearray(coded)
-                bad[-20] ^= 0xFF
-                _core.blob_reseal(bad)
-                with pytest.raises(BlobError):
+            if codecs.parse(spec).name == "cachegen":  # a corrupt lane: reported exactly when the CPU reports it
+                refused = 0
+                for at in range(-220, -16, 9):
+                    bad = bytearray(coded)
+                    bad[at] ^= 0xFF
+                    _core.blob_reseal(bad)
+                    try:
+                        want = codecs.decode(bytes(bad))
+                    except BlobError:
+                        refused += 1
+                        with pytest.raises(BlobError, match="corrupt"):
+                            _core.codec_decode_cuda(bytes(bad), out)
+                        continue
                     _core.codec_decode_cuda(bytes(bad), out)
+                    assert torch.equal(out.cpu(), want)
+                assert refused  # the sweep reached the entropy-coded lanes
 
 
 def test_the_cuda_decoder_refuses_a_host_destination_before_touching_the_device():

@@ -100,7 +100,7 @@ def test_paged_copies_on_the_device_equal_the_cpu_oracle_in_every_layout(kind, d
     chunk = torch.randn(layers, 2, 70, heads, dim).to(dtype)
     ids = np.array([7, 2, 9, 0, 4, 10], dtype=np.int64)
     cpu = engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype)
-    gpu = [t.cuda() for t in engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype)]
+    gpu = engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype, device="cuda")
     layout = describe_layout(kind, cpu[0]).as_dict()
     assert describe_layout(kind, gpu[0]).as_dict() == layout
     _core.paged_copy_cpu(cpu, ids, chunk, 5, 5, 60, False, layout=layout)

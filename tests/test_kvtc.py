@@ -231,7 +231,8 @@ def test_missing_calibration_is_a_miss_and_the_calibration_travels_through_the_t
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_cuda_decoder_matches_the_cpu_decoder(synthetic_calibration, dtype):
-    for position, spec in ((0, "kvtc:ratio=3,recent=5"), (100, "kvtc:ratio=6")):
+    blobs = []
+    for position, spec in ((0, "kvtc:ratio=3,recent=5"), (100, "kvtc:ratio=6"), (7, "int4")):
         kv = codecs.decode(synthetic_blob(position))
         per_layer = [kind[None].transpose(1, 2).to(dtype).contiguous() for layer in kv for kind in layer]
         if position:
@@ -241,6 +242,12 @@ def test_cuda_decoder_matches_the_cpu_decoder(synthetic_calibration, dtype):
         out = torch.empty(cpu.shape, dtype=dtype, device="cuda")
         _core.codec_decode_cuda(coded, out)
         assert torch.equal(out.cpu(), cpu)  # same KDN_HD math and summation order, no fused multiply-adds
+        blobs.append(coded)
+    # a batch (the kvtc chunks in one launch pair, a partial chunk among them) gives the same bits
+    blobs.append(codecs.encode(_core.pack_chunk(per_layer, position, TOKENS // 2, FP, b"H" * 16), "kvtc:ratio=6"))
+    outs = [torch.empty(codecs.decode(b).shape, dtype=dtype, device="cuda") for b in blobs]
+    _core.codec_decode_cuda_many(blobs, outs)
+    assert all(torch.equal(o.cpu(), codecs.decode(b)) for o, b in zip(outs, blobs))
     _core.kvtc_unload_all()
-    with pytest.raises(BlobError, match="calibration is not loaded"):
-        _core.codec_decode_cuda(coded, out)
+    with pytest.raises(BlobError, match="calibration is not loaded"):  # the device copy is no way around it
+        _core.codec_decode_cuda_many(blobs[:2], outs[:2])

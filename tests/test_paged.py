@@ -99,19 +99,20 @@ def test_a_requests_kv_gathered_out_of_the_blocks_is_what_was_laid_in(dtype):
 
 # -- every engine layout, described by strides (kdn.engine.paged), against vLLM's own indexing ---------
 
-def engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype):
+def engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype, device="cpu"):
     """Per-layer tensors as an engine allocates them: one pool for all layers, viewed per layer."""
     if kind == "vec":
-        return [torch.zeros(num_blocks, heads, block_size, 2 * dim, dtype=dtype) for _ in range(layers)]
+        return [torch.zeros(num_blocks, heads, block_size, 2 * dim, dtype=dtype, device=device) for _ in range(layers)]
     if kind == "packed-LBHNC":  # [layers, blocks, heads, block, K||V] in memory
-        pool = torch.zeros(layers, num_blocks, heads, block_size, 2 * dim, dtype=dtype)
+        pool = torch.zeros(layers, num_blocks, heads, block_size, 2 * dim, dtype=dtype, device=device)
         return [pool[i] for i in range(layers)]
     if kind == "packed-LBNHC":  # the old NHD order in memory, seen as [blocks, heads, block, K||V]
-        pool = torch.zeros(layers, num_blocks, block_size, heads, 2 * dim, dtype=dtype)
+        pool = torch.zeros(layers, num_blocks, block_size, heads, 2 * dim, dtype=dtype, device=device)
         return [pool[i].permute(0, 2, 1, 3) for i in range(layers)]
     if kind == "kv-first":
-        return [torch.zeros(2, num_blocks, block_size, heads, dim, dtype=dtype) for _ in range(layers)]
-    pool = torch.zeros(num_blocks, layers, 2, block_size, heads, dim, dtype=dtype)  # blocks-first, layers inside
+        return [torch.zeros(2, num_blocks, block_size, heads, dim, dtype=dtype, device=device) for _ in range(layers)]
+    # blocks-first, layers inside
+    pool = torch.zeros(num_blocks, layers, 2, block_size, heads, dim, dtype=dtype, device=device)
     return [pool[:, i] for i in range(layers)]
 
 

@@ -1,5 +1,6 @@
 // Python bindings of the KV codecs: parameter checks and blob transcoding (with the coder's report).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "kdn/cachegen.h"
 #include "kdn/codec.h"
@@ -24,6 +25,34 @@ py::dict report_to_dict(const CodecReport& r) {
   return d;
 }
 
+// Decodes blobs[i] into outs[i] on the GPU (codec_decode_cuda_many), after checking each pair.
+static void decode_on_device(const std::vector<py::handle>& blobs, const std::vector<py::handle>& outs, uintptr_t stream) {
+  KDN_CHECK_INPUT(blobs.size() == outs.size(), "codec_decode_cuda: one output tensor per blob");
+  std::vector<ByteSpan> spans;
+  std::vector<HeldView> views;
+  std::vector<BlobHeader> headers(blobs.size());
+  std::vector<DecodeJob> jobs;
+  for (size_t i = 0; i < blobs.size(); ++i) {
+    spans.push_back(bytes_from_object(blobs[i], "blob"));
+    views.push_back(view_from_object(outs[i], "out"));
+    BlobHeader& h = headers[i];
+    Status st = blob_parse(spans[i].data, spans[i].size, true, &h);
+    if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
+    const TensorView& dst = views[i].view;
+    KDN_CHECK_INPUT(dst.device == DeviceType::kCUDA && dst.is_contiguous() && dst.writable,
+                    "codec_decode_cuda: out must be a contiguous writable CUDA tensor");
+    KDN_CHECK_INPUT(dst.dtype == h.dtype && static_cast<uint64_t>(dst.numel() * dtype_size(h.dtype)) == raw_payload_bytes(h),
+                    "codec_decode_cuda: out must hold [layers, 2, tokens, kv_heads, head_dim] in the blob dtype");
+    jobs.push_back(DecodeJob{&h, spans[i].data + kBlobHeaderBytes, h.payload_bytes, dst.data});
+  }
+  Status st;
+  {
+    py::gil_scoped_release release;
+    st = codec_decode_cuda_many(jobs, stream);
+  }
+  if (!st.ok) throw BlobError("codec_decode_cuda: " + st.message, __FILE__, __LINE__);
+}
+
 void bind_codec(py::module_& m) {
   m.def(
       "codec_check",
@@ -32,25 +61,16 @@ void bind_codec(py::module_& m) {
 
   m.def(
       "codec_decode_cuda",
-      [](py::handle blob, py::handle out, uintptr_t stream) {
-        ByteSpan span = bytes_from_object(blob, "blob");
-        HeldView dst = view_from_object(out, "out");
-        BlobHeader h;
-        Status st = blob_parse(span.data, span.size, true, &h);
-        if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
-        KDN_CHECK_INPUT(dst.view.device == DeviceType::kCUDA && dst.view.is_contiguous() && dst.view.writable,
-                        "codec_decode_cuda: out must be a contiguous writable CUDA tensor");
-        KDN_CHECK_INPUT(dst.view.dtype == h.dtype && static_cast<uint64_t>(dst.view.numel() * dtype_size(h.dtype)) ==
-                                                         raw_payload_bytes(h),
-                        "codec_decode_cuda: out must hold [layers, 2, tokens, kv_heads, head_dim] in the blob dtype");
-        {
-          py::gil_scoped_release release;
-          st = codec_decode_cuda(h, span.data + kBlobHeaderBytes, h.payload_bytes, dst.view.data, stream);
-        }
-        if (!st.ok) throw BlobError("codec_decode_cuda: " + st.message, __FILE__, __LINE__);
-      },
+      [](py::handle blob, py::handle out, uintptr_t stream) { decode_on_device({blob}, {out}, stream); },
       py::arg("blob"), py::arg("out"), py::arg("stream") = 0,
       "Decode an int*/cachegen/kvtc blob on the GPU into `out` (a CUDA tensor [layers, 2, tokens, kv_heads, head_dim]).");
+  m.def(
+      "codec_decode_cuda_many",
+      [](const std::vector<py::handle>& blobs, const std::vector<py::handle>& outs, uintptr_t stream) {
+        decode_on_device(blobs, outs, stream);
+      },
+      py::arg("blobs"), py::arg("outs"), py::arg("stream") = 0,
+      "codec_decode_cuda for many blobs on one stream; the kvtc ones decode together in one pair of launches.");
 
   m.def(
       "blob_reseal",

@@ -313,18 +313,19 @@ bool kvtc_layout(const Plane& p, uint32_t params, const KvtcCalibration& cal, Kv
   const int64_t sink = params >> 8 & 0xff, recent = params >> 16 & 0xff;
   out->first_coded = std::clamp<int64_t>(sink - p.position, 0, p.tokens);
   out->end_coded = std::max(out->first_coded, p.tokens - recent);
-  out->angles.clear();
+  out->angles.reset();
   if (!p.values && cal.prerope) {
-    // every key plane of a chunk turns by the same angles: computed once per thread and chunk
+    // every key plane of a chunk turns by the same angles: computed once per thread and chunk, shared
     thread_local Key128 last_cal{};
     thread_local int64_t last_position = -1, last_tokens = -1;
-    thread_local std::vector<float> last_angles;
+    thread_local std::shared_ptr<const std::vector<float>> last_angles;
     if (last_cal != cal.id || last_position != p.position || last_tokens != p.tokens) {
       std::vector<int64_t> positions(p.tokens);
       for (int64_t t = 0; t < p.tokens; ++t) positions[t] = p.position + t;
-      last_angles.resize(static_cast<size_t>(p.tokens) * cal.head_dim);
+      auto angles = std::make_shared<std::vector<float>>(static_cast<size_t>(p.tokens) * cal.head_dim);
       rope_angle_table(RopeShift{1, 1, p.tokens, cal.head_dim, cal.style}, cal.inv_freq.data(), positions.data(),
-                       last_angles.data());
+                       angles->data());
+      last_angles = std::move(angles);
       last_cal = cal.id, last_position = p.position, last_tokens = p.tokens;
     }
     out->angles = last_angles;
@@ -374,7 +375,7 @@ std::vector<uint8_t> kvtc_encode(const Plane& p, uint32_t params, const uint8_t*
       x[c] = load_float(raw, p.dtype, t * C + c);
       KDN_CHECK_INPUT(std::isfinite(x[c]) && std::fabs(x[c]) < 60000.f, "kvtc needs finite KV within the fp16 range");
     }
-    if (!L.angles.empty()) rotate_row(x.data(), C, p.head_dim, cal.style, &L.angles[t * p.head_dim], -1.f);
+    if (L.angles) rotate_row(x.data(), C, p.head_dim, cal.style, &(*L.angles)[t * p.head_dim], -1.f);
     for (int64_t c = 0; c < C; ++c) x[c] -= L.plane->mean[c];
     for (int64_t j = 0; j < K; ++j) {
       const float* b = &L.plane->basis[static_cast<size_t>(L.coded[j]) * C];
@@ -472,7 +473,7 @@ bool kvtc_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size
   reconstruct(v.get(), rows.data(), L.plane->mean.data(), count, live, C, rows_out.get());
   for (int64_t t = L.first_coded; t < L.end_coded; ++t) {
     float* row = &rows_out[(t - L.first_coded) * C];
-    if (!L.angles.empty()) rotate_row(row, C, p.head_dim, cal->style, &L.angles[t * p.head_dim], 1.f);
+    if (L.angles) rotate_row(row, C, p.head_dim, cal->style, &(*L.angles)[t * p.head_dim], 1.f);
     store_floats(out, p.dtype, t * C, row, C);
   }
   for (const RansLane& lane : lanes)

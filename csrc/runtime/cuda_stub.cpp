@@ -19,6 +19,9 @@ Status rope_shift_cuda(const RopeShift&, void* const*, const int64_t*, DType, co
 Status codec_decode_cuda(const BlobHeader&, const uint8_t*, size_t, void*, uintptr_t) {
   return Status::Fail("kdn was built without CUDA");
 }
+Status codec_decode_cuda_many(const std::vector<DecodeJob>&, uintptr_t) {
+  return Status::Fail("kdn was built without CUDA");
+}
 bool cuda_compiled() { return false; }
 const char* cuda_architectures() { return ""; }
 

@@ -144,5 +144,14 @@ namespace kdn {
 // payload is in host memory (validated here, then uploaded on `stream`), `out` is device memory of
 // raw_payload_bytes(h). A failed Status says why (corrupt payload, CUDA error).
 Status codec_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size, void* out, uintptr_t stream);
+// A chunk for codec_decode_cuda_many: its parsed header, payload (host memory) and output (device).
+struct DecodeJob {
+  const BlobHeader* header;
+  const uint8_t* payload;
+  size_t size;
+  void* out;
+};
+// Decodes every job on the stream: the kvtc chunks in one batch, the others one by one.
+Status codec_decode_cuda_many(const std::vector<DecodeJob>& jobs, uintptr_t stream);
 
 }  // namespace kdn

@@ -97,7 +97,7 @@ struct KvtcLayout {
   std::vector<int> coded;     // component indices
   std::vector<float> steps;   // their steps
   int64_t first_coded = 0, end_coded = 0;
-  std::vector<float> angles;  // [tokens][head_dim / 2][2], empty unless keys are coded pre-RoPE
+  std::shared_ptr<const std::vector<float>> angles;  // [tokens][head_dim / 2][2]; null unless keys are coded pre-RoPE
 };
 bool kvtc_layout(const Plane& p, uint32_t params, const KvtcCalibration& cal, KvtcLayout* out);
 
@@ -106,5 +106,7 @@ bool kvtc_plane_calibration(const uint8_t* plane, size_t size, Key128* id);
 
 // CUDA decoder (kernels/kvtc.cu, compiled with nvcc only; codec_decode_cuda dispatches to it).
 Status kvtc_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size, void* out, uintptr_t stream);
+// Many chunks in one pair of launches (codec_decode_cuda_many gives it the kvtc ones).
+Status kvtc_decode_cuda_batch(const std::vector<DecodeJob>& jobs, uintptr_t stream);
 
 }  // namespace kdn

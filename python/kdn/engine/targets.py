@@ -105,9 +105,9 @@ def _receive_cuda(layout: ModelLayout, blobs: list, num_tokens: int, device: tor
             at += sizes[i]
     chunks = [slab[offsets[i]:offsets[i + 1]].view(layout.layers, 2, h["tokens"], layout.kv_heads, layout.head_dim)
               for i, h in enumerate(headers)]
-    for i, h in enumerate(headers):
-        if h["codec"] in _GPU_DECODED_CODECS:
-            _core.codec_decode_cuda(blobs[i], chunks[i], stream)
+    on_device = [i for i, h in enumerate(headers) if h["codec"] in _GPU_DECODED_CODECS]
+    if on_device:  # decoded by the CUDA decoders (kvtc chunks all in one launch pair)
+        _core.codec_decode_cuda_many([blobs[i] for i in on_device], [chunks[i] for i in on_device], stream)
     shape = (2 * layout.layers, 1, layout.kv_heads, num_tokens, layout.head_dim)
     kv = list(torch.empty(shape, dtype=layout.torch_dtype, device=device).unbind(0))
     pos = 0
