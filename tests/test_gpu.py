@@ -114,3 +114,33 @@ def test_paged_copies_on_the_device_equal_the_cpu_oracle_in_every_layout(kind, d
     assert torch.equal(back[:, :, 5:65].cpu(), chunk[:, :, 5:65])
     with pytest.raises(Exception, match="outside"):  # a block id the kernel would write out of bounds
         _core.paged_copy_cuda(gpu, np.array([0, 99, 1, 2, 3], dtype=np.int64), back, 0, 0, 70, False, layout=layout)
+
+
+@pytest.mark.parametrize("kind", ["vec", "packed-LBHNC", "packed-LBNHC", "kv-first", "blocks-first"])
+@pytest.mark.parametrize("codec", ["raw", "int8", "cachegen"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_blocks_on_the_gpu_receive_and_emit_what_the_cpu_blocks_do(kind, codec, dtype):
+    """The connector's target/source (PagedBlocks) on GPU blocks: whole loads from a position on,
+    layer groups (layer-wise delivery) and the gather of a save, bit-equal to the same on CPU blocks."""
+    from kdn.engine import PagedBlocks
+    from test_paged import coded_chunks, describe_layout, engine_layers
+
+    layers, heads, dim, block_size, num_blocks, count, start = 3, 2, 16, 16, 11, 75, 10
+    blobs, _ = coded_chunks(dtype, codec, count)
+    ids = [7, 2, 9, 0, 4, 10, 1]
+    cpu = engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype)
+    gpu = engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype, device="cuda")
+    on_cpu = PagedBlocks(cpu, describe_layout(kind, cpu[0]), ids, start)
+    on_gpu = PagedBlocks(gpu, describe_layout(kind, gpu[0]), ids, start)
+    assert on_gpu.receive(None, blobs, count) == on_cpu.receive(None, blobs, count) == count
+    torch.cuda.synchronize()
+    assert all(torch.equal(g.cpu(), c) for g, c in zip(gpu, cpu))
+    for t in gpu + cpu:
+        t.zero_()
+    for first, end in ((0, 1), (1, 3)):  # layer groups, as layer-wise delivery sends them
+        on_cpu.receive_layers(blobs, first, end, count, layers)
+        on_gpu.receive_layers(blobs, first, end, count, layers)
+    torch.cuda.synchronize()
+    assert all(torch.equal(g.cpu(), c) for g, c in zip(gpu, cpu))
+    (first_gpu, kv_gpu), (first_cpu, kv_cpu) = on_gpu.emit(start, count), on_cpu.emit(start, count)
+    assert first_gpu == first_cpu == 0 and all(torch.equal(g, c) for g, c in zip(kv_gpu, kv_cpu))

@@ -83,6 +83,24 @@ class HFTarget:
 
 
 def _receive_cuda(layout: ModelLayout, blobs: list, num_tokens: int, device: torch.device) -> list[torch.Tensor]:
+    chunks = _device_chunks(blobs, num_tokens, layout.layers, layout.kv_heads, layout.head_dim, layout.torch_dtype,
+                            device)
+    shape = (2 * layout.layers, 1, layout.kv_heads, num_tokens, layout.head_dim)
+    kv = list(torch.empty(shape, dtype=layout.torch_dtype, device=device).unbind(0))
+    stream, pos = torch.cuda.current_stream(device).cuda_stream, 0
+    for chunk in chunks:
+        count = min(chunk.shape[2], num_tokens - pos)
+        _core.kv_copy_cuda(kv, chunk, chunk.shape[2], pos, count, False, stream)
+        pos += count
+    return kv
+
+
+def _device_chunks(blobs: list, num_tokens: int, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   device: torch.device) -> list[torch.Tensor]:
+    """The chunks holding the first ``num_tokens`` tokens of ``blobs``, decoded on ``device`` in the
+    canonical layout ``[layers, 2, tokens, kv_heads, head_dim]`` (views of one slab), on torch's
+    current stream: int* decoded by the CUDA decoder, the others by the host threads into pinned
+    memory, then one copy each."""
     headers, used = [], 0
     for blob in blobs:  # the chunks that hold the first num_tokens tokens
         if used >= num_tokens:
@@ -90,32 +108,25 @@ def _receive_cuda(layout: ModelLayout, blobs: list, num_tokens: int, device: tor
         headers.append(_core.blob_parse(blob, verify_checksum=False))  # the reader verified them already
         used += headers[-1]["tokens"]
     blobs = blobs[: len(headers)]
-    per_token = layout.bytes_per_token() // layout.torch_dtype.itemsize
+    per_token = layers * 2 * kv_heads * head_dim
     sizes = [h["tokens"] * per_token for h in headers]
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-    slab = torch.empty(offsets[-1], dtype=layout.torch_dtype, device=device)  # canonical chunks, back to back
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+    slab = torch.empty(offsets[-1], dtype=dtype, device=device)  # canonical chunks, back to back
     stream = torch.cuda.current_stream(device).cuda_stream
     on_host = [i for i, h in enumerate(headers) if h["codec"] not in _GPU_DECODED_CODECS]
     if on_host:  # decoded (or copied) by the host threads straight into pinned memory, then one copy each
-        staged = torch.empty(sum(sizes[i] for i in on_host), dtype=layout.torch_dtype, pin_memory=True)
+        staged = torch.empty(sum(sizes[i] for i in on_host), dtype=dtype, pin_memory=True)
         _core.decode_chunks([blobs[i] for i in on_host], staged)
         at = 0
         for i in on_host:
             slab[offsets[i]:offsets[i + 1]].copy_(staged[at:at + sizes[i]], non_blocking=True)
             at += sizes[i]
-    chunks = [slab[offsets[i]:offsets[i + 1]].view(layout.layers, 2, h["tokens"], layout.kv_heads, layout.head_dim)
+    chunks = [slab[offsets[i]:offsets[i + 1]].view(layers, 2, h["tokens"], kv_heads, head_dim)
               for i, h in enumerate(headers)]
     on_device = [i for i, h in enumerate(headers) if h["codec"] in _GPU_DECODED_CODECS]
     if on_device:  # decoded by the CUDA decoders (kvtc chunks all in one launch pair)
         _core.codec_decode_cuda_many([blobs[i] for i in on_device], [chunks[i] for i in on_device], stream)
-    shape = (2 * layout.layers, 1, layout.kv_heads, num_tokens, layout.head_dim)
-    kv = list(torch.empty(shape, dtype=layout.torch_dtype, device=device).unbind(0))
-    pos = 0
-    for chunk, h in zip(chunks, headers):
-        count = min(h["tokens"], num_tokens - pos)
-        _core.kv_copy_cuda(kv, chunk, h["tokens"], pos, count, False, stream)
-        pos += count
-    return kv
+    return chunks
 
 
 class HFLayers:
@@ -145,15 +156,40 @@ class PagedBlocks:
         self.layers, self.layout, self.start = layers, layout, start
         self.block_ids = np.asarray(block_ids, dtype=np.int64)
         self.device = layers[0].device
+        self._decoded = None  # (blobs, tokens, device chunks) of the last load on a GPU
 
     def receive(self, session: ModelSession, blobs: list, num_tokens: int) -> int:
+        if self.device.type == "cuda":
+            self._receive_cuda(blobs, 0, len(self.layers), num_tokens)
+            return num_tokens
         _core.unpack_chunks_paged(blobs, self.layers, self.block_ids, self.start, num_tokens,
                                   layout=self.layout.as_dict())
         return num_tokens
 
     def receive_layers(self, blobs: list, first: int, end: int, num_tokens: int, layers: int) -> None:
+        if self.device.type == "cuda":
+            self._receive_cuda(blobs, first, end, num_tokens)
+            return
         _core.unpack_chunks_paged(blobs, self.layers[first:end], self.block_ids, self.start, num_tokens, first, layers,
                                   layout=self.layout.as_dict())
+
+    def _receive_cuda(self, blobs: list, first: int, end: int, num_tokens: int) -> None:
+        """Sequence positions [start, num_tokens) of layers [first, end) on the GPU: the chunks decoded
+        on the device once per ``blobs`` (layer groups of one load reuse them), then the CUDA twin of
+        the paged copy lays each into the blocks on torch's current stream."""
+        with torch.cuda.device(self.device):
+            if self._decoded is None or self._decoded[0] is not blobs or self._decoded[1] < num_tokens:
+                shape = (len(self.layers), self.layout.kv_heads, self.layout.head_dim, self.layers[0].dtype)
+                self._decoded = (blobs, num_tokens, _device_chunks(blobs, num_tokens, *shape, self.device))
+            stream, pos = torch.cuda.current_stream(self.device).cuda_stream, 0
+            layout = self.layout.as_dict()
+            for chunk in self._decoded[2]:
+                tokens = chunk.shape[2]
+                lo, hi = max(pos, self.start), min(pos + tokens, num_tokens)
+                if hi > lo:
+                    _core.paged_copy_cuda(self.layers[first:end], self.block_ids, chunk[first:end], lo - pos, lo,
+                                          hi - lo, False, layout=layout, stream=stream)
+                pos += tokens
 
     def emit(self, start: int, end: int) -> tuple[int, list[torch.Tensor]]:
         """``(first, kv)``: tokens ``[first, end)`` (``first``: ``start`` rounded down to a block) as HF
@@ -161,7 +197,13 @@ class PagedBlocks:
         size, layout = self.layout.block_size, self.layout
         first = start // size * size
         chunk = torch.empty(len(self.layers), 2, end - first, layout.kv_heads, layout.head_dim,
-                            dtype=self.layers[0].dtype)
-        _core.gather_paged(self.layers, self.block_ids[first // size: -(-end // size)], chunk,
-                           layout=layout.as_dict())
+                            dtype=self.layers[0].dtype, device=self.device)
+        ids = np.ascontiguousarray(self.block_ids[first // size: -(-end // size)])
+        if self.device.type == "cuda":  # gathered by the CUDA twin, then one copy to the host
+            with torch.cuda.device(self.device):
+                _core.paged_copy_cuda(self.layers, ids, chunk, 0, 0, end - first, True, layout=layout.as_dict(),
+                                      stream=torch.cuda.current_stream(self.device).cuda_stream)
+                chunk = chunk.cpu()
+        else:
+            _core.gather_paged(self.layers, ids, chunk, layout=layout.as_dict())
         return first, [chunk[i, side].transpose(0, 1).unsqueeze(0) for i in range(len(self.layers)) for side in (0, 1)]
