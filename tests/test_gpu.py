@@ -5,6 +5,8 @@ there by every other test."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -137,10 +139,15 @@ def test_paged_blocks_on_the_gpu_receive_and_emit_what_the_cpu_blocks_do(kind, c
     assert all(torch.equal(g.cpu(), c) for g, c in zip(gpu, cpu))
     for t in gpu + cpu:
         t.zero_()
+    torch.cuda.synchronize()
+    engine_stream = torch.cuda.Stream()  # the engine's stream; layer groups arrive from a delivery thread
+    with torch.cuda.stream(engine_stream):
+        on_gpu = PagedBlocks(gpu, describe_layout(kind, gpu[0]), ids, start)
     for first, end in ((0, 1), (1, 3)):  # layer groups, as layer-wise delivery sends them
         on_cpu.receive_layers(blobs, first, end, count, layers)
-        on_gpu.receive_layers(blobs, first, end, count, layers)
-    torch.cuda.synchronize()
+        with ThreadPoolExecutor(1) as delivery:
+            delivery.submit(on_gpu.receive_layers, blobs, first, end, count, layers).result()
+    engine_stream.synchronize()
     assert all(torch.equal(g.cpu(), c) for g, c in zip(gpu, cpu))
     (first_gpu, kv_gpu), (first_cpu, kv_cpu) = on_gpu.emit(start, count), on_cpu.emit(start, count)
     assert first_gpu == first_cpu == 0 and all(torch.equal(g, c) for g, c in zip(kv_gpu, kv_cpu))

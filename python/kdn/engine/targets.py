@@ -157,6 +157,9 @@ class PagedBlocks:
         self.block_ids = np.asarray(block_ids, dtype=np.int64)
         self.device = layers[0].device
         self._decoded = None  # (blobs, tokens, device chunks) of the last load on a GPU
+        # on a GPU, every copy goes on the stream current where the target was made (the engine's),
+        # whichever thread delivers a layer group: the engine's kernels after it are ordered after it
+        self.stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def receive(self, session: ModelSession, blobs: list, num_tokens: int) -> int:
         if self.device.type == "cuda":
@@ -176,12 +179,12 @@ class PagedBlocks:
     def _receive_cuda(self, blobs: list, first: int, end: int, num_tokens: int) -> None:
         """Sequence positions [start, num_tokens) of layers [first, end) on the GPU: the chunks decoded
         on the device once per ``blobs`` (layer groups of one load reuse them), then the CUDA twin of
-        the paged copy lays each into the blocks on torch's current stream."""
-        with torch.cuda.device(self.device):
+        the paged copy lays each into the blocks, all on the target's stream."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if self._decoded is None or self._decoded[0] is not blobs or self._decoded[1] < num_tokens:
                 shape = (len(self.layers), self.layout.kv_heads, self.layout.head_dim, self.layers[0].dtype)
                 self._decoded = (blobs, num_tokens, _device_chunks(blobs, num_tokens, *shape, self.device))
-            stream, pos = torch.cuda.current_stream(self.device).cuda_stream, 0
+            stream, pos = self.stream.cuda_stream, 0
             layout = self.layout.as_dict()
             for chunk in self._decoded[2]:
                 tokens = chunk.shape[2]
@@ -200,9 +203,9 @@ class PagedBlocks:
                             dtype=self.layers[0].dtype, device=self.device)
         ids = np.ascontiguousarray(self.block_ids[first // size: -(-end // size)])
         if self.device.type == "cuda":  # gathered by the CUDA twin, then one copy to the host
-            with torch.cuda.device(self.device):
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 _core.paged_copy_cuda(self.layers, ids, chunk, 0, 0, end - first, True, layout=layout.as_dict(),
-                                      stream=torch.cuda.current_stream(self.device).cuda_stream)
+                                      stream=self.stream.cuda_stream)
                 chunk = chunk.cpu()
         else:
             _core.gather_paged(self.layers, ids, chunk, layout=layout.as_dict())
