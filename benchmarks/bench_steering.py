@@ -11,6 +11,12 @@ bootstrap interval, and how often each names the other (wrong) candidate.
 
     python benchmarks/bench_steering.py --model smollm2-135m --cases 50 --out benchmarks/results/editing/steering
     python benchmarks/bench_steering.py --model smollm2-135m --cases 50 --task single --out ...
+    python benchmarks/bench_steering.py --model qwen2.5-coder-0.5b --cases 50 --emphasis auto --out ...
+
+``--emphasis auto``: the span is not given; the model names at deposit the sentence it holds most
+important (``emphasize="auto"``, :mod:`kdn.edits.autospans`). Also reported: how often the sentences
+it named are the right statement, the other one, or filler only; a deposit where it names none is
+stored unedited (what a user does after kdn refuses it), so its steered answers are the plain one.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ def main() -> None:
     parser.add_argument("--heads", default="4,16", help="steered head counts to compare")
     parser.add_argument("--task", default="conflict", choices=["conflict", "single"],
                         help="conflict: two names, the right one emphasized; single: one name, emphasized")
+    parser.add_argument("--emphasis", default="given", choices=["given", "auto"],
+                        help="given: the right statement is emphasized; auto: the model names what to emphasize")
     parser.add_argument("--out", default="bench_out/steering")
     args = parser.parse_args()
     model, tokenizer = kdn.models.load(args.model)
@@ -51,6 +59,7 @@ def main() -> None:
     specs = [f"steer:alpha={args.alpha:g},heads={h}" for h in args.heads.split(",")]
     rng = random.Random(1000)  # the profile draws from seed 0
     right: dict = {"plain": {}}
+    picked: dict = {}  # auto emphasis: which statement the model named, per case
     wrong: dict = {"plain": {}}
     for spec in specs:
         right[spec], wrong[spec] = {}, {}
@@ -58,16 +67,25 @@ def main() -> None:
         context, span, question, answer = steer.probe(velmora(), rng, words=args.words,
                                                       conflict=args.task == "conflict")
         other = next((n for n in steer.NAMES if f" was {n}." in context and n != answer.strip()), "\0")
-        cache.deposit(model, context, edits=specs, tokenizer=tokenizer, emphasize=[span])
+        steered = True
+        if args.emphasis == "given":
+            cache.deposit(model, context, edits=specs, tokenizer=tokenizer, emphasize=[span])
+        else:
+            try:
+                found = cache.deposit(model, context, edits=specs, tokenizer=tokenizer, emphasize="auto")
+                picked[case] = _picked(found["auto_spans"]["spans"], span, context, other)
+            except kdn.InvalidInputError:
+                picked[case], steered = "none", False
+                cache.deposit(model, context, tokenizer=tokenizer)
         ids = tokenizer(context + question, return_tensors="pt").input_ids
         for method in ["plain", *specs]:
-            out = cache.generate(model, ids, edits=None if method == "plain" else method, max_new_tokens=6,
-                                 do_sample=False)
+            edit = None if method == "plain" or not steered else method
+            out = cache.generate(model, ids, edits=edit, max_new_tokens=6, do_sample=False)
             text = tokenizer.decode(out[0, ids.shape[1]:])
             right[method][case] = float(answer.strip() in text)
             wrong[method][case] = float(other in text)
         line = "  ".join(f"{m}: {sum(right[m].values()) / (case + 1):.2f}" for m in right)
-        print(f"case {case + 1}/{args.cases}  accuracy {line}", flush=True)
+        print(f"case {case + 1}/{args.cases}  accuracy {line}  {picked.get(case, '')}", flush=True)
     rows = {}
     for method in right:
         rows[method] = {"accuracy": sum(right[method].values()) / args.cases,
@@ -82,11 +100,26 @@ def main() -> None:
         g = f"{gain['mean']:+.3f} ({gain['ci95'][0]:+.3f}, {gain['ci95'][1]:+.3f})" if gain else "-"
         print(f"| {method} | {r['accuracy']:.3f} | {r['accuracy_ci95'][0]:.2f}-{r['accuracy_ci95'][1]:.2f} | "
               f"{r['names_the_other']:.3f} | {g} |")
-    path = save_result(Path(args.out) / f"bench_steering_{args.model}_{args.task}.json",
+    named = {k: sum(v == k for v in picked.values()) / args.cases for k in ("right", "other", "filler", "none")}
+    if picked:
+        print("auto emphasis named: " + ", ".join(f"{k} {v:.2f}" for k, v in named.items()))
+    suffix = "_auto" if args.emphasis == "auto" else ""
+    path = save_result(Path(args.out) / f"bench_steering_{args.model}_{args.task}{suffix}.json",
                        {"model": args.model, "task": args.task, "cases": args.cases, "words": args.words,
+                        "emphasis": args.emphasis, "auto_named": named if picked else None,
                         "profile_seconds": profile_s,
                         "profile_top": ranked[:16], "rows": rows, "torch": torch.__version__})
     print("saved", path)
+
+
+def _picked(spans, right_span, context, other) -> str:
+    """Which statement the auto spans cover: ``right`` (the emphasized one), ``other`` (the
+    conflicting one) or ``filler`` (neither)."""
+    if any(s < right_span[1] and right_span[0] < e for s, e in spans):
+        return "right"
+    if any(f" was {other}." in context[s:e] for s, e in spans):
+        return "other"
+    return "filler"
 
 
 if __name__ == "__main__":
