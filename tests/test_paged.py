@@ -117,13 +117,26 @@ def engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype, devic
 
 
 def describe_layout(kind, layer):
-    from kdn.engine.paged import PagedLayout
+    """The layout the vLLM connector derives from a layer tensor (its kernel: 'vec' on the CPU, else 'gpu')."""
+    from kdn.engine.paged import vllm_layout
 
-    if kind == "vec":
-        return PagedLayout.vllm_cpu_vec(layer)
-    if kind.startswith("packed"):
-        return PagedLayout.packed(layer)
-    return PagedLayout.kv_first(layer) if kind == "kv-first" else PagedLayout.blocks_first(layer)
+    return vllm_layout(layer, "vec" if kind == "vec" else "gpu")
+
+
+def test_vllm_tensors_kdn_cannot_tell_apart_or_read_are_refused_with_what_was_found():
+    from kdn._core import InvalidInputError
+
+    from kdn.engine.paged import vllm_layout
+
+    for kind in KINDS:  # each engine layout is recognised as itself
+        expected = {"vec": "vllm-cpu-vec", "kv-first": "kv-first", "blocks-first": "blocks-first"}.get(kind, "packed")
+        assert describe_layout(kind, engine_layers(kind, 2, 4, 2, 16, 8, torch.float32)[1]).name == expected
+    with pytest.raises(InvalidInputError, match=r"\(2, 2, 16, 2, 8\)"):  # 2 blocks: which 2 is K/V?
+        vllm_layout(torch.zeros(2, 2, 16, 2, 8), "gpu")
+    with pytest.raises(InvalidInputError, match="'amx'"):
+        vllm_layout(torch.zeros(4, 2, 16, 16), "amx")
+    with pytest.raises(InvalidInputError, match=r"\(4, 16, 16\)"):
+        vllm_layout(torch.zeros(4, 16, 16), "gpu")
 
 
 def read_like_vllm(kind, layer, blocks, offsets, dim):

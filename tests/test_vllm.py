@@ -280,7 +280,9 @@ def test_the_connector_under_vllms_real_scheduler(setup, redis_server):
     questions of one new document arriving together prefill it once (the second waits, then loads
     exactly what the first stored), in one engine and across two sharing Redis (a claim there), also
     when the step completing the first prefill outlasts the store grace and when the other engine
-    finds the first chunk stored and the rest still on their way."""
+    finds the first chunk stored and the rest still on their way. Issue 24: the worker half over
+    blocks in each of vLLM's GPU layouts (packed HND / NHD, the two older shapes; CPU tensors) loads
+    a stored document where vLLM's own indexing reads it and stores hits and misses exactly."""
     python, folder, _ = setup
     out = run(python, "vllm_scheduler.py", "--model", folder, "--redis", redis_server.url)
     for delivery in ("whole", "layerwise"):
@@ -307,6 +309,11 @@ def test_the_connector_under_vllms_real_scheduler(setup, redis_server):
     assert p["b_hit_while_storing"] == 256 and all(p["claimed_by_a"])
     assert p["b_waiting"] == [] and p["b_after"] == ["b"]
     assert p["b_loads"] == [["b", 0, 600]] and p["stored_tokens"] == 620 and p["equal_to_truth"]
+    for shape, g in out["gpu_layouts"].items():  # the worker half over vLLM's GPU layouts (CPU tensors)
+        assert g["layout"] == ("packed" if shape in ("HND", "NHD") else shape), (shape, g)
+        assert g["loads"] == [[0, 600]] and g["load_errors"] == 0 and g["blocks_equal_to_truth"], (shape, g)
+        assert g["stored_tokens"] == 620 and g["equal_to_truth"], (shape, g)
+        assert g["missed"] == {"stored_tokens": 300, "equal_to_truth": True}, (shape, g)
 
 
 @pytest.fixture(scope="module")

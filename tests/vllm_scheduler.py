@@ -15,6 +15,8 @@ import os
 import numpy as np
 import torch
 
+from kdn.engine.paged import vllm_layout
+
 BLOCK = 32  # the CPU "vec" kernel (a block size not a multiple of 32 selects "vec16")
 STALE = 7.0  # what a previous request left in the blocks
 
@@ -32,6 +34,7 @@ def main() -> None:
     results["verified_hit"] = verified_hit(args.model)
     results["in_flight"] = in_flight(args.model)
     results["in_flight_slow_step"] = in_flight_slow_step(args.model)
+    results["gpu_layouts"] = gpu_layouts(args.model)
     if args.redis:
         results["claimed_elsewhere"] = claimed_elsewhere(args.model, args.redis)
         results["claimed_partly_stored"] = claimed_partly_stored(args.model, args.redis)
@@ -41,7 +44,10 @@ def main() -> None:
 class Harness:
     """vLLM's Scheduler with kdn's connector, and kdn's worker half over blocks held here."""
 
-    def __init__(self, model: str, **kdn_settings):
+    def __init__(self, model: str, block: int = BLOCK, gpu_shape: str | None = None, **kdn_settings):
+        """``gpu_shape``: the worker's blocks in one of vLLM's GPU layouts (``"HND"``, ``"NHD"``: the
+        packed view in either stride order; ``"kv-first"``, ``"blocks-first"``: the older shapes), as
+        CPU tensors, the worker told they are a GPU backend's (no vLLM GPU engine here)."""
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -56,7 +62,7 @@ class Harness:
             scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=kdn_settings.pop("batch", 2048),
                                              max_model_len=4096, enable_chunked_prefill=True,
                                              is_encoder_decoder=False),
-            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+            cache_config=CacheConfig(block_size=block, enable_prefix_caching=False),
             kv_transfer_config=KVTransferConfig(kv_connector="KDNConnector",
                                                 kv_connector_module_path="kdn.integrations.vllm",
                                                 kv_role="kv_both", kv_connector_extra_config=kdn_settings,
@@ -67,14 +73,17 @@ class Harness:
         blocks = 400
         names = [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)]
         kv_config = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
-            names, FullAttentionSpec(block_size=BLOCK, num_kv_heads=self.heads, head_size=self.dim,
+            names, FullAttentionSpec(block_size=block, num_kv_heads=self.heads, head_size=self.dim,
                                      dtype=torch.float32))])
         config.cache_config.num_gpu_blocks = blocks
         self.scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_config, log_stats=False,
-                                   structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)
-        self.worker = connector.KDNConnector(config, KVConnectorRole.WORKER, kv_config)
-        self.caches = {n: torch.full((blocks, self.heads, BLOCK, 2 * self.dim), STALE) for n in names}
+                                   structured_output_manager=StructuredOutputManager(config), block_size=block)
+        self.gpu_shape, self.block = gpu_shape, block
+        worker = connector.KDNConnector if gpu_shape is None else _told_gpu(connector.KDNConnector)
+        self.worker = worker(config, KVConnectorRole.WORKER, kv_config)
+        self.caches = {n: _blocks(gpu_shape, blocks, self.heads, block, self.dim) for n in names}
         self.worker.register_kv_caches(self.caches)
+        self.layout = vllm_layout(self.caches[names[0]], "vec" if gpu_shape is None else "gpu")
         assert self.worker.engine is not None, self.worker.reason
         self.io, self.session = self.worker.engine.chunks, self.worker.session
         self.connector = connector
@@ -147,7 +156,8 @@ class Harness:
         blob = _core.pack_chunk(kv, 0, end, self.session.fingerprint, bytes(16))
         (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
         layers = [self.caches[f"model.layers.{i}.self_attn.attn"] for i in range(self.layers)]
-        _core.unpack_chunks_paged([blob], layers, np.asarray(block_ids, dtype=np.int64), start, end)
+        _core.unpack_chunks_paged([blob], layers, np.asarray(block_ids, dtype=np.int64), start, end,
+                                  layout=self.layout.as_dict())
 
     def hold_saves(self):
         """Hold the worker's stores until the returned event is set (a store still on its way)."""
@@ -168,6 +178,70 @@ class Harness:
 
         kv, hit = self.io.read(self.session, np.asarray(tokens, dtype=np.uint32), len(tokens), HFTarget())
         return hit, kv
+
+
+def _told_gpu(base):
+    class ToldGPU(base):
+        """The worker half with its blocks declared a GPU backend's (they are CPU tensors here)."""
+
+        def attention_kernel(self, layer):
+            return "gpu"
+
+    return ToldGPU
+
+
+def _blocks(shape: str | None, blocks: int, heads: int, block: int, dim: int) -> torch.Tensor:
+    """A layer's KV blocks as vLLM allocates them, filled with STALE."""
+    if shape in (None, "HND"):
+        return torch.full((blocks, heads, block, 2 * dim), STALE)
+    if shape == "NHD":
+        return torch.full((blocks, block, heads, 2 * dim), STALE).permute(0, 2, 1, 3)
+    if shape == "kv-first":
+        return torch.full((2, blocks, block, heads, dim), STALE)
+    return torch.full((blocks, 2, block, heads, dim), STALE)  # blocks-first
+
+
+def _read_blocks(h: Harness, layer: torch.Tensor, block_ids: list, n: int) -> tuple:
+    """Rows [0, n) of a request's K and V ([1, heads, n, dim]) read with vLLM's reference connector
+    indexing (``layer[block_ids, :, offsets]`` for the packed view), not with kdn's layout."""
+    p = torch.arange(n)
+    ids, offsets = torch.as_tensor(block_ids)[p // h.block], p % h.block
+    if h.gpu_shape in ("HND", "NHD"):
+        rows = layer[ids, :, offsets]  # [n, heads, 2 * dim]
+        k, v = rows[..., :h.dim], rows[..., h.dim:]
+    elif h.gpu_shape == "kv-first":
+        k, v = layer[0, ids, offsets], layer[1, ids, offsets]  # [n, heads, dim]
+    else:
+        k, v = layer[ids, 0, offsets], layer[ids, 1, offsets]
+    return k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0)
+
+
+def gpu_layouts(model: str) -> dict:
+    """The worker half over blocks in each of vLLM's GPU layouts (CPU tensors, 16-token blocks): a
+    stored document is loaded into the blocks (read back with vLLM's own indexing), the question
+    computed, and the whole prompt gathered out of the blocks and stored: what an exact reader gets."""
+    results = {}
+    for i, shape in enumerate(("HND", "NHD", "kv-first", "blocks-first")):  # a store per process: own tokens
+        h = Harness(model, block=16, gpu_shape=shape, chunk_size=256)
+        doc, question = _tokens(600, 1001 + 10 * i), _tokens(20, 1002 + 10 * i)
+        truth = _random_kv(h, 620, 1003 + 10 * i)
+        h.io.write(h.session, np.asarray(doc, dtype=np.uint32), [t[:, :, :600] for t in truth])
+        h.request("g", doc + question)
+        meta, errors = h.step({"g": truth})
+        (block_ids,) = h.scheduler.kv_cache_manager.get_block_ids("g")
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(h.layers)]
+        read = [_read_blocks(h, h.caches[name], block_ids, 620) for name in names]
+        blocks_equal = all(torch.equal(k, truth[2 * i]) and torch.equal(v, truth[2 * i + 1])
+                           for i, (k, v) in enumerate(read))
+        missed = _tokens(300, 1004 + 10 * i)  # a miss: computed whole, gathered out of the blocks and stored
+        missed_truth = _random_kv(h, 300, 1005 + 10 * i)
+        h.request("m", missed)
+        h.step({"m": missed_truth})
+        results[shape] = {"layout": h.worker.reason or h.layout.name, "loads": [[s.start, s.end] for s in meta.loads],
+                          "load_errors": len(errors), "blocks_equal_to_truth": blocks_equal,
+                          **_exact(h, doc + question, truth),
+                          "missed": _exact(h, missed, missed_truth)}
+    return results
 
 
 def _random_kv(h: Harness, n: int, seed: int) -> list:

@@ -92,6 +92,34 @@ class PagedLayout:
         return cls(heads, dim, size, blocks, (0, sb, sh, st, sd), (s2, sb, sh, st, sd), "blocks-first")
 
 
+def vllm_layout(layer: torch.Tensor, kernel: str) -> PagedLayout:
+    """The layout of one of vLLM's per-layer KV tensors, as vLLM hands them to a KV connector.
+
+    ``kernel`` is the attention kernel that owns the blocks: ``"vec"`` (vLLM's CPU kernel, the only
+    CPU one kdn reads) or ``"gpu"`` (FLASH_ATTN, FLASHINFER, TRITON_ATTN: the packed
+    ``[blocks, heads, block, K||V]`` view since RFC #42082, or the older 5-D shapes, told apart by
+    where their 2 is). Anything else is an :class:`InvalidInputError` that says what was found.
+
+    Example:
+        >>> from kdn.engine.paged import vllm_layout
+        >>> vllm_layout(torch.zeros(8, 16, 4, 128).permute(0, 2, 1, 3), "gpu").name
+        'packed'
+        >>> vllm_layout(torch.zeros(2, 8, 16, 4, 64), "gpu").name
+        'kv-first'
+    """
+    if kernel == "vec":
+        return PagedLayout.vllm_cpu_vec(layer)
+    if kernel != "gpu":
+        raise InvalidInputError(f"vLLM attention kernel {kernel!r}: kdn reads the CPU 'vec' kernel's blocks "
+                                "and the GPU backends' (FLASH_ATTN, FLASHINFER, TRITON_ATTN)")
+    if layer.dim() == 4:
+        return PagedLayout.packed(layer)
+    if layer.dim() == 5 and (layer.shape[0] == 2) != (layer.shape[1] == 2):
+        return PagedLayout.kv_first(layer) if layer.shape[0] == 2 else PagedLayout.blocks_first(layer)
+    raise InvalidInputError(f"vLLM GPU KV tensor {tuple(layer.shape)}: expected [blocks, heads, block, K||V], "
+                            "(2, blocks, block, heads, dim) or (blocks, 2, block, heads, dim)")
+
+
 def _expect(layer: torch.Tensor, ndim: int, shape: str) -> None:
     if layer.dim() != ndim:
         raise InvalidInputError(f"paged layout {shape}: got a {layer.dim()}-D tensor {tuple(layer.shape)}")

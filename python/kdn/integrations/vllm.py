@@ -22,7 +22,9 @@ prefill, and only when that step's loads are known to have succeeded and nothing
 lossy; after a failed load vLLM recomputes the request, and the recomputed prompt is stored then.
 With ``verify_fraction`` a sampled hit's last tokens are held back, computed by vLLM and compared
 with what kdn stores (:mod:`kdn.engine.verify`). A model kdn cannot serve (sliding window, MLA, hybrid
-or mamba layers, a KV layout it does not know) is logged once at start-up and served nothing.
+or mamba layers, a KV layout it does not know) is logged once at start-up and served nothing. The
+blocks may be the CPU 'vec' kernel's or a GPU backend's (:func:`kdn.engine.paged.vllm_layout`); on a
+GPU, chunks are laid in and gathered out by kdn's CUDA paged copy on vLLM's current stream.
 Scheduler and worker share one kdn store per process; where vLLM runs them in different processes
 (``vllm serve``: the worker in a process of its own), the scheduler's lookups are answered by the
 worker's process over a unix socket (:mod:`kdn.integrations.lookups`), so that a memory tier,
@@ -50,10 +52,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
 from kdn.delivery import DeliveryError
 from kdn.engine import Engine, HFTarget, ModelSession
-from kdn.engine.paged import PagedLayout
+from kdn.engine.paged import PagedLayout, vllm_layout
 from kdn.engine.served import Served
 from kdn.engine.targets import PagedBlocks
 from kdn.engine.verify import plane_error
@@ -402,22 +405,42 @@ class KDNConnector(KVConnectorBase_V1):
         if self.engine is None:
             return
         ordered = sorted(kv_caches.items(), key=lambda item: _layer_index(item[0]))
-        layout = self.session.layout
-        want = (layout.kv_heads, self.block_size, 2 * layout.head_dim)
-        bad = [name for name, t in ordered if t.dim() != 4 or tuple(t.shape[1:]) != want or not t.is_contiguous()]
-        isa = _cpu_attention_isa(self._vllm_config, layout)
-        if len(ordered) != layout.layers or bad or isa != "vec":
-            self.reason = (f"vLLM's KV layout ({len(ordered)} layers, e.g. {tuple(ordered[0][1].shape)}, CPU attention "
-                           f"kernel {isa!r}) is not the one kdn reads: [blocks, {want[0]}, {want[1]}, {want[2]}] "
-                           "on the 'vec' kernel")
+        try:
+            self._layout = self._describe([t for _, t in ordered])
+        except InvalidInputError as e:
+            self.reason = f"vLLM's KV layout is not one kdn reads: {e}"
             log.warning("kdn: not serving this engine: %s", self.reason)
             self.engine = None
             return
-        # vLLM's CPU 'vec' kernel: each (block, head) holds K transposed, [head_dim, block_size], then
-        # V, [block_size, head_dim] (measured against HF's cache); kdn's C++ core copies chunks in and
-        # out of it by the strides that describe it (kdn.engine.paged, kdn/paged.h)
+        # kdn's C++ core copies chunks in and out of the blocks by the strides that describe them
+        # (kdn.engine.paged, kdn/paged.h); on a GPU with the CUDA twin, on vLLM's current stream
         self._blocks = [t for _, t in ordered]
-        self._layout = PagedLayout.vllm_cpu_vec(self._blocks[0])
+
+    def attention_kernel(self, layer: torch.Tensor) -> str:
+        """Whose blocks ``layer`` is: the CPU kernel vLLM picked (``"vec"``, ``"vec16"``, ``"amx"``, ...)
+        or ``"gpu"`` for a CUDA tensor (every GPU backend hands connectors the same views)."""
+        if layer.device.type == "cpu":
+            return _cpu_attention_isa(self._vllm_config, self.session.layout)
+        return "gpu" if layer.is_cuda else layer.device.type
+
+    def _describe(self, layers: list[torch.Tensor]) -> PagedLayout:
+        """One layout for every layer's tensor, checked against the model and vLLM's block size."""
+        model = self.session.layout
+        if len(layers) != model.layers:
+            raise InvalidInputError(f"{len(layers)} KV tensors for a model of {model.layers} layers")
+        first = layers[0]
+        layout = vllm_layout(first, self.attention_kernel(first))
+        found = (layout.kv_heads, layout.head_dim, layout.block_size)
+        if found != (model.kv_heads, model.head_dim, self.block_size):
+            raise InvalidInputError(f"{tuple(first.shape)} holds {found[0]} heads x {found[1]} dims in blocks of "
+                                    f"{found[2]}; the model has {model.kv_heads} x {model.head_dim}, vLLM's blocks "
+                                    f"are {self.block_size} tokens")
+        odd = [i for i, t in enumerate(layers) if (t.shape, t.stride(), t.dtype, t.device)
+               != (first.shape, first.stride(), first.dtype, first.device)]
+        if odd:
+            raise InvalidInputError(f"layer {odd[0]}'s tensor {tuple(layers[odd[0]].shape)} is not laid out "
+                                    f"like layer 0's {tuple(first.shape)}")
+        return layout
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         if self.engine is None or not self.has_connector_metadata():
