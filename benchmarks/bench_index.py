@@ -3,6 +3,9 @@ blobs, each a valid kdn chunk of one token). Per size and tier: insert rate, the
 32K-token prompt (128 chained chunk keys, ``count_prefix``: p50 / p99 over random stored prompts),
 insert under eviction (the tier full), the disk index rebuilt at start-up, and the memory tier's
 RSS per entry beyond its blob bytes. The lookup p99 should stay flat (<= 2x from 10^3 to 10^6).
+With ``--redis URL`` the remote tier too, on a Redis server of its own (the benchmark empties it):
+insert through its write queue, the 32K lookup (the 128 EXISTS of one pipelined round trip) and
+the server's memory per entry.
 
     python benchmarks/bench_index.py --sizes 1000,10000,100000,1000000 --disk-max 100000 \
         --out benchmarks/results/index
@@ -25,6 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kdn import _core  # noqa: E402
 from kdn.storage import DiskTier, MemoryTier  # noqa: E402
+from kdn.storage.remote import RemoteTier  # noqa: E402
 from timing import save_result  # noqa: E402
 
 PROMPT_CHUNKS = 128  # 32K tokens in chunks of 256
@@ -103,6 +107,30 @@ def bench_disk(n: int, repeats: int, rng, root: Path, fsync: bool) -> dict:
     return row
 
 
+def bench_remote(n: int, url: str, repeats: int, rng) -> dict:
+    import redis
+
+    server = redis.Redis.from_url(url)
+    server.flushdb()
+    before = server.info("memory")["used_memory"]
+    tier = RemoteTier(url, timeout=30.0)
+    seconds = 0.0
+    for lo in range(0, n, 50_000):  # a batch at a time through the write queue, then drained
+        items = [(key(i), blob(i)) for i in range(lo, min(n, lo + 50_000))]
+        t0 = time.perf_counter()
+        for k, b in items:
+            tier.put(k, b)
+        tier.flush()
+        seconds += time.perf_counter() - t0
+    dropped = tier.stats().get("dropped", 0)
+    assert dropped == 0, f"{dropped} puts dropped"
+    row = {"entries": n, "insert_per_s": n / seconds,
+           "server_bytes_per_entry": (server.info("memory")["used_memory"] - before) / n,
+           **lookups(tier, n, repeats, rng)}
+    server.flushdb()
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", default="1000,10000,100000,1000000")
@@ -110,12 +138,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2000)
     parser.add_argument("--no-fsync", action="store_true", help="build disk tiers without fsync per file (faster)")
     parser.add_argument("--dir", default=None, help="where disk tiers are built (default: a temporary folder)")
+    parser.add_argument("--redis", default=None, help="a Redis URL: the remote tier too (the server is emptied)")
     parser.add_argument("--out", default="bench_out/index")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     blob_bytes = len(blob(0))
     root = Path(args.dir or tempfile.mkdtemp(prefix="kdn-index-"))
-    rows = {"memory": [], "disk": []}
+    rows = {"memory": [], "disk": [], "remote": []}
     for n in [int(s) for s in args.sizes.split(",")]:
         row = bench_memory(n, blob_bytes, args.repeats, rng)
         rows["memory"].append(row)
@@ -127,6 +156,11 @@ def main() -> None:
             rows["disk"].append(row)
             print(f"disk   {n:>8}: insert {row['insert_per_s']:>9.0f}/s, 32K lookup p50 {row['p50_us']:.0f} us "
                   f"p99 {row['p99_us']:.0f} us, index rebuild {row['rebuild_s']:.2f} s", flush=True)
+        if args.redis:
+            row = bench_remote(n, args.redis, args.repeats, rng)
+            rows["remote"].append(row)
+            print(f"remote {n:>8}: insert {row['insert_per_s']:>9.0f}/s, 32K lookup p50 {row['p50_us']:.0f} us "
+                  f"p99 {row['p99_us']:.0f} us, server {row['server_bytes_per_entry']:.0f} B/entry", flush=True)
     shutil.rmtree(root, ignore_errors=True)
     for tier, table in rows.items():
         if len(table) > 1:
