@@ -151,3 +151,4 @@ def test_paged_blocks_on_the_gpu_receive_and_emit_what_the_cpu_blocks_do(kind, c
     assert all(torch.equal(g.cpu(), c) for g, c in zip(gpu, cpu))
     (first_gpu, kv_gpu), (first_cpu, kv_cpu) = on_gpu.emit(start, count), on_cpu.emit(start, count)
     assert first_gpu == first_cpu == 0 and all(torch.equal(g, c) for g, c in zip(kv_gpu, kv_cpu))
+    assert kv_gpu[0].device.type == "cpu" and kv_gpu[0].is_pinned()  # staged in pinned memory for the store

@@ -202,11 +202,14 @@ class PagedBlocks:
         chunk = torch.empty(len(self.layers), 2, end - first, layout.kv_heads, layout.head_dim,
                             dtype=self.layers[0].dtype, device=self.device)
         ids = np.ascontiguousarray(self.block_ids[first // size: -(-end // size)])
-        if self.device.type == "cuda":  # gathered by the CUDA twin, then one copy to the host
+        if self.device.type == "cuda":  # gathered by the CUDA twin, then one copy into pinned host memory
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 _core.paged_copy_cuda(self.layers, ids, chunk, 0, 0, end - first, True, layout=layout.as_dict(),
                                       stream=self.stream.cuda_stream)
-                chunk = chunk.cpu()
+                host = torch.empty(chunk.shape, dtype=chunk.dtype, pin_memory=True)
+                host.copy_(chunk, non_blocking=True)
+                self.stream.synchronize()  # the blocks are the engine's to reuse once this returns
+                chunk = host
         else:
             _core.gather_paged(self.layers, ids, chunk, layout=layout.as_dict())
         return first, [chunk[i, side].transpose(0, 1).unsqueeze(0) for i in range(len(self.layers)) for side in (0, 1)]
