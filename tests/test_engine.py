@@ -46,3 +46,33 @@ def test_save_refuses_kv_computed_over_what_the_rule_forbids_for_every_face(stor
     assert engine.lookup(session, tokens, 199) == 0 and engine.stats()["integrity"]["refused_stores"] == 3
     assert engine.load(session, tokens, 199, HFTarget("cpu")).hit == 0
     assert engine.save(session, tokens, kv, Served(tokens=64)) == 192  # exact: 3 chunks (an 8-token tail is not)
+
+
+def test_a_prompt_is_hashed_once_per_session_and_its_keys_are_the_chained_keys(stories, monkeypatch):
+    """Lookups asked again each step, the load and the save of one request hash its tokens once; the
+    keys are kdn.keys.prefix_keys' for every length and with or without the partial chunk."""
+    from kdn.engine import session as session_module
+    from kdn.keys import prefix_keys
+
+    model, _ = stories
+    engine = Engine(KDNConfig(chunk_size=64))
+    session = engine.session(model)
+    for n in (0, 1, 63, 64, 65, 200, 256):
+        tokens = session.tokens(random_ids(model, n, seed=n)) if n else session.tokens([])
+        for partial in (False, True):
+            expected = prefix_keys(session.fingerprint, tokens, 64, partial)
+            assert session.prefix_keys(tokens, partial) == expected, (n, partial)
+    calls = []
+    real = session_module.prefix_keys
+    monkeypatch.setattr(session_module, "prefix_keys", lambda *a: calls.append(a) or real(*a))
+    ids = random_ids(model, 300, seed=7)
+    tokens = session.tokens(ids)
+    kv = [t.detach() for t in cache_to_kv_list(full_prefill(model, ids)[1])]
+    for _ in range(3):
+        engine.lookup(session, tokens, 299)
+    engine.save(session, tokens, kv)
+    assert engine.load(session, tokens, 299, HFTarget("cpu")).hit == 299
+    assert len(calls) == 1
+    other = tokens.copy()
+    other[-1] = (int(other[-1]) + 1) % model.config.vocab_size  # one token apart: its own keys
+    assert session.prefix_keys(other, True)[-1] != session.prefix_keys(tokens, True)[-1] and len(calls) == 2

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 import weakref
 
 import numpy as np
@@ -12,6 +14,28 @@ from kdn.keys import model_fingerprint, prefix_keys, segment_key, token_array
 from kdn.layout import ModelLayout
 
 ROOT = bytes(16)  # the parent key of a prompt's first chunk
+
+
+class RecentKeys:
+    """The chained keys of the last ``size`` prompts a session hashed, by their exact token bytes: a
+    request's lookups (asked again each step while it waits), its load and its save hash it once."""
+
+    def __init__(self, size: int = 64):
+        self.size, self._lru, self._lock = size, collections.OrderedDict(), threading.Lock()
+
+    def keys(self, tokens: np.ndarray, compute) -> list[bytes]:
+        data = np.ascontiguousarray(tokens, dtype=np.uint32).tobytes()
+        with self._lock:
+            keys = self._lru.get(data)
+            if keys is not None:
+                self._lru.move_to_end(data)
+                return keys
+        keys = compute()
+        with self._lock:
+            self._lru[data] = keys
+            while len(self._lru) > self.size:
+                self._lru.popitem(last=False)
+        return keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +55,7 @@ class ModelSession:
     fingerprint: bytes
     chunk_size: int
     probe_step: int = 0
+    recent: RecentKeys = dataclasses.field(default_factory=RecentKeys, init=False, compare=False, repr=False)
 
     def tokens(self, token_ids) -> np.ndarray:
         """Validated uint32 token ids (list, numpy or torch; 1-D or [1, n])."""
@@ -38,8 +63,9 @@ class ModelSession:
 
     def prefix_keys(self, tokens: np.ndarray, include_partial: bool = False) -> list[bytes]:
         """Chained keys of the full chunks of ``tokens`` (from :meth:`tokens`), and of a trailing
-        partial chunk with ``include_partial``."""
-        return prefix_keys(self.fingerprint, tokens, self.chunk_size, include_partial)
+        partial chunk with ``include_partial``; each prompt hashed once, :class:`RecentKeys`)."""
+        keys = self.recent.keys(tokens, lambda: prefix_keys(self.fingerprint, tokens, self.chunk_size, True))
+        return list(keys if include_partial else keys[: len(tokens) // self.chunk_size])
 
     def chunk_key(self, parent: bytes, tokens: np.ndarray) -> bytes:
         """The key of a chunk holding ``tokens`` behind the chunk keyed ``parent`` (:data:`ROOT` first)."""
