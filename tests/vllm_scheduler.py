@@ -71,7 +71,7 @@ class Harness:
         hf = model_config.hf_text_config
         self.heads, self.dim, self.layers = hf.num_key_value_heads, hf.head_dim, hf.num_hidden_layers
         blocks = 400
-        names = [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)]
+        self.names = names = [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)]
         kv_config = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
             names, FullAttentionSpec(block_size=block, num_kv_heads=self.heads, head_size=self.dim,
                                      dtype=torch.float32))])
@@ -155,7 +155,7 @@ class Harness:
                                               for _ in range(2 * self.layers)]
         blob = _core.pack_chunk(kv, 0, end, self.session.fingerprint, bytes(16))
         (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
-        layers = [self.caches[f"model.layers.{i}.self_attn.attn"] for i in range(self.layers)]
+        layers = [self.caches[name] for name in self.names]
         _core.unpack_chunks_paged([blob], layers, np.asarray(block_ids, dtype=np.int64), start, end,
                                   layout=self.layout.as_dict())
 
@@ -229,10 +229,9 @@ def gpu_layouts(model: str) -> dict:
         h.request("g", doc + question)
         meta, errors = h.step({"g": truth})
         (block_ids,) = h.scheduler.kv_cache_manager.get_block_ids("g")
-        names = [f"model.layers.{i}.self_attn.attn" for i in range(h.layers)]
-        read = [_read_blocks(h, h.caches[name], block_ids, 620) for name in names]
-        blocks_equal = all(torch.equal(k, truth[2 * i]) and torch.equal(v, truth[2 * i + 1])
-                           for i, (k, v) in enumerate(read))
+        read = [_read_blocks(h, h.caches[name], block_ids, 620) for name in h.names]
+        blocks_equal = all(torch.equal(k, truth[2 * layer]) and torch.equal(v, truth[2 * layer + 1])
+                           for layer, (k, v) in enumerate(read))
         missed = _tokens(300, 1004 + 10 * i)  # a miss: computed whole, gathered out of the blocks and stored
         missed_truth = _random_kv(h, 300, 1005 + 10 * i)
         h.request("m", missed)

@@ -50,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
@@ -60,6 +60,7 @@ from kdn.engine.paged import PagedLayout, vllm_layout
 from kdn.engine.served import Served
 from kdn.engine.targets import PagedBlocks
 from kdn.engine.verify import plane_error
+from kdn.integrations import vllm_metrics as metrics
 from kdn.integrations.lookups import LookupClient, LookupServer, socket_path
 from kdn.keys import checkpoint_fingerprint
 from kdn.layout import ModelLayout
@@ -70,15 +71,6 @@ log = logging.getLogger("kdn")
 _stores: dict[tuple, tuple[Engine, ModelSession]] = {}
 _lookup_servers: dict[str, LookupServer] = {}  # socket path -> the server of this process' worker
 _stores_lock = threading.Lock()
-_counters = {"lookups": 0, "hit_tokens": 0, "loads": 0, "loaded_tokens": 0, "load_errors": 0, "stores": 0,
-             "stored_tokens": 0, "refused_stores": 0, "verify_checks": 0, "verify_mismatches": 0,
-             "load_seconds": 0.0, "store_seconds": 0.0,
-             # chunks each tier served to this process' loads (from the tiers' own counters)
-             "memory_chunks": 0, "disk_chunks": 0, "remote_chunks": 0,
-             # requests that waited for another's prefill of their document (asked again later)
-             "in_flight_waits": 0}
-
-
 _connectors: weakref.WeakSet = weakref.WeakSet()
 # a request whose next chunk another request is prefilling (in this engine, or claimed in the remote
 # store by another) waits for it (asked again each step) at most this long; a prefill that completed
@@ -99,51 +91,7 @@ def stats() -> dict:
     and the tiers' own counters: ``{"connector": {...}, "memory": {...}, "disk": {...}, ...}``."""
     with _stores_lock:
         tiers = {name: s for engine, _ in _stores.values() for name, s in engine.chunks.stats().items()}
-        return {"connector": dict(_counters), **tiers}
-
-
-_reported = dict(_counters)  # what get_kv_connector_stats last reported
-
-
-def _count(**deltas) -> None:
-    with _stores_lock:
-        for name, value in deltas.items():
-            _counters[name] += value
-
-
-class KDNStats(KVConnectorStats):
-    """The connector counters' increments over one interval (what vLLM logs and puts on /metrics)."""
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
-
-
-class KDNPromMetrics(KVConnectorPromMetrics):
-    """kdn's counters as Prometheus counters ``vllm:kdn_<name>`` (per engine), on vLLM's /metrics."""
-
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {}
-        for name in _counters:
-            counter = self._counter_cls(name=f"vllm:kdn_{name}", labelnames=labelnames,
-                                        documentation=f"kdn connector: {name.replace('_', ' ')}")
-            self._counters[name] = {i: counter.labels(*values) for i, values in per_engine_labelvalues.items()}
-
-    def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
-        for name, value in transfer_stats_data.items():
-            if name in self._counters and value > 0:
-                self._counters[name][engine_idx].inc(value)
+        return {"connector": metrics.totals(), **tiers}
 
 
 @dataclasses.dataclass
@@ -221,7 +169,7 @@ def _serve_lookups(path: str, engine: Engine, session: ModelSession) -> None:
     with _stores_lock:
         if path not in _lookup_servers:
             def lookup(tokens, limit):  # counted here: this process' counters reach vLLM's /metrics
-                _count(lookups=1)
+                metrics.count(lookups=1)
                 return engine.lookup(session, tokens, limit)
 
             _lookup_servers[path] = LookupServer(path, lookup)
@@ -282,7 +230,7 @@ class KDNConnector(KVConnectorBase_V1):
             hit = self._lookups.lookup(tokens, len(tokens) - 1)
         if hit is None:
             hit = self.engine.lookup(self.session, tokens, len(tokens) - 1)
-            _count(lookups=1)
+            metrics.count(lookups=1)
         if self._prefilled_elsewhere(request.request_id, tokens, hit):
             return None, False  # vLLM skips the request this step and asks again
         span = self.engine.chunks.verifier.sample(hit - num_computed_tokens)  # verified: vLLM computes the last ones
@@ -319,7 +267,7 @@ class KDNConnector(KVConnectorBase_V1):
             keys = []  # waited long enough: computes it too, without a claim
         self._claims[req_id] = keys
         if self._waiting.pop(req_id, None) is not None:
-            _count(in_flight_waits=1)
+            metrics.count(in_flight_waits=1)
         return False
 
     def _worker_here(self) -> bool:
@@ -463,7 +411,7 @@ class KDNConnector(KVConnectorBase_V1):
             served.tokens = max(served.tokens, upto)
             if upto < spec.end:  # evicted or unusable since the lookup: vLLM recomputes these blocks
                 self._load_failed(spec, max(upto, spec.start), "evicted or damaged since the lookup")
-            _count(loads=1, loaded_tokens=max(0, upto - spec.start), hit_tokens=max(0, upto - spec.start),
+            metrics.count(loads=1, loaded_tokens=max(0, upto - spec.start), hit_tokens=max(0, upto - spec.start),
                    load_seconds=time.perf_counter() - began)
 
     def _load_failed(self, spec: LoadSpec, start: int, why: str) -> None:
@@ -473,7 +421,7 @@ class KDNConnector(KVConnectorBase_V1):
         self._served.setdefault(spec.req_id, Served()).failed = True  # nothing of it is stored this step
         log.warning("kdn: %d of %d tokens could not be loaded (%s); vLLM recomputes them", spec.end - start,
                     spec.end - spec.start, why)
-        _count(load_errors=1)
+        metrics.count(load_errors=1)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._streams:
@@ -513,7 +461,7 @@ class KDNConnector(KVConnectorBase_V1):
             if not store and check is None:
                 if served.unstorable() is not None:
                     self.engine.save(self.session, np.asarray(spec.tokens, dtype=np.uint32), [], served)  # refused
-                    _count(refused_stores=1)
+                    metrics.count(refused_stores=1)
                 continue  # else kdn served this prompt: it holds its KV already
             # a copy: the blocks are vLLM's to reuse once this returns
             blocks = PagedBlocks(self._blocks, self._layout, spec.block_ids)
@@ -544,9 +492,9 @@ class KDNConnector(KVConnectorBase_V1):
                 stored = self.engine.save(self.session, tokens, kv, served)
                 self.engine.flush()
                 if served.unstorable() is None:
-                    _count(stores=1, stored_tokens=stored, store_seconds=time.perf_counter() - began)
+                    metrics.count(stores=1, stored_tokens=stored, store_seconds=time.perf_counter() - began)
                 else:
-                    _count(refused_stores=1)
+                    metrics.count(refused_stores=1)
             except Exception as exc:  # storing is best effort; the request is answered already
                 log.warning("kdn: storing a prompt's KV failed (%s)", exc)
             finally:
@@ -565,7 +513,7 @@ class KDNConnector(KVConnectorBase_V1):
             return True  # evicted since, or not judged
         error = plane_error([t[:, :, start:end] for t in stored], [t[:, :, start - first:end - first] for t in kv])
         ok = verifier.judge(error, tolerance)
-        _count(verify_checks=1, verify_mismatches=0 if ok else 1)
+        metrics.count(verify_checks=1, verify_mismatches=0 if ok else 1)
         if not ok:
             found = self.engine.chunks.find(self.session, tokens[:end], end)
             keys = self.engine.chunks.drop_chunks(self.session, tokens, found, list(range(len(found.keys))))
@@ -589,19 +537,17 @@ class KDNConnector(KVConnectorBase_V1):
         # first caller takes the increments and the other finds none
         with _stores_lock:
             tiers = [engine.chunks.stats() for engine, _ in _stores.values()]
-            for tier in ("memory", "disk", "remote"):
-                _counters[f"{tier}_chunks"] = sum(t.get(tier, {}).get("served", 0) for t in tiers)
-            delta = {name: _counters[name] - _reported[name] for name in _counters}
-            _reported.update(_counters)
-        return KDNStats(data=delta) if any(delta.values()) else None
+        delta = metrics.increments({f"{tier}_chunks": sum(t.get(tier, {}).get("served", 0) for t in tiers)
+                                    for tier in ("memory", "disk", "remote")})
+        return metrics.KDNStats(data=delta) if any(delta.values()) else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict | None = None) -> KVConnectorStats | None:
-        return KDNStats(data=dict(data or {}))
+        return metrics.KDNStats(data=dict(data or {}))
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        return KDNPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        return metrics.KDNPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         """Finish queued stores (they are on disk / sent when this returns)."""

@@ -1,0 +1,77 @@
+"""The vLLM connector's counters: this process' totals, the increments vLLM collects from both
+connector halves each interval (it sums them), and their Prometheus counters ``vllm:kdn_<name>``."""
+
+from __future__ import annotations
+
+import threading
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+NAMES = ("lookups", "hit_tokens", "loads", "loaded_tokens", "load_errors", "stores", "stored_tokens",
+         "refused_stores", "verify_checks", "verify_mismatches", "load_seconds", "store_seconds",
+         # chunks each tier served to this process' loads (from the tiers' own counters)
+         "memory_chunks", "disk_chunks", "remote_chunks",
+         # requests that waited for another's prefill of their document (asked again later)
+         "in_flight_waits")
+
+_lock = threading.Lock()
+_totals = dict.fromkeys(NAMES, 0)
+_reported = dict(_totals)  # what increments() last handed out
+
+
+def count(**deltas) -> None:
+    """Add to this process' counters."""
+    with _lock:
+        for name, value in deltas.items():
+            _totals[name] += value
+
+
+def totals() -> dict:
+    """This process' counters."""
+    with _lock:
+        return dict(_totals)
+
+
+def increments(absolute: dict) -> dict:
+    """Each counter's increase since the last call, after setting those given as ``absolute`` values
+    (the tiers' served counts); in one process the first caller takes them and the next finds none."""
+    with _lock:
+        _totals.update(absolute)
+        delta = {name: _totals[name] - _reported[name] for name in NAMES}
+        _reported.update(_totals)
+    return delta
+
+
+class KDNStats(KVConnectorStats):
+    """The connector counters' increments over one interval (what vLLM logs and puts on /metrics)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KDNPromMetrics(KVConnectorPromMetrics):
+    """kdn's counters as Prometheus counters ``vllm:kdn_<name>`` (per engine), on vLLM's /metrics."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {}
+        for name in NAMES:
+            counter = self._counter_cls(name=f"vllm:kdn_{name}", labelnames=labelnames,
+                                        documentation=f"kdn connector: {name.replace('_', ' ')}")
+            self._counters[name] = {i: counter.labels(*values) for i, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            if name in self._counters and value > 0:
+                self._counters[name][engine_idx].inc(value)
