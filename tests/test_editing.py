@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from kdn import KDN, InvalidInputError, KDNConfig
-from kdn.edits import kvzip, parse
-from kdn.layout import cache_to_kv_list
+from kdn.edits import kvzip, parse, steer
+from kdn.layout import cache_to_kv_list, kv_list_to_cache
 
 CHUNK = 128
 
@@ -43,37 +42,70 @@ def test_keep_one_is_a_full_prefill(case):
     assert torch.equal(kdn.generate(model, ids, edits="kvzip:keep=1", max_new_tokens=8, do_sample=False), ref)
 
 
-def test_a_pruned_cache_keeps_the_original_positions(case):
-    """keep=0.5: the served cache holds half the rows, and the next token is computed at position
-    ``hit`` (not at the row count): equal to a hand-built cache of the same rows with explicit
-    positions, and different from the same rows read at the row count."""
+def masked_reference(model, kv, mask, token, position):
+    """The next token's logits over the exact ``kv`` with the triples ``mask`` drops hidden by a
+    -inf bias (each head sees only its kept tokens), the token at ``position``: what a pruned cache
+    must compute, made without pooling, storing or padding."""
+    layers, heads, n = mask.shape
+    groups = model.config.num_attention_heads // heads
+    bias = {layer: torch.where(mask[layer], 0.0, float("-inf")).repeat_interleave(groups, dim=0)
+            for layer in range(layers)}
+    with torch.inference_mode(), steer.applied(model, bias):
+        return model(token, past_key_values=kv_list_to_cache(model, [t[:, :, :n].clone() for t in kv]),
+                     position_ids=torch.tensor([[position]])).logits[0, -1]
+
+
+def test_a_pruned_cache_is_the_exact_cache_with_the_dropped_triples_masked(case):
+    """keep=0.5: the served cache holds fewer rows (heads keep different counts: the budget is
+    ranked across layers and heads), the next token is computed at position ``hit`` (not at the
+    row count), and its logits equal the exact cache's with every dropped (layer, head, token)
+    masked out."""
     model, doc, ids = case
     kdn = KDN(KDNConfig(chunk_size=CHUNK))
     kdn.deposit(model, doc, edits=["kvzip:keep=0.5"])
     cache, hit = kdn.retrieve(model, ids[0], edits="kvzip:keep=0.5")
     rows = cache_to_kv_list(cache)
-    assert rows[0].shape[2] == 3 * round(0.5 * CHUNK) and cache.get_seq_length() == hit == 3 * CHUNK
-    # the reference: the same selection made by hand from a full prefill
+    bias = kdn.last_retrieve["bias"]
+    assert hit == 3 * CHUNK and cache.get_seq_length() == hit and rows[0].shape[2] < hit
     with torch.inference_mode():
         kv = cache_to_kv_list(model(torch.tensor([doc]), use_cache=True).past_key_values)
-    scores = kvzip.scores(model, kv, doc, [])
-    parts = [kvzip.prune(kv, scores, i * CHUNK, (i + 1) * CHUNK, 0.5, 4) for i in range(3)]
-    hand = [torch.cat([p[j] for p in parts], dim=2) for j in range(len(kv))]
-    for got, want in zip(rows, hand):
-        assert torch.equal(got, want)
+    mask = kvzip.chosen(kvzip.scores(model, kv, doc, []), hit, 0.5, 4)
+    held = mask.sum(-1)
+    assert abs(int(mask.sum()) - 0.5 * mask.numel()) <= 1 and held.min() < held.max()  # non-uniform
     token = ids[:, hit:hit + 1]
-
-    def at(position):
-        ref = DynamicCache()
-        for layer in range(len(hand) // 2):
-            ref.update(hand[2 * layer], hand[2 * layer + 1], layer)
-        with torch.inference_mode():
-            return model(token, past_key_values=ref, position_ids=torch.tensor([[position]])).logits[0, -1]
-
-    with torch.inference_mode():
+    with torch.inference_mode(), steer.applied(model, bias):
         served = model(token, past_key_values=cache).logits[0, -1]
-    assert torch.allclose(served, at(hit), atol=1e-5)
-    assert not torch.allclose(served, at(rows[0].shape[2]), atol=1e-3)
+    assert torch.allclose(served, masked_reference(model, kv, mask, token, hit), atol=1e-5)
+    assert not torch.allclose(served, masked_reference(model, kv, mask, token, rows[0].shape[2]), atol=1e-3)
+    with torch.inference_mode():  # the padding rows matter: without their bias the answer differs
+        unmasked = model(token, past_key_values=kdn.retrieve(model, ids[0], edits="kvzip:keep=0.5")[0]).logits[0, -1]
+    assert not torch.allclose(unmasked, served, atol=1e-3)
+
+
+def test_pooled_rows_come_back_in_place():
+    """pool -> unpool over random masks (empty heads, full heads, skewed layers): each head gets
+    exactly its kept rows, in position order, then zero padding (keys moved to their slot rows and
+    back by RoPE: equal to float rounding)."""
+    g = torch.Generator().manual_seed(0)
+    layers, heads, chunk, dim = 3, 2, 16, 4
+    kv = [torch.randn(1, heads, 2 * chunk, dim, generator=g) for _ in range(2 * layers)]
+    for trial in range(20):
+        density = torch.rand(layers, heads, 1, generator=g) ** 2
+        mask = torch.rand(layers, heads, 2 * chunk, generator=g) < density
+        mask[0, 0] = trial % 2 == 0  # one head keeps all or nothing
+        chunks = [mask[:, :, c * chunk:(c + 1) * chunk] for c in range(2)]
+        freq = None if trial % 4 < 2 else 1.0 / 1000 ** (torch.arange(0, dim, 2) / dim)  # keys moved to rows and back
+        parts = [(m, kvzip.pool(kv, m, c * chunk, freq)) for c, m in enumerate(chunks)]
+        assert all(p[0].shape[2] == max(1, -(-int(m.sum()) // (layers * heads))) for m, p in parts)
+        out, held = kvzip.unpool(parts, freq)
+        assert torch.equal(held, mask.sum(-1))
+        for layer in range(layers):
+            for part in (0, 1):
+                for head in range(heads):
+                    want = kv[2 * layer + part][0, head][mask[layer, head]]
+                    got = out[2 * layer + part][0, head]
+                    same = torch.equal if freq is None else (lambda a, b: torch.allclose(a, b, atol=1e-5))
+                    assert same(got[: len(want)], want) and not got[len(want):].any()
 
 
 def test_sinks_are_always_kept(case):
@@ -81,8 +113,36 @@ def test_sinks_are_always_kept(case):
     with torch.inference_mode():
         kv = cache_to_kv_list(model(torch.tensor([doc]), use_cache=True).past_key_values)
     scores = [s.clone() for s in kvzip.scores(model, kv, doc, [])]
-    scores[0][:, :4] = -1.0  # the lowest scores: kept anyway
-    assert (kvzip.select(scores[0], 0, CHUNK, 0.1, 4)[:, :4] == torch.arange(4)).all()
+    for s in scores:
+        s[:, :4] = -1.0  # the lowest scores: kept anyway
+    assert kvzip.chosen(scores, CHUNK, 0.1, 4)[:, :, :4].all()
+
+
+def test_rows_are_only_read_with_their_own_mask(case):
+    """A second deposit sharing the first chunks chooses other rows for them: its rows are filed
+    under its own mask's address, so a reader of the first document gets consistent chunks (equal
+    to the exact cache with the masks it read applied), never one deposit's rows under the other's
+    mask."""
+    model, doc, ids = case
+    kdn = KDN(KDNConfig(chunk_size=CHUNK))
+    other = doc[: 2 * CHUNK] + [(t * 7) % 490 + 10 for t in doc[2 * CHUNK:]]
+    kdn.deposit(model, doc, edits=["kvzip:keep=0.5"])
+    edit = parse("kvzip:keep=0.5")
+    session = kdn.session(model)
+    keys = kdn.chunk_keys(model, doc)
+    before = kdn.chunks.read_sidecar(session, edit.address(keys[0]))
+    kdn.deposit(model, other, edits=["kvzip:keep=0.5"])
+    assert kdn.chunks.read_sidecar(session, edit.address(keys[0])) != before  # other rows chosen
+    layers, heads = session.layout.layers, session.layout.kv_heads
+    mask = torch.cat([kvzip.unpack_mask(kdn.chunks.read_sidecar(session, edit.address(k)), layers, heads, CHUNK)
+                      for k in keys], dim=2)
+    cache, hit = kdn.retrieve(model, ids[0], edits="kvzip:keep=0.5")
+    with torch.inference_mode():
+        kv = cache_to_kv_list(model(torch.tensor([doc]), use_cache=True).past_key_values)
+    token = ids[:, hit:hit + 1]
+    with torch.inference_mode(), steer.applied(model, kdn.last_retrieve["bias"] or {}):
+        served = model(token, past_key_values=cache).logits[0, -1]
+    assert torch.allclose(served, masked_reference(model, kv, mask, token, hit), atol=1e-5)
 
 
 @pytest.mark.parametrize("tier", ["memory", "disk", "redis"])
@@ -100,7 +160,8 @@ def test_exact_readers_and_other_edits_are_never_served_an_edited_cache(case, ti
     edited = parse("kvzip:keep=0.3")
     keys = writer.chunk_keys(model, doc)
     store = {"memory": writer.memory, "disk": writer.disk, "redis": writer.remote}[tier]
-    assert all(store.contains(edited.address(k)) for k in keys), "the edited chunks were not stored"
+    assert all(store.contains(edited.address(k)) for k in keys), "the edited chunks' masks were not stored"
+    assert writer.deposit(model, doc, edits=["kvzip:keep=0.3"])["edits"][edited.spec]["bytes"] > 0
     reader = writer if tier == "memory" else KDN(KDNConfig(chunk_size=CHUNK, **(
         {"disk_dir": config.disk_dir} if tier == "disk" else {"remote_url": config.remote_url})))
     with torch.inference_mode():
@@ -184,3 +245,18 @@ def test_kdn_deposit_refuses_bad_arguments_before_loading_a_model(tmp_path, caps
     assert main(args) == 2
     err = capsys.readouterr().err
     assert why in err and err.count("\n") == 1
+
+
+def test_pooled_keys_sit_at_their_slot_rows(case):
+    """kvzip.turn moves keys as the model's RoPE does (blending's tested shift_keys): a pooled key is
+    the key its token would have at the slot's row, which a codec undoing RoPE by row expects."""
+    from kdn.blend.rope import inv_freq, shift_keys
+
+    model, doc, _ = case
+    with torch.inference_mode():
+        kv = cache_to_kv_list(model(torch.tensor([doc[:64]]), use_cache=True).past_key_values)
+    moved = [t.clone() for t in kv]
+    shift_keys(model, moved, -37)
+    keys = kv[0][0].reshape(-1, kv[0].shape[-1])
+    turned = kvzip.turn(keys, torch.full((keys.shape[0],), -37), inv_freq(model))
+    assert torch.allclose(turned, moved[0][0].reshape(-1, kv[0].shape[-1]), atol=1e-5)

@@ -105,7 +105,7 @@ def test_a_steered_generate_and_an_exact_reader_of_the_same_deposit(case, tmp_pa
     assert stats["edit"] == spec and stats["hit_tokens"] >= full_chunks * CHUNK
     assert reader.stats()["integrity"]["refused_stores"] == 1  # KV computed under steering is not stored
     cache, hit = reader.retrieve(model, ids[0], edits=spec)
-    biases = reader.last_retrieve["steering"]
+    biases = reader.last_retrieve["bias"]
     # the exact KV of the context; the biases over its full chunks (the tail is the question's chunk)
     assert hit == stats["hit_tokens"] and biases and all(b.shape[1] == full_chunks * CHUNK for b in biases.values())
     assert torch.allclose(reader.retrieve(model, ids[0])[0].layers[0].keys, cache.layers[0].keys)
@@ -161,7 +161,7 @@ def test_kdn_deposit_reads_emphasized_spans_from_jsonl(tmp_path, case, capsys):
     assert main(args) == 0
     reader = KDN(KDNConfig(chunk_size=CHUNK, disk_dir=str(store)))
     reader.retrieve(model, ids[0], edits="steer:heads=4")
-    assert reader.last_retrieve["edit"] == "steer:alpha=0.01,heads=4" and reader.last_retrieve["steering"]
+    assert reader.last_retrieve["edit"] == "steer:alpha=0.01,heads=4" and reader.last_retrieve["bias"]
     source.write_text(source.read_text() + json.dumps({"id": "b", "text": "Another text. " * 20}) + "\n")
     capsys.readouterr()
     assert main(args) == 2
@@ -222,7 +222,7 @@ def test_deposit_emphasize_auto_stores_the_named_sentences(stories):
     full = len(enc["input_ids"]) // chunk * chunk
     expected = steer.token_mask(spans, len(enc["input_ids"]), enc["offset_mapping"])[:full]
     _, hit = kdn.retrieve(model, torch.tensor(enc["input_ids"] + [5]), edits="steer:heads=4")
-    steered = [row for bias in kdn.last_retrieve["steering"].values() for row in bias if row.any()]
+    steered = [row for bias in kdn.last_retrieve["bias"].values() for row in bias if row.any()]
     assert hit >= full and steered and all(((row == 0).numpy() == expected).all() for row in steered)
 
     refused = KDN(KDNConfig(chunk_size=chunk))

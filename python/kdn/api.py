@@ -141,16 +141,17 @@ class KDN:
         ``edits`` (a spec or a list, :mod:`kdn.edits`) accepts edited caches deposited with
         :meth:`deposit`: the first edit stored for the prompt's leading chunks is served (a
         :class:`kdn.edits.stored.PrunedCache` for ``kvzip``: fewer rows, the original positions;
-        for ``steer`` the exact cache, with the attention biases in ``last_retrieve["steering"]``, to
-        run the model under ``kdn.edits.steer.applied(model, biases)``), else the exact cache as
-        without ``edits``.
+        for ``steer`` the exact cache), else the exact cache as without ``edits``. An edited hit may
+        come with attention biases in ``last_retrieve["bias"]`` (a steer edit's emphasis; the mask
+        over a pruned cache's padding rows): run the model under
+        ``kdn.edits.steer.applied(model, biases)`` (``generate`` does).
         """
         started = time.perf_counter()
         session = self.session(model)
         tokens = session.tokens(token_ids)
         cache, load = hf.load_cache(self.engine, model, tokens, _limit(limit, len(tokens), "retrieve"), edits, started)
         self._local.last_retrieve = {"hit_tokens": load.hit, "stream": load.stream, "lossy": load.lossy,
-                                     "edit": load.edit, "steering": load.steering}
+                                     "edit": load.edit, "bias": load.bias}
         return (cache, load.hit) if load.hit else (None, 0)
 
     @property

@@ -10,8 +10,9 @@ Registered edits (``EDITS``):
 
 - ``kvzip:keep=R`` (:mod:`kdn.edits.kvzip`): query-agnostic pruning (KVzip, arXiv 2505.23416). Every
   (layer, KV head, token) is scored by the largest attention it receives while the model
-  reconstructs the context; each chunk keeps the ``R`` share of its tokens with the highest scores,
-  the same count in every layer and head (dense stored tensors), sinks always; positions are kept.
+  reconstructs the context; the ``R`` share with the highest scores is kept, ranked together over
+  layers, heads and tokens (a head that reads much keeps much), sinks always; positions are kept.
+  Stored dense: each chunk's kept rows pooled per layer beside a bitmask of what was kept.
 - ``steer:alpha=A,heads=H`` (:mod:`kdn.edits.steer`): attention steering (PASTA, arXiv 2311.02262).
   The spans emphasized at deposit (``emphasize=``) are kept in a sidecar beside the exact KV; a
   reader naming the edit runs the model's ``H`` best-profiled heads with attention to the other
@@ -64,7 +65,7 @@ class Edit:
 
 # name -> (version, {parameter: (default, check, what it must be)})
 EDITS: dict = {
-    "kvzip": (1, {"keep": (0.3, lambda v: 0 < v <= 1, "a share of tokens in (0, 1]"),
+    "kvzip": (2, {"keep": (0.3, lambda v: 0 < v <= 1, "a share of tokens in (0, 1]"),
                   "sink": (4, lambda v: v >= 0 and float(v).is_integer(), "a whole number of tokens >= 0")}),
     "steer": (1, {"alpha": (0.01, lambda v: 0 < v <= 1, "a scale in (0, 1]"),
                   "heads": (16, lambda v: v >= 1 and float(v).is_integer(), "a whole number of heads >= 1")}),

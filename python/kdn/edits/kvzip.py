@@ -1,17 +1,27 @@
 """KVzip pruning (arXiv 2505.23416): score every cached (layer, KV head, token) by the largest
-attention it receives while the model reconstructs the context, keep the best of each chunk.
+attention it receives while the model reconstructs the context, keep the best across the whole
+deposit (ranked together over layers, heads and tokens: KVzip's non-uniform budget).
 
 The score pass runs the model over ``instruction + context`` on top of the context's own KV, in
 pieces of ``piece`` tokens (long contexts never hold a full attention matrix), through an attention
 function registered with transformers' ``AttentionInterface`` (eager math, plus a running max of
 the probabilities each context key receives, over the query heads of its group and over every
 reconstruction query). Model code is never patched.
+
+Storage stays dense: a chunk's kept triples are pooled into ``[1, kv_heads, rows, dim]`` tensors
+per layer (:func:`slots`; every codec codes them), filed beside a bitmask of what was kept; the
+reader puts each head's rows back in position order and pads the shorter heads with rows that an
+attention bias of -inf hides (:func:`unpool`, :func:`padding_bias`). Uniform per-head budgets were
+measured first and lost to this (Qwen2.5-0.5B, the demo's 5 questions at keep 0.5: 2 right vs 4,
+the full prefill's count; benchmarks/results/editing/README.md).
 """
 
 from __future__ import annotations
 
 import threading
 
+import blake3
+import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
@@ -71,28 +81,136 @@ def scores(model, kv: list[torch.Tensor], context_ids: list[int], instruction_id
         del _state.scores
 
 
-def kept(keep: float, tokens: int) -> int:
-    """How many of ``tokens`` a chunk keeps per layer and head: ``round(keep * tokens)``, at least 1."""
-    return max(1, min(tokens, round(keep * tokens)))
+def chosen(layer_scores: list[torch.Tensor], tokens: int, keep: float, sink: int) -> torch.Tensor:
+    """``[layers, kv_heads, tokens]`` bool: the ``keep`` share of all (layer, head, token) triples of
+    the first ``tokens`` with the highest scores, ranked together across layers and heads (KVzip's
+    non-uniform budget: a head that reads much keeps much), positions below ``sink`` always."""
+    s = torch.stack([sc[:, :tokens] for sc in layer_scores]).clone()
+    s[:, :, :sink] = float("inf")
+    mask = torch.zeros(s.numel(), dtype=torch.bool)
+    mask[torch.topk(s.flatten(), kept(keep, s.numel())).indices] = True
+    return mask.view(s.shape)
 
 
-def select(layer_scores: torch.Tensor, start: int, end: int, keep: float, sink: int) -> torch.Tensor:
-    """``[kv_heads, k]`` ascending token indices kept from ``[start, end)``: the :func:`kept` highest
-    scores per head, positions below ``sink`` always."""
-    span = layer_scores[:, start:end].clone()
-    first_sinks = max(0, min(sink, end) - start)
-    span[:, :first_sinks] = float("inf")
-    return torch.topk(span, kept(keep, end - start), dim=1).indices.sort(dim=1).values + start
+def kept(keep: float, count: int) -> int:
+    """How many of ``count`` (layer, head, token) triples are kept: ``round(keep * count)``, at least 1."""
+    return max(1, min(count, round(keep * count)))
 
 
-def prune(kv: list[torch.Tensor], layer_scores: list[torch.Tensor], start: int, end: int, keep: float,
-          sink: int) -> list[torch.Tensor]:
-    """The kept rows of ``kv`` in ``[start, end)``: ``2 * layers`` tensors ``[1, kv_heads, k, dim]``
-    (each head its own tokens, in position order; RoPE untouched, so positions are preserved)."""
+def slots(mask: torch.Tensor) -> torch.Tensor:
+    """Where a chunk's kept triples are stored: ``[layers, kv_heads, rows]`` int64, each slot the
+    flat index ``(layer * kv_heads + head) * chunk + token`` of the triple it holds, -1 if empty.
+    ``rows = ceil(kept / (layers * kv_heads))`` so the stored tensor is dense; a layer's triples fill
+    its own slots first (in head, token order), the rest fill the free slots of other layers in
+    order. A function of the chunk's mask alone: the reader places rows as the writer did."""
+    layers, heads, chunk = mask.shape
+    rows = max(1, -(-int(mask.sum()) // (layers * heads)))
+    src = torch.full((layers, heads * rows), -1, dtype=torch.int64)
+    flat = mask.reshape(layers, -1)
+    overflow = []
+    for layer in range(layers):
+        items = flat[layer].nonzero().flatten() + layer * heads * chunk
+        src[layer, : min(len(items), heads * rows)] = items[: heads * rows]
+        overflow.append(items[heads * rows:])
+    spill = torch.cat(overflow)
+    free = (src.view(-1) == -1).nonzero().flatten()[: len(spill)]
+    src.view(-1)[free] = spill
+    return src.view(layers, heads, rows)
+
+
+def turn(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor | None) -> torch.Tensor:
+    """``keys`` ``[n, head_dim]`` (RoPE rotate-half) moved by ``delta`` ``[n]`` positions each."""
+    if inv_freq is None:
+        return keys
+    angle = delta.double()[:, None] * inv_freq.double()[None, :]
+    cos, sin = torch.cat([angle.cos()] * 2, -1).to(keys.dtype), torch.cat([angle.sin()] * 2, -1).to(keys.dtype)
+    half = keys.shape[-1] // 2
+    return keys * cos + torch.cat([-keys[:, half:], keys[:, :half]], -1) * sin
+
+
+def pool(kv: list[torch.Tensor], mask: torch.Tensor, start: int, inv_freq: torch.Tensor | None = None) -> list:
+    """A chunk's kept rows (``mask`` over the tokens from ``start``) as ``2 * layers`` dense tensors
+    ``[1, kv_heads, rows, dim]`` laid out by :func:`slots` (empty slots are zero). With the model's
+    RoPE ``inv_freq``, each kept key is moved from its position to its slot's row (as if computed
+    there), so a codec that undoes RoPE by row (``kvtc``) sees keys it was calibrated on."""
+    layers, heads, chunk = mask.shape
+    src = slots(mask).view(-1)
+    rows = src.shape[0] // (layers * heads)
     out = []
-    for layer, s in enumerate(layer_scores):
-        idx = select(s, start, end, keep, sink).to(kv[0].device)
-        for t in kv[2 * layer: 2 * layer + 2]:
-            gather = idx[None, :, :, None].expand(1, idx.shape[0], idx.shape[1], t.shape[-1])
-            out.append(torch.gather(t, 2, gather).contiguous())
+    for part in (0, 1):  # keys, values
+        flat = torch.stack([kv[2 * layer + part][0, :, start:start + chunk] for layer in range(layers)])
+        flat = flat.reshape(layers * heads * chunk, -1)
+        placed = flat[src.clamp(min=0)] * (src >= 0).unsqueeze(1).to(flat.dtype)
+        if part == 0:
+            placed = turn(placed, torch.arange(len(src)) % rows - (start + src % chunk), inv_freq)
+        out.append(placed.view(layers, heads, rows, -1))
+    return [out[part][layer].unsqueeze(0).contiguous() for layer in range(layers) for part in (0, 1)]
+
+
+def unpool(parts: list[tuple[torch.Tensor, list[torch.Tensor]]], inv_freq: torch.Tensor | None = None) -> tuple:
+    """``(kv, held)`` from the chunks' ``(mask, pooled rows)`` in prompt order (keys moved back to
+    their positions with ``inv_freq``, as :func:`pool` moved them): ``2 * layers``
+    tensors ``[1, kv_heads, m, dim]`` holding each head's kept rows in position order, ``m`` the
+    most any head keeps, heads with fewer padded with zero rows after theirs; ``held``
+    ``[layers, kv_heads]``, each head's real row count (:func:`padding_bias` masks the rest)."""
+    layers, heads, chunk = parts[0][0].shape
+    counts = torch.stack([mask.sum(-1) for mask, _ in parts])  # [chunks, layers, heads]
+    held = counts.sum(0)
+    m = int(held.max())
+    ref = parts[0][1][0]
+    dim = ref.shape[-1]
+    out = [torch.zeros(layers * heads * m, dim, dtype=ref.dtype, device=ref.device) for _ in (0, 1)]
+    base = torch.zeros(layers, heads, dtype=torch.int64)
+    for c, ((mask, rows), count) in enumerate(zip(parts, counts)):
+        src = slots(mask).view(-1)
+        valid = (src >= 0).nonzero().flatten()
+        s = src[valid]
+        layer, head, token = s // (heads * chunk), (s // chunk) % heads, s % chunk
+        rank = (mask.cumsum(-1) - 1)[layer, head, token]
+        dest = ((layer * heads + head) * m + base[layer, head] + rank).to(ref.device)
+        delta = (c * chunk + token) - valid % (len(src) // (layers * heads))
+        valid = valid.to(ref.device)
+        for part in (0, 1):
+            pooled = torch.cat([rows[2 * li + part][0] for li in range(layers)]).reshape(-1, dim)[valid]
+            if part == 0 and inv_freq is not None:
+                pooled = turn(pooled, delta.to(ref.device), inv_freq.to(ref.device))
+            out[part][dest] = pooled
+        base += count
+    kv = [out[part].view(layers, heads, m, dim)[layer].unsqueeze(0) for layer in range(layers) for part in (0, 1)]
+    return kv, held
+
+
+def padding_bias(held: torch.Tensor, query_heads: int) -> dict:
+    """``{layer: [query_heads, m] fp32}``: -inf on the padding rows :func:`unpool` added (each query
+    head reads its KV head's rows), for the layers that have any; run the model under
+    :func:`kdn.edits.steer.applied` with it."""
+    layers, heads = held.shape
+    m = int(held.max())
+    rows = torch.arange(m)
+    out = {}
+    for layer in range(layers):
+        if bool((held[layer] < m).any()):
+            pad = torch.where(rows[None, :] < held[layer][:, None], 0.0, float("-inf"))
+            out[layer] = pad.repeat_interleave(query_heads // heads, dim=0)
     return out
+
+
+def pack_mask(mask: torch.Tensor) -> bytes:
+    """A chunk's ``[layers, kv_heads, chunk]`` mask as bits (stored beside its pooled rows)."""
+    return np.packbits(mask.numpy().reshape(-1)).tobytes()
+
+
+def unpack_mask(payload: bytes, layers: int, heads: int, chunk: int) -> torch.Tensor | None:
+    """The mask :func:`pack_mask` stored, or None when ``payload`` is not one of that shape."""
+    count = layers * heads * chunk
+    if len(payload) != -(-count // 8):
+        return None
+    bits = np.unpackbits(np.frombuffer(payload, dtype=np.uint8))[:count]
+    return torch.from_numpy(bits.astype(bool)).view(layers, heads, chunk)
+
+
+def rows_address(address: bytes, mask_payload: bytes) -> bytes:
+    """Where a chunk's pooled rows are filed: a hash of its edit address and its mask, so rows are
+    only ever read with the mask they were placed by (a later deposit that chose other rows files
+    them elsewhere)."""
+    return blake3.blake3(b"kdn/kvzip-rows\0" + address + mask_payload).digest(len(address))

@@ -72,7 +72,7 @@ def deposit(kdn, model, prompt, edits=(), tokenizer=None, emphasize=None) -> dic
     keys = session.prefix_keys(tokens)  # edited chunks: the full chunks (a reader's prompt goes on after them)
     chunk = session.chunk_size
     planned, sidecars, report = [], [], {}
-    found = None
+    found = scored = None
     if auto and emphasized is None:
         t0 = time.perf_counter()
         spans, answer = autospans.find(model, tokenizer, prompt, kv)
@@ -91,17 +91,35 @@ def deposit(kdn, model, prompt, edits=(), tokenizer=None, emphasize=None) -> dic
             sidecars += mine
             nbytes = sum(len(p) for _, p in mine)
         else:
-            chunks = _edited_chunks(model, kv, ids, keys, chunk, edit, tokenizer)
+            if edit.name != "kvzip":
+                raise InvalidInputError(f"deposit: edit {edit.name!r} has no implementation")
+            if scored is None and keys:  # one scoring pass serves every kvzip edit of this deposit
+                instruction = tokenizer(kvzip.INSTRUCTION, add_special_tokens=False)["input_ids"] if tokenizer else []
+                scored = kvzip.scores(model, kv, ids, list(instruction))
+            chunks, masks = _edited_chunks(kv, scored, keys, chunk, edit, _rope(model))
             planned += chunks
-            nbytes = sum(t.nbytes for _, rows in chunks for t in rows)
+            sidecars += masks
+            nbytes = sum(t.nbytes for _, rows in chunks for t in rows) + sum(len(p) for _, p in masks)
         report[edit.spec] = {"chunks": len(keys), "bytes": nbytes, "seconds": time.perf_counter() - t0}
     exact = kdn.chunks.write(session, tokens, [t.cpu() for t in kv])
-    for address, rows in planned:
+    for address, rows in planned:  # rows before the masks that lead readers to them
         kdn.chunks.write_segment(session, address, rows, 0, rows[0].shape[2])
     for address, payload in sidecars:
         kdn.chunks.store_sidecar(session, address, payload)
     out = {"tokens": len(ids), "exact_tokens": exact, "prefill_seconds": prefill_s, "edits": report}
     return {**out, "auto_spans": found} if found else out
+
+
+def _rope(model) -> torch.Tensor | None:
+    """The model's RoPE frequencies (pooled keys are moved to their rows, :func:`kdn.edits.kvzip.pool`),
+    or None for a model whose RoPE kdn does not move (its keys are pooled unmoved; writer and reader
+    decide alike)."""
+    from kdn.blend.rope import UnsupportedModelError, inv_freq
+
+    try:
+        return inv_freq(model)
+    except UnsupportedModelError:
+        return None
 
 
 def head_profile(kdn, model, tokenizer=None) -> list | None:
@@ -121,17 +139,21 @@ def head_profile(kdn, model, tokenizer=None) -> list | None:
     return ranked
 
 
-def _edited_chunks(model, kv, ids, keys, chunk, edit: Edit, tokenizer) -> list[tuple[bytes, list]]:
-    """``(address, rows)`` of each full chunk's edited form (rows: ``2 * layers`` CPU tensors)."""
-    if edit.name != "kvzip":
-        raise InvalidInputError(f"deposit: edit {edit.name!r} has no implementation")
+def _edited_chunks(kv, scored, keys, chunk, edit: Edit, inv_freq) -> tuple[list, list]:
+    """``([(rows address, rows)], [(edit address, mask)])`` of each full chunk's ``kvzip`` form from
+    the context's reconstruction ``scored`` (rows: ``2 * layers`` CPU tensors pooled by
+    :func:`kdn.edits.kvzip.pool`; mask: its packed bitmask)."""
     if not keys:
-        return []
-    instruction = list(tokenizer(kvzip.INSTRUCTION, add_special_tokens=False)["input_ids"]) if tokenizer else []
-    scored = kvzip.scores(model, kv, ids, instruction)
-    keep, sink = edit.param("keep"), int(edit.param("sink"))
-    return [(edit.address(key), [t.cpu() for t in kvzip.prune(kv, scored, i * chunk, (i + 1) * chunk, keep, sink)])
-            for i, key in enumerate(keys)]
+        return [], []
+    mask = kvzip.chosen(scored, len(keys) * chunk, edit.param("keep"), int(edit.param("sink")))
+    rows, masks = [], []
+    for i, key in enumerate(keys):
+        part = mask[:, :, i * chunk:(i + 1) * chunk]
+        payload = kvzip.pack_mask(part)
+        masks.append((edit.address(key), payload))
+        pooled = [t.cpu() for t in kvzip.pool(kv, part, i * chunk, inv_freq)]
+        rows.append((kvzip.rows_address(edit.address(key), payload), pooled))
+    return rows, masks
 
 
 def steering(kdn, model, tokens, limit: int, edit: Edit) -> tuple[dict, int] | None:
@@ -156,26 +178,54 @@ def steering(kdn, model, tokens, limit: int, edit: Edit) -> tuple[dict, int] | N
                         config.num_hidden_layers), len(emphasized)
 
 
-def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int, str | None]:
-    """``(cache, hit, edit)``: the longest run of full chunks of ``tokens`` (within ``limit``) stored
-    under the first of ``edits`` that has any, as a :class:`PrunedCache` on the model's device;
-    ``(None, 0, None)`` when none has. An unusable blob ends the hit there and is dropped
-    (:meth:`kdn.engine.ChunkIO.read_segment`: an edited chunk is filed like a segment, at position 0)."""
+def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int, str | None, dict | None]:
+    """``(cache, hit, edit, bias)``: the longest run of full chunks of ``tokens`` (within ``limit``)
+    stored under the first of ``edits`` that has any, as a :class:`PrunedCache` on the model's
+    device, and the attention bias that hides its padding rows (run the model under
+    :func:`kdn.edits.steer.applied`; None when no head was padded); ``(None, 0, None, None)`` when
+    none has. A chunk whose mask or rows are missing or unusable ends the hit there (an unusable
+    blob is dropped: :meth:`kdn.engine.ChunkIO.read_segment`)."""
     session = kdn.session(model)
     keys = session.prefix_keys(tokens)[: limit // session.chunk_size]
     target = HFTarget(next(model.parameters()).device)
+    layers, heads = session.layout.layers, session.layout.kv_heads
     for edit in parse_many(edits):
         if edit.name != "kvzip":
             continue
-        rows = kvzip.kept(edit.param("keep"), session.chunk_size)
         parts = []
         for key in keys:
-            part = kdn.chunks.read_segment(session, edit.address(key), 0, rows, target)
+            payload = kdn.chunks.read_sidecar(session, edit.address(key))
+            mask = None if payload is None else kvzip.unpack_mask(payload, layers, heads, session.chunk_size)
+            if mask is None:
+                break
+            rows = -(-int(mask.sum()) // (layers * heads))
+            part = kdn.chunks.read_segment(session, kvzip.rows_address(edit.address(key), payload), 0, rows, target)
             if part is None:
                 break
-            parts.append(part)
+            parts.append((mask, part))
         if parts:
-            kv = [torch.cat([p[j] for p in parts], dim=2) for j in range(len(parts[0]))]
-            return PrunedCache.holding(model, kv, len(parts) * session.chunk_size), len(parts) * session.chunk_size, \
-                edit.spec
-    return None, 0, None
+            kv, held = kvzip.unpool(parts, _rope(model))
+            hit = len(parts) * session.chunk_size
+            bias = kvzip.padding_bias(held, model.config.num_attention_heads)
+            return PrunedCache.holding(model, kv, hit), hit, edit.spec, bias or None
+    return None, 0, None, None
+
+
+def stored_bytes(kdn, model, tokens, edit) -> int:
+    """Bytes a ``kvzip`` edit of ``tokens``'s full chunks occupies in the tiers (masks and rows, as
+    stored: coded when a codec applies); the chunks found before the first missing one."""
+    edit = parse_many(edit)[0]
+    session = kdn.session(model)
+    total = 0
+    for key in session.prefix_keys(session.tokens(tokens)):
+        address = edit.address(key)
+        blobs, _ = kdn.chunks.tiers.fetch([address], exact=True)
+        if not blobs:
+            break
+        payload = kdn.chunks.read_sidecar(session, address)
+        rows, _ = kdn.chunks.tiers.fetch([kvzip.rows_address(address, payload)])
+        if not rows:
+            break
+        total += len(blobs[0]) + len(rows[0])
+    return total
+

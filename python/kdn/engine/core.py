@@ -38,15 +38,15 @@ class Load:
     never stored as exact; a stream's is known once it ends, in ``stream.stats``); ``stream``, the
     :class:`kdn.delivery.LayerStream` of a layer-wise load (its layers arrive in the background);
     ``result``, what the target returned for a whole load; ``edit``, the edit served, if any;
-    ``steering``, a ``steer`` edit's per-layer attention biases (:mod:`kdn.edits.steer`: the reader
-    runs the model under them)."""
+    ``bias``, per-layer attention biases the reader runs the model under (:func:`kdn.edits.steer.applied`):
+    a ``steer`` edit's emphasis, or the mask over a pruned cache's padding rows."""
 
     hit: int = 0
     lossy: bool = False
     stream: LayerStream | None = None
     result: object = None
     edit: str | None = None
-    steering: dict | None = None
+    bias: dict | None = None
 
 
 class Engine:

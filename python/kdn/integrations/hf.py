@@ -86,11 +86,11 @@ def load_cache(engine: Engine, model, tokens, limit: int, edits=None, started: f
                 load = engine.load(session, tokens, limit, HFTarget(device)) if found else Load()
                 if load.hit:
                     return kv_list_to_cache(model, load.result), Load(load.hit, lossy=True, edit=edit.spec,
-                                                                      steering=found[0])
+                                                                      bias=found[0])
                 continue
-            cache, hit, spec = stored.read(engine, model, tokens, limit, [edit])
+            cache, hit, spec, bias = stored.read(engine, model, tokens, limit, [edit])
             if hit:
-                return cache, Load(hit, lossy=True, edit=spec)
+                return cache, Load(hit, lossy=True, edit=spec, bias=bias)
     layers = (lambda n: HFLayers(session, n)) if device.type == "cpu" else None
     load = engine.load(session, tokens, limit, HFTarget(device), layers, started)
     if not load.hit:
@@ -151,10 +151,10 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
     first_forward: list = []
     hook = model.register_forward_hook(lambda *_: first_forward.append(time.perf_counter()))
     try:
-        if load.steering is not None:
+        if load.bias is not None:
             from kdn.edits import steer
 
-            with steer.applied(model, load.steering):
+            with steer.applied(model, load.bias):
                 out = model.generate(ids, return_dict_in_generate=True, use_cache=True, **generate_kwargs)
         else:
             out = model.generate(ids, return_dict_in_generate=True, use_cache=True, **generate_kwargs)
