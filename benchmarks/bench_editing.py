@@ -1,18 +1,28 @@
-"""KV editing at deposit: kvzip pruning at several keep ratios, alone and with a codec, on one stored
-context asked several questions (the demo's document and its 5 questions, greedy answers).
+"""KV editing at deposit: kvzip pruning at several keep ratios, alone and with a codec, each stored
+context asked several different questions (greedy answers, the same prompts for every config).
 
-For each configuration: stored bytes of the edited chunks vs the fp16 size of the exact KV they
-stand for, deposit seconds per 1K tokens, hit TTFT, answers containing the gold fact, and answers
-identical to a full prefill's.
+Tasks: ``demo`` (the demo's document, its 5 questions) and ``lines`` (LongChat line retrieval: each
+record cut to its first ``--lines`` lines, ``--questions`` lines asked per record, the gold being
+the line's number). Every record is prefilled and scored once (one deposit with every keep ratio,
+raw); each codec's store gets the same blobs put through its tiers (coded as a deposit into it
+would be). The reference is the exact hit (``full``), checked against a true full prefill on the
+first ``--full-check`` questions of each record.
 
-    python benchmarks/bench_editing.py --model smollm2-135m --keeps 1,0.5,0.3,0.2 --codecs raw,int4 \
-        --out benchmarks/results/editing
+Per config: stored bytes (masks + rows, as coded) vs the fp16 size of the exact KV, accuracy with
+its 95% bootstrap interval and the paired difference to ``full``, answers identical to ``full``'s,
+deposit seconds per 1K tokens, hit TTFT.
+
+    python benchmarks/bench_editing.py --model qwen2.5-coder-1.5b --task lines --records 6 \
+        --keeps 0.5,0.3,0.2 --codecs raw,int4,kvtc:ratio=8 --out benchmarks/results/editing/qwen15
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -21,70 +31,161 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kdn  # noqa: E402
-from kdn import KDN, KDNConfig  # noqa: E402
+from kdn import KDN, KDNConfig, kvtc  # noqa: E402
 from kdn.demo import QUESTIONS, document, prompt_ids  # noqa: E402
-from kdn.edits import parse  # noqa: E402
+from kdn.edits import kvzip, parse, stored  # noqa: E402
+from kdn.eval.stats import bootstrap_ci, paired_difference  # noqa: E402
 from timing import save_result  # noqa: E402
 
-GOLD = ["1312", "Priya Lund", "40 minutes", "December", "233"]  # from the document, one per question
+DEMO_GOLD = ["1312", "Priya Lund", "40 minutes", "December", "233"]
+LINES = Path(__file__).resolve().parents[1] / "tests" / "data" / "LongChat" / "lines" / "200_lines.jsonl"
+SHARED_LINES = Path(__file__).resolve().parents[2] / "shared" / "data" / "LongChat" / "lines" / "200_lines.jsonl"
+
+
+def line_records(count: int, lines: int, questions: int, skip: int = 0) -> list[tuple[str, list, list]]:
+    """``(context, questions, golds)`` per LongChat lines record: the record's first ``lines`` lines,
+    ``questions`` of them asked (chosen with a fixed seed)."""
+    path = SHARED_LINES if SHARED_LINES.exists() else LINES
+    out = []
+    for n, line in enumerate(path.read_text().splitlines()[skip:skip + count]):
+        prompt = json.loads(line)["prompt"]
+        head, body = prompt.split("Now the record start:", 1)
+        rows = [r for r in body.split("Now the record is over.")[0].strip().splitlines() if r.startswith("line ")]
+        rows = rows[:lines]
+        context = head + "Now the record start:\n\n" + "\n".join(rows) + "\n\nNow the record is over."
+        asked = random.Random(skip + n).sample(rows, questions)
+        names = [re.match(r"line (\S+):", r).group(1) for r in asked]
+        golds = [re.search(r"<(\d+)>", r).group(1) for r in asked]
+        out.append((context, [f"Tell me what is the <REGISTER_CONTENT> in line {x}? I need the number." for x in names],
+                    golds))
+    return out
+
+
+def copy_into(src: KDN, dst: KDN, model, context: list[int], specs: list[str]) -> None:
+    """Put the exact chunks and every edit's masks and rows of ``context`` from ``src`` into
+    ``dst``'s tiers (``dst`` codes them as its own deposit would)."""
+    session = src.session(model)
+    addresses = list(src.chunk_keys(model, context))
+    for spec in specs:
+        edit = parse(spec)
+        for key in src.chunk_keys(model, context):
+            payload = src.chunks.read_sidecar(session, edit.address(key))
+            addresses += [edit.address(key), kvzip.rows_address(edit.address(key), payload)]
+    for address in addresses:
+        blobs, _ = src.chunks.tiers.fetch([address], exact=True)
+        assert blobs, "a deposited blob is missing"
+        dst.chunks.tiers.put(address, bytes(blobs[0]))
+
+
+def exact_bytes(cache: KDN, model, context: list[int]) -> int:
+    blobs, _ = cache.chunks.tiers.fetch(list(cache.chunk_keys(model, context)))
+    return sum(len(b) for b in blobs)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--keeps", default="1,0.5,0.3,0.2")
+    parser.add_argument("--task", choices=["demo", "lines"], default="demo")
+    parser.add_argument("--records", type=int, default=4)
+    parser.add_argument("--lines", type=int, default=100)
+    parser.add_argument("--questions", type=int, default=5)
+    parser.add_argument("--keeps", default="0.5,0.3,0.2")
     parser.add_argument("--codecs", default="raw,int4")
+    parser.add_argument("--calibration-records", type=int, default=2, help="kvtc: records after the evaluated ones")
+    parser.add_argument("--full-check", type=int, default=1, help="questions per record also run as a full prefill")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--out", default="bench_out/editing")
     args = parser.parse_args()
     model, tokenizer = kdn.models.load(args.model)
-    prompts = [prompt_ids(tokenizer, document(), q) for q in QUESTIONS]
-    shared = 0
-    while all(p.shape[1] > shared and p[0, shared] == prompts[0][0, shared] for p in prompts):
-        shared += 1
-    context = prompts[0][0, :shared].tolist()
+    if args.task == "demo":
+        records = [(document(), list(QUESTIONS), DEMO_GOLD)]
+    else:
+        records = line_records(args.records, args.lines, args.questions)
+    specs = [parse(f"kvzip:keep={float(k):g}").spec for k in args.keeps.split(",")]
+    codecs = args.codecs.split(",")
+    if any(c.startswith("kvtc") for c in codecs):
+        extra = line_records(args.calibration_records, args.lines, 1, skip=args.records) if args.task == "lines" \
+            else [(QUESTIONS[0] * 40, [], [])]
+        calib = [prompt_ids(tokenizer, c, "")[0].tolist() for c, _, _ in extra]
+        kvtc.load(kvtc.calibrate(model, calib))
     gen = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": tokenizer.eos_token_id}
-    answer = lambda out, p: tokenizer.decode(out[0, p.shape[1]:], skip_special_tokens=True)  # noqa: E731
-    with torch.inference_mode():
-        full = [model.generate(p, **gen) for p in prompts]
-    full_text = [answer(o, p) for o, p in zip(full, prompts)]
-    rows = [{"config": "full prefill", "gold": sum(g.lower() in t.lower() for g, t in zip(GOLD, full_text)),
-             "identical": len(prompts), "answers": full_text}]
-    print(f"context {shared} tokens, {len(prompts)} questions; full prefill: gold {rows[0]['gold']}/{len(prompts)}",
-          flush=True)
-    layout_bytes = None
-    for codec in args.codecs.split(","):
-        for keep in (float(k) for k in args.keeps.split(",")):
-            spec = f"kvzip:keep={keep:g}"
-            cache = KDN(KDNConfig(memory_codec=codec))
-            t0 = time.perf_counter()
-            report = cache.deposit(model, context, edits=[spec], tokenizer=tokenizer)
-            deposit_s = time.perf_counter() - t0
-            stats = report["edits"][parse(spec).spec]
-            session = cache.session(model)
-            if layout_bytes is None:
-                layout_bytes = session.layout.bytes_per_token() // session.layout.torch_dtype.itemsize * 2
-            keys = cache.chunk_keys(model, context)
-            blobs, _ = cache.chunks.tiers.fetch([parse(spec).address(k) for k in keys])  # coded: at codec addresses
-            stored = sum(len(b) for b in blobs)
-            fp16 = len(keys) * session.chunk_size * layout_bytes
-            outs, ttfts = [], []
-            for p in prompts:
-                outs.append(cache.generate(model, p, edits=spec, **gen))
-                ttfts.append(cache.last_generate.get("ttft_seconds", float("nan")))
-                assert cache.last_generate.get("edit"), "the edited cache was not served"
-            texts = [answer(o, p) for o, p in zip(outs, prompts)]
-            row = {"config": f"{spec} + {codec}", "keep": keep, "codec": codec, "stored_bytes": stored,
-                   "fp16_bytes": fp16, "ratio_vs_fp16": fp16 / stored, "edit_seconds": stats["seconds"],
-                   "deposit_s_per_1k": deposit_s / shared * 1000, "ttft_median_s": sorted(ttfts)[len(ttfts) // 2],
-                   "gold": sum(g.lower() in t.lower() for g, t in zip(GOLD, texts)),
-                   "identical": sum(torch.equal(a, b) for a, b in zip(outs, full)), "answers": texts}
-            rows.append(row)
-            print(f"{row['config']:>24}: {row['ratio_vs_fp16']:5.1f}x smaller than fp16, gold {row['gold']}/5, "
-                  f"identical to full {row['identical']}/5, deposit {row['deposit_s_per_1k']:.1f} s/1K tokens, "
-                  f"hit TTFT {row['ttft_median_s'] * 1e3:.0f} ms (load {os.getloadavg()[0]:.1f})", flush=True)
-    path = save_result(Path(args.out) / "bench_editing.json", {"model": args.model, "context_tokens": shared,
-                                                               "gold": GOLD, "rows": rows})
+    configs = [(codec, spec) for codec in codecs for spec in [None, *specs]]
+    results = {c: {"answers": {}, "correct": {}, "ttft": [], "stored": 0, "fp16": 0} for c in configs}
+    full_checks, deposits = [], []
+    for r, (context_text, questions, golds) in enumerate(records):
+        prompts = [prompt_ids(tokenizer, context_text, q) for q in questions]
+        shared = 0
+        while all(p.shape[1] > shared and p[0, shared] == prompts[0][0, shared] for p in prompts):
+            shared += 1
+        context = prompts[0][0, :shared].tolist()
+        raw = KDN(KDNConfig(memory_bytes=8 << 30))
+        t0 = time.perf_counter()
+        report = raw.deposit(model, context, edits=specs, tokenizer=tokenizer)
+        deposits.append({"tokens": shared, "seconds": time.perf_counter() - t0,
+                         "prefill_seconds": report["prefill_seconds"],
+                         "edit_seconds": {s: e["seconds"] for s, e in report["edits"].items()}})
+        session = raw.session(model)
+        fp16 = len(raw.chunk_keys(model, context)) * session.chunk_size * session.layout.bytes_per_token() \
+            // session.layout.torch_dtype.itemsize * 2
+        print(f"record {r}: {shared} context tokens, deposit {deposits[-1]['seconds']:.0f} s "
+              f"(prefill {report['prefill_seconds']:.0f} s)", flush=True)
+        for codec in codecs:
+            cache = raw if codec == "raw" else KDN(KDNConfig(memory_bytes=8 << 30, memory_codec=codec))
+            if cache is not raw:
+                copy_into(raw, cache, model, context, specs)
+            for spec in [None, *specs]:
+                row = results[(codec, spec)]
+                row["stored"] += exact_bytes(cache, model, context) if spec is None else \
+                    stored.stored_bytes(cache, model, context, spec)
+                row["fp16"] += fp16
+                for q, (p, gold) in enumerate(zip(prompts, golds)):
+                    out = cache.generate(model, p, edits=spec, **gen)
+                    stats = cache.last_generate
+                    assert stats["hit_tokens"] > 0 and stats.get("edit") == spec, f"{codec} {spec}: not served"
+                    text = tokenizer.decode(out[0, p.shape[1]:], skip_special_tokens=True)
+                    row["answers"][f"{r}.{q}"] = text
+                    row["correct"][f"{r}.{q}"] = float(gold.lower() in text.lower())
+                    row["ttft"].append(stats.get("ttft_seconds", float("nan")))
+                ok = sum(row["correct"][f"{r}.{q}"] for q in range(len(prompts)))
+                print(f"  {codec:>14} {spec or 'exact':>22}: {ok:.0f}/{len(prompts)} right "
+                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
+        for q in range(min(args.full_check, len(prompts))):
+            with torch.inference_mode():
+                out = model.generate(prompts[q], **gen)
+            text = tokenizer.decode(out[0, prompts[q].shape[1]:], skip_special_tokens=True)
+            full_checks.append(text == results[(codecs[0], None)]["answers"][f"{r}.{q}"])
+    reference = results[("raw", None)] if "raw" in codecs else results[configs[0]]
+    rows = []
+    for (codec, spec), row in results.items():
+        n = len(row["correct"])
+        diff = paired_difference(row["correct"], reference["correct"])
+        rows.append({"codec": codec, "edit": spec, "questions": n, "accuracy": sum(row["correct"].values()) / n,
+                     "ci95": bootstrap_ci(list(row["correct"].values())), "vs_full": diff,
+                     "identical_to_full": sum(row["answers"][k] == reference["answers"][k] for k in row["answers"]) / n,
+                     "stored_bytes": row["stored"], "fp16_bytes": row["fp16"],
+                     "x_smaller_than_fp16": row["fp16"] / row["stored"],
+                     "ttft_median_s": sorted(row["ttft"])[len(row["ttft"]) // 2], "answers": row["answers"]})
+    rows.sort(key=lambda x: x["x_smaller_than_fp16"])
+    tokens = sum(d["tokens"] for d in deposits)
+    summary = {"model": args.model, "task": args.task, "records": len(records), "deposits": deposits,
+               "deposit_s_per_1k_tokens": sum(d["seconds"] for d in deposits) / tokens * 1000,
+               "exact_hit_equals_full_prefill": f"{sum(full_checks)}/{len(full_checks)}", "rows": rows}
+    lines = [f"**{args.task}** on {args.model}: {len(records)} contexts, {rows[0]['questions']} questions per config "
+             f"(greedy); exact hit = full prefill on {summary['exact_hit_equals_full_prefill']} checked; deposit "
+             f"{summary['deposit_s_per_1k_tokens']:.1f} s per 1K tokens (prefill + scoring + every keep)", "",
+             "| codec | edit | x smaller than fp16 | accuracy [95% CI] | vs full (paired) [95% CI] "
+             "| same answer as full | hit TTFT |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for x in rows:
+        d = x["vs_full"]
+        lines.append(f"| {x['codec']} | {x['edit'] or 'none'} | {x['x_smaller_than_fp16']:.1f} | {x['accuracy']:.3f} "
+                     f"[{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}] | "
+                     f"{d['mean']:+.3f} [{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}] | "
+                     f"{x['identical_to_full']:.0%} | {x['ttft_median_s'] * 1e3:.0f} ms |")
+    print("\n".join(lines))
+    out = Path(args.out)
+    path = save_result(out / "bench_editing.json", summary)
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {path}")
 
 

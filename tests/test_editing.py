@@ -260,3 +260,11 @@ def test_pooled_keys_sit_at_their_slot_rows(case):
     keys = kv[0][0].reshape(-1, kv[0].shape[-1])
     turned = kvzip.turn(keys, torch.full((keys.shape[0],), -37), inv_freq(model))
     assert torch.allclose(turned, moved[0][0].reshape(-1, kv[0].shape[-1]), atol=1e-5)
+
+
+def test_kvzip_into_a_kvtc_tier_is_refused_before_anything_is_stored(case):
+    model, doc, ids = case
+    kdn = KDN(KDNConfig(chunk_size=CHUNK, memory_codec="kvtc"))
+    with pytest.raises(InvalidInputError, match="kvtc"):
+        kdn.deposit(model, doc, edits=["kvzip:keep=0.5"])
+    assert kdn.lookup(model, ids[0], limit=ids.shape[1]) == 0
