@@ -154,6 +154,12 @@ def main() -> None:
                 out = model.generate(prompts[q], **gen)
             text = tokenizer.decode(out[0, prompts[q].shape[1]:], skip_special_tokens=True)
             full_checks.append(text == results[(codecs[0], None)]["answers"][f"{r}.{q}"])
+        write_report(args, results, configs, codecs, records[:r + 1], deposits, full_checks)
+
+
+def write_report(args, results, configs, codecs, records, deposits, full_checks) -> None:
+    """Print and write the table and the JSON of what has run so far (after every record: a long run
+    that stops early keeps its records)."""
     reference = results[("raw", None)] if "raw" in codecs else results[configs[0]]
     rows = []
     for (codec, spec), row in results.items():
