@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--task", choices=["demo", "lines"], default="demo")
     parser.add_argument("--records", type=int, default=4)
+    parser.add_argument("--first", type=int, default=0, help="lines: the first record evaluated")
     parser.add_argument("--lines", type=int, default=100)
     parser.add_argument("--questions", type=int, default=5)
     parser.add_argument("--keeps", default="0.5,0.3,0.2")
@@ -100,11 +101,12 @@ def main() -> None:
     if args.task == "demo":
         records = [(document(), list(QUESTIONS), DEMO_GOLD)]
     else:
-        records = line_records(args.records, args.lines, args.questions)
+        records = line_records(args.records, args.lines, args.questions, skip=args.first)
     specs = [parse(f"kvzip:keep={float(k):g}").spec for k in args.keeps.split(",")]
     codecs = args.codecs.split(",")
     if any(c.startswith("kvtc") for c in codecs):
-        extra = line_records(args.calibration_records, args.lines, 1, skip=args.records) if args.task == "lines" \
+        extra = line_records(args.calibration_records, args.lines, 1, skip=args.first + args.records) \
+            if args.task == "lines" \
             else [(QUESTIONS[0] * 40, [], [])]
         calib = [prompt_ids(tokenizer, c, "")[0].tolist() for c, _, _ in extra]
         kvtc.load(kvtc.calibrate(model, calib))
