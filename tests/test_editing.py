@@ -93,10 +93,13 @@ def test_pooled_rows_come_back_in_place():
         density = torch.rand(layers, heads, 1, generator=g) ** 2
         mask = torch.rand(layers, heads, 2 * chunk, generator=g) < density
         mask[0, 0] = trial % 2 == 0  # one head keeps all or nothing
+        if trial == 3:
+            mask[:, :, chunk:] = False  # a chunk that kept nothing: one empty row
         chunks = [mask[:, :, c * chunk:(c + 1) * chunk] for c in range(2)]
         freq = None if trial % 4 < 2 else 1.0 / 1000 ** (torch.arange(0, dim, 2) / dim)  # keys moved to rows and back
         parts = [(m, kvzip.pool(kv, m, c * chunk, freq)) for c, m in enumerate(chunks)]
-        assert all(p[0].shape[2] == max(1, -(-int(m.sum()) // (layers * heads))) for m, p in parts)
+        assert all(p[0].shape[2] == kvzip.pooled_rows(m) == max(1, -(-int(m.sum()) // (layers * heads)))
+                   for m, p in parts)
         out, held = kvzip.unpool(parts, freq)
         assert torch.equal(held, mask.sum(-1))
         for layer in range(layers):

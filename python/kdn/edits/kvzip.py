@@ -97,6 +97,13 @@ def kept(keep: float, count: int) -> int:
     return max(1, min(count, round(keep * count)))
 
 
+def pooled_rows(mask: torch.Tensor) -> int:
+    """Rows per layer and head a chunk's pooled tensors hold: ``ceil(kept / (layers * kv_heads))``,
+    at least 1 (a chunk that kept nothing still stores one empty row)."""
+    layers, heads, _ = mask.shape
+    return max(1, -(-int(mask.sum()) // (layers * heads)))
+
+
 def slots(mask: torch.Tensor) -> torch.Tensor:
     """Where a chunk's kept triples are stored: ``[layers, kv_heads, rows]`` int64, each slot the
     flat index ``(layer * kv_heads + head) * chunk + token`` of the triple it holds, -1 if empty.
@@ -104,7 +111,7 @@ def slots(mask: torch.Tensor) -> torch.Tensor:
     its own slots first (in head, token order), the rest fill the free slots of other layers in
     order. A function of the chunk's mask alone: the reader places rows as the writer did."""
     layers, heads, chunk = mask.shape
-    rows = max(1, -(-int(mask.sum()) // (layers * heads)))
+    rows = pooled_rows(mask)
     src = torch.full((layers, heads * rows), -1, dtype=torch.int64)
     flat = mask.reshape(layers, -1)
     overflow = []

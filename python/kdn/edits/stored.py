@@ -212,8 +212,8 @@ def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int
             mask = None if payload is None else kvzip.unpack_mask(payload, layers, heads, session.chunk_size)
             if mask is None:
                 break
-            rows = -(-int(mask.sum()) // (layers * heads))
-            part = kdn.chunks.read_segment(session, kvzip.rows_address(edit.address(key), payload), 0, rows, target)
+            part = kdn.chunks.read_segment(session, kvzip.rows_address(edit.address(key), payload), 0,
+                                           kvzip.pooled_rows(mask), target)
             if part is None:
                 break
             parts.append((mask, part))
