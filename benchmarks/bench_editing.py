@@ -78,8 +78,7 @@ def copy_into(src: KDN, dst: KDN, model, context: list[int], specs: list[str]) -
 
 
 def exact_bytes(cache: KDN, model, context: list[int]) -> int:
-    blobs, _ = cache.chunks.tiers.fetch(list(cache.chunk_keys(model, context)))
-    return sum(len(b) for b in blobs)
+    return sum(cache.chunks.stored_bytes(key) for key in cache.chunk_keys(model, context))
 
 
 def main() -> None:

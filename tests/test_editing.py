@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kdn import KDN, InvalidInputError, KDNConfig
-from kdn.edits import kvzip, parse, steer
+from kdn.edits import kvzip, parse, steer, stored
 from kdn.layout import cache_to_kv_list, kv_list_to_cache
 
 CHUNK = 128
@@ -271,3 +271,28 @@ def test_kvzip_into_a_kvtc_tier_is_refused_before_anything_is_stored(case):
     with pytest.raises(InvalidInputError, match="kvtc"):
         kdn.deposit(model, doc, edits=["kvzip:keep=0.5"])
     assert kdn.lookup(model, ids[0], limit=ids.shape[1]) == 0
+
+
+def test_a_missing_rows_blob_ends_the_edited_hit_there(case):
+    """The second chunk's rows evicted (its mask still stored): the edited hit is the first chunk
+    only, still equal to the exact cache with that chunk's dropped triples masked; the bytes
+    counted stop there too."""
+    model, doc, ids = case
+    kdn = KDN(KDNConfig(chunk_size=CHUNK))
+    kdn.deposit(model, doc, edits=["kvzip:keep=0.5"])
+    edit, session = parse("kvzip:keep=0.5"), kdn.session(model)
+    keys = kdn.chunk_keys(model, doc)
+    whole = stored.stored_bytes(kdn.engine, model, doc, edit.spec)
+    payload = kdn.chunks.read_sidecar(session, edit.address(keys[1]))
+    assert kdn.memory.remove(kvzip.rows_address(edit.address(keys[1]), payload))
+    assert 0 < stored.stored_bytes(kdn.engine, model, doc, edit.spec) < whole / 2
+    cache, hit = kdn.retrieve(model, ids[0], edits="kvzip:keep=0.5")
+    assert hit == CHUNK and kdn.last_retrieve["edit"] == edit.spec
+    layers, heads = session.layout.layers, session.layout.kv_heads
+    mask = kvzip.unpack_mask(kdn.chunks.read_sidecar(session, edit.address(keys[0])), layers, heads, CHUNK)
+    with torch.inference_mode():
+        kv = cache_to_kv_list(model(torch.tensor([doc]), use_cache=True).past_key_values)
+    token = ids[:, hit:hit + 1]
+    with torch.inference_mode(), steer.applied(model, kdn.last_retrieve["bias"] or {}):
+        served = model(token, past_key_values=cache).logits[0, -1]
+    assert torch.allclose(served, masked_reference(model, kv, mask, token, hit), atol=1e-5)

@@ -13,7 +13,7 @@ per layer (:func:`slots`; every codec codes them), filed beside a bitmask of wha
 reader puts each head's rows back in position order and pads the shorter heads with rows that an
 attention bias of -inf hides (:func:`unpool`, :func:`padding_bias`). Uniform per-head budgets were
 measured first and lost to this (Qwen2.5-0.5B, the demo's 5 questions at keep 0.5: 2 right vs 4,
-the full prefill's count; benchmarks/results/editing/README.md).
+the full prefill's count; benchmarks/results/README.md, "Pruning at deposit").
 """
 
 from __future__ import annotations

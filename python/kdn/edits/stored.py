@@ -233,13 +233,9 @@ def stored_bytes(kdn, model, tokens, edit) -> int:
     total = 0
     for key in session.prefix_keys(session.tokens(tokens)):
         address = edit.address(key)
-        blobs, _ = kdn.chunks.tiers.fetch([address], exact=True)
-        if not blobs:
-            break
         payload = kdn.chunks.read_sidecar(session, address)
-        rows, _ = kdn.chunks.tiers.fetch([kvzip.rows_address(address, payload)])
+        rows = kdn.chunks.stored_bytes(kvzip.rows_address(address, payload)) if payload is not None else 0
         if not rows:
             break
-        total += len(blobs[0]) + len(rows[0])
+        total += kdn.chunks.stored_bytes(address) + rows
     return total
-

@@ -339,6 +339,11 @@ class ChunkIO:
             log.warning("kdn: dropping an unusable stored segment (a miss): %s", e)
             return None
 
+    def stored_bytes(self, key: bytes) -> int:
+        """Size of the blob filed under ``key`` as the first tier holding it stores it (coded), or 0."""
+        blobs, _ = self.tiers.fetch([key], exact=True)
+        return len(blobs[0]) if blobs else 0
+
     def holds(self, key: bytes) -> bool:
         """Whether some tier holds the blob filed under ``key`` (in any coding it may be read in);
         reads no KV."""
