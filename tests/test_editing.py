@@ -286,6 +286,9 @@ def test_a_missing_rows_blob_ends_the_edited_hit_there(case):
     payload = kdn.chunks.read_sidecar(session, edit.address(keys[1]))
     assert kdn.memory.remove(kvzip.rows_address(edit.address(keys[1]), payload))
     assert 0 < stored.stored_bytes(kdn.engine, model, doc, edit.spec) < whole / 2
+    coded = KDN(KDNConfig(chunk_size=CHUNK, memory_codec="int4"))  # counted as stored: coded
+    coded.deposit(model, doc, edits=["kvzip:keep=0.5"])
+    assert 0 < stored.stored_bytes(coded.engine, model, doc, edit.spec) < whole / 4
     cache, hit = kdn.retrieve(model, ids[0], edits="kvzip:keep=0.5")
     assert hit == CHUNK and kdn.last_retrieve["edit"] == edit.spec
     layers, heads = session.layout.layers, session.layout.kv_heads

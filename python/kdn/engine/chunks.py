@@ -340,8 +340,8 @@ class ChunkIO:
             return None
 
     def stored_bytes(self, key: bytes) -> int:
-        """Size of the blob filed under ``key`` as the first tier holding it stores it (coded), or 0."""
-        blobs, _ = self.tiers.fetch([key], exact=True)
+        """Size of the blob filed under ``key`` (in any coding) as the first tier holding it stores it, or 0."""
+        blobs, _ = self.tiers.fetch([key])
         return len(blobs[0]) if blobs else 0
 
     def holds(self, key: bytes) -> bool:
