@@ -18,6 +18,7 @@ from kdn.eval import (
     run_eval,
     topic_accuracy,
 )
+from kdn.eval.report import load_jsonl, save_jsonl
 
 pytestmark = pytest.mark.eval
 
@@ -132,6 +133,23 @@ def test_cli_eval_writes_the_reports(tmp_path, capsys):
     assert "| reuse |" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["quality_vs_ttft.png", "samples.jsonl", "summary.csv",
                                                           "summary.json", "summary.md"]
+
+
+def test_a_stopped_run_resumes_where_it_stopped(stories, tmp_path):
+    model, tokenizer = stories
+    methods = ["full", "reuse", "naive"]
+    kwargs = dict(max_new_tokens=4, chunk_size=64, progress=False, out_dir=tmp_path, model_name="stories260k")
+    whole = run_eval("musique", model, tokenizer, methods, limit=3, **kwargs)["samples"]
+    # stopped during the second sample: its first method answered, the rest not
+    kept = [dict(r, kept=True) for r in whole[:3]]  # marked: a resumed run must keep them, not redo them
+    save_jsonl(kept + whole[3:4], tmp_path / "samples.jsonl")
+    resumed = run_eval("musique", model, tokenizer, methods, limit=3, resume=True, **kwargs)["samples"]
+    assert [(r["sample"], r["method"]) for r in resumed] == [(r["sample"], r["method"]) for r in whole]
+    assert [r.get("kept") for r in resumed] == [True] * 3 + [None] * 6
+    assert [r["tokens"] for r in resumed] == [r["tokens"] for r in whole]
+    assert load_jsonl(tmp_path / "samples.jsonl") == resumed
+    with pytest.raises(ValueError, match="cannot resume"):
+        run_eval("musique", model, tokenizer, ["full", "reuse"], limit=3, resume=True, **kwargs)
 
 
 @pytest.mark.slow

@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--dtype", default=None, choices=[None, "float32", "float16", "bfloat16"])
     ev.add_argument("--max-new-tokens", type=int, default=32)
     ev.add_argument("--chunk-size", type=int, default=256)
+    ev.add_argument("--resume", action="store_true",
+                    help="go on with the run already in --out: keep the samples it answered, answer the rest")
     ev.add_argument("--data-dir", default=None,
                     help="folder holding the datasets (default: $KDN_DATA, then $KDN_SHARED/data)")
     ver = sub.add_parser("verify", help="recompute stored prompts and check a store's KV (drops wrong chunks "
@@ -296,7 +298,7 @@ def run_eval_command(args) -> int:
     dataset = args.dataset if args.dataset in DATASETS else str(path)
     result = run_eval(dataset, model, tokenizer, methods, limit=args.limit, out_dir=args.out,
                       max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, model_name=args.model,
-                      data_dir=args.data_dir)
+                      data_dir=args.data_dir, resume=args.resume)
     print(markdown_table(result))
     print(f"wrote {args.out}/: samples.jsonl summary.json summary.csv summary.md quality_vs_ttft.png")
     return 0

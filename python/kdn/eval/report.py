@@ -92,6 +92,13 @@ def write_reports(result: dict, out_dir: Path) -> dict[str, Path]:
 
 
 def save_jsonl(records: list[dict], path: Path) -> None:
-    with open(path, "w") as f:
+    """One JSON record per line, written whole or not at all (a run stopped mid-write keeps the last)."""
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
+    partial.replace(path)
+
+
+def load_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from pathlib import Path
@@ -70,7 +71,7 @@ def calibrate_kvtc(model, tokenizer, contexts: list[Sample], max_prompt_tokens: 
 def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | None = None,
              out_dir: str | Path | None = None, max_new_tokens: int = 32, chunk_size: int = 256,
              max_prompt_tokens: int | None = None, model_name: str = "model", progress: bool = True,
-             data_dir: str | Path | None = None, calibration_samples: int = 2) -> dict:
+             data_dir: str | Path | None = None, calibration_samples: int = 2, resume: bool = False) -> dict:
     """Answer ``limit`` samples of ``dataset`` with every method; returns (and writes) the results.
 
     Returns ``{"summary": {method: {...}}, "samples": [per-sample records], ...}``. With ``out_dir``
@@ -79,7 +80,9 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
     (at most once a minute), so a long run stopped early keeps what it answered. ``data_dir`` is
     where named datasets are looked for (default ``$KDN_DATA``, then ``$KDN_SHARED/data``). A
     ``reuse+kvtc`` method is calibrated first on the ``calibration_samples`` samples that follow
-    the evaluated ones.
+    the evaluated ones. With ``resume`` a run stopped early goes on: the samples ``out_dir`` already
+    holds every method's answer for are kept as they are and not answered again (the run must name
+    the same dataset, model and methods; anything else is a ``ValueError`` before any work).
 
     Example:
         >>> model, tok = kdn.models.load("stories260k")
@@ -94,8 +97,9 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
     device = next(model.parameters()).device
     if max_prompt_tokens is None:
         max_prompt_tokens = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
+    done = _finished_records(out_dir, dataset, model_name, methods) if resume and out_dir is not None else {}
     calibration = None
-    if any(m.startswith("reuse+kvtc") for m in methods):
+    if any(m.startswith("reuse+kvtc") for m in methods) and len(done) < len(samples):
         extra = everything[len(samples): len(samples) + calibration_samples]
         calibration = calibrate_kvtc(model, tokenizer, extra, max_prompt_tokens, max_new_tokens, progress)
     records = []
@@ -106,6 +110,10 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
     steps = [(s, m) for s in samples for m in resolved]
     bar = tqdm(total=len(steps), desc=f"kdn eval {dataset}", unit="answer", disable=not progress)
     for sample in samples:
+        if sample.id in done:
+            records.extend(done[sample.id])
+            bar.update(len(resolved))
+            continue
         enc = encode(tokenizer, sample, max_prompt_tokens, max_new_tokens)
         enc.ids = enc.ids.to(device)
         full_tokens = None
@@ -139,6 +147,26 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
     if out_dir is not None:
         _write(result, records, methods, out_dir)
     return {**result, "summary": summarize(records, methods), "samples": records}
+
+
+def _finished_records(out_dir, dataset: str, model_name: str, methods: list[str]) -> dict[str, list[dict]]:
+    """The records of an earlier run in ``out_dir``, by sample, for the samples it answered with every
+    method; an earlier run of another dataset, model or method list is refused."""
+    from kdn.eval.report import load_jsonl
+
+    summary, answers = Path(out_dir) / "summary.json", Path(out_dir) / "samples.jsonl"
+    if not answers.is_file():
+        return {}
+    before = json.loads(summary.read_text()) if summary.is_file() else {}
+    mine = {"dataset": dataset, "model": model_name, "methods": methods}
+    theirs = {k: before.get(k) for k in mine}
+    if theirs != mine:
+        raise ValueError(f"cannot resume {out_dir}: it holds a run of {theirs}, this run is {mine}; "
+                         "choose another --out or the same dataset, model and methods")
+    by_sample: dict[str, list[dict]] = {}
+    for record in load_jsonl(answers):
+        by_sample.setdefault(record["sample"], []).append(record)
+    return {s: rows for s, rows in by_sample.items() if [r["method"] for r in rows] == methods}
 
 
 def _write(result: dict, records: list[dict], methods: list[str], out_dir) -> None:
