@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kdn import KDN, InvalidInputError, KDNConfig
+from kdn.blend.rope import inv_freq
 from kdn.edits import kvzip, parse, steer, stored
 from kdn.layout import cache_to_kv_list, kv_list_to_cache
 
@@ -299,3 +300,28 @@ def test_a_missing_rows_blob_ends_the_edited_hit_there(case):
     with torch.inference_mode(), steer.applied(model, kdn.last_retrieve["bias"] or {}):
         served = model(token, past_key_values=cache).logits[0, -1]
     assert torch.allclose(served, masked_reference(model, kv, mask, token, hit), atol=1e-5)
+
+
+def test_an_edited_hit_reads_its_masks_then_its_rows_in_one_round_trip_each(case, monkeypatch):
+    """Every chunk's mask in one fetch, then every chunk's rows in one: two round trips to a
+    remote tier for the whole hit, not two per chunk; the cache equals the chunks read one by one."""
+    model, doc, ids = case
+    kdn = KDN(KDNConfig(chunk_size=CHUNK))
+    kdn.deposit(model, doc, edits=["kvzip:keep=0.5"])
+    session, edit = kdn.session(model), parse("kvzip:keep=0.5")
+    layers, heads = session.layout.layers, session.layout.kv_heads
+    parts = []
+    for key in kdn.chunk_keys(model, doc):
+        payload = kdn.chunks.read_sidecar(session, edit.address(key))
+        mask = kvzip.unpack_mask(payload, layers, heads, CHUNK)
+        rows = kdn.chunks.read_segment(session, kvzip.rows_address(edit.address(key), payload), 0,
+                                       kvzip.pooled_rows(mask))
+        parts.append((mask, rows))
+    one_by_one, _ = kvzip.unpool(parts, inv_freq(model))
+    fetched = []
+    fetch = kdn.chunks.tiers.fetch
+    monkeypatch.setattr(kdn.chunks.tiers, "fetch", lambda keys, **kw: fetched.append(len(keys)) or fetch(keys, **kw))
+    cache, hit, spec, _ = stored.read(kdn.engine, model, session.tokens(ids[0]), ids.shape[1], [edit.spec])
+    assert hit == 3 * CHUNK and spec == edit.spec and fetched == [3, 3]
+    for a, b in zip(cache_to_kv_list(cache), one_by_one):
+        assert torch.equal(a, b)

@@ -176,12 +176,7 @@ def steering(kdn, model, tokens, limit: int, edit: Edit) -> tuple[dict, int] | N
     tokens they cover; None when the first chunk has none or the model has no stored profile."""
     session = kdn.session(model)
     keys = session.prefix_keys(tokens)[: limit // session.chunk_size]
-    flags = []
-    for key in keys:
-        payload = kdn.chunks.read_sidecar(session, edit.address(key))
-        if payload is None:
-            break
-        flags.append(steer.unpack_flags(payload))
+    flags = [steer.unpack_flags(p) for p in kdn.chunks.read_sidecars(session, [edit.address(k) for k in keys])]
     ranked = head_profile(kdn, model) if flags else None
     if not ranked:
         return None
@@ -206,17 +201,15 @@ def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int
     for edit in parse_many(edits):
         if edit.name != "kvzip":
             continue
-        parts = []
-        for key in keys:
-            payload = kdn.chunks.read_sidecar(session, edit.address(key))
-            mask = None if payload is None else kvzip.unpack_mask(payload, layers, heads, session.chunk_size)
+        addresses = [edit.address(key) for key in keys]
+        rows, masks = [], []  # masks first, then every chunk's rows: two round trips for the whole hit
+        for address, payload in zip(addresses, kdn.chunks.read_sidecars(session, addresses)):
+            mask = kvzip.unpack_mask(payload, layers, heads, session.chunk_size)
             if mask is None:
                 break
-            part = kdn.chunks.read_segment(session, kvzip.rows_address(edit.address(key), payload), 0,
-                                           kvzip.pooled_rows(mask), target)
-            if part is None:
-                break
-            parts.append((mask, part))
+            rows.append((kvzip.rows_address(address, payload), 0, kvzip.pooled_rows(mask)))
+            masks.append(mask)
+        parts = list(zip(masks, kdn.chunks.read_segments(session, rows, target)))
         if parts:
             kv, held = kvzip.unpool(parts, _rope(model))
             hit = len(parts) * session.chunk_size

@@ -185,15 +185,22 @@ class ChunkIO:
     def read_sidecar(self, session: ModelSession, address: bytes) -> bytes | None:
         """The sidecar filed under ``address`` for the session's model, or None (an unusable one is
         dropped and logged)."""
-        blobs, _ = self.tiers.fetch([address], exact=True)
-        if not blobs:
-            return None
-        try:
-            return _core.sidecar_read(blobs[0], session.fingerprint, address)
-        except BlobError as e:
-            log.warning("kdn: dropping an unusable stored sidecar (treated as a miss): %s", e)
-            self.tiers.drop(address)
-            return None
+        found = self.read_sidecars(session, [address])
+        return found[0] if found else None
+
+    def read_sidecars(self, session: ModelSession, addresses: list[bytes]) -> list[bytes]:
+        """The sidecars of the leading ``addresses`` that are stored and usable, read together (one
+        round trip per tier); stops at the first missing or unusable one (which is dropped and logged)."""
+        blobs, _ = self.tiers.fetch(addresses, exact=True)
+        out = []
+        for blob, address in zip(blobs, addresses):
+            try:
+                out.append(_core.sidecar_read(blob, session.fingerprint, address))
+            except BlobError as e:
+                log.warning("kdn: dropping an unusable stored sidecar (treated as a miss): %s", e)
+                self.tiers.drop(address)
+                break
+        return out
 
     def _calibrated(self, session: ModelSession, blobs: list) -> int:
         """How many leading ``blobs`` can be decoded: a ``kvtc`` chunk needs its calibration loaded
@@ -324,20 +331,28 @@ class ChunkIO:
                      target: HFTarget | None = None):
         """The stored KV of a segment (``tokens`` long, computed at ``position``) in ``target``'s
         layout (default CPU per-layer tensors), or None (a miss; an unusable blob is dropped and logged)."""
-        blobs, addresses = self.tiers.fetch([key])
-        if not blobs:
-            return None
-        blob = blobs[0]
-        try:
-            h = _core.blob_parse(blob, verify_checksum=not getattr(blob, "verified", False))
-            if (h["fingerprint"], h["key"], h["tokens"], h["position"]) != (session.fingerprint, addresses[0],
-                                                                            tokens, position):
-                raise BlobError("segment blob header does not match the request")
-            return (target or HFTarget()).receive(session, [blob], tokens)
-        except (BlobError, InvalidInputError) as e:
-            self.tiers.drop(addresses[0])
-            log.warning("kdn: dropping an unusable stored segment (a miss): %s", e)
-            return None
+        found = self.read_segments(session, [(key, position, tokens)], target)
+        return found[0] if found else None
+
+    def read_segments(self, session: ModelSession, segments: list[tuple[bytes, int, int]],
+                      target: HFTarget | None = None) -> list:
+        """The KV of the leading stored ``(key, position, tokens)`` segments (see :meth:`read_segment`),
+        each on its own, read together (one round trip per tier); stops at the first missing or
+        unusable one (which is dropped and logged)."""
+        blobs, addresses = self.tiers.fetch([key for key, _, _ in segments])
+        out = []
+        for blob, address, (_, position, tokens) in zip(blobs, addresses, segments):
+            try:
+                h = _core.blob_parse(blob, verify_checksum=not getattr(blob, "verified", False))
+                if (h["fingerprint"], h["key"], h["tokens"], h["position"]) != (session.fingerprint, address,
+                                                                                tokens, position):
+                    raise BlobError("segment blob header does not match the request")
+                out.append((target or HFTarget()).receive(session, [blob], tokens))
+            except (BlobError, InvalidInputError) as e:
+                self.tiers.drop(address)
+                log.warning("kdn: dropping an unusable stored segment (a miss): %s", e)
+                break
+        return out
 
     def stored_bytes(self, key: bytes) -> int:
         """Size of the blob filed under ``key`` (in any coding) as the first tier holding it stores it, or 0."""
