@@ -152,6 +152,18 @@ def test_a_stopped_run_resumes_where_it_stopped(stories, tmp_path):
         run_eval("musique", model, tokenizer, ["full", "reuse"], limit=3, resume=True, **kwargs)
 
 
+def test_cli_eval_resumes_a_longer_run(tmp_path):
+    args = ["eval", "musique", "--model", "stories260k", "--out", str(tmp_path), "--max-new-tokens", "4",
+            "--chunk-size", "64"]
+    assert cli_main(args + ["--limit", "1"]) == 0
+    first = [dict(r, kept=True) for r in load_jsonl(tmp_path / "samples.jsonl")]
+    save_jsonl(first, tmp_path / "samples.jsonl")
+    assert cli_main(args + ["--limit", "2", "--resume"]) == 0
+    records = load_jsonl(tmp_path / "samples.jsonl")
+    assert records[:2] == first and [r["sample"] for r in records[2:]] == ["musique_s-1"] * 2
+    assert cli_main(args + ["--limit", "2", "--resume", "--methods", "full"]) == 2  # another method list
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dataset", ["longchat-topics-5", "longchat-lines-200", "musique"])
 def test_reuse_answers_exactly_like_full_on_smollm2(smollm2, dataset):

@@ -266,6 +266,7 @@ def run_eval_command(args) -> int:
     from kdn.eval import DATASETS, DatasetNotFoundError, dataset_path, run_eval
     from kdn.eval.methods import resolve_method
     from kdn.eval.report import markdown_table
+    from kdn.eval.runner import finished_records
 
     def fail(message: str) -> int:
         print(f"kdn eval: {message}", file=sys.stderr)
@@ -288,14 +289,19 @@ def run_eval_command(args) -> int:
             resolve_method(method, KDNConfig(chunk_size=args.chunk_size))
     except ValueError as e:
         return fail(str(e))
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    dataset = args.dataset if args.dataset in DATASETS else str(path)
+    if args.resume:
+        try:
+            finished_records(args.out, dataset, args.model, methods)
+        except ValueError as e:
+            return fail(str(e))
     from kdn.models import ModelNotAvailableError
 
     try:
         model, tokenizer = load_any_model(args.model, args.device, args.dtype)
     except ModelNotAvailableError as e:
         return fail(str(e).replace("\n", " "))
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    dataset = args.dataset if args.dataset in DATASETS else str(path)
     result = run_eval(dataset, model, tokenizer, methods, limit=args.limit, out_dir=args.out,
                       max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, model_name=args.model,
                       data_dir=args.data_dir, resume=args.resume)

@@ -97,7 +97,7 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
     device = next(model.parameters()).device
     if max_prompt_tokens is None:
         max_prompt_tokens = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
-    done = _finished_records(out_dir, dataset, model_name, methods) if resume and out_dir is not None else {}
+    done = finished_records(out_dir, dataset, model_name, methods) if resume and out_dir is not None else {}
     calibration = None
     if any(m.startswith("reuse+kvtc") for m in methods) and len(done) < len(samples):
         extra = everything[len(samples): len(samples) + calibration_samples]
@@ -149,7 +149,7 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
     return {**result, "summary": summarize(records, methods), "samples": records}
 
 
-def _finished_records(out_dir, dataset: str, model_name: str, methods: list[str]) -> dict[str, list[dict]]:
+def finished_records(out_dir, dataset: str, model_name: str, methods: list[str]) -> dict[str, list[dict]]:
     """The records of an earlier run in ``out_dir``, by sample, for the samples it answered with every
     method; an earlier run of another dataset, model or method list is refused."""
     from kdn.eval.report import load_jsonl
