@@ -61,6 +61,14 @@ def line_records(count: int, lines: int, questions: int, skip: int = 0) -> list[
     return out
 
 
+def shared_context(prompts: list) -> list[int]:
+    """The tokens every prompt ``[1, n]`` of a record starts with: the context a deposit stores."""
+    shared = 0
+    while all(p.shape[1] > shared and p[0, shared] == prompts[0][0, shared] for p in prompts):
+        shared += 1
+    return prompts[0][0, :shared].tolist()
+
+
 def copy_into(src: KDN, dst: KDN, model, context: list[int], specs: list[str]) -> None:
     """Put the exact chunks and every edit's masks and rows of ``context`` from ``src`` into
     ``dst``'s tiers (``dst`` codes them as its own deposit would)."""
@@ -115,10 +123,8 @@ def main() -> None:
     full_checks, deposits = [], []
     for r, (context_text, questions, golds) in enumerate(records):
         prompts = [prompt_ids(tokenizer, context_text, q) for q in questions]
-        shared = 0
-        while all(p.shape[1] > shared and p[0, shared] == prompts[0][0, shared] for p in prompts):
-            shared += 1
-        context = prompts[0][0, :shared].tolist()
+        context = shared_context(prompts)
+        shared = len(context)
         raw = KDN(KDNConfig(memory_bytes=8 << 30))
         t0 = time.perf_counter()
         report = raw.deposit(model, context, edits=specs, tokenizer=tokenizer)

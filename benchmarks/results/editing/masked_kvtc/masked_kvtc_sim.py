@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import kdn  # noqa: E402
-from bench_editing import line_records  # noqa: E402
+from bench_editing import line_records, shared_context  # noqa: E402
 from kdn import KDN, KDNConfig, kvtc  # noqa: E402
 from kdn.blend.rope import inv_freq as model_inv_freq  # noqa: E402
 from kdn.demo import prompt_ids  # noqa: E402
@@ -174,10 +174,7 @@ def main() -> None:
     rows = {name: {"correct": {}, "bits": 0.0, "fp16_bits": 0.0} for name, *_ in named}
     for n, (context_text, questions, golds) in enumerate(records):
         prompts = [prompt_ids(tokenizer, context_text, q) for q in questions]
-        shared = 0
-        while all(p.shape[1] > shared and p[0, shared] == prompts[0][0, shared] for p in prompts):
-            shared += 1
-        context = prompts[0][0, :shared].tolist()
+        context = shared_context(prompts)
         cache = KDN(KDNConfig(memory_bytes=8 << 30))
         cache.deposit(model, context, edits=[f"kvzip:keep={k:g}" for k in keeps if k < 1] + ["kvzip:keep=1"],
                       tokenizer=tokenizer)
