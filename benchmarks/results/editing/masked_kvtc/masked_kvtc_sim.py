@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import kdn  # noqa: E402
 from bench_editing import line_records, shared_context  # noqa: E402
-from kdn import KDN, KDNConfig, kvtc  # noqa: E402
+from kdn import KDN, KDNConfig, _core, codecs, kvtc  # noqa: E402
 from kdn.blend.rope import inv_freq as model_inv_freq  # noqa: E402
 from kdn.demo import prompt_ids  # noqa: E402
 from kdn.edits import kvzip  # noqa: E402
@@ -90,6 +90,7 @@ class Simulated:
     def __init__(self, planes, joint_planes, inv_freq, chunk):
         self.planes, self.joint_planes, self.inv_freq, self.chunk = planes, joint_planes, inv_freq, chunk
         self.joint = False  # code each token's heads together with the joint fit (unpruned only)
+        self.fingerprint = None  # set: the served rows go through the real int4 codec instead (diagnostic)
         self.ratio, self.bits, self.values = None, 0.0, 0
         self.errors = {True: [], False: []}  # relative L2 error of each (layer, head)'s keys / values
         self.unpool = kvzip.unpool
@@ -100,6 +101,15 @@ class Simulated:
         if self.ratio is None:
             return kv, held
         layers, heads, _ = parts[0][0].shape
+        if self.fingerprint is not None:  # each head's kept rows in place (its own lane), int4-coded as a chunk
+            m = kv[0].shape[2]
+            coded = codecs.encode(_core.pack_chunk([t.contiguous() for t in kv], 0, m, self.fingerprint, bytes(16)),
+                                  "int4")
+            self.bits += 8 * len(coded)
+            back = codecs.decode(coded)  # [layers, 2, m, heads, dim]
+            for p, t in enumerate(kv):
+                t[0] = back[p // 2, p % 2].permute(1, 0, 2).to(t.dtype)
+            return kv, held
         if self.joint:
             n = int(held[0, 0])
             assert bool((held == n).all()), "the joint fit codes unpruned chunks only"
@@ -152,25 +162,29 @@ def main() -> None:
     parser.add_argument("--out", default="masked_kvtc.json")
     args = parser.parse_args()
     model, tokenizer = kdn.models.load(args.model)
-    configs = [(int(r), float(k)) for r, k in (c.split(":") for c in args.configs.split(","))]
+    configs = [(r if r == "int4" else int(r), float(k)) for r, k in (c.split(":") for c in args.configs.split(","))]
     keeps = sorted({k for _, k in configs}, reverse=True)
     inv_freq = model_inv_freq(model).double()
     records = line_records(args.records, args.lines, args.questions)
     calibration = [prompt_ids(tokenizer, c, "")[0].tolist() for c, _, _ in
                    line_records(2, args.lines, 1, skip=args.records)]
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        kvs = [cache_to_kv_list(model(torch.tensor([ids]), use_cache=True).past_key_values) for ids in calibration]
-    ratios = sorted({r for r, _ in configs})
-    sim = Simulated(fit_per_head(kvs, ratios, inv_freq), fit_per_head(kvs, ratios, inv_freq, joint=True), inv_freq,
-                    KDNConfig().chunk_size)
-    del kvs
-    kvtc.load(kvtc.calibrate(model, calibration, progress=False))  # the real codec, for the anchor row
-    print(f"calibrations: {sum(map(len, calibration))} tokens, {time.perf_counter() - t0:.0f} s", flush=True)
+    ratios = sorted({r for r, _ in configs if r != "int4"})
+    sim = Simulated({}, {}, inv_freq, KDNConfig().chunk_size)
+    if ratios:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            kvs = [cache_to_kv_list(model(torch.tensor([ids]), use_cache=True).past_key_values) for ids in calibration]
+        sim.planes, sim.joint_planes = fit_per_head(kvs, ratios, inv_freq), fit_per_head(kvs, ratios, inv_freq, True)
+        del kvs
+        kvtc.load(kvtc.calibrate(model, calibration, progress=False))  # the real codec, for the anchor row
+        print(f"calibrations: {sum(map(len, calibration))} tokens, {time.perf_counter() - t0:.0f} s", flush=True)
     gen = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": tokenizer.eos_token_id}
-    named = [("full", None, None, False), (f"real kvtc:ratio={ratios[0]} (joint)", ratios[0], 1.0, False),
-             (f"sim kvtc:{ratios[0]} joint", ratios[0], 1.0, True)]
-    named += [(f"sim kvtc-perhead:{r} x keep {k:g}", r, k, False) for r, k in configs]
+    named = [("full", None, None, False)]
+    if ratios:
+        named += [(f"real kvtc:ratio={ratios[0]} (joint)", ratios[0], 1.0, False),
+                  (f"sim kvtc:{ratios[0]} joint", ratios[0], 1.0, True)]
+    named += [(f"sim kvtc-perhead:{r} x keep {k:g}" if r != "int4" else f"int4 after unpool x keep {k:g}", r, k,
+               False) for r, k in configs]
     rows = {name: {"correct": {}, "bits": 0.0, "fp16_bits": 0.0} for name, *_ in named}
     for n, (context_text, questions, golds) in enumerate(records):
         prompts = [prompt_ids(tokenizer, context_text, q) for q in questions]
@@ -178,8 +192,8 @@ def main() -> None:
         cache = KDN(KDNConfig(memory_bytes=8 << 30))
         cache.deposit(model, context, edits=[f"kvzip:keep={k:g}" for k in keeps if k < 1] + ["kvzip:keep=1"],
                       tokenizer=tokenizer)
-        real = KDN(KDNConfig(memory_bytes=8 << 30, memory_codec=f"kvtc:ratio={ratios[0]}"))
-        for key in cache.chunk_keys(model, context):  # the exact chunks, coded by the real kvtc on put
+        real = KDN(KDNConfig(memory_bytes=8 << 30, memory_codec=f"kvtc:ratio={ratios[0]}")) if ratios else None
+        for key in cache.chunk_keys(model, context) if ratios else []:  # the exact chunks, coded by kvtc on put
             real.chunks.tiers.put(key, bytes(cache.chunks.tiers.fetch([key], exact=True)[0][0]))
         layout = cache.session(model).layout
         for name, ratio, keep, joint in named:
@@ -187,6 +201,7 @@ def main() -> None:
             for q, (p, gold) in enumerate(zip(prompts, golds)):
                 sim.ratio = None if keep is None or name.startswith("real") else ratio
                 sim.joint, sim.bits, sim.errors = joint, 0.0, {True: [], False: []}
+                sim.fingerprint = cache.session(model).fingerprint if ratio == "int4" else None
                 reader = real if name.startswith("real") else cache
                 out = reader.generate(model, p, edits=None if sim.ratio is None else f"kvzip:keep={keep:g}", **gen)
                 text = tokenizer.decode(out[0, p.shape[1]:], skip_special_tokens=True)
