@@ -56,6 +56,17 @@ def masked_reference(model, kv, mask, token, position):
                      position_ids=torch.tensor([[position]])).logits[0, -1]
 
 
+def assert_served_as_masked_exact(model, kdn, doc, ids, cache, hit, mask):
+    """The next token over the served ``cache`` (under the retrieve's bias) equals the exact cache
+    of ``doc`` with the triples ``mask`` drops hidden."""
+    with torch.inference_mode():
+        kv = cache_to_kv_list(model(torch.tensor([doc]), use_cache=True).past_key_values)
+    token = ids[:, hit:hit + 1]
+    with torch.inference_mode(), steer.applied(model, kdn.last_retrieve["bias"] or {}):
+        served = model(token, past_key_values=cache).logits[0, -1]
+    assert torch.allclose(served, masked_reference(model, kv, mask, token, hit), atol=1e-5)
+
+
 def test_a_pruned_cache_is_the_exact_cache_with_the_dropped_triples_masked(case):
     """keep=0.5: the served cache holds fewer rows (heads keep different counts: the budget is
     ranked across layers and heads), the next token is computed at position ``hit`` (not at the
@@ -141,12 +152,7 @@ def test_rows_are_only_read_with_their_own_mask(case):
     mask = torch.cat([kvzip.unpack_mask(kdn.chunks.read_sidecar(session, edit.address(k)), layers, heads, CHUNK)
                       for k in keys], dim=2)
     cache, hit = kdn.retrieve(model, ids[0], edits="kvzip:keep=0.5")
-    with torch.inference_mode():
-        kv = cache_to_kv_list(model(torch.tensor([doc]), use_cache=True).past_key_values)
-    token = ids[:, hit:hit + 1]
-    with torch.inference_mode(), steer.applied(model, kdn.last_retrieve["bias"] or {}):
-        served = model(token, past_key_values=cache).logits[0, -1]
-    assert torch.allclose(served, masked_reference(model, kv, mask, token, hit), atol=1e-5)
+    assert_served_as_masked_exact(model, kdn, doc, ids, cache, hit, mask)
 
 
 @pytest.mark.parametrize("tier", ["memory", "disk", "redis"])
@@ -294,12 +300,7 @@ def test_a_missing_rows_blob_ends_the_edited_hit_there(case):
     assert hit == CHUNK and kdn.last_retrieve["edit"] == edit.spec
     layers, heads = session.layout.layers, session.layout.kv_heads
     mask = kvzip.unpack_mask(kdn.chunks.read_sidecar(session, edit.address(keys[0])), layers, heads, CHUNK)
-    with torch.inference_mode():
-        kv = cache_to_kv_list(model(torch.tensor([doc]), use_cache=True).past_key_values)
-    token = ids[:, hit:hit + 1]
-    with torch.inference_mode(), steer.applied(model, kdn.last_retrieve["bias"] or {}):
-        served = model(token, past_key_values=cache).logits[0, -1]
-    assert torch.allclose(served, masked_reference(model, kv, mask, token, hit), atol=1e-5)
+    assert_served_as_masked_exact(model, kdn, doc, ids, cache, hit, mask)
 
 
 def test_an_edited_hit_reads_its_masks_then_its_rows_in_one_round_trip_each(case, monkeypatch):
