@@ -1,11 +1,12 @@
 // CUDA decoder of the `kvtc` codec (kdn/kvtc.h), on the same KDN_HD math as the CPU decoder: the
 // host checks each plane's structure against its calibration (loaded in this process); one thread
-// per (plane, rANS lane) decodes symbols, then one thread per (plane, row, head, RoPE pair) sums the
-// components in the CPU's order with the same IEEE fused multiply-add (__fmaf_rn) and turns keys
-// back to post-RoPE. A batch of chunks decodes in one pair of launches; each calibration's means,
-// bases and steps are uploaded once per device and kept there (keyed by the calibration's id, a
-// hash of its bytes, so a copy is never stale), and only the chunks, their plane descriptions and
-// RoPE angles travel with a call.
+// per (plane, rANS lane) decodes symbols, then one block per (plane, tile of rows) sums the
+// components, each thread a RoPE pair of channels for every row of the tile (a basis element read
+// once serves the tile), in the CPU's order with the same IEEE fused multiply-add (__fmaf_rn), and
+// turns keys back to post-RoPE. A batch of chunks decodes in one pair of launches; each
+// calibration's means, bases and steps are uploaded once per device and kept there (keyed by the
+// calibration's id, a hash of its bytes, so a copy is never stale), and only the chunks (straight
+// from the caller's memory), their plane descriptions and RoPE angles travel with a call.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -42,59 +43,98 @@ struct KvtcGeometry {
   DType dtype;
 };
 
-__global__ void kvtc_symbols_kernel(KvtcGeometry g, const uint8_t* payload, const KvtcPlaneInfo* planes,
-                                    const RansTable* tables, const int* slots, int16_t* q, int* bad) {
+__global__ void kvtc_symbols_kernel(KvtcGeometry g, const uint8_t* __restrict__ payload,
+                                    const KvtcPlaneInfo* __restrict__ planes, const RansTable* __restrict__ tables,
+                                    const int* __restrict__ slots, int16_t* __restrict__ q, int* bad) {
   const int64_t id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (id >= g.planes * kRansLanes) return;
-  const int64_t p = id / kRansLanes, j = id % kRansLanes;
+  const int64_t p = id / kRansLanes;
+  const int j = static_cast<int>(id % kRansLanes);
   const KvtcPlaneInfo& info = planes[p];
-  const int64_t n = (info.end_coded - info.first_coded) * info.coded;
+  const int64_t coded = info.coded, n = (info.end_coded - info.first_coded) * coded;
   RansLane lane;
   rans_lane_init(lane, payload + info.lane[j], payload + info.lane_end[j]);
   const int* slot = slots + info.slots;
-  for (int64_t i = j; i < n && lane.ok; i += kRansLanes)
-    q[info.q + i] = static_cast<int16_t>(rans_lane_decode(lane, tables[slot[i % info.coded]]) - kKvtcRange);
+  int16_t* out = q + info.q;
+  // symbol i is of component i % coded: a running component index instead of a 64-bit division
+  int64_t c = j;
+  while (coded > 0 && c >= coded) c -= coded;
+  for (int64_t i = j; i < n && lane.ok; i += kRansLanes) {
+    out[i] = static_cast<int16_t>(rans_lane_decode(lane, tables[slot[c]]) - kKvtcRange);
+    for (c += kRansLanes; c >= coded;) c -= coded;
+  }
   if (!rans_lane_finished(lane)) atomicOr(bad, 1);
 }
 
-__global__ void kvtc_values_kernel(KvtcGeometry g, const uint8_t* payload, const KvtcPlaneInfo* planes,
-                                   const int* components, const float* angles,
-                                   const int16_t* q) {
-  const int64_t pairs = g.channels / 2, per_plane = g.max_tokens * pairs, size = dtype_size(g.dtype);
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < g.planes * per_plane;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t p = i / per_plane, t = i % per_plane / pairs, pair = i % pairs;
-    const KvtcPlaneInfo& info = planes[p];
-    if (t >= info.tokens) continue;
-    const int64_t head = pair / (g.head_dim / 2), k = pair % (g.head_dim / 2);
+// Rows decoded together by one block of kvtc_values_kernel: each basis element read from memory
+// serves this many rows, whose weights wait in shared memory.
+constexpr int kKvtcTileRows = 16;
+
+// One block per (plane, tile of kKvtcTileRows rows); each thread one RoPE pair of channels at a
+// time, with the tile's rows in registers. Per element the sum runs over the components in the
+// CPU decoder's order, skipping zero weights, with its fused multiply-add.
+__global__ void kvtc_values_kernel(KvtcGeometry g, const uint8_t* __restrict__ payload,
+                                   const KvtcPlaneInfo* __restrict__ planes, const int* __restrict__ components,
+                                   const float* __restrict__ angles, const int16_t* __restrict__ q) {
+  extern __shared__ float tile[];  // [kKvtcTileRows][coded] weights, then [coded] basis row offsets
+  const int64_t tiles = (g.max_tokens + kKvtcTileRows - 1) / kKvtcTileRows;
+  const int64_t p = blockIdx.x / tiles, t0 = blockIdx.x % tiles * kKvtcTileRows;
+  const KvtcPlaneInfo& info = planes[p];
+  if (t0 >= info.tokens) return;
+  const int64_t coded = info.coded, size = dtype_size(g.dtype);
+  const int rows = info.tokens - t0 < kKvtcTileRows ? static_cast<int>(info.tokens - t0) : kKvtcTileRows;
+  float* w = tile;
+  int* offset = reinterpret_cast<int*>(tile + kKvtcTileRows * coded);
+  const int* comp = components + info.slots;
+  for (int j = threadIdx.x; j < coded; j += blockDim.x) offset[j] = comp[j] * static_cast<int>(g.channels);
+  for (int e = threadIdx.x; e < kKvtcTileRows * static_cast<int>(coded); e += blockDim.x) {
+    const int r = e / static_cast<int>(coded), j = e - r * static_cast<int>(coded);
+    const int64_t t = t0 + r;
+    const bool live = r < rows && t >= info.first_coded && t < info.end_coded;
+    w[e] = live ? static_cast<float>(q[info.q + (t - info.first_coded) * coded + j]) * info.steps[comp[j]] : 0.f;
+  }
+  __syncthreads();
+  const int64_t half = g.head_dim / 2;
+  for (int64_t pair = threadIdx.x; pair < g.channels / 2; pair += blockDim.x) {
+    const int64_t head = pair / half, k = pair % half;
     int64_t a, b;
     rope_pair(static_cast<RopeStyle>(info.style), g.head_dim, k, &a, &b);
     a += head * g.head_dim;
     b += head * g.head_dim;
-    if (t < info.first_coded || t >= info.end_coded) {  // exact rows: sink rows, then recent rows
-      const int64_t row = t < info.first_coded ? t : info.first_coded + (t - info.end_coded);
-      const uint8_t* src = payload + info.exact + row * g.channels * size;
-      memcpy(info.out + (t * g.channels + a) * size, src + a * size, size);
-      memcpy(info.out + (t * g.channels + b) * size, src + b * size, size);
-      continue;
+    float xa[kKvtcTileRows], xb[kKvtcTileRows];
+#pragma unroll
+    for (int r = 0; r < kKvtcTileRows; ++r) xa[r] = info.mean[a], xb[r] = info.mean[b];
+    for (int64_t j = 0; j < coded; ++j) {
+      const float* row = info.basis + offset[j];
+      const float ba = row[a], bb = row[b];
+#pragma unroll
+      for (int r = 0; r < kKvtcTileRows; ++r) {
+        const float v = w[r * coded + j];
+        if (v != 0.f) {
+          xa[r] = __fmaf_rn(v, ba, xa[r]);  // the CPU decoder's fused multiply-add, in its order
+          xb[r] = __fmaf_rn(v, bb, xb[r]);
+        }
+      }
     }
-    const float *mean = info.mean, *basis = info.basis, *steps = info.steps;
-    const int* comp = components + info.slots;
-    float xa = mean[a], xb = mean[b];
-    const int16_t* qs = q + info.q + (t - info.first_coded) * info.coded;
-    for (int64_t j = 0; j < info.coded; ++j) {
-      if (!qs[j]) continue;
-      const float v = static_cast<float>(qs[j]) * steps[comp[j]];
-      const float* row = basis + int64_t(comp[j]) * g.channels;
-      xa = __fmaf_rn(v, row[a], xa);  // the CPU decoder's fused multiply-add, in its order
-      xb = __fmaf_rn(v, row[b], xb);
+#pragma unroll
+    for (int r = 0; r < kKvtcTileRows; ++r) {
+      const int64_t t = t0 + r;
+      if (r >= rows) break;
+      if (t < info.first_coded || t >= info.end_coded) {  // exact rows: sink rows, then recent rows
+        const int64_t exact = t < info.first_coded ? t : info.first_coded + (t - info.end_coded);
+        const uint8_t* src = payload + info.exact + exact * g.channels * size;
+        memcpy(info.out + (t * g.channels + a) * size, src + a * size, size);
+        memcpy(info.out + (t * g.channels + b) * size, src + b * size, size);
+        continue;
+      }
+      float va = xa[r], vb = xb[r];
+      if (info.rotate) {
+        const float* cs = angles + info.angles + t * g.head_dim + 2 * k;
+        rope_turn(&va, &vb, cs[0], cs[1]);
+      }
+      store_float(info.out, g.dtype, t * g.channels + a, va);
+      store_float(info.out, g.dtype, t * g.channels + b, vb);
     }
-    if (info.rotate) {
-      const float* cs = angles + info.angles + t * g.head_dim + 2 * k;
-      rope_turn(&xa, &xb, cs[0], cs[1]);
-    }
-    store_float(info.out, g.dtype, t * g.channels + a, xa);
-    store_float(info.out, g.dtype, t * g.channels + b, xb);
   }
 }
 
@@ -141,13 +181,14 @@ Status device_calibration(const KvtcCalibration& cal, DeviceCalibration* out) {
 
 // Everything one launch pair needs, appended chunk by chunk.
 struct KvtcBatch {
-  std::vector<uint8_t> payload;
+  std::vector<std::pair<const uint8_t*, size_t>> payloads;  // uploaded as they are, each 16-byte aligned
+  uint64_t payload_bytes = 0;
   std::vector<KvtcPlaneInfo> planes;
   std::vector<RansTable> tables;       // the models the batch uses, each once
   std::vector<int> slot_of = std::vector<int>(kKvtcModels, -1);
   std::vector<int> slots, components;  // per live component: its model's table, its basis row
   std::vector<float> angles;
-  int64_t q_count = 0, max_tokens = 0, channels = -1, head_dim = -1;
+  int64_t q_count = 0, max_tokens = 0, max_coded = 0, channels = -1, head_dim = -1;
   DType dtype{};
 };
 
@@ -156,25 +197,28 @@ Status add_chunk(const BlobHeader& h, const uint8_t* payload, size_t size, uint8
   if (b->channels < 0) b->channels = channels, b->head_dim = h.head_dim, b->dtype = h.dtype;
   if (b->channels != channels || b->head_dim != h.head_dim || b->dtype != h.dtype)
     return Status::Fail("kvtc_decode_cuda: a batch's chunks must share one model shape and dtype");
-  const uint64_t base = b->payload.size();
-  b->payload.insert(b->payload.end(), payload, payload + size);
+  const uint64_t base = b->payload_bytes;
+  b->payloads.emplace_back(payload, size);
+  b->payload_bytes += (size + 15) & ~size_t(15);  // DeviceStaging's alignment of each part
   b->max_tokens = std::max<int64_t>(b->max_tokens, h.tokens);
   const size_t dsize = dtype_size(h.dtype);
   ByteReader r(payload, size);
   std::vector<uint32_t> sizes(planes);
   for (auto& s : sizes) s = r.get<uint32_t>();
   int64_t angles_at = -1;
+  std::shared_ptr<const KvtcCalibration> cal;  // the chunk's planes share one calibration (looked up again if not)
+  DeviceCalibration d;
   for (int64_t p = 0; p < planes; ++p) {
     const uint64_t offset = size - r.remaining();
     const uint8_t* plane = r.take(sizes[p]);
     if (!plane) return Status::Fail("codec payload: plane sizes do not match the payload");
     Key128 id;
-    std::shared_ptr<const KvtcCalibration> cal;
-    if (!kvtc_plane_calibration(plane, sizes[p], &id) || !(cal = kvtc_by_id(id)))
-      return Status::Fail("kvtc payload: its calibration is not loaded");
-    DeviceCalibration d;
-    Status st = device_calibration(*cal, &d);
-    if (!st.ok) return st;
+    if (!kvtc_plane_calibration(plane, sizes[p], &id)) return Status::Fail("kvtc payload: plane " + std::to_string(p) + " is corrupt");
+    if (!cal || cal->id != id) {
+      if (!(cal = kvtc_by_id(id))) return Status::Fail("kvtc payload: its calibration is not loaded");
+      Status st = device_calibration(*cal, &d);
+      if (!st.ok) return st;
+    }
     const Plane shape{h.tokens, channels, int(p / 2), int(h.layers), (p & 1) != 0, h.dtype, h.head_dim, h.position};
     KvtcLayout L;
     if (!kvtc_layout(shape, h.codec_params, *cal, &L)) return Status::Fail("kvtc payload: calibration does not fit");
@@ -206,6 +250,7 @@ Status add_chunk(const BlobHeader& h, const uint8_t* payload, size_t size, uint8
       b->components.push_back(L.coded[j]);
     }
     info.coded = static_cast<int64_t>(b->slots.size() - info.slots);
+    b->max_coded = std::max(b->max_coded, info.coded);
     uint32_t lanes[kRansLanes];
     for (auto& l : lanes) l = pr.get<uint32_t>();
     uint64_t at = base + offset + (sizes[p] - pr.remaining());
@@ -243,26 +288,35 @@ Status kvtc_decode_cuda_batch(const std::vector<DecodeJob>& jobs, uintptr_t stre
   if (b.angles.empty()) b.angles.push_back(0.f);
   const KvtcGeometry g{b.channels, b.head_dim, static_cast<int64_t>(b.planes.size()), b.max_tokens, b.dtype};
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  DeviceStaging staged(s, {{b.payload.data(), b.payload.size()},
-                           {b.planes.data(), b.planes.size() * sizeof(KvtcPlaneInfo)},
-                           {b.tables.data(), b.tables.size() * sizeof(RansTable)},
-                           {b.angles.data(), b.angles.size() * sizeof(float)},
-                           {nullptr, size_t(std::max<int64_t>(b.q_count, 1)) * sizeof(int16_t)},
-                           {nullptr, sizeof(int)},
-                           {b.slots.data(), b.slots.size() * sizeof(int)},
-                           {b.components.data(), b.components.size() * sizeof(int)}});
+  // the chunks' payloads go up straight from the caller's memory, after the batch's own arrays
+  std::vector<DeviceStaging::Part> parts{{b.planes.data(), b.planes.size() * sizeof(KvtcPlaneInfo)},
+                                         {b.tables.data(), b.tables.size() * sizeof(RansTable)},
+                                         {b.angles.data(), b.angles.size() * sizeof(float)},
+                                         {nullptr, size_t(std::max<int64_t>(b.q_count, 1)) * sizeof(int16_t)},
+                                         {nullptr, sizeof(int)},
+                                         {b.slots.data(), b.slots.size() * sizeof(int)},
+                                         {b.components.data(), b.components.size() * sizeof(int)}};
+  const size_t payload_part = parts.size();
+  for (const auto& [data, size] : b.payloads) parts.push_back({data, size});
+  DeviceStaging staged(s, parts);
   if (staged.error() != cudaSuccess) return failed(staged.error(), "kvtc_decode_cuda");
-  auto* d_bad = staged.part<int>(5);
+  const auto* payload = staged.part<const uint8_t>(payload_part);
+  const auto* planes = staged.part<const KvtcPlaneInfo>(0);
+  auto* d_bad = staged.part<int>(4);
   const int lane_blocks = static_cast<int>((g.planes * kRansLanes + 63) / 64);
-  kvtc_symbols_kernel<<<lane_blocks, 64, 0, s>>>(g, staged.part<const uint8_t>(0), staged.part<const KvtcPlaneInfo>(1),
-                                                 staged.part<const RansTable>(2), staged.part<const int>(6),
-                                                 staged.part<int16_t>(4), d_bad);
-  const int threads = 256, blocks = grid_for(g.planes * g.max_tokens * (g.channels / 2), threads);
-  kvtc_values_kernel<<<blocks, threads, 0, s>>>(g, staged.part<const uint8_t>(0), staged.part<const KvtcPlaneInfo>(1),
-                                                staged.part<const int>(7),
-                                                staged.part<const float>(3), staged.part<const int16_t>(4));
+  kvtc_symbols_kernel<<<lane_blocks, 64, 0, s>>>(g, payload, planes, staged.part<const RansTable>(1),
+                                                 staged.part<const int>(5), staged.part<int16_t>(3), d_bad);
+  const int64_t tiles = (g.max_tokens + kKvtcTileRows - 1) / kKvtcTileRows;
+  const size_t shared = (kKvtcTileRows + 1) * std::max<int64_t>(b.max_coded, 1) * sizeof(float);
+  cudaError_t err = cudaSuccess;
+  if (shared > 48 * 1024)  // wide models: ask for more than the default shared memory
+    err = cudaFuncSetAttribute(kvtc_values_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
+  if (err != cudaSuccess) return failed(err, "kvtc_decode_cuda");
+  const int threads = static_cast<int>(std::clamp<int64_t>((g.channels / 2 + 31) / 32 * 32, 32, 256));
+  kvtc_values_kernel<<<static_cast<unsigned>(g.planes * tiles), threads, shared, s>>>(
+      g, payload, planes, staged.part<const int>(6), staged.part<const float>(2), staged.part<const int16_t>(3));
   int bad = 0;
-  cudaError_t err = cudaGetLastError();
+  err = cudaGetLastError();
   if (err == cudaSuccess) err = cudaMemcpyAsync(&bad, d_bad, sizeof(int), cudaMemcpyDeviceToHost, s);
   if (err != cudaSuccess) return failed(err, "kvtc_decode_cuda");
   Status st = finish(s, "kvtc_decode_cuda");  // host vectors must outlive the uploads

@@ -28,7 +28,9 @@ class DeviceStaging {
     size_t bytes;
   };
   // One cudaMallocAsync for all parts (16-byte aligned), then one upload (or memset) per part.
-  DeviceStaging(cudaStream_t stream, std::initializer_list<Part> parts) : stream_(stream) {
+  DeviceStaging(cudaStream_t stream, std::initializer_list<Part> parts)
+      : DeviceStaging(stream, std::vector<Part>(parts)) {}
+  DeviceStaging(cudaStream_t stream, const std::vector<Part>& parts) : stream_(stream) {
     size_t total = 0;
     for (const Part& p : parts) {
       offsets_.push_back(total);

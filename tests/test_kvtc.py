@@ -243,8 +243,11 @@ def test_cuda_decoder_matches_the_cpu_decoder(synthetic_calibration, dtype):
         _core.codec_decode_cuda(coded, out)
         assert torch.equal(out.cpu(), cpu)  # same KDN_HD math and summation order, no fused multiply-adds
         blobs.append(coded)
-    # a batch (the kvtc chunks in one launch pair, a partial chunk among them) gives the same bits
+    # a batch (the kvtc chunks in one launch pair, partial chunks among them: one ending inside a
+    # tile of rows, its recent rows exact across the tile's edge) gives the same bits
     blobs.append(codecs.encode(_core.pack_chunk(per_layer, position, TOKENS // 2, FP, b"H" * 16), "kvtc:ratio=6"))
+    blobs.append(codecs.encode(_core.pack_chunk(per_layer, position, TOKENS // 2 + 3, FP, b"J" * 16),
+                               "kvtc:ratio=3,recent=5"))
     outs = [torch.empty(codecs.decode(b).shape, dtype=dtype, device="cuda") for b in blobs]
     _core.codec_decode_cuda_many(blobs, outs)
     assert all(torch.equal(o.cpu(), codecs.decode(b)) for o, b in zip(outs, blobs))
