@@ -193,9 +193,25 @@ Status codec_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t siz
   return bad ? Status::Fail("codec payload: an entropy-coded lane is corrupt") : Status::Ok();
 }
 
+// A chunk no CUDA decoder reads (kvtc under per-head bases): decoded by the host, then copied.
+static Status decode_on_host(const DecodeJob& job, uintptr_t stream) {
+  std::vector<uint8_t> raw(raw_payload_bytes(*job.header));
+  Status st = codec_decode(*job.header, job.payload, job.size, raw.data(), 0);
+  if (!st.ok) return st;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  cudaError_t err = cudaMemcpyAsync(job.out, raw.data(), raw.size(), cudaMemcpyHostToDevice, s);
+  if (err != cudaSuccess) return failed(err, "codec_decode_cuda");
+  return finish(s, "codec_decode_cuda");  // `raw` must outlive the copy
+}
+
 Status codec_decode_cuda_many(const std::vector<DecodeJob>& jobs, uintptr_t stream) {
   std::vector<DecodeJob> kvtc;
   for (const DecodeJob& job : jobs) {
+    if (job.header->codec == kCodecKvtc && kvtc_payload_per_head(*job.header, job.payload, job.size)) {
+      Status st = decode_on_host(job, stream);
+      if (!st.ok) return st;
+      continue;
+    }
     if (job.header->codec == kCodecKvtc) {
       kvtc.push_back(job);
       continue;

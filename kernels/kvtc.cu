@@ -216,6 +216,7 @@ Status add_chunk(const BlobHeader& h, const uint8_t* payload, size_t size, uint8
     if (!kvtc_plane_calibration(plane, sizes[p], &id)) return Status::Fail("kvtc payload: plane " + std::to_string(p) + " is corrupt");
     if (!cal || cal->id != id) {
       if (!(cal = kvtc_by_id(id))) return Status::Fail("kvtc payload: its calibration is not loaded");
+      if (cal->per_head) return Status::Fail("kvtc payload: per-head bases decode on the host");
       Status st = device_calibration(*cal, &d);
       if (!st.ok) return st;
     }

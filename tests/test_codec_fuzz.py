@@ -17,16 +17,31 @@ HEADER, TRAILER = 80, 8
 # a kvtc calibration of the fuzzed blobs' "model" (2 layers, 2 heads of 8 channels, keys pre-RoPE)
 CALIBRATION = kvtc.fit([np.random.default_rng(p).normal(size=(500, 16)) for p in range(4)], b"F" * 16, 8,
                        inv_freq=1.0 / 10000 ** (np.arange(0, 8, 2) / 8), ratios=(4,))
-kvtc.load(CALIBRATION)
+# and one with per-head bases, for a "model" of fingerprint H, whose blobs hold zeroed head rows
+PER_HEAD = kvtc.fit([np.random.default_rng(p).normal(size=(500, 16)) for p in range(4)], b"H" * 16, 8,
+                    inv_freq=1.0 / 10000 ** (np.arange(0, 8, 2) / 8), ratios=(4,), per_head=True)
+MASKED = "kvtc:ratio=4,recent=3 (per-head bases, pruned rows)"
+
+
+def load_calibrations():
+    kvtc.load(CALIBRATION)
+    kvtc.load(PER_HEAD)
+
+
+load_calibrations()
 
 
 def base_blob(spec: str) -> bytes:
     g = torch.Generator().manual_seed(7)
     kv = [torch.randn(1, 2, 24, 8, generator=g).to(torch.float16) for _ in range(4)]
+    if spec == MASKED:
+        held = (torch.rand(2, 2, 24, generator=g) < 0.5).to(torch.float16)[:, None, :, :, None]
+        kv = [t * held[i // 2, 0] for i, t in enumerate(kv)]
+        return bytes(codecs.encode(_core.pack_chunk(kv, 0, 24, b"H" * 16, b"K" * 16), "kvtc:ratio=4,recent=3"))
     return bytes(codecs.encode(_core.pack_chunk(kv, 0, 24, b"F" * 16, b"K" * 16), spec))
 
 
-BASES = {spec: base_blob(spec) for spec in SPECS}
+BASES = {spec: base_blob(spec) for spec in SPECS + [MASKED]}
 _PARAMS = [(c.id, c.params) for c in map(codecs.parse, SPECS)]
 
 mutations = st.one_of(
@@ -62,9 +77,9 @@ def mutate(blob: bytes, mutation) -> bytearray:
 
 
 @pytest.mark.slow  # ~18 s per codec: CI runs it; `-m "not slow"` (the inner loop) leaves it out
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", SPECS + [MASKED])
 def test_decoder_survives_10000_corrupt_payloads(spec):
-    kvtc.load(CALIBRATION)  # other tests unload calibrations
+    load_calibrations()  # other tests unload calibrations
     base = BASES[spec]
     outcomes = {"decoded": 0, "rejected": 0}
 

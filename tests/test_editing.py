@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdn import KDN, InvalidInputError, KDNConfig
+from kdn import KDN, InvalidInputError, KDNConfig, _core
 from kdn.blend.rope import inv_freq
 from kdn.edits import kvzip, parse, steer, stored
 from kdn.layout import cache_to_kv_list, kv_list_to_cache
@@ -272,12 +272,52 @@ def test_pooled_keys_sit_at_their_slot_rows(case):
     assert torch.allclose(turned, moved[0][0].reshape(-1, kv[0].shape[-1]), atol=1e-5)
 
 
-def test_kvzip_into_a_kvtc_tier_is_refused_before_anything_is_stored(case):
+def test_kvzip_into_a_kvtc_tier_without_per_head_bases_is_refused_before_anything_is_stored(case):
     model, doc, ids = case
     kdn = KDN(KDNConfig(chunk_size=CHUNK, memory_codec="kvtc"))
-    with pytest.raises(InvalidInputError, match="kvtc"):
-        kdn.deposit(model, doc, edits=["kvzip:keep=0.5"])
-    assert kdn.lookup(model, ids[0], limit=ids.shape[1]) == 0
+    try:
+        with pytest.raises(InvalidInputError, match="none is loaded"):
+            kdn.deposit(model, doc, edits=["kvzip:keep=0.5"])
+        kdn.calibrate(model, [doc[:300]], progress=False)  # joint bases: pooled or not, kvtc mixes heads
+        with pytest.raises(InvalidInputError, match="joint bases"):
+            kdn.deposit(model, doc, edits=["kvzip:keep=0.5"])
+        assert kdn.lookup(model, ids[0], limit=ids.shape[1]) == 0
+    finally:
+        _core.kvtc_unload_all()
+
+
+def test_a_kvtc_tier_files_masked_chunks_read_back_exact_where_stored_raw(case, tmp_path):
+    """With a per-head kvtc calibration, a kvzip deposit into a kvtc disk tier files every chunk in
+    the masked layout (its own rows, dropped ones zeroed) in every tier: from the raw memory tier
+    the hit is the exact cache with the dropped triples masked; from the kvtc disk tier alone the
+    same rows come back within kvtc's error and every dropped triple stays out."""
+    model, doc, ids = case
+    g = torch.Generator().manual_seed(9)
+    contexts = [torch.randint(10, 500, (300,), generator=g).tolist() for _ in range(2)]
+    spec = "kvzip:keep=0.5"
+    config = dict(chunk_size=CHUNK, disk_dir=str(tmp_path), disk_codec="kvtc:ratio=4")
+    kdn = KDN(KDNConfig(**config, write_policy="write-through"))
+    try:
+        kdn.calibrate(model, contexts, per_head=True, progress=False)
+        kdn.deposit(model, doc, edits=[spec])
+        kdn.flush()
+        session, edit = kdn.session(model), parse(spec)
+        layers, heads = session.layout.layers, session.layout.kv_heads
+        payloads = [kdn.chunks.read_sidecar(session, edit.address(k)) for k in session.prefix_keys(session.tokens(doc))]
+        masks = [kvzip.unpack_mask(p, layers, heads, CHUNK) for p in payloads]
+        assert all(kvzip.is_masked(p, m) for p, m in zip(payloads, masks))
+        mask = torch.cat(masks, -1)
+        cache, hit = kdn.retrieve(model, ids[0], edits=spec)  # the memory tier: raw
+        assert hit == 3 * CHUNK
+        exact_rows = [t.clone() for t in cache_to_kv_list(cache)]  # before a forward extends the cache
+        assert_served_as_masked_exact(model, kdn, doc, ids, cache, hit, mask)
+        reader = KDN(KDNConfig(**config))  # the disk tier alone: kvtc
+        coded, coded_hit = reader.retrieve(model, ids[0], edits=spec)
+        assert coded_hit == hit and torch.equal(reader.last_retrieve["bias"][0], kdn.last_retrieve["bias"][0])
+        for got, want in zip(cache_to_kv_list(coded), exact_rows):
+            assert float((got - want).norm() / want.norm()) < 0.25
+    finally:
+        _core.kvtc_unload_all()
 
 
 def test_a_missing_rows_blob_ends_the_edited_hit_there(case):

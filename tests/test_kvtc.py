@@ -227,6 +227,67 @@ def test_missing_calibration_is_a_miss_and_the_calibration_travels_through_the_t
     _core.kvtc_unload_all()
 
 
+def pruned_blob(per_layer: list[torch.Tensor], seed: int = 5) -> tuple[bytes, np.ndarray]:
+    """A chunk of ``per_layer`` KV with about half of its (layer, token, KV head) rows zeroed in K
+    and V alike (what a kvzip deposit stores for a codec with per-head bases), and that mask
+    ``[layers, tokens, heads]``."""
+    dropped = np.random.default_rng(seed).random((LAYERS, TOKENS, HEADS)) < 0.5
+    keep = torch.from_numpy(~dropped).permute(0, 2, 1)[:, None, :, :, None]  # [layers, 1, heads, tokens, 1]
+    zeroed = [t * keep[i // 2].to(t.dtype) for i, t in enumerate(per_layer)]
+    return _core.pack_chunk(zeroed, 0, TOKENS, FP, b"P" * 16), dropped
+
+
+def per_layer_of(blob) -> list[torch.Tensor]:
+    kv = codecs.decode(blob)  # [layers, 2, tokens, heads, dim]
+    return [kind[None].transpose(1, 2).contiguous() for layer in kv for kind in layer]
+
+
+def test_per_head_bases_code_each_kv_head_row_on_its_own():
+    inv_freq = 1.0 / (10000 ** (np.arange(0, DIM, 2) / DIM))
+    cal = kvtc.fit(synthetic_planes(2000, 1), FP, DIM, inv_freq=inv_freq, ratios=(3,), per_head=True)
+    assert kvtc.per_head(cal) and not kvtc.per_head(kvtc.fit(synthetic_planes(200, 1), FP, DIM, ratios=(3,)))
+    basis = parse_calibration(cal)["planes"][0][1]
+    assert not basis[:DIM, DIM:].any() and not basis[DIM:, :DIM].any()  # block-diagonal
+    kvtc.load(cal)
+    try:
+        whole = synthetic_blob(0)
+        blob, dropped = pruned_blob(per_layer_of(whole))
+        coded = codecs.encode(blob, "kvtc:ratio=3")
+        got = codecs.decode(coded).numpy()
+        opts = dict(codecs.parse("kvtc:ratio=3").options)
+        want = reference_decode(parse_calibration(cal), codecs.decode(blob).numpy(), 3, 0, opts["sink"], opts["recent"])
+        gone = np.broadcast_to(dropped[:, None, :, :, None], want.shape)
+        want[gone] = 0
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)  # held rows: the numpy model of the codec
+        assert not got[gone].any()  # dropped rows decode as zeros
+        # a dropped row costs a bit: the pruned chunk codes in well under the whole one's bytes
+        assert len(coded) < 0.75 * len(codecs.encode(whole, "kvtc:ratio=3"))
+        # a corrupt presence bit is caught (the lanes no longer end where they should), never wrong KV
+        bad = bytearray(coded)
+        bits_at = 80 + 8 * LAYERS + 16 + int((parse_calibration(cal)["planes"][0][2][0] > 0).sum())  # plane 0's
+        bad[bits_at + 3] ^= 0x10
+        _core.blob_reseal(bad)  # a valid checksum: only the decoder can notice
+        with pytest.raises(BlobError):
+            codecs.decode(bytes(bad))
+    finally:
+        _core.kvtc_unload_all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_batch_leaves_per_head_chunks_to_the_host_decoder(synthetic_calibration):
+    inv_freq = 1.0 / (10000 ** (np.arange(0, DIM, 2) / DIM))
+    whole = synthetic_blob(0)
+    cal = kvtc.fit(synthetic_planes(2000, 2), b"Q" * 16, DIM, inv_freq=inv_freq, ratios=(3,), per_head=True)
+    kvtc.load(cal)
+    per_layer = per_layer_of(whole)
+    blobs = [codecs.encode(whole, "kvtc:ratio=3"),  # the joint calibration of FP
+             codecs.encode(_core.pack_chunk(per_layer, 0, TOKENS, b"Q" * 16, b"P" * 16), "kvtc:ratio=3")]
+    outs = [torch.empty(codecs.decode(b).shape, dtype=torch.float32, device="cuda") for b in blobs]
+    _core.codec_decode_cuda_many(blobs, outs)
+    assert all(torch.equal(o.cpu(), codecs.decode(b)) for o, b in zip(outs, blobs))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -139,6 +139,7 @@ void bind_codec(py::module_& m) {
         py::list ratios;
         for (uint32_t r : cal->ratios) ratios.append(r);
         d["ratios"] = ratios;
+        d["per_head"] = cal->per_head;
         d["components"] = cal->components;
         d["prerope"] = cal->prerope;
         return d;

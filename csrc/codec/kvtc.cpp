@@ -172,6 +172,28 @@ void rotate_row(float* row, int64_t channels, int64_t head_dim, RopeStyle style,
     }
 }
 
+// Which (coded row, KV head) rows a plane under a per-head calibration holds: one bit each, LSB
+// first, in the payload after the component models. Off (no bits, every row present) otherwise.
+struct KvtcPresence {
+  bool on;
+  int64_t heads;
+  std::vector<uint8_t> bits;
+  KvtcPresence(bool per_head, int64_t rows, int64_t heads_)
+      : on(per_head), heads(heads_), bits(per_head ? static_cast<size_t>((rows * heads_ + 7) / 8) : 0, 0) {}
+  void set(int64_t row, int64_t head, bool held) {
+    const int64_t i = row * heads + head;
+    if (held) bits[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
+  }
+  bool held(int64_t row, int64_t head) const {
+    const int64_t i = row * heads + head;
+    return !on || (bits[i / 8] >> (i % 8) & 1);
+  }
+  // whether coded component j (of L.coded) has a value in `row`
+  bool has(int64_t row, const KvtcLayout& L, int64_t j) const {
+    return !on || held(row, L.plane->head[L.coded[j]]);
+  }
+};
+
 }  // namespace
 
 const RansTable& kvtc_table(int m) { return model_of(m).table; }
@@ -210,6 +232,28 @@ uint8_t kvtc_choose_model(const uint32_t* h, double* model_bits, double* empiric
   return static_cast<uint8_t>(choice);
 }
 
+namespace {
+
+// The KV head each basis row lives in (a per-head calibration's rows are zero outside one head).
+std::vector<int> component_heads(const std::vector<float>& basis, uint32_t components, uint32_t channels,
+                                 uint32_t head_dim) {
+  std::vector<int> head(components);
+  for (uint32_t j = 0; j < components; ++j) {
+    const float* row = &basis[static_cast<size_t>(j) * channels];
+    int found = -1;
+    for (uint32_t c = 0; c < channels; ++c) {
+      if (row[c] == 0.f) continue;
+      const int h = static_cast<int>(c / head_dim);
+      KDN_CHECK_INPUT(found < 0 || found == h, "kvtc calibration: a per-head basis row spans two heads");
+      found = h;
+    }
+    head[j] = std::max(found, 0);
+  }
+  return head;
+}
+
+}  // namespace
+
 std::shared_ptr<const KvtcCalibration> kvtc_parse(const uint8_t* data, size_t size) {
   auto cal = std::make_shared<KvtcCalibration>();
   ByteReader r(data, size);
@@ -227,9 +271,10 @@ std::shared_ptr<const KvtcCalibration> kvtc_parse(const uint8_t* data, size_t si
   KDN_CHECK_INPUT(r.ok() && cal->layers > 0 && cal->layers <= 4096 && cal->head_dim > 0 && cal->head_dim % 2 == 0 &&
                       cal->channels > 0 && cal->channels <= 65536 && cal->channels % cal->head_dim == 0 &&
                       cal->components > 0 && cal->components <= cal->channels && ratios > 0 && ratios <= 64 &&
-                      flags <= 3,
+                      flags <= 7,
                   "kvtc calibration: bad dimensions");
   cal->prerope = flags & 1;
+  cal->per_head = flags & 4;
   cal->style = flags & 2 ? RopeStyle::kInterleaved : RopeStyle::kRotateHalf;
   read_floats(r, cal->inv_freq, cal->head_dim / 2);
   for (uint32_t i = 0; i < ratios; ++i) cal->ratios.push_back(r.get<uint32_t>());
@@ -243,6 +288,7 @@ std::shared_ptr<const KvtcCalibration> kvtc_parse(const uint8_t* data, size_t si
     for (float s : plane.step) KDN_CHECK_INPUT(std::isfinite(s) && s >= 0, "kvtc calibration: bad step");
     for (float v : plane.basis) KDN_CHECK_INPUT(std::isfinite(v), "kvtc calibration: bad basis");
     for (float v : plane.mean) KDN_CHECK_INPUT(std::isfinite(v), "kvtc calibration: bad mean");
+    if (cal->per_head) plane.head = component_heads(plane.basis, cal->components, cal->channels, cal->head_dim);
   }
   for (uint32_t ratio : cal->ratios) KDN_CHECK_INPUT(ratio >= 2 && ratio <= 255, "kvtc calibration: bad ratio");
   cal->id = blake3_128(data, size);
@@ -339,6 +385,14 @@ bool kvtc_plane_calibration(const uint8_t* plane, size_t size, Key128* id) {
   return true;
 }
 
+bool kvtc_payload_per_head(const BlobHeader& h, const uint8_t* payload, size_t size) {
+  const size_t first = 8 * static_cast<size_t>(h.layers);  // after the u32 size of each of 2 * layers planes
+  Key128 id;
+  if (size < first || !kvtc_plane_calibration(payload + first, size - first, &id)) return false;
+  const auto cal = kvtc_by_id(id);
+  return cal && cal->per_head;
+}
+
 Status kvtc_check(uint32_t params) {
   const uint32_t ratio = params & 0xff;
   if (ratio < 2) return Status::Fail("kvtc ratio must be in [2, 255], got " + std::to_string(ratio));
@@ -370,14 +424,20 @@ std::vector<uint8_t> kvtc_encode(const Plane& p, uint32_t params, const uint8_t*
   std::vector<int16_t> q(static_cast<size_t>(T - exact) * K);
   std::vector<uint32_t> hist(static_cast<size_t>(K) * symbols, 0);
   std::vector<float> x(C);
+  const int64_t H = C / p.head_dim;
+  KvtcPresence present(cal.per_head, T - exact, H);
   for (int64_t t = L.first_coded, row = 0; t < L.end_coded; ++t, ++row) {
     for (int64_t c = 0; c < C; ++c) {
       x[c] = load_float(raw, p.dtype, t * C + c);
       KDN_CHECK_INPUT(std::isfinite(x[c]) && std::fabs(x[c]) < 60000.f, "kvtc needs finite KV within the fp16 range");
     }
+    if (cal.per_head)
+      for (int64_t h = 0; h < H; ++h)
+        present.set(row, h, std::any_of(&x[h * p.head_dim], &x[(h + 1) * p.head_dim], [](float v) { return v != 0.f; }));
     if (L.angles) rotate_row(x.data(), C, p.head_dim, cal.style, &(*L.angles)[t * p.head_dim], -1.f);
     for (int64_t c = 0; c < C; ++c) x[c] -= L.plane->mean[c];
     for (int64_t j = 0; j < K; ++j) {
+      if (!present.has(row, L, j)) continue;  // q stays 0, not coded
       const float* b = &L.plane->basis[static_cast<size_t>(L.coded[j]) * C];
       double z = 0;
       for (int64_t c = 0; c < C; ++c) z += static_cast<double>(b[c]) * x[c];
@@ -396,21 +456,24 @@ std::vector<uint8_t> kvtc_encode(const Plane& p, uint32_t params, const uint8_t*
     if (choice[j] != kKvtcAllZero) live.push_back(j);
   }
   w.append(choice.data(), K);
+  w.append(present.bits.data(), present.bits.size());
   w.append(raw, L.first_coded * C * dsize);  // exact rows: the sink ones, then the recent ones
   w.append(raw + L.end_coded * C * dsize, (T - L.end_coded) * C * dsize);
   const int64_t rows = L.end_coded - L.first_coded, n_live = static_cast<int64_t>(live.size());
-  std::vector<uint16_t> cum(rows * n_live), freq(rows * n_live);
-  for (int64_t row = 0, i = 0; row < rows; ++row)
+  std::vector<uint16_t> cum, freq;
+  cum.reserve(rows * n_live), freq.reserve(rows * n_live);
+  for (int64_t row = 0; row < rows; ++row)
     for (int64_t j : live) {
+      if (!present.has(row, L, j)) continue;
       const RansTable& tab = kvtc_table(choice[j]);
-      cum[i] = tab.cum[q[row * K + j] + kKvtcRange];
-      freq[i++] = tab.freq[q[row * K + j] + kKvtcRange];
+      cum.push_back(tab.cum[q[row * K + j] + kKvtcRange]);
+      freq.push_back(tab.freq[q[row * K + j] + kKvtcRange]);
     }
   const size_t n = cum.size();
   const size_t before = w.out.size();
   rans_encode(cum.data(), freq.data(), n, w);
   report->coded_bytes += w.out.size() - before;
-  report->table_bytes += 16 + K;
+  report->table_bytes += 16 + K + present.bits.size();
   report->side_bytes += exact * C * dsize;
   report->symbols += n;
   return std::move(w.out);
@@ -427,19 +490,24 @@ bool kvtc_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size
   ByteReader r(in, size);
   r.take(16);
   const uint8_t* choice = r.take(K);
-  const int64_t exact_rows = T - (L.end_coded - L.first_coded);
+  const int64_t exact_rows = T - (L.end_coded - L.first_coded), H = C / p.head_dim;
+  KvtcPresence present(cal->per_head, T - exact_rows, H);
+  const uint8_t* bits = r.take(present.bits.size());
+  if (bits) std::copy(bits, bits + present.bits.size(), present.bits.begin());
   const uint8_t* exact = r.take(exact_rows * C * dsize);
   RansLane lanes[kRansLanes];
   if (!r.ok() || !rans_open(r, lanes) || r.remaining() != 0) return false;
   std::vector<const RansTable*> table;  // the components with coded symbols
   std::vector<const float*> rows;
   std::vector<float> steps;
+  std::vector<int> head;  // per-head calibrations: each live component's KV head
   for (int64_t j = 0; j < K; ++j) {
     if (choice[j] == kKvtcAllZero) continue;
     if (choice[j] >= kKvtcModels) return false;
     table.push_back(&kvtc_table(choice[j]));
     rows.push_back(&L.plane->basis[static_cast<size_t>(L.coded[j]) * C]);
     steps.push_back(L.steps[j]);
+    if (present.on) head.push_back(L.plane->head[L.coded[j]]);
   }
   const int64_t live = static_cast<int64_t>(table.size());
   std::memcpy(out, exact, L.first_coded * C * dsize);
@@ -451,9 +519,20 @@ bool kvtc_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size
   std::unique_ptr<float[]> rows_out(new float[static_cast<size_t>(count) * C]);
   // symbol i is in lane i % kRansLanes and of component i % live: the lanes run in lockstep, each
   // on a local copy of its state, so their decodes overlap
+  if (present.on) {  // symbols only for the heads a row holds: lanes in turn over those
+    int64_t lane = 0;
+    for (int64_t row = 0; row < count; ++row)
+      for (int64_t jj = 0; jj < live; ++jj) {
+        float& out_v = v[row * live + jj];
+        out_v = 0.f;
+        if (!present.held(row, head[jj])) continue;
+        out_v = static_cast<float>(rans_lane_decode(lanes[lane], *table[jj]) - kKvtcRange) * steps[jj];
+        lane = lane + 1 == kRansLanes ? 0 : lane + 1;
+      }
+  }
   static_assert(kRansLanes == 4, "the symbol loop below is unrolled for 4 lanes");
   RansLane l0 = lanes[0], l1 = lanes[1], l2 = lanes[2], l3 = lanes[3];
-  const int64_t n = count * live;
+  const int64_t n = present.on ? 0 : count * live;
   int64_t i = 0, j = 0;
   const auto next = [live](int64_t c) { return c + 1 == live ? 0 : c + 1; };
   for (; i + kRansLanes <= n; i += kRansLanes) {
@@ -469,11 +548,13 @@ bool kvtc_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size
   RansLane* tail[kRansLanes] = {&l0, &l1, &l2, &l3};
   for (int lane = 0; i < n; ++i, ++lane, j = next(j))
     v[i] = static_cast<float>(rans_lane_decode(*tail[lane], *table[j]) - kKvtcRange) * steps[j];
-  lanes[0] = l0, lanes[1] = l1, lanes[2] = l2, lanes[3] = l3;
+  if (!present.on) lanes[0] = l0, lanes[1] = l1, lanes[2] = l2, lanes[3] = l3;
   reconstruct(v.get(), rows.data(), L.plane->mean.data(), count, live, C, rows_out.get());
   for (int64_t t = L.first_coded; t < L.end_coded; ++t) {
     float* row = &rows_out[(t - L.first_coded) * C];
     if (L.angles) rotate_row(row, C, p.head_dim, cal->style, &(*L.angles)[t * p.head_dim], 1.f);
+    for (int64_t h = 0; h < H; ++h)  // a head the row does not hold decodes as zeros
+      if (!present.held(t - L.first_coded, h)) std::fill(row + h * p.head_dim, row + (h + 1) * p.head_dim, 0.f);
     store_floats(out, p.dtype, t * C, row, C);
   }
   for (const RansLane& lane : lanes)

@@ -21,9 +21,16 @@
 //
 // Calibration bytes (little endian): "KVTC", u32 version (1), u8 fingerprint[16], u32 layers,
 // channels (kv_heads * head_dim), head_dim, components, ratio count R, flags (bit 0: keys coded
-// pre-RoPE, bit 1: interleaved RoPE pairs), f32 inv_freq[head_dim / 2], u32 ratio[R], then per
-// plane (2 * layers, K then V per layer): f32 mean[channels], f32 basis[components][channels],
-// f32 step[R][components].
+// pre-RoPE, bit 1: interleaved RoPE pairs, bit 2: per-head bases), f32 inv_freq[head_dim / 2],
+// u32 ratio[R], then per plane (2 * layers, K then V per layer): f32 mean[channels], f32
+// basis[components][channels], f32 step[R][components].
+//
+// Per-head bases (kdn.kvtc.fit(per_head=True)): every basis row is zero outside one KV head's
+// channels, so a (token, head) row codes on its own. A plane under such a calibration also carries,
+// after the component models, one bit per (coded row, head) — set when the row holds a nonzero
+// value of that head — and codes symbols only for the components of the heads present: a KV head
+// row that is all zero (a token kvzip dropped for that head, kdn.edits) costs one bit and decodes
+// as zeros.
 #pragma once
 
 #include <cstdint>
@@ -56,13 +63,14 @@ struct KvtcPlane {
   std::vector<float> mean;   // [channels]
   std::vector<float> basis;  // [components][channels]
   std::vector<float> step;   // [ratios][components]
+  std::vector<int> head;     // per-head calibrations: the KV head of each component; else empty
 };
 
 struct KvtcCalibration {
   Key128 id{};           // BLAKE3-128 of the calibration bytes
   Key128 fingerprint{};  // the model it was fit on
   uint32_t layers = 0, channels = 0, head_dim = 0, components = 0;
-  bool prerope = false;
+  bool prerope = false, per_head = false;
   RopeStyle style = RopeStyle::kRotateHalf;
   std::vector<float> inv_freq;  // [head_dim / 2]
   std::vector<uint32_t> ratios;
@@ -103,6 +111,10 @@ bool kvtc_layout(const Plane& p, uint32_t params, const KvtcCalibration& cal, Kv
 
 // A plane's calibration id (its first 16 bytes); false if the plane is shorter.
 bool kvtc_plane_calibration(const uint8_t* plane, size_t size, Key128* id);
+
+// Whether a kvtc payload's (first plane's) calibration is loaded and has per-head bases: the CUDA
+// decoder leaves those chunks to the host decoder.
+bool kvtc_payload_per_head(const BlobHeader& h, const uint8_t* payload, size_t size);
 
 // CUDA decoder (kernels/kvtc.cu, compiled with nvcc only; codec_decode_cuda dispatches to it).
 Status kvtc_decode_cuda(const BlobHeader& h, const uint8_t* payload, size_t size, void* out, uintptr_t stream);

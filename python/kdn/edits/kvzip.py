@@ -9,11 +9,16 @@ the probabilities each context key receives, over the query heads of its group a
 reconstruction query). Model code is never patched.
 
 Storage stays dense: a chunk's kept triples are pooled into ``[1, kv_heads, rows, dim]`` tensors
-per layer (:func:`slots`; every codec codes them), filed beside a bitmask of what was kept; the
-reader puts each head's rows back in position order and pads the shorter heads with rows that an
-attention bias of -inf hides (:func:`unpool`, :func:`padding_bias`). Uniform per-head budgets were
-measured first and lost to this (Qwen2.5-0.5B, the demo's 5 questions at keep 0.5: 2 right vs 4,
-the full prefill's count; benchmarks/results/README.md, "Pruning at deposit").
+per layer (:func:`slots`; the element-wise codecs code them), filed beside a bitmask of what was
+kept; the reader puts each head's rows back in position order and pads the shorter heads with rows
+that an attention bias of -inf hides (:func:`unpool`, :func:`padding_bias`). Uniform per-head
+budgets were measured first and lost to this (Qwen2.5-0.5B, the demo's 5 questions at keep 0.5: 2
+right vs 4, the full prefill's count; benchmarks/results/README.md, "Pruning at deposit").
+
+``kvtc`` cannot code pooled rows (its rows are tokens; a pooled row mixes tokens across heads). With
+a per-head calibration (:func:`kdn.kvtc.fit`, ``per_head=True``) a chunk is instead filed *masked*:
+in its own layout with the dropped (layer, head, token) rows zeroed, which that codec codes for one
+bit each (:func:`masked`). The mask's sidecar says which layout a chunk's rows have.
 """
 
 from __future__ import annotations
@@ -125,6 +130,14 @@ def slots(mask: torch.Tensor) -> torch.Tensor:
     return src.view(layers, heads, rows)
 
 
+def masked(kv: list[torch.Tensor], mask: torch.Tensor, start: int) -> list[torch.Tensor]:
+    """A chunk's KV (``mask`` over the tokens from ``start``) in its own layout, ``2 * layers``
+    tensors ``[1, kv_heads, chunk, dim]`` with every dropped row zero: the masked layout."""
+    layers, _, chunk = mask.shape
+    return [(kv[2 * layer + part][:, :, start:start + chunk] * mask[layer][None, :, :, None].to(kv[0].dtype))
+            .contiguous() for layer in range(layers) for part in (0, 1)]
+
+
 def turn(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor | None) -> torch.Tensor:
     """``keys`` ``[n, head_dim]`` (RoPE rotate-half) moved by ``delta`` ``[n]`` positions each."""
     if inv_freq is None:
@@ -154,32 +167,37 @@ def pool(kv: list[torch.Tensor], mask: torch.Tensor, start: int, inv_freq: torch
     return [out[part][layer].unsqueeze(0).contiguous() for layer in range(layers) for part in (0, 1)]
 
 
-def unpool(parts: list[tuple[torch.Tensor, list[torch.Tensor]]], inv_freq: torch.Tensor | None = None) -> tuple:
+def unpool(parts: list[tuple], inv_freq: torch.Tensor | None = None) -> tuple:
     """``(kv, held)`` from the chunks' ``(mask, pooled rows)`` in prompt order (keys moved back to
-    their positions with ``inv_freq``, as :func:`pool` moved them): ``2 * layers``
+    their positions with ``inv_freq``, as :func:`pool` moved them), or ``(mask, rows, True)`` for a
+    chunk in the :func:`masked` layout: ``2 * layers``
     tensors ``[1, kv_heads, m, dim]`` holding each head's kept rows in position order, ``m`` the
     most any head keeps, heads with fewer padded with zero rows after theirs; ``held``
     ``[layers, kv_heads]``, each head's real row count (:func:`padding_bias` masks the rest)."""
     layers, heads, chunk = parts[0][0].shape
-    counts = torch.stack([mask.sum(-1) for mask, _ in parts])  # [chunks, layers, heads]
+    counts = torch.stack([part[0].sum(-1) for part in parts])  # [chunks, layers, heads]
     held = counts.sum(0)
     m = int(held.max())
     ref = parts[0][1][0]
     dim = ref.shape[-1]
     out = [torch.zeros(layers * heads * m, dim, dtype=ref.dtype, device=ref.device) for _ in (0, 1)]
     base = torch.zeros(layers, heads, dtype=torch.int64)
-    for c, ((mask, rows), count) in enumerate(zip(parts, counts)):
-        src = slots(mask).view(-1)
-        valid = (src >= 0).nonzero().flatten()
-        s = src[valid]
-        layer, head, token = s // (heads * chunk), (s // chunk) % heads, s % chunk
+    for c, ((mask, rows, *layout), count) in enumerate(zip(parts, counts)):
+        if layout and layout[0]:  # masked: each kept row where it was computed, keys unmoved
+            layer, head, token = mask.nonzero().unbind(1)
+            valid, delta = (layer * heads + head) * chunk + token, None
+        else:
+            src = slots(mask).view(-1)
+            valid = (src >= 0).nonzero().flatten()
+            s = src[valid]
+            layer, head, token = s // (heads * chunk), (s // chunk) % heads, s % chunk
+            delta = (c * chunk + token) - valid % (len(src) // (layers * heads))
         rank = (mask.cumsum(-1) - 1)[layer, head, token]
         dest = ((layer * heads + head) * m + base[layer, head] + rank).to(ref.device)
-        delta = (c * chunk + token) - valid % (len(src) // (layers * heads))
         valid = valid.to(ref.device)
         for part in (0, 1):
             pooled = torch.cat([rows[2 * li + part][0] for li in range(layers)]).reshape(-1, dim)[valid]
-            if part == 0 and inv_freq is not None:
+            if part == 0 and inv_freq is not None and delta is not None:
                 pooled = turn(pooled, delta.to(ref.device), inv_freq.to(ref.device))
             out[part][dest] = pooled
         base += count
@@ -202,18 +220,31 @@ def padding_bias(held: torch.Tensor, query_heads: int) -> dict:
     return out
 
 
-def pack_mask(mask: torch.Tensor) -> bytes:
-    """A chunk's ``[layers, kv_heads, chunk]`` mask as bits (stored beside its pooled rows)."""
-    return np.packbits(mask.numpy().reshape(-1)).tobytes()
+def pack_mask(mask: torch.Tensor, layout_masked: bool = False) -> bytes:
+    """A chunk's ``[layers, kv_heads, chunk]`` mask as bits (stored beside its rows), then one byte
+    1 when the rows are in the :func:`masked` layout (none: pooled)."""
+    return np.packbits(mask.numpy().reshape(-1)).tobytes() + (b"\x01" if layout_masked else b"")
 
 
 def unpack_mask(payload: bytes, layers: int, heads: int, chunk: int) -> torch.Tensor | None:
     """The mask :func:`pack_mask` stored, or None when ``payload`` is not one of that shape."""
     count = layers * heads * chunk
-    if len(payload) != -(-count // 8):
+    n = -(-count // 8)
+    if not (len(payload) == n or len(payload) == n + 1 and payload[-1:] == b"\x01"):
         return None
-    bits = np.unpackbits(np.frombuffer(payload, dtype=np.uint8))[:count]
+    bits = np.unpackbits(np.frombuffer(payload, dtype=np.uint8, count=n))[:count]
     return torch.from_numpy(bits.astype(bool)).view(layers, heads, chunk)
+
+
+def is_masked(payload: bytes, mask: torch.Tensor) -> bool:
+    """Whether the chunk whose mask sidecar is ``payload`` has its rows in the :func:`masked` layout."""
+    return len(payload) == -(-mask.numel() // 8) + 1
+
+
+def stored_rows(payload: bytes, mask: torch.Tensor) -> int:
+    """Rows per (layer, head) the chunk's stored tensors hold: its length when masked, else
+    :func:`pooled_rows`."""
+    return mask.shape[-1] if is_masked(payload, mask) else pooled_rows(mask)
 
 
 def rows_address(address: bytes, mask_payload: bytes) -> bytes:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from kdn import _core
 from kdn._core import InvalidInputError
 from kdn.edits import Edit, autospans, kvzip, parse_many, steer
 from kdn.engine.targets import HFTarget
@@ -57,8 +58,7 @@ def deposit(kdn, model, prompt, edits=(), tokenizer=None, emphasize=None) -> dic
     ids = _prompt_ids(prompt, tokenizer)
     emphasized = offsets = None
     auto = isinstance(emphasize, str) and emphasize == "auto"
-    if any(e.name == "kvzip" for e in edits):
-        _check_codecs(kdn.config)
+    layout_masked = any(e.name == "kvzip" for e in edits) and _masked_layout(kdn, session)
     if any(e.name == "steer" for e in edits):
         steer.check_model(model)
         offsets = tokenizer(prompt, return_offsets_mapping=True)["offset_mapping"] if isinstance(prompt, str) else None
@@ -98,7 +98,7 @@ def deposit(kdn, model, prompt, edits=(), tokenizer=None, emphasize=None) -> dic
             if scored is None and keys:  # one scoring pass serves every kvzip edit of this deposit
                 instruction = tokenizer(kvzip.INSTRUCTION, add_special_tokens=False)["input_ids"] if tokenizer else []
                 scored = kvzip.scores(model, kv, ids, list(instruction))
-            chunks, masks = _edited_chunks(kv, scored, keys, chunk, edit, _rope(model))
+            chunks, masks = _edited_chunks(kv, scored, keys, chunk, edit, _rope(model), layout_masked)
             planned += chunks
             sidecars += masks
             nbytes = sum(t.nbytes for _, rows in chunks for t in rows) + sum(len(p) for _, p in masks)
@@ -141,32 +141,41 @@ def head_profile(kdn, model, tokenizer=None) -> list | None:
     return ranked
 
 
-def _check_codecs(config) -> None:
-    """kvtc does not code pruned rows: its calibration's bases span all KV heads of one token, and
-    a pooled row holds different tokens per head (measured: relative key error 0.10 -> 0.50 at
-    keep 0.5 on SmolLM2; 0/5 right where int4 kept 5/5 on Qwen2.5-1.5B). A tier storing kvtc is
-    refused at the call, before anything is computed."""
-    for name in ("memory_codec", "disk_codec", "remote_codec"):
-        codec = str(getattr(config, name, "raw"))
-        if codec.startswith("kvtc"):
-            raise InvalidInputError(f"deposit: kvzip cannot be stored with {name}={codec!r} (kvtc's bases span "
-                                    "all heads of a token; pruned rows mix tokens across heads): use int4/int8/raw")
+def _masked_layout(kdn, session) -> bool:
+    """Whether a kvzip deposit files its chunks in the masked layout (:func:`kdn.edits.kvzip.masked`):
+    when a tier stores ``kvtc``, whose rows are tokens and cannot hold pooled rows (measured: relative
+    key error 0.10 -> 0.50 at keep 0.5 on SmolLM2; 0/5 right where int4 kept 5/5 on Qwen2.5-1.5B).
+    That needs the model's kvtc calibration to have per-head bases; otherwise the deposit is refused
+    at the call, before anything is computed. Other codecs code pooled rows (fewer bytes)."""
+    codecs = {name: str(getattr(kdn.config, name, "raw")) for name in ("memory_codec", "disk_codec", "remote_codec")}
+    kvtc_tiers = [f"{name}={codec!r}" for name, codec in codecs.items() if codec.startswith("kvtc")]
+    if not kvtc_tiers:
+        return False
+    calibration = _core.kvtc_model_calibration(session.fingerprint)
+    if calibration is None and kdn.chunks.load_calibration(session):
+        calibration = _core.kvtc_model_calibration(session.fingerprint)
+    if calibration is None or not calibration["per_head"]:
+        raise InvalidInputError(f"deposit: kvzip with {', '.join(kvtc_tiers)} needs the model's kvtc calibration "
+                                "with per-head bases (KDN.calibrate(model, contexts, per_head=True)); "
+                                + ("none is loaded" if calibration is None else "the loaded one has joint bases"))
+    return True
 
 
-def _edited_chunks(kv, scored, keys, chunk, edit: Edit, inv_freq) -> tuple[list, list]:
+def _edited_chunks(kv, scored, keys, chunk, edit: Edit, inv_freq, layout_masked: bool) -> tuple[list, list]:
     """``([(rows address, rows)], [(edit address, mask)])`` of each full chunk's ``kvzip`` form from
     the context's reconstruction ``scored`` (rows: ``2 * layers`` CPU tensors pooled by
-    :func:`kdn.edits.kvzip.pool`; mask: its packed bitmask)."""
+    :func:`kdn.edits.kvzip.pool`, or in the :func:`kdn.edits.kvzip.masked` layout; mask: its packed
+    bitmask, which says the layout)."""
     if not keys:
         return [], []
     mask = kvzip.chosen(scored, len(keys) * chunk, edit.param("keep"), int(edit.param("sink")))
     rows, masks = [], []
     for i, key in enumerate(keys):
         part = mask[:, :, i * chunk:(i + 1) * chunk]
-        payload = kvzip.pack_mask(part)
+        payload = kvzip.pack_mask(part, layout_masked)
         masks.append((edit.address(key), payload))
-        pooled = [t.cpu() for t in kvzip.pool(kv, part, i * chunk, inv_freq)]
-        rows.append((kvzip.rows_address(edit.address(key), payload), pooled))
+        stored = kvzip.masked(kv, part, i * chunk) if layout_masked else kvzip.pool(kv, part, i * chunk, inv_freq)
+        rows.append((kvzip.rows_address(edit.address(key), payload), [t.cpu() for t in stored]))
     return rows, masks
 
 
@@ -207,9 +216,9 @@ def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int
             mask = kvzip.unpack_mask(payload, layers, heads, session.chunk_size)
             if mask is None:
                 break
-            rows.append((kvzip.rows_address(address, payload), 0, kvzip.pooled_rows(mask)))
-            masks.append(mask)
-        parts = list(zip(masks, kdn.chunks.read_segments(session, rows, target)))
+            rows.append((kvzip.rows_address(address, payload), 0, kvzip.stored_rows(payload, mask)))
+            masks.append((mask, kvzip.is_masked(payload, mask)))
+        parts = [(mask, got, layout) for (mask, layout), got in zip(masks, kdn.chunks.read_segments(session, rows, target))]
         if parts:
             kv, held = kvzip.unpool(parts, _rope(model))
             hit = len(parts) * session.chunk_size
