@@ -218,7 +218,8 @@ def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int
                 break
             rows.append((kvzip.rows_address(address, payload), 0, kvzip.stored_rows(payload, mask)))
             masks.append((mask, kvzip.is_masked(payload, mask)))
-        parts = [(mask, got, layout) for (mask, layout), got in zip(masks, kdn.chunks.read_segments(session, rows, target))]
+        got = kdn.chunks.read_segments(session, rows, target)
+        parts = [(mask, chunk_rows, layout) for (mask, layout), chunk_rows in zip(masks, got)]
         if parts:
             kv, held = kvzip.unpool(parts, _rope(model))
             hit = len(parts) * session.chunk_size
