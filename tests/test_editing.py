@@ -108,6 +108,14 @@ def test_pooled_rows_come_back_in_place():
         if trial == 3:
             mask[:, :, chunk:] = False  # a chunk that kept nothing: one empty row
         chunks = [mask[:, :, c * chunk:(c + 1) * chunk] for c in range(2)]
+        for m in chunks:  # each lane holds its own triples first, in token order; spills stay together
+            src, rows = kvzip.slots(m).view(layers * heads, -1), kvzip.pooled_rows(m)
+            for lane, own in enumerate(m.reshape(layers * heads, chunk)):
+                mine = own.nonzero().flatten() + lane * chunk
+                assert torch.equal(src[lane, : min(len(mine), rows)], mine[:rows])
+            spilled = src[src // chunk != torch.arange(layers * heads)[:, None]]
+            spilled = spilled[spilled >= 0]
+            assert torch.equal(spilled, spilled.sort().values)
         freq = None if trial % 4 < 2 else 1.0 / 1000 ** (torch.arange(0, dim, 2) / dim)  # keys moved to rows and back
         parts = [(m, kvzip.pool(kv, m, c * chunk, freq)) for c, m in enumerate(chunks)]
         assert all(p[0].shape[2] == kvzip.pooled_rows(m) == max(1, -(-int(m.sum()) // (layers * heads)))

@@ -112,19 +112,21 @@ def pooled_rows(mask: torch.Tensor) -> int:
 def slots(mask: torch.Tensor) -> torch.Tensor:
     """Where a chunk's kept triples are stored: ``[layers, kv_heads, rows]`` int64, each slot the
     flat index ``(layer * kv_heads + head) * chunk + token`` of the triple it holds, -1 if empty.
-    ``rows = ceil(kept / (layers * kv_heads))`` so the stored tensor is dense; a layer's triples fill
-    its own slots first (in head, token order), the rest fill the free slots of other layers in
-    order. A function of the chunk's mask alone: the reader places rows as the writer did."""
+    ``rows = ceil(kept / (layers * kv_heads))`` so the stored tensor is dense. Each (layer, head)
+    lane holds its own triples first (in token order); the triples of lanes that keep more than
+    ``rows`` fill the free slots at the ends of the other lanes, in order (a lane's spill stays
+    together). An element-wise codec groups a lane's consecutive rows (int4: 32 per channel), so a
+    lane holds as few other heads' rows as it can: Qwen2.5's heads differ in key scale by orders of
+    magnitude. A function of the chunk's mask alone: the reader places rows as the writer did."""
     layers, heads, chunk = mask.shape
     rows = pooled_rows(mask)
-    src = torch.full((layers, heads * rows), -1, dtype=torch.int64)
-    flat = mask.reshape(layers, -1)
-    overflow = []
-    for layer in range(layers):
-        items = flat[layer].nonzero().flatten() + layer * heads * chunk
-        src[layer, : min(len(items), heads * rows)] = items[: heads * rows]
-        overflow.append(items[heads * rows:])
-    spill = torch.cat(overflow)
+    flat = mask.reshape(layers * heads, chunk)
+    rank = flat.cumsum(-1) - 1
+    index = torch.arange(flat.numel()).view(flat.shape)
+    own = flat & (rank < rows)
+    src = torch.full((layers * heads, rows), -1, dtype=torch.int64)
+    src[own.nonzero()[:, 0], rank[own]] = index[own]
+    spill = index[flat & (rank >= rows)]
     free = (src.view(-1) == -1).nonzero().flatten()[: len(spill)]
     src.view(-1)[free] = spill
     return src.view(layers, heads, rows)
@@ -250,5 +252,6 @@ def stored_rows(payload: bytes, mask: torch.Tensor) -> int:
 def rows_address(address: bytes, mask_payload: bytes) -> bytes:
     """Where a chunk's pooled rows are filed: a hash of its edit address and its mask, so rows are
     only ever read with the mask they were placed by (a later deposit that chose other rows files
-    them elsewhere)."""
-    return blake3.blake3(b"kdn/kvzip-rows\0" + address + mask_payload).digest(len(address))
+    them elsewhere), and of the version of :func:`slots` that placed them (2: lane-first; rows
+    placed by another version are never found, a miss rather than rows read out of place)."""
+    return blake3.blake3(b"kdn/kvzip-rows/2\0" + address + mask_payload).digest(len(address))
