@@ -162,6 +162,29 @@ void reconstruct(const float* v, const float* const* rows, const float* mean, in
   reconstruct_portable(v, rows, mean, count, K, C, out);
 }
 
+// reconstruct() under per-head bases: each head's channels from its own components only (a basis
+// row is zero outside its head, so the other heads' terms add nothing): 1 / heads of the work.
+void reconstruct_by_head(const float* v, const std::vector<const float*>& rows, const std::vector<int>& head,
+                         const float* mean, int64_t count, int64_t head_dim, int64_t C, float* out) {
+  const int64_t live = static_cast<int64_t>(rows.size());
+  std::vector<float> vh, part(static_cast<size_t>(count) * head_dim);
+  std::vector<const float*> rh;
+  for (int64_t h = 0; h < C / head_dim; ++h) {
+    std::vector<int64_t> mine;
+    for (int64_t j = 0; j < live; ++j)
+      if (head[j] == h) mine.push_back(j);
+    const int64_t k = static_cast<int64_t>(mine.size());
+    vh.resize(static_cast<size_t>(count) * k);
+    rh.clear();
+    for (int64_t j : mine) rh.push_back(rows[j] + h * head_dim);
+    for (int64_t r = 0; r < count; ++r)
+      for (int64_t i = 0; i < k; ++i) vh[r * k + i] = v[r * live + mine[i]];
+    reconstruct(vh.data(), rh.data(), mean + h * head_dim, count, k, head_dim, part.data());
+    for (int64_t r = 0; r < count; ++r)
+      std::copy(&part[r * head_dim], &part[(r + 1) * head_dim], out + r * C + h * head_dim);
+  }
+}
+
 // Turns every head's pairs of a key row by the (cos, sin) of table[pair] (sign -1: backwards).
 void rotate_row(float* row, int64_t channels, int64_t head_dim, RopeStyle style, const float* table, float sign) {
   for (int64_t h = 0; h < channels / head_dim; ++h)
@@ -519,19 +542,30 @@ bool kvtc_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size
   std::unique_ptr<float[]> rows_out(new float[static_cast<size_t>(count) * C]);
   // symbol i is in lane i % kRansLanes and of component i % live: the lanes run in lockstep, each
   // on a local copy of its state, so their decodes overlap
-  if (present.on) {  // symbols only for the heads a row holds: lanes in turn over those
-    int64_t lane = 0;
-    for (int64_t row = 0; row < count; ++row)
-      for (int64_t jj = 0; jj < live; ++jj) {
-        float& out_v = v[row * live + jj];
-        out_v = 0.f;
-        if (!present.held(row, head[jj])) continue;
-        out_v = static_cast<float>(rans_lane_decode(lanes[lane], *table[jj]) - kKvtcRange) * steps[jj];
-        lane = lane + 1 == kRansLanes ? 0 : lane + 1;
-      }
-  }
-  static_assert(kRansLanes == 4, "the symbol loop below is unrolled for 4 lanes");
+  static_assert(kRansLanes == 4, "the symbol loops below are unrolled for 4 lanes");
   RansLane l0 = lanes[0], l1 = lanes[1], l2 = lanes[2], l3 = lanes[3];
+  if (present.on) {  // symbols only for the heads a row holds: each symbol's (value, component) listed first
+    std::fill(v.get(), v.get() + count * live, 0.f);
+    std::vector<int32_t> at, comp;
+    at.reserve(count * live), comp.reserve(count * live);
+    for (int64_t row = 0; row < count; ++row)
+      for (int64_t jj = 0; jj < live; ++jj)
+        if (present.held(row, head[jj])) at.push_back(static_cast<int32_t>(row * live + jj)), comp.push_back(int32_t(jj));
+    const int64_t m = static_cast<int64_t>(at.size());
+    int64_t k = 0;
+    for (; k + kRansLanes <= m; k += kRansLanes) {
+      const int32_t c0 = comp[k], c1 = comp[k + 1], c2 = comp[k + 2], c3 = comp[k + 3];
+      const int s0 = rans_lane_decode(l0, *table[c0]), s1 = rans_lane_decode(l1, *table[c1]);
+      const int s2 = rans_lane_decode(l2, *table[c2]), s3 = rans_lane_decode(l3, *table[c3]);
+      v[at[k]] = static_cast<float>(s0 - kKvtcRange) * steps[c0];
+      v[at[k + 1]] = static_cast<float>(s1 - kKvtcRange) * steps[c1];
+      v[at[k + 2]] = static_cast<float>(s2 - kKvtcRange) * steps[c2];
+      v[at[k + 3]] = static_cast<float>(s3 - kKvtcRange) * steps[c3];
+    }
+    RansLane* tail[kRansLanes] = {&l0, &l1, &l2, &l3};
+    for (int lane = 0; k < m; ++k, ++lane)
+      v[at[k]] = static_cast<float>(rans_lane_decode(*tail[lane], *table[comp[k]]) - kKvtcRange) * steps[comp[k]];
+  }
   const int64_t n = present.on ? 0 : count * live;
   int64_t i = 0, j = 0;
   const auto next = [live](int64_t c) { return c + 1 == live ? 0 : c + 1; };
@@ -548,8 +582,11 @@ bool kvtc_decode(const Plane& p, uint32_t params, const uint8_t* in, size_t size
   RansLane* tail[kRansLanes] = {&l0, &l1, &l2, &l3};
   for (int lane = 0; i < n; ++i, ++lane, j = next(j))
     v[i] = static_cast<float>(rans_lane_decode(*tail[lane], *table[j]) - kKvtcRange) * steps[j];
-  if (!present.on) lanes[0] = l0, lanes[1] = l1, lanes[2] = l2, lanes[3] = l3;
-  reconstruct(v.get(), rows.data(), L.plane->mean.data(), count, live, C, rows_out.get());
+  lanes[0] = l0, lanes[1] = l1, lanes[2] = l2, lanes[3] = l3;
+  if (present.on)
+    reconstruct_by_head(v.get(), rows, head, L.plane->mean.data(), count, p.head_dim, C, rows_out.get());
+  else
+    reconstruct(v.get(), rows.data(), L.plane->mean.data(), count, live, C, rows_out.get());
   for (int64_t t = L.first_coded; t < L.end_coded; ++t) {
     float* row = &rows_out[(t - L.first_coded) * C];
     if (L.angles) rotate_row(row, C, p.head_dim, cal->style, &(*L.angles)[t * p.head_dim], 1.f);
