@@ -296,9 +296,11 @@ def test_kvzip_into_a_kvtc_tier_without_per_head_bases_is_refused_before_anythin
 
 def test_a_kvtc_tier_files_masked_chunks_read_back_exact_where_stored_raw(case, tmp_path):
     """With a per-head kvtc calibration, a kvzip deposit into a kvtc disk tier files every chunk in
-    the masked layout (its own rows, dropped ones zeroed) in every tier: from the raw memory tier
-    the hit is the exact cache with the dropped triples masked; from the kvtc disk tier alone the
-    same rows come back within kvtc's error and every dropped triple stays out."""
+    the masked layout (its own rows, dropped ones zeroed, at the chunk's own position) in every
+    tier: from the raw memory tier the hit is the exact cache with the dropped triples masked; from
+    the kvtc disk tier alone the same rows come back within kvtc's error (keys 0.17 where a chunk
+    was coded as if at position 0, its keys unrotated by the wrong angles) and every dropped triple
+    stays out."""
     model, doc, ids = case
     g = torch.Generator().manual_seed(9)
     contexts = [torch.randint(10, 500, (300,), generator=g).tolist() for _ in range(2)]
@@ -322,8 +324,8 @@ def test_a_kvtc_tier_files_masked_chunks_read_back_exact_where_stored_raw(case, 
         reader = KDN(KDNConfig(**config))  # the disk tier alone: kvtc
         coded, coded_hit = reader.retrieve(model, ids[0], edits=spec)
         assert coded_hit == hit and torch.equal(reader.last_retrieve["bias"][0], kdn.last_retrieve["bias"][0])
-        for got, want in zip(cache_to_kv_list(coded), exact_rows):
-            assert float((got - want).norm() / want.norm()) < 0.25
+        for got, want in zip(cache_to_kv_list(coded), exact_rows):  # keys too: coded at their own positions
+            assert float((got - want).norm() / want.norm()) < 0.06
     finally:
         _core.kvtc_unload_all()
 

@@ -101,11 +101,12 @@ def deposit(kdn, model, prompt, edits=(), tokenizer=None, emphasize=None) -> dic
             chunks, masks = _edited_chunks(kv, scored, keys, chunk, edit, _rope(model), layout_masked)
             planned += chunks
             sidecars += masks
-            nbytes = sum(t.nbytes for _, rows in chunks for t in rows) + sum(len(p) for _, p in masks)
+            nbytes = sum(tokens * sum(t[0, :, 0].nbytes for t in rows) for _, rows, _, tokens in chunks) \
+                + sum(len(p) for _, p in masks)
         report[edit.spec] = {"chunks": len(keys), "bytes": nbytes, "seconds": time.perf_counter() - t0}
     exact = kdn.chunks.write(session, tokens, [t.cpu() for t in kv])
-    for address, rows in planned:  # rows before the masks that lead readers to them
-        kdn.chunks.write_segment(session, address, rows, 0, rows[0].shape[2])
+    for address, rows, position, count in planned:  # rows before the masks that lead readers to them
+        kdn.chunks.write_segment(session, address, rows, position, count)
     for address, payload in sidecars:
         kdn.chunks.store_sidecar(session, address, payload)
     out = {"tokens": len(ids), "exact_tokens": exact, "prefill_seconds": prefill_s, "edits": report}
@@ -162,20 +163,27 @@ def _masked_layout(kdn, session) -> bool:
 
 
 def _edited_chunks(kv, scored, keys, chunk, edit: Edit, inv_freq, layout_masked: bool) -> tuple[list, list]:
-    """``([(rows address, rows)], [(edit address, mask)])`` of each full chunk's ``kvzip`` form from
-    the context's reconstruction ``scored`` (rows: ``2 * layers`` CPU tensors pooled by
-    :func:`kdn.edits.kvzip.pool`, or in the :func:`kdn.edits.kvzip.masked` layout; mask: its packed
-    bitmask, which says the layout)."""
+    """``([(rows address, rows, position, tokens)], [(edit address, mask)])`` of each full chunk's
+    ``kvzip`` form from the context's reconstruction ``scored``: rows ``2 * layers`` CPU tensors
+    pooled by :func:`kdn.edits.kvzip.pool` (the segment ``[0, rows)``), or the whole context in the
+    :func:`kdn.edits.kvzip.masked` layout (the segment is the chunk, at its own position, so a codec
+    that undoes RoPE by position sees its keys where they were computed); mask: its packed
+    bitmask, which says the layout."""
     if not keys:
         return [], []
     mask = kvzip.chosen(scored, len(keys) * chunk, edit.param("keep"), int(edit.param("sink")))
+    whole = [t.cpu() for t in kvzip.masked(kv, mask, 0)] if layout_masked else None
     rows, masks = [], []
     for i, key in enumerate(keys):
         part = mask[:, :, i * chunk:(i + 1) * chunk]
         payload = kvzip.pack_mask(part, layout_masked)
         masks.append((edit.address(key), payload))
-        stored = kvzip.masked(kv, part, i * chunk) if layout_masked else kvzip.pool(kv, part, i * chunk, inv_freq)
-        rows.append((kvzip.rows_address(edit.address(key), payload), [t.cpu() for t in stored]))
+        address = kvzip.rows_address(edit.address(key), payload)
+        if layout_masked:
+            rows.append((address, whole, i * chunk, chunk))
+        else:
+            pooled = [t.cpu() for t in kvzip.pool(kv, part, i * chunk, inv_freq)]
+            rows.append((address, pooled, 0, pooled[0].shape[2]))
     return rows, masks
 
 
@@ -216,8 +224,10 @@ def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int
             mask = kvzip.unpack_mask(payload, layers, heads, session.chunk_size)
             if mask is None:
                 break
-            rows.append((kvzip.rows_address(address, payload), 0, kvzip.stored_rows(payload, mask)))
-            masks.append((mask, kvzip.is_masked(payload, mask)))
+            masked = kvzip.is_masked(payload, mask)  # a masked chunk is stored at its own position
+            rows.append((kvzip.rows_address(address, payload), len(rows) * session.chunk_size if masked else 0,
+                         kvzip.stored_rows(payload, mask)))
+            masks.append((mask, masked))
         got = kdn.chunks.read_segments(session, rows, target)
         parts = [(mask, chunk_rows, layout) for (mask, layout), chunk_rows in zip(masks, got)]
         if parts:
