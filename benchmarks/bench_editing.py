@@ -8,6 +8,11 @@ raw); each codec's store gets the same blobs put through its tiers (coded as a d
 would be). The reference is the exact hit (``full``), checked against a true full prefill on the
 first ``--full-check`` questions of each record.
 
+``kvtc`` codes pruned chunks only under per-head bases (``--per-head``, the default): the deposit
+then files every chunk in the masked layout (a kvtc disk tier beside the raw memory tier, as a
+user's store would), so every codec's store holds that layout; ``--joint`` calibrates joint bases
+(exact chunks only: a kvzip deposit with them is refused).
+
 Per config: stored bytes (masks + rows, as coded) vs the fp16 size of the exact KV, accuracy with
 its 95% bootstrap interval and the paired difference to ``full``, answers identical to ``full``'s,
 deposit seconds per 1K tokens, hit TTFT.
@@ -24,6 +29,7 @@ import os
 import random
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,10 +106,15 @@ def main() -> None:
     parser.add_argument("--keeps", default="0.5,0.3,0.2")
     parser.add_argument("--codecs", default="raw,int4")
     parser.add_argument("--calibration-records", type=int, default=2, help="kvtc: records after the evaluated ones")
+    parser.add_argument("--joint", action="store_true", help="kvtc: joint bases (default: per-head)")
     parser.add_argument("--full-check", type=int, default=1, help="questions per record also run as a full prefill")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--out", default="bench_out/editing")
+    parser.add_argument("--replot", action="store_true", help="only redraw --out's plot from its JSON")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads((Path(args.out) / "bench_editing.json").read_text()), Path(args.out) / "accuracy_vs_size.png")
+        return
     model, tokenizer = kdn.models.load(args.model)
     if args.task == "demo":
         records = [(document(), list(QUESTIONS), DEMO_GOLD)]
@@ -116,7 +127,8 @@ def main() -> None:
             if args.task == "lines" \
             else [(QUESTIONS[0] * 40, [], [])]
         calib = [prompt_ids(tokenizer, c, "")[0].tolist() for c, _, _ in extra]
-        kvtc.load(kvtc.calibrate(model, calib))
+        kvtc.load(kvtc.calibrate(model, calib, per_head=not args.joint))
+    kvtc_disk = next((c for c in codecs if c.startswith("kvtc")), None) if not args.joint else None
     gen = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": tokenizer.eos_token_id}
     configs = [(codec, spec) for codec in codecs for spec in [None, *specs]]
     results = {c: {"answers": {}, "correct": {}, "ttft": [], "stored": 0, "fp16": 0} for c in configs}
@@ -125,7 +137,8 @@ def main() -> None:
         prompts = [prompt_ids(tokenizer, context_text, q) for q in questions]
         context = shared_context(prompts)
         shared = len(context)
-        raw = KDN(KDNConfig(memory_bytes=8 << 30))
+        raw = KDN(KDNConfig(memory_bytes=8 << 30, disk_codec=kvtc_disk or "raw",
+                            disk_dir=tempfile.mkdtemp(prefix="kdn-bench-") if kvtc_disk else None))
         t0 = time.perf_counter()
         report = raw.deposit(model, context, edits=specs, tokenizer=tokenizer)
         deposits.append({"tokens": shared, "seconds": time.perf_counter() - t0,
@@ -199,7 +212,38 @@ def write_report(args, results, configs, codecs, records, deposits, full_checks)
     out = Path(args.out)
     path = save_result(out / "bench_editing.json", summary)
     (out / "summary.md").write_text("\n".join(lines) + "\n")
+    plot(summary, out / "accuracy_vs_size.png")
     print(f"wrote {path}")
+
+
+def plot(summary: dict, path: Path) -> None:
+    """Accuracy (with its 95% interval) against x smaller than fp16, a line per codec through its
+    keep ratios (exact first)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for codec in dict.fromkeys(r["codec"] for r in summary["rows"]):
+        rows = sorted((r for r in summary["rows"] if r["codec"] == codec), key=lambda r: r["x_smaller_than_fp16"])
+        x = [r["x_smaller_than_fp16"] for r in rows]
+        y = [r["accuracy"] for r in rows]
+        err = [[r["accuracy"] - r["ci95"][0] for r in rows], [r["ci95"][1] - r["accuracy"] for r in rows]]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=codec)
+        for r in rows:
+            ax.annotate("exact" if r["edit"] is None else r["edit"].split(",")[0].replace("kvzip:", ""),
+                        (r["x_smaller_than_fp16"], r["accuracy"]), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+    ax.axvline(20, color="gray", linestyle=":", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("x smaller than fp16 KV (stored bytes)")
+    ax.set_ylabel("accuracy")
+    ax.set_title(f"{summary['task']} on {summary['model']}: {summary['rows'][0]['questions']} questions per point")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
