@@ -2,10 +2,10 @@
 through a KDN whose memory tier stores ``codec``, and the bytes stored, at keep 1 / 0.5 / 0.3
 (SmolLM2-135M, the demo document's first 1,500 tokens; kvtc calibrated on a disjoint part).
 
-Variants (monkeypatched, to measure what each design choice does): ``default`` (kdn's pooling; lane-
-first since 1274dca, so ``lanes`` now equals it: ``pooled.log`` was written before, when the default
-filled each layer's slots in (head, token) order), ``lanes`` (overflow after each head's own lane
-instead of each layer's), ``norope`` (keys pooled without the RoPE move), ``aligned`` (the same
+Variants (monkeypatched, to measure what each design choice does): ``default`` (kdn's pooling;
+lane-first since 1274dca, so ``lanes`` now equals it: ``pooled.log`` was written before, when the
+default filled each layer's slots in (head, token) order), ``lanes`` (overflow after each head's own
+lane instead of each layer's), ``norope`` (keys pooled without the RoPE move), ``aligned`` (the same
 tokens for every head of a layer, an equal count per layer and chunk), ``perhead`` (kvtc fit with
 one PCA per KV head), ``layereq`` (an equal count per layer and chunk, ranked across that layer's
 heads and tokens: no row leaves its layer), ``layereq-perhead`` (both), ``layereq-lanes-perhead``
