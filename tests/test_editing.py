@@ -283,6 +283,7 @@ def test_pooled_keys_sit_at_their_slot_rows(case):
 def test_kvzip_into_a_kvtc_tier_without_per_head_bases_is_refused_before_anything_is_stored(case):
     model, doc, ids = case
     kdn = KDN(KDNConfig(chunk_size=CHUNK, memory_codec="kvtc"))
+    _core.kvtc_unload_all()  # calibrations are per process: another test's may be loaded
     try:
         with pytest.raises(InvalidInputError, match="none is loaded"):
             kdn.deposit(model, doc, edits=["kvzip:keep=0.5"])
