@@ -1,5 +1,6 @@
 // CUDA decoder of the `kvtc` codec (kdn/kvtc.h), on the same KDN_HD math as the CPU decoder: the
-// host checks each plane's structure against its calibration (loaded in this process); one thread
+// host checks each plane's structure against its calibration (loaded in this process), a chunk per
+// host thread, and joins the chunks' descriptions into one batch; one thread
 // per (plane, rANS lane) decodes symbols, then one block per (plane, tile of rows) sums the
 // components, each thread a RoPE pair of channels for every row of the tile (a basis element read
 // once serves the tile), in the CPU's order with the same IEEE fused multiply-add (__fmaf_rn), and
@@ -20,6 +21,7 @@
 #include "kdn/byte_io.h"
 #include "kdn/codec.h"
 #include "kdn/kvtc.h"
+#include "kdn/parallel.h"
 #include "kdn/quant.h"
 #include "launch.cuh"
 
@@ -145,6 +147,10 @@ struct DeviceCalibration {
   uint64_t plane_floats = 0;
 };
 
+uint64_t plane_floats(const KvtcCalibration& cal) {
+  return uint64_t(cal.channels) * (1 + cal.components) + uint64_t(cal.ratios.size()) * cal.components;
+}
+
 // The device copy of `cal` on the current device, uploaded on first use and kept for the process.
 Status device_calibration(const KvtcCalibration& cal, DeviceCalibration* out) {
   static std::mutex mu;
@@ -159,7 +165,7 @@ Status device_calibration(const KvtcCalibration& cal, DeviceCalibration* out) {
     return Status::Ok();
   }
   DeviceCalibration d;
-  d.plane_floats = uint64_t(cal.channels) * (1 + cal.components) + uint64_t(cal.ratios.size()) * cal.components;
+  d.plane_floats = plane_floats(cal);
   std::vector<float> host;
   host.reserve(d.plane_floats * cal.planes.size());
   for (const KvtcPlane& plane : cal.planes) {
@@ -179,7 +185,92 @@ Status device_calibration(const KvtcCalibration& cal, DeviceCalibration* out) {
   return Status::Ok();
 }
 
-// Everything one launch pair needs, appended chunk by chunk.
+// One chunk parsed on its own host thread: its planes' offsets are the chunk's own (payload from the
+// chunk's start; slots, q and angles from the part's arrays), its calibration pointers are offsets
+// into the calibration's device copy, resolved when the part joins the batch.
+struct KvtcChunkPart {
+  Status status = Status::Ok();
+  std::vector<KvtcPlaneInfo> planes;
+  struct Calibrated {
+    std::shared_ptr<const KvtcCalibration> cal;
+    uint64_t mean, steps;  // float offsets into the calibration's device copy
+  };
+  std::vector<Calibrated> calibrated;  // per plane
+  std::vector<int> models, components;  // per live component: its rANS model, its basis row
+  std::vector<float> angles;
+  int64_t q_count = 0, max_coded = 0;
+};
+
+Status parse_chunk(const BlobHeader& h, const uint8_t* payload, size_t size, uint8_t* out, KvtcChunkPart* part) {
+  const int64_t channels = int64_t(h.kv_heads) * h.head_dim, planes = 2 * int64_t(h.layers);
+  const size_t dsize = dtype_size(h.dtype);
+  ByteReader r(payload, size);
+  std::vector<uint32_t> sizes(planes);
+  for (auto& s : sizes) s = r.get<uint32_t>();
+  int64_t angles_at = -1;
+  std::shared_ptr<const KvtcCalibration> cal;  // the chunk's planes share one calibration (looked up again if not)
+  KvtcLayout L;
+  for (int64_t p = 0; p < planes; ++p) {
+    const uint64_t offset = size - r.remaining();
+    const uint8_t* plane = r.take(sizes[p]);
+    if (!plane) return Status::Fail("codec payload: plane sizes do not match the payload");
+    Key128 id;
+    if (!kvtc_plane_calibration(plane, sizes[p], &id)) return Status::Fail("kvtc payload: plane " + std::to_string(p) + " is corrupt");
+    if (!cal || cal->id != id) {
+      if (!(cal = kvtc_by_id(id))) return Status::Fail("kvtc payload: its calibration is not loaded");
+      if (cal->per_head) return Status::Fail("kvtc payload: per-head bases decode on the host");
+    }
+    const Plane shape{h.tokens, channels, int(p / 2), int(h.layers), (p & 1) != 0, h.dtype, h.head_dim, h.position};
+    if (!kvtc_layout(shape, h.codec_params, *cal, &L)) return Status::Fail("kvtc payload: calibration does not fit");
+    KvtcPlaneInfo info{};
+    info.tokens = h.tokens;
+    info.out = out + p * h.tokens * channels * dsize;
+    info.first_coded = L.first_coded;
+    info.end_coded = L.end_coded;
+    info.style = static_cast<int>(cal->style);
+    const uint64_t mean = p * plane_floats(*cal);
+    const uint64_t steps = mean + uint64_t(1 + cal->components) * channels +
+                           uint64_t(cal->ratio_index(h.codec_params & 0xff)) * cal->components;
+    part->calibrated.push_back({cal, mean, steps});
+    ByteReader pr(plane, sizes[p]);
+    pr.take(16);
+    const uint8_t* choice = pr.take(L.coded.size());
+    info.exact = offset + 16 + L.coded.size();
+    pr.take((h.tokens - (L.end_coded - L.first_coded)) * channels * dsize);
+    if (!choice) return Status::Fail("kvtc payload: plane " + std::to_string(p) + " is corrupt");
+    info.slots = part->models.size();
+    for (size_t j = 0; j < L.coded.size(); ++j) {
+      if (choice[j] == kKvtcAllZero) continue;
+      if (choice[j] >= kKvtcModels) return Status::Fail("kvtc payload: bad model choice");
+      part->models.push_back(choice[j]);
+      part->components.push_back(L.coded[j]);
+    }
+    info.coded = static_cast<int64_t>(part->models.size() - info.slots);
+    part->max_coded = std::max(part->max_coded, info.coded);
+    uint32_t lanes[kRansLanes];
+    for (auto& l : lanes) l = pr.get<uint32_t>();
+    uint64_t at = offset + (sizes[p] - pr.remaining());
+    for (int j = 0; j < kRansLanes; ++j) {
+      if (!pr.take(lanes[j]) || lanes[j] < 4) return Status::Fail("kvtc payload: plane " + std::to_string(p) + " is corrupt");
+      info.lane[j] = at;
+      info.lane_end[j] = at += lanes[j];
+    }
+    if (!pr.ok() || pr.remaining() != 0) return Status::Fail("kvtc payload: plane " + std::to_string(p) + " is corrupt");
+    info.q = part->q_count;
+    part->q_count += (L.end_coded - L.first_coded) * info.coded;
+    info.rotate = L.angles != nullptr;
+    if (info.rotate && angles_at < 0) {  // every key plane of a chunk turns by the same angles
+      angles_at = static_cast<int64_t>(part->angles.size());
+      part->angles.insert(part->angles.end(), L.angles->begin(), L.angles->end());
+    }
+    info.angles = info.rotate ? uint64_t(angles_at) : 0;
+    part->planes.push_back(info);
+  }
+  if (!r.ok() || r.remaining() != 0) return Status::Fail("codec payload: plane sizes do not match the payload");
+  return Status::Ok();
+}
+
+// Everything one launch pair needs: the chunks' parts joined, their offsets moved to the batch's.
 struct KvtcBatch {
   std::vector<std::pair<const uint8_t*, size_t>> payloads;  // uploaded as they are, each 16-byte aligned
   uint64_t payload_bytes = 0;
@@ -192,86 +283,63 @@ struct KvtcBatch {
   DType dtype{};
 };
 
-Status add_chunk(const BlobHeader& h, const uint8_t* payload, size_t size, uint8_t* out, KvtcBatch* b) {
-  const int64_t channels = int64_t(h.kv_heads) * h.head_dim, planes = 2 * int64_t(h.layers);
+Status join_chunk(const DecodeJob& job, const KvtcChunkPart& part, KvtcBatch* b) {
+  const BlobHeader& h = *job.header;
+  const int64_t channels = int64_t(h.kv_heads) * h.head_dim;
   if (b->channels < 0) b->channels = channels, b->head_dim = h.head_dim, b->dtype = h.dtype;
   if (b->channels != channels || b->head_dim != h.head_dim || b->dtype != h.dtype)
     return Status::Fail("kvtc_decode_cuda: a batch's chunks must share one model shape and dtype");
-  const uint64_t base = b->payload_bytes;
-  b->payloads.emplace_back(payload, size);
-  b->payload_bytes += (size + 15) & ~size_t(15);  // DeviceStaging's alignment of each part
+  const uint64_t base = b->payload_bytes, slots = b->slots.size(), q = b->q_count, angles = b->angles.size();
+  b->payloads.emplace_back(job.payload, job.size);
+  b->payload_bytes += (job.size + 15) & ~size_t(15);  // DeviceStaging's alignment of each part
   b->max_tokens = std::max<int64_t>(b->max_tokens, h.tokens);
-  const size_t dsize = dtype_size(h.dtype);
-  ByteReader r(payload, size);
-  std::vector<uint32_t> sizes(planes);
-  for (auto& s : sizes) s = r.get<uint32_t>();
-  int64_t angles_at = -1;
-  std::shared_ptr<const KvtcCalibration> cal;  // the chunk's planes share one calibration (looked up again if not)
+  b->max_coded = std::max(b->max_coded, part.max_coded);
+  b->q_count += part.q_count;
+  b->angles.insert(b->angles.end(), part.angles.begin(), part.angles.end());
+  for (int m : part.models) {
+    if (b->slot_of[m] < 0) {
+      b->slot_of[m] = static_cast<int>(b->tables.size());
+      b->tables.push_back(kvtc_table(m));
+    }
+    b->slots.push_back(b->slot_of[m]);
+  }
+  b->components.insert(b->components.end(), part.components.begin(), part.components.end());
+  const KvtcCalibration* last = nullptr;  // the chunk's planes share one calibration (looked up again if not)
   DeviceCalibration d;
-  for (int64_t p = 0; p < planes; ++p) {
-    const uint64_t offset = size - r.remaining();
-    const uint8_t* plane = r.take(sizes[p]);
-    if (!plane) return Status::Fail("codec payload: plane sizes do not match the payload");
-    Key128 id;
-    if (!kvtc_plane_calibration(plane, sizes[p], &id)) return Status::Fail("kvtc payload: plane " + std::to_string(p) + " is corrupt");
-    if (!cal || cal->id != id) {
-      if (!(cal = kvtc_by_id(id))) return Status::Fail("kvtc payload: its calibration is not loaded");
-      if (cal->per_head) return Status::Fail("kvtc payload: per-head bases decode on the host");
-      Status st = device_calibration(*cal, &d);
+  for (size_t p = 0; p < part.planes.size(); ++p) {
+    KvtcPlaneInfo info = part.planes[p];
+    const auto& c = part.calibrated[p];
+    if (c.cal.get() != last) {
+      Status st = device_calibration(*c.cal, &d);
       if (!st.ok) return st;
+      last = c.cal.get();
     }
-    const Plane shape{h.tokens, channels, int(p / 2), int(h.layers), (p & 1) != 0, h.dtype, h.head_dim, h.position};
-    KvtcLayout L;
-    if (!kvtc_layout(shape, h.codec_params, *cal, &L)) return Status::Fail("kvtc payload: calibration does not fit");
-    KvtcPlaneInfo info{};
-    info.tokens = h.tokens;
-    info.out = out + p * h.tokens * channels * dsize;
-    info.first_coded = L.first_coded;
-    info.end_coded = L.end_coded;
-    info.style = static_cast<int>(cal->style);
-    const int ratio = cal->ratio_index(h.codec_params & 0xff);
-    info.mean = d.data + p * d.plane_floats;
+    info.mean = d.data + c.mean;
     info.basis = info.mean + channels;
-    info.steps = info.basis + uint64_t(cal->components) * channels + uint64_t(ratio) * cal->components;
-    ByteReader pr(plane, sizes[p]);
-    pr.take(16);
-    const uint8_t* choice = pr.take(L.coded.size());
-    info.exact = base + offset + 16 + L.coded.size();
-    pr.take((h.tokens - (L.end_coded - L.first_coded)) * channels * dsize);
-    if (!choice) return Status::Fail("kvtc payload: plane " + std::to_string(p) + " is corrupt");
-    info.slots = b->slots.size();
-    for (size_t j = 0; j < L.coded.size(); ++j) {
-      if (choice[j] == kKvtcAllZero) continue;
-      if (choice[j] >= kKvtcModels) return Status::Fail("kvtc payload: bad model choice");
-      if (b->slot_of[choice[j]] < 0) {
-        b->slot_of[choice[j]] = static_cast<int>(b->tables.size());
-        b->tables.push_back(kvtc_table(choice[j]));
-      }
-      b->slots.push_back(b->slot_of[choice[j]]);
-      b->components.push_back(L.coded[j]);
-    }
-    info.coded = static_cast<int64_t>(b->slots.size() - info.slots);
-    b->max_coded = std::max(b->max_coded, info.coded);
-    uint32_t lanes[kRansLanes];
-    for (auto& l : lanes) l = pr.get<uint32_t>();
-    uint64_t at = base + offset + (sizes[p] - pr.remaining());
-    for (int j = 0; j < kRansLanes; ++j) {
-      if (!pr.take(lanes[j]) || lanes[j] < 4) return Status::Fail("kvtc payload: plane " + std::to_string(p) + " is corrupt");
-      info.lane[j] = at;
-      info.lane_end[j] = at += lanes[j];
-    }
-    if (!pr.ok() || pr.remaining() != 0) return Status::Fail("kvtc payload: plane " + std::to_string(p) + " is corrupt");
-    info.q = b->q_count;
-    b->q_count += (L.end_coded - L.first_coded) * info.coded;
-    info.rotate = L.angles != nullptr;
-    if (info.rotate && angles_at < 0) {  // every key plane of a chunk turns by the same angles
-      angles_at = static_cast<int64_t>(b->angles.size());
-      b->angles.insert(b->angles.end(), L.angles->begin(), L.angles->end());
-    }
-    info.angles = info.rotate ? uint64_t(angles_at) : 0;
+    info.steps = d.data + c.steps;
+    info.exact += base;
+    for (int j = 0; j < kRansLanes; ++j) info.lane[j] += base, info.lane_end[j] += base;
+    info.slots += slots;
+    info.q += q;
+    if (info.rotate) info.angles += angles;
     b->planes.push_back(info);
   }
-  if (!r.ok() || r.remaining() != 0) return Status::Fail("codec payload: plane sizes do not match the payload");
+  return Status::Ok();
+}
+
+// The jobs parsed on the host's threads (a chunk's planes take ~7 us each to check, and its RoPE
+// angles are computed once per chunk), then joined in order: the first bad chunk's error wins.
+Status build_batch(const std::vector<DecodeJob>& jobs, KvtcBatch* b) {
+  std::vector<KvtcChunkPart> parts(jobs.size());
+  parallel_for(static_cast<int64_t>(jobs.size()), default_num_threads(), [&](int64_t i) {
+    const DecodeJob& job = jobs[i];
+    parts[i].status = parse_chunk(*job.header, job.payload, job.size, static_cast<uint8_t*>(job.out), &parts[i]);
+  });
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (!parts[i].status.ok) return parts[i].status;
+    Status st = join_chunk(jobs[i], parts[i], b);
+    if (!st.ok) return st;
+  }
   return Status::Ok();
 }
 
@@ -279,10 +347,8 @@ Status add_chunk(const BlobHeader& h, const uint8_t* payload, size_t size, uint8
 
 Status kvtc_decode_cuda_batch(const std::vector<DecodeJob>& jobs, uintptr_t stream) {
   KvtcBatch b;
-  for (const DecodeJob& job : jobs) {
-    Status st = add_chunk(*job.header, job.payload, job.size, static_cast<uint8_t*>(job.out), &b);
-    if (!st.ok) return st;
-  }
+  Status built = build_batch(jobs, &b);
+  if (!built.ok) return built;
   if (b.planes.empty()) return Status::Ok();
   if (b.tables.empty()) b.tables.push_back(kvtc_table(0));  // nothing coded: keep the uploads non-empty
   if (b.slots.empty()) b.slots.push_back(0), b.components.push_back(0);
