@@ -49,6 +49,18 @@ def synced_upload(payload: torch.Tensor):
     return run
 
 
+def timeline(fn) -> list[tuple[float, float, str]]:
+    """(start ms, duration ms, name) of every host call and device activity the profiler records in
+    one run of ``fn``, from the run's start: where a batched call's wall time goes."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as profile:
+        with torch.profiler.record_function("batched call"):
+            fn()
+    events = [(e.time_range.start, e.time_range.end, e.name) for e in profile.events()]
+    start = min(t0 for t0, _, name in events if name == "batched call")
+    return sorted(((t0 - start) / 1e3, (t1 - t0) / 1e3, name[:48]) for t0, t1, name in events if t0 >= start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layers", type=int, default=28)
@@ -58,6 +70,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=64, help="rank of each plane's structure")
     parser.add_argument("--ratio", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--timeline", action="store_true", help="print where one batched call's time goes")
     parser.add_argument("--out", default="bench_out/gpu")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -99,6 +112,9 @@ def main() -> None:
         batched()
     kernels = {e.key: getattr(e, "device_time_total", 0.0) / 1e3 for e in profile.key_averages()}
     kernels = {k: ms for k, ms in sorted(kernels.items(), key=lambda kv: -kv[1]) if ms > 0}
+    if args.timeline:
+        for at, took, name in timeline(batched):
+            print(f"  {at:7.3f} ms +{took:6.3f} ms  {name}")
     # the host side of a batched call, in parts: the blobs' checksums (one thread), the same bytes'
     # pageable upload alone; the rest of wall - device time is parsing the planes
     checksums = samples(lambda: [_core.blob_parse(b, True) for b in coded], args.repeats)

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -270,9 +271,53 @@ Status parse_chunk(const BlobHeader& h, const uint8_t* payload, size_t size, uin
   return Status::Ok();
 }
 
+// A page-locked host buffer of at least `bytes`, taken from a process-wide pool and given back (after
+// its stream has finished with it) at scope exit: the batch's payloads are copied into one by the
+// parsing threads, so they go up as one DMA instead of a pageable copy per chunk on one thread.
+class PinnedBuffer {
+ public:
+  PinnedBuffer(size_t bytes, cudaStream_t stream) : stream_(stream) {
+    std::lock_guard<std::mutex> lock(pool_mu());
+    auto& pool = free_list();
+    for (size_t i = 0; i < pool.size(); ++i)
+      if (pool[i].second >= bytes) {
+        held_ = pool[i];
+        pool.erase(pool.begin() + i);
+        return;
+      }
+    void* data = nullptr;
+    if (cudaHostAlloc(&data, std::max<size_t>(bytes, 1), cudaHostAllocDefault) == cudaSuccess)
+      held_ = {static_cast<uint8_t*>(data), std::max<size_t>(bytes, 1)};
+    else
+      cudaGetLastError();  // none to be had: the caller uploads from pageable memory instead
+  }
+  ~PinnedBuffer() {
+    if (!held_.first) return;
+    cudaStreamSynchronize(stream_);  // an upload still reading it must end before another call writes it
+    std::lock_guard<std::mutex> lock(pool_mu());
+    free_list().push_back(held_);
+  }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  uint8_t* data() const { return held_.first; }
+
+ private:
+  static std::mutex& pool_mu() {
+    static std::mutex mu;
+    return mu;
+  }
+  static std::vector<std::pair<uint8_t*, size_t>>& free_list() {
+    static std::vector<std::pair<uint8_t*, size_t>> pool;
+    return pool;
+  }
+  cudaStream_t stream_;
+  std::pair<uint8_t*, size_t> held_{nullptr, 0};
+};
+
 // Everything one launch pair needs: the chunks' parts joined, their offsets moved to the batch's.
 struct KvtcBatch {
-  std::vector<std::pair<const uint8_t*, size_t>> payloads;  // uploaded as they are, each 16-byte aligned
+  std::unique_ptr<PinnedBuffer> pinned;  // the payloads back to back (each 16-byte aligned), when one was had
+  std::vector<std::pair<const uint8_t*, size_t>> payloads;  // else uploaded as they are, each 16-byte aligned
   uint64_t payload_bytes = 0;
   std::vector<KvtcPlaneInfo> planes;
   std::vector<RansTable> tables;       // the models the batch uses, each once
@@ -329,10 +374,15 @@ Status join_chunk(const DecodeJob& job, const KvtcChunkPart& part, KvtcBatch* b)
 
 // The jobs parsed on the host's threads (a chunk's planes take ~7 us each to check, and its RoPE
 // angles are computed once per chunk), then joined in order: the first bad chunk's error wins.
-Status build_batch(const std::vector<DecodeJob>& jobs, KvtcBatch* b) {
+Status build_batch(const std::vector<DecodeJob>& jobs, cudaStream_t stream, KvtcBatch* b) {
+  std::vector<uint64_t> at(jobs.size() + 1, 0);  // each payload's place in the batch's, 16-byte aligned
+  for (size_t i = 0; i < jobs.size(); ++i) at[i + 1] = at[i] + ((jobs[i].size + 15) & ~size_t(15));
+  b->pinned = std::make_unique<PinnedBuffer>(at.back(), stream);
+  uint8_t* pinned = b->pinned->data();
   std::vector<KvtcChunkPart> parts(jobs.size());
   parallel_for(static_cast<int64_t>(jobs.size()), default_num_threads(), [&](int64_t i) {
     const DecodeJob& job = jobs[i];
+    if (pinned) std::memcpy(pinned + at[i], job.payload, job.size);
     parts[i].status = parse_chunk(*job.header, job.payload, job.size, static_cast<uint8_t*>(job.out), &parts[i]);
   });
   for (size_t i = 0; i < jobs.size(); ++i) {
@@ -347,15 +397,16 @@ Status build_batch(const std::vector<DecodeJob>& jobs, KvtcBatch* b) {
 
 Status kvtc_decode_cuda_batch(const std::vector<DecodeJob>& jobs, uintptr_t stream) {
   KvtcBatch b;
-  Status built = build_batch(jobs, &b);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  Status built = build_batch(jobs, s, &b);
   if (!built.ok) return built;
   if (b.planes.empty()) return Status::Ok();
   if (b.tables.empty()) b.tables.push_back(kvtc_table(0));  // nothing coded: keep the uploads non-empty
   if (b.slots.empty()) b.slots.push_back(0), b.components.push_back(0);
   if (b.angles.empty()) b.angles.push_back(0.f);
   const KvtcGeometry g{b.channels, b.head_dim, static_cast<int64_t>(b.planes.size()), b.max_tokens, b.dtype};
-  auto s = reinterpret_cast<cudaStream_t>(stream);
-  // the chunks' payloads go up straight from the caller's memory, after the batch's own arrays
+  // the chunks' payloads go up after the batch's own arrays: from the pinned copy, else straight
+  // from the caller's memory
   std::vector<DeviceStaging::Part> parts{{b.planes.data(), b.planes.size() * sizeof(KvtcPlaneInfo)},
                                          {b.tables.data(), b.tables.size() * sizeof(RansTable)},
                                          {b.angles.data(), b.angles.size() * sizeof(float)},
@@ -364,7 +415,10 @@ Status kvtc_decode_cuda_batch(const std::vector<DecodeJob>& jobs, uintptr_t stre
                                          {b.slots.data(), b.slots.size() * sizeof(int)},
                                          {b.components.data(), b.components.size() * sizeof(int)}};
   const size_t payload_part = parts.size();
-  for (const auto& [data, size] : b.payloads) parts.push_back({data, size});
+  if (b.pinned->data())
+    parts.push_back({b.pinned->data(), b.payload_bytes});
+  else
+    for (const auto& [data, size] : b.payloads) parts.push_back({data, size});
   DeviceStaging staged(s, parts);
   if (staged.error() != cudaSuccess) return failed(staged.error(), "kvtc_decode_cuda");
   const auto* payload = staged.part<const uint8_t>(payload_part);

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# This session's device check: the CUDA tests on the working tree (.ci/gpu tests), then
+# bench_gpu_kvtc on it and on the commit before the pinned payload copy (.gpu/before.tar), alternated.
+# Before a call, here: git archive f154500 -o .gpu/before.tar (.gpu and .whl ignored, both carried).
+# Run there as: bash benchmarks/results/gpu/kvtc_pinned/run.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+arch=$(python3 -c "import torch; p = torch.cuda.get_device_capability(); print(f'{p[0]}{p[1]}')")
+mkdir -p /tmp/before && tar -xf .gpu/before.tar -C /tmp/before
+(cd /tmp/before && KDN_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=8 CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=$arch" \
+  PYTHONPATH=/tmp/site python3 -m pip install --no-deps --no-build-isolation --no-compile --target /tmp/kdn_before . \
+  >/tmp/build_before.log 2>&1; echo "before built: $?"; tail -5 /tmp/build_before.log) &
+bash .ci/gpu tests; echo "tests: $?"
+wait
+cd benchmarks
+for i in 1 2; do
+  PYTHONPATH=/tmp/kdn:/tmp/site python3 bench_gpu_kvtc.py --timeline --out "$OUT/after$i" 2>&1 | tee -a "$OUT/bench.log"
+  PYTHONPATH=/tmp/kdn_before:/tmp/site python3 bench_gpu_kvtc.py --timeline --out "$OUT/before$i" 2>&1 | tee -a "$OUT/bench.log"
+done
