@@ -68,7 +68,7 @@ def calibrate(model, contexts, prerope: bool = True, key_weight: float = KEY_WEI
     all is enough for PCA over a plane's channels). Returns its bytes (see :func:`load`).
     ``per_head``: one basis per KV head (see :func:`fit`), what pruned (``kvzip``) deposits need."""
     from kdn.blend.rope import inv_freq as model_inv_freq
-    from kdn.layout import ModelLayout, cache_to_kv_list, output_cache
+    from kdn.layout import ModelLayout, cache_to_kv_list, prefill_cache
 
     contexts = [list(map(int, c)) for c in contexts]
     if not contexts or any(len(c) <= SINK for c in contexts):
@@ -78,8 +78,7 @@ def calibrate(model, contexts, prerope: bool = True, key_weight: float = KEY_WEI
     samples: list[list[np.ndarray]] = [[] for _ in range(2 * layout.layers)]
     device = next(model.parameters()).device
     for ids in _progress(contexts, progress, "kvtc: reading calibration contexts"):
-        out = model(torch.tensor([ids], device=device), use_cache=True)
-        for p, t in enumerate(cache_to_kv_list(output_cache(out))):
+        for p, t in enumerate(cache_to_kv_list(prefill_cache(model, torch.tensor([ids], device=device)))):
             rows = t[0].permute(1, 0, 2).double().cpu()  # [tokens, heads, head_dim]
             if p % 2 == 0 and prerope:
                 rows = _unrotate(rows, inv_freq)

@@ -21,7 +21,7 @@ from kdn._core import InvalidInputError
 from kdn.blend.recompute import SELECTIONS, check_supported, selective_prefill
 from kdn.blend.rope import UnsupportedModelError, shift_keys
 from kdn.engine import HFTarget
-from kdn.layout import cache_to_kv_list, kv_list_to_cache, output_cache
+from kdn.layout import cache_to_kv_list, kv_list_to_cache, prefill_cache
 
 MODES = ("full", "prefix", "naive", "blend")
 
@@ -49,7 +49,7 @@ def segment_kv(kdn, model, session, prefix: list[int], segment: list[int]) -> tu
         return kv, True
     ids = torch.tensor([prefix + segment], device=device)
     with torch.inference_mode():
-        kv_full = cache_to_kv_list(output_cache(model(ids, use_cache=True)))
+        kv_full = cache_to_kv_list(prefill_cache(model, ids))
     kdn.chunks.write_segment(session, key, [t.cpu() for t in kv_full], len(prefix), len(segment))
     return [t[:, :, len(prefix):].contiguous() for t in kv_full], False
 

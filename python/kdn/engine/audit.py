@@ -22,7 +22,7 @@ from kdn._core import BlobError
 from kdn.engine.chunks import ChunkIO
 from kdn.engine.session import ROOT, ModelSession
 from kdn.engine.verify import EXACT_TOLERANCE, plane_error
-from kdn.layout import cache_to_kv_list, output_cache
+from kdn.layout import cache_to_kv_list, prefill_cache
 
 
 @dataclasses.dataclass
@@ -104,8 +104,7 @@ def audit(io: ChunkIO, session: ModelSession, model, keys, sample: int | None = 
         report.checked += 1
         found = io.find(session, tokens, hit)
         ids = torch.as_tensor(tokens[:hit].astype(np.int64), device=device)[None]
-        out = model(ids, use_cache=True)
-        reference = [t.cpu() for t in cache_to_kv_list(output_cache(out))]
+        reference = [t.cpu() for t in cache_to_kv_list(prefill_cache(model, ids))]
         differ = []
         for i in range(len(found.keys)):
             rows = slice(i * size, min((i + 1) * size, hit))

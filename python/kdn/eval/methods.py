@@ -21,7 +21,7 @@ from kdn.api import KDN
 from kdn.blend.recompute import SELECTIONS
 from kdn.config import KDNConfig
 from kdn.integrations.hf import FirstTokenTimer
-from kdn.layout import cache_arg, output_cache
+from kdn.layout import cache_arg, output_cache, prefill_cache
 
 
 @dataclasses.dataclass
@@ -118,7 +118,7 @@ class Reuse(Method):
             _context_kv.clear()
             t0 = time.perf_counter()
             with torch.inference_mode():
-                kv = output_cache(model(context, use_cache=True))
+                kv = prefill_cache(model, context)
             prefill_s = time.perf_counter() - t0
             _share_context_kv(_ContextKV(model, context, kv, prefill_s))
         t0 = time.perf_counter()

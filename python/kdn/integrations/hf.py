@@ -13,7 +13,7 @@ from kdn.delivery import DeliveryError, streamed_cache
 from kdn.engine import Engine, HFLayers, HFTarget, Load
 from kdn.engine.served import Served
 from kdn.engine.verify import plane_error
-from kdn.layout import CACHE_ARG, cache_arg, cache_to_kv_list, kv_list_to_cache, output_cache
+from kdn.layout import CACHE_ARG, cache_arg, cache_to_kv_list, kv_list_to_cache, output_cache, prefill_cache
 
 log = logging.getLogger("kdn")
 
@@ -223,7 +223,7 @@ def _verify_hit(engine: Engine, model, ids: torch.Tensor, hit: int, kv: list[tor
         return True
     # find the chunks that differ from a full recompute (the first one that differs is wrong; later
     # ones may be right yet computed over it, so each is judged on its own rows)
-    reference = cache_to_kv_list(output_cache(model(ids[:, :hit], use_cache=True)))
+    reference = cache_to_kv_list(prefill_cache(model, ids[:, :hit]))
     tokens = session.tokens(ids[0])
     found = engine.chunks.find(session, tokens, hit)
     chunk = session.chunk_size
