@@ -274,6 +274,8 @@ Status parse_chunk(const BlobHeader& h, const uint8_t* payload, size_t size, uin
 // A page-locked host buffer of at least `bytes`, taken from a process-wide pool and given back (after
 // its stream has finished with it) at scope exit: the batch's payloads are copied into one by the
 // parsing threads, so they go up as one DMA instead of a pageable copy per chunk on one thread.
+// The pool keeps its buffers for the process: one per call that ran at once, each as large as the
+// largest batch it held (a request's coded KV).
 class PinnedBuffer {
  public:
   PinnedBuffer(size_t bytes, cudaStream_t stream) : stream_(stream) {
