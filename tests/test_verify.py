@@ -8,10 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kdn._core import InvalidInputError
 
 from conftest import full_prefill, random_ids
-from kdn import KDN, KDNConfig, _core
+from kdn import KDN, InvalidInputError, KDNConfig, _core
 from kdn.engine.served import Served
 from kdn.layout import cache_to_kv_list
 

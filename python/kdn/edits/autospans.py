@@ -69,7 +69,7 @@ def find(model, tokenizer, text: str, kv: list, max_new_tokens: int = 48) -> tup
         model.config.eos_token_id or ())
     out: list[int] = []
     for _ in range(max_new_tokens):
-        logits = model(step, **cache_arg(cache), use_cache=True).logits[0, -1]
+        logits = model(step, **cache_arg(cache), use_cache=True, logits_to_keep=1).logits[0, -1]
         token = int(torch.argmax(logits))
         if token in eos:
             break

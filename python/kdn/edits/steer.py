@@ -205,8 +205,8 @@ def profile(model, tokenizer, filler: str, cases: int = 3, alpha: float = 0.01, 
                 bias[h + 1, h] = penalty
             cache = kv_list_to_cache(model, [t.expand(rows, *t.shape[1:]).contiguous() for t in kv])
             with applied(model, {layer: bias}):
-                logits = model(batch_tail, **cache_arg(cache), use_cache=True).logits
-            logp = torch.log_softmax(logits[:, -n_answer - 1:-1].float(), dim=-1)
+                logits = model(batch_tail, **cache_arg(cache), use_cache=True, logits_to_keep=n_answer + 1).logits
+            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # the positions that predict the answer
             score = logp.gather(2, target[None, :, None].expand(rows, -1, 1)).sum(dim=(1, 2)).double().cpu()
             gains[layer] += score[1:] - score[0]
             bar.update(1)
