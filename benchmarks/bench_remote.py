@@ -3,7 +3,7 @@ time-to-first-token from a remote hit vs a full prefill on SmolLM2-135M.
 
 Usage: python benchmarks/bench_remote.py [--url redis://127.0.0.1:6379/0] [--lengths 1024,4096] [--repeats 5]
 Without --url it starts a private redis-server on a free loopback port (needs redis-server installed)
-and stops it at the end. Prints two tables with ratios and writes bench_out/bench_remote.json.
+and stops it at the end. Prints three tables with ratios and writes bench_out/bench_remote.json.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import kdn
 from kdn import KDN, KDNConfig, _core
 from kdn.storage.redis_transport import RedisTransport
 from kdn.storage.remote import RemoteTier
-from timing import save_result, timed
+from timing import save_result, timed, timed_cpu
 
 
 @contextlib.contextmanager
@@ -51,7 +51,7 @@ def bench_throughput(url, kv, fingerprint, repeats):
     raw = redis.Redis.from_url(url)
     tier = RemoteTier(url)
     # the read path before kdn's RESP reader
-    through_redis_py = RemoteTier(url, transport=RedisTransport(url, 1.0, direct_reads=False))
+    through_redis_py = RemoteTier(url, transport=RedisTransport(url, 1.0, direct=False))
     rows = []
     for chunk, count in ((16, 64), (64, 16), (256, 8)):
         keys = [i.to_bytes(16, "little") for i in range(count)]
@@ -73,14 +73,23 @@ def bench_throughput(url, kv, fingerprint, repeats):
                 pipe.get(n)
             pipe.execute()
 
-        def tier_put():
-            for i in range(0, count, 8):  # the writer thread sends batches like this
-                tier._send(blobs[i:i + 8])
+        def put_through(t):
+            def put():
+                for i in range(0, count, 8):  # the writer thread sends batches like this
+                    t._send(blobs[i:i + 8])
+            return put
+
+        def client_cpu(fn, t):  # the writer's CPU seconds (what a store costs the cores the model shares)
+            return timed_cpu(fn, repeats, setup=t.clear)
+
+        tier_put = put_through(tier)
 
         raw.flushdb()
         t_raw_set = timed(raw_set, repeats)
         t_raw_get = timed(raw_get, repeats)
         t_put = timed(tier_put, repeats, setup=tier.clear)
+        t_put_py = timed(put_through(through_redis_py), repeats, setup=through_redis_py.clear)
+        cpu_put, cpu_put_py = client_cpu(tier_put, tier), client_cpu(put_through(through_redis_py), through_redis_py)
         t_get = timed(lambda: tier.get_many(keys), repeats)
         t_get_py = timed(lambda: through_redis_py.get_many(keys), repeats)
         assert all(b is not None for b in tier.get_many(keys))
@@ -88,6 +97,8 @@ def bench_throughput(url, kv, fingerprint, repeats):
                      "raw_set_mbs": total / t_raw_set, "kdn_put_mbs": total / t_put,
                      "raw_get_mbs": total / t_raw_get, "kdn_get_mbs": total / t_get,
                      "kdn_get_redis_py_mbs": total / t_get_py, "direct_vs_redis_py": t_get_py / t_get,
+                     "kdn_put_redis_py_mbs": total / t_put_py, "put_cpu_ms": cpu_put * 1e3,
+                     "put_cpu_redis_py_ms": cpu_put_py * 1e3,
                      "put_ratio": t_raw_set / t_put, "get_ratio": t_raw_get / t_get})
     raw.flushdb()
     return rows
@@ -151,6 +162,12 @@ def main() -> None:
                   f"{r['kdn_put_mbs']:.0f} | {r['put_ratio']:.2f} | {r['raw_get_mbs']:.0f} | "
                   f"{r['kdn_get_mbs']:.0f} | {r['get_ratio']:.2f} | {r['kdn_get_redis_py_mbs']:.0f} | "
                   f"{r['direct_vs_redis_py']:.2f}x |")
+        print("\nwrites: kdn's RESP client (values sent from their memory) vs the same tier through redis-py")
+        print("| chunk | value | values | put MB/s | through redis-py | writer CPU per put | through redis-py |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for r in thr:
+            print(f"| {r['chunk_tokens']} tok | {r['value_mb']:.1f} MB | {r['values']} | {r['kdn_put_mbs']:.0f} | "
+                  f"{r['kdn_put_redis_py_mbs']:.0f} | {r['put_cpu_ms']:.1f} ms | {r['put_cpu_redis_py_ms']:.1f} ms |")
         ttft = bench_ttft(model, tokenizer, url, [int(x) for x in args.lengths.split(",")], args.repeats)
         print("\ntime to first token: remote hit (memory cleared before each) vs full prefill")
         print("| context | full prefill | remote hit | speedup | max logit diff |")

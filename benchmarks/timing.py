@@ -31,6 +31,18 @@ def timed(fn, repeats: int, setup=None) -> float:
     return statistics.median(samples(fn, repeats, setup))
 
 
+def timed_cpu(fn, repeats: int, setup=None) -> float:
+    """Median CPU seconds this process spends in ``fn()`` over ``repeats`` runs (all its threads)."""
+    spent = []
+    for _ in range(repeats):
+        if setup:
+            setup()
+        start = time.process_time()
+        fn()
+        spent.append(time.process_time() - start)
+    return statistics.median(spent)
+
+
 def _git(*args: str) -> str:
     try:
         out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,

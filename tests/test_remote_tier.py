@@ -35,7 +35,7 @@ def count_round_trips(tier, monkeypatch) -> list:
         return pipe
 
     monkeypatch.setattr(tier.transport.client, "pipeline", pipeline)
-    if tier.transport.direct_reads:  # reads straight into Buffers, outside redis-py: one round trip too
+    if tier.transport.direct:  # reads straight into Buffers, outside redis-py: one round trip too
         get = tier.transport.get
         monkeypatch.setattr(tier.transport, "get", lambda names: (calls.append("pipeline"), get(names))[1])
     return calls
@@ -201,7 +201,7 @@ def test_reads_land_in_buffers_with_a_password_and_error_replies_are_refusals(tm
     server = RedisServer(tmp_path / "redis", None, "--requirepass", "s3cret")
     try:
         tier = fresh_tier(f"redis://:s3cret@127.0.0.1:{server.port}/0")
-        assert tier.transport.direct_reads
+        assert tier.transport.direct
         for i in range(3):
             tier.put(key(i), blob_for(i))
         tier.flush()
@@ -231,8 +231,8 @@ def test_byte_ranges_through_kdns_reader_equal_redis_pys(redis_server):
     redis-py reads: from the start, from the end, past the end, and empty for a missing value."""
     from kdn.storage.redis_transport import RedisTransport
 
-    direct, plain = RedisTransport(redis_server.url, 1.0), RedisTransport(redis_server.url, 1.0, direct_reads=False)
-    assert direct.direct_reads and not plain.direct_reads
+    direct, plain = RedisTransport(redis_server.url, 1.0), RedisTransport(redis_server.url, 1.0, direct=False)
+    assert direct.direct and not plain.direct
     value = bytes(range(256)) * 40
     direct.put([("kdn:test:ranges", value)], None)
     requests = [("kdn:test:ranges", 0, 79), ("kdn:test:ranges", -24, -1), ("kdn:test:ranges", 5000, 20000),
@@ -240,6 +240,51 @@ def test_byte_ranges_through_kdns_reader_equal_redis_pys(redis_server):
     got = [bytes(v) for v in direct.get_ranges(requests)]
     assert got == [bytes(v) for v in plain.get_ranges(requests)] == [value[:80], value[-24:], value[5000:], b""]
     assert direct.delete(["kdn:test:ranges", "kdn:test:absent"]) == 1
+
+
+def test_writes_leave_from_the_values_memory_and_read_back_as_written(redis_server):
+    """Plain redis:// writes go through kdn's RESP client, each value sent from its own memory: a kdn
+    Buffer, bytes, an empty value, a memoryview of a value larger than the socket takes at once, and
+    over 500 values in one pipeline (more pieces than one sendmsg takes). redis-py reads back the
+    bytes written, with the TTL asked (none: none); a value that is not contiguous is refused."""
+    from kdn.storage.redis_transport import RedisTransport
+
+    direct, plain = RedisTransport(redis_server.url, 1.0), RedisTransport(redis_server.url, 1.0, direct=False)
+    big = bytes(range(256)) * (24 << 12)  # 24 MiB
+    values = [blob_for(1), b"", memoryview(big)[7:], *[bytes([i % 256]) * (i + 1) for i in range(500)]]
+    names = [f"kdn:test:w{i}" for i in range(len(values))]
+    direct.put(list(zip(names, values)), 60_000)
+    assert [bytes(v) for v in plain.get(names)] == [bytes(v) for v in values]
+    assert 0 < plain.client.pttl(names[0]) <= 60_000
+    direct.put([(names[0], b"again")], None)
+    assert plain.client.pttl(names[0]) == -1 and plain.get([names[0]]) == [b"again"]
+    with pytest.raises(InvalidInputError, match="not contiguous"):
+        direct.put([("kdn:test:strided", memoryview(big)[::2])], None)
+    assert plain.delete(names) == len(names)
+
+
+def test_a_refused_write_is_reported_after_every_reply_and_the_store_keeps_serving(tmp_path):
+    """A server out of memory answers SETs with an error: the pipeline reads every reply, raises
+    the server's text, and the next calls work; through the tier it is a refused write, counted."""
+    from kdn.storage.redis_transport import RedisTransport
+
+    require_redis()
+    server = RedisServer(tmp_path / "redis", None, "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    try:
+        url = f"redis://127.0.0.1:{server.port}/0"
+        transport = RedisTransport(url, 1.0)
+        with pytest.raises(RuntimeError, match="OOM"):
+            transport.put([(f"kdn:test:full{i}", bytes(1 << 20)) for i in range(4)], None)
+        server.cli("CONFIG", "SET", "maxmemory", "0")
+        transport.put([("kdn:test:small", b"fits now")], None)
+        assert [bytes(v) for v in transport.get(["kdn:test:small"])] == [b"fits now"]
+        server.cli("FLUSHALL")
+        server.cli("CONFIG", "SET", "maxmemory", "1")
+        tier = fresh_tier(url)
+        assert tier.put(key(1), blob_for(1), wait=True) is False
+        assert tier.stats()["refused"] == 1 and tier.get_many([key(1)]) == [None]
+    finally:
+        server.stop()
 
 
 def test_claims_name_one_owner_expire_and_are_released_only_by_it(redis_server):

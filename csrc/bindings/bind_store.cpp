@@ -125,6 +125,26 @@ void bind_store(py::module_& m) {
           py::arg("requests"),
           "GETRANGE of every (name, start, end) in one round trip (inclusive ends, negative from the "
           "value's end): a Buffer per range, empty for a missing key.")
+      .def(
+          "set_many",
+          [](RespConnection& self, const std::vector<std::pair<std::string, py::buffer>>& items, int64_t ttl_ms) {
+            std::vector<py::buffer_info> held;  // keeps each value's memory exported while the GIL is released
+            held.reserve(items.size());
+            std::vector<RespConnection::Value> values;
+            values.reserve(items.size());
+            for (const auto& [name, value] : items) {
+              held.push_back(value.request());
+              const py::buffer_info& info = held.back();
+              KDN_CHECK_INPUT(info.ndim <= 1 && (info.ndim == 0 || info.strides[0] == info.itemsize),
+                              "RespConnection.set_many: the value of " + name + " is not contiguous");
+              values.push_back({name, static_cast<const uint8_t*>(info.ptr), size_t(info.size * info.itemsize)});
+            }
+            py::gil_scoped_release release;
+            self.set_many(values, ttl_ms);
+          },
+          py::arg("items"), py::arg("ttl_ms") = 0,
+          "SET of every (name, value) in one round trip, PX ttl_ms when > 0; values (bytes-like, "
+          "contiguous) are sent from their own memory.")
       .def_property_readonly("open", &RespConnection::open);
   m.def(
       "sidecar_pack",

@@ -1,4 +1,4 @@
-// Pipelined Redis GETs and GETRANGEs into pooled Buffers (kdn/resp.h).
+// Pipelined Redis GETs and GETRANGEs into pooled Buffers, SETs from the caller's memory (kdn/resp.h).
 #include "kdn/resp.h"
 
 #include <netdb.h>
@@ -6,9 +6,11 @@
 #include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -16,6 +18,7 @@ namespace kdn {
 namespace {
 
 constexpr size_t kReadChunk = 1 << 16;
+constexpr size_t kMaxParts = 1024;  // iovecs per sendmsg (Linux's IOV_MAX)
 constexpr int64_t kMaxBulk = int64_t(1) << 32;  // a value this tier wrote is at most part_bytes (16 MiB)
 
 void append_command(std::string& out, const std::vector<std::string>& args) {
@@ -101,13 +104,28 @@ void RespConnection::fail(const std::string& why) {
 }
 
 void RespConnection::send_all(const std::string& data) {
+  send_all({iovec{const_cast<char*>(data.data()), data.size()}});
+}
+
+void RespConnection::send_all(std::vector<iovec> parts) {
   if (fd_ < 0) throw RespIOError("connection closed");
-  size_t sent = 0;
-  while (sent < data.size()) {
-    const ssize_t n = ::send(fd_, data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
+  size_t i = 0;
+  for (;;) {
+    while (i < parts.size() && parts[i].iov_len == 0) ++i;
+    if (i == parts.size()) return;
+    msghdr msg{};
+    msg.msg_iov = &parts[i];
+    msg.msg_iovlen = std::min(parts.size() - i, kMaxParts);
+    const ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) fail(std::string("send: ") + (n < 0 ? std::strerror(errno) : "closed"));
-    sent += static_cast<size_t>(n);
+    for (size_t left = static_cast<size_t>(n); left > 0;) {  // skip what went out; trim a part sent in part
+      const size_t step = std::min(left, parts[i].iov_len);
+      parts[i].iov_base = static_cast<char*>(parts[i].iov_base) + step;
+      parts[i].iov_len -= step;
+      left -= step;
+      if (parts[i].iov_len == 0) ++i;
+    }
   }
 }
 
@@ -206,6 +224,34 @@ std::vector<BufferPtr> RespConnection::get_ranges(const std::vector<Range>& rang
   for (auto& v : out)
     if (!v) fail("GETRANGE answered nil");  // the server answers "" for a missing key
   return out;
+}
+
+void RespConnection::set_many(const std::vector<Value>& items, int64_t ttl_ms) {
+  const std::string ttl = std::to_string(ttl_ms);
+  const std::string tail = ttl_ms > 0 ? "\r\n$2\r\nPX\r\n$" + std::to_string(ttl.size()) + "\r\n" + ttl + "\r\n" : "\r\n";
+  std::vector<std::string> heads;  // each command up to its value
+  heads.reserve(items.size());
+  std::vector<iovec> parts;
+  parts.reserve(3 * items.size());
+  for (const Value& v : items) {
+    heads.push_back(std::string(ttl_ms > 0 ? "*5" : "*3") + "\r\n$3\r\nSET\r\n$" + std::to_string(v.name.size()) +
+                    "\r\n" + v.name + "\r\n$" + std::to_string(v.size) + "\r\n");
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    parts.push_back({heads[i].data(), heads[i].size()});
+    parts.push_back({const_cast<uint8_t*>(items[i].data), items[i].size});
+    parts.push_back({const_cast<char*>(tail.data()), tail.size()});
+  }
+  send_all(std::move(parts));
+  std::string error;
+  for (size_t i = 0; i < items.size(); ++i) {
+    try {
+      expect_ok();
+    } catch (const RespError& e) {  // read every reply before reporting, so the stream stays in step
+      if (error.empty()) error = e.what();
+    }
+  }
+  if (!error.empty()) throw RespError(error);
 }
 
 }  // namespace kdn

@@ -1,12 +1,14 @@
-// The remote tier's read path at memory speed: pipelined Redis GETs and GETRANGEs over one socket,
-// each bulk reply received straight into a pooled Buffer (no intermediate copies, no per-value
-// Python bytes).
+// The remote tier's reads and writes at memory speed: pipelined Redis GETs and GETRANGEs over one
+// socket, each bulk reply received straight into a pooled Buffer, and pipelined SETs sent straight
+// from the caller's memory (no intermediate copies, no per-value Python bytes).
 //
 // A minimal RESP2 client for one connection (TCP or a unix socket, plain text: TLS and cluster
 // URLs stay on redis-py). Not thread-safe: one connection per caller thread (the Python side pools
 // them). A socket failure or a malformed reply throws RespIOError and closes the connection; an
 // error reply (-ERR ...) throws RespError with the server's text (the connection stays usable).
 #pragma once
+
+#include <sys/uio.h>
 
 #include <stdexcept>
 #include <string>
@@ -46,10 +48,20 @@ class RespConnection {
     int64_t start, end;
   };
   std::vector<BufferPtr> get_ranges(const std::vector<Range>& ranges);
+  // SET name value [PX ttl_ms] (PX when ttl_ms > 0) of every item in one round trip, each value
+  // sent from the caller's memory, which must stay valid for the call. The first error reply is
+  // thrown (RespError) after every reply has been read.
+  struct Value {
+    std::string name;
+    const uint8_t* data;
+    size_t size;
+  };
+  void set_many(const std::vector<Value>& items, int64_t ttl_ms);
   bool open() const { return fd_ >= 0; }
 
  private:
   void send_all(const std::string& data);
+  void send_all(std::vector<iovec> parts);  // in order, resuming after partial sends
   void fill();                              // at least one more byte into the read buffer
   std::string read_line();                  // up to CRLF, without it
   BufferPtr read_bulk();                    // one reply: a bulk string, nil, or an error

@@ -1,5 +1,6 @@
 """The Redis-protocol transport: Redis, Valkey or a Redis Cluster over TCP, TLS or a unix socket
-(redis-py), with plain connections read through kdn's RESP reader into pooled Buffers."""
+(redis-py), with plain connections read into pooled Buffers and written from the values' own memory by
+kdn's RESP client."""
 
 from __future__ import annotations
 
@@ -16,16 +17,17 @@ class RedisTransport(RemoteTransport):
     """``redis://[user:password@]host:port[/db]``, ``rediss://`` for TLS, ``redis+cluster://host:port``
     (any node of the cluster; ``rediss+cluster://`` with TLS), ``unix:///path/to/socket``.
 
-    Writes, lookups and scans go through redis-py (pooled connections, the hiredis parser when
-    installed); ``get`` and ``get_ranges`` of plain ``redis://`` and ``unix://`` URLs through
-    :class:`kdn._core.RespConnection` (``direct_reads=False``: through redis-py too).
+    Lookups, claims and scans go through redis-py (pooled connections, the hiredis parser when
+    installed); ``get``, ``get_ranges`` and ``put`` of plain ``redis://`` and ``unix://`` URLs through
+    :class:`kdn._core.RespConnection` (``direct=False``: through redis-py too; TLS and cluster URLs
+    always are).
     """
 
     schemes = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
     supports_ranges = True
     supports_put_if_absent = True
 
-    def __init__(self, url: str, timeout: float, direct_reads: bool = True):
+    def __init__(self, url: str, timeout: float, direct: bool = True):
         try:
             import redis
             from redis.cluster import RedisCluster
@@ -38,11 +40,12 @@ class RedisTransport(RemoteTransport):
             self.client = RedisCluster.from_url(url.replace("+cluster://", "://", 1), **options)
         else:
             self.client = redis.Redis.from_url(url, retry_on_timeout=False, **options)
-        self._direct = _DirectReads(url, timeout) if direct_reads and scheme in ("redis", "unix") else None
+        self._direct = _Direct(url, timeout) if direct and scheme in ("redis", "unix") else None
 
     @property
-    def direct_reads(self) -> bool:
-        """Whether reads land straight in Buffers (kdn's RESP reader) rather than through redis-py."""
+    def direct(self) -> bool:
+        """Whether reads land straight in Buffers and writes leave from the values' memory (kdn's RESP
+        client) rather than through redis-py."""
         return self._direct is not None
 
     def _pipeline(self, command: str, args: list) -> list:
@@ -68,6 +71,9 @@ class RedisTransport(RemoteTransport):
         return self._pipeline("getrange", requests)
 
     def put(self, items: list[tuple[str, object]], ttl_ms: int | None) -> None:
+        if self._direct is not None:
+            self._direct.call("set_many", items, ttl_ms or 0)
+            return
         pipe = self.client.pipeline(transaction=False)
         for name, value in items:
             pipe.set(name, value, px=ttl_ms)
@@ -94,7 +100,7 @@ class RedisTransport(RemoteTransport):
         return "down"
 
 
-class _DirectReads:
+class _Direct:
     """A pool of :class:`kdn._core.RespConnection` s for one plain URL (one per concurrent caller)."""
 
     def __init__(self, url: str, timeout: float):
@@ -112,13 +118,13 @@ class _DirectReads:
         self._idle: list = []
         self._lock = threading.Lock()
 
-    def call(self, method: str, args: list) -> list:
+    def call(self, method: str, *args):
         with self._lock:
             conn = self._idle.pop() if self._idle else None
         if conn is None:
             conn = _core.RespConnection(*self.where, timeout=self.timeout, user=self.user, password=self.password,
                                         db=self.db)
-        values = getattr(conn, method)(args)  # a RespIOError drops the connection with the exception
+        values = getattr(conn, method)(*args)  # a RespIOError drops the connection with the exception
         with self._lock:
             self._idle.append(conn)
         return values
