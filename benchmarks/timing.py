@@ -14,33 +14,22 @@ import time
 from pathlib import Path
 
 
-def samples(fn, repeats: int, setup=None) -> list[float]:
-    """Seconds of each of ``repeats`` runs of ``fn()`` (``setup()``, untimed, before each)."""
+def samples(fn, repeats: int, setup=None, clock=time.perf_counter) -> list[float]:
+    """Seconds of each of ``repeats`` runs of ``fn()`` (``setup()``, untimed, before each) on ``clock``
+    (``time.process_time``: CPU seconds of this process, all its threads)."""
     times = []
     for _ in range(repeats):
         if setup:
             setup()
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return times
 
 
-def timed(fn, repeats: int, setup=None) -> float:
+def timed(fn, repeats: int, setup=None, clock=time.perf_counter) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs (``setup()``, untimed, before each)."""
-    return statistics.median(samples(fn, repeats, setup))
-
-
-def timed_cpu(fn, repeats: int, setup=None) -> float:
-    """Median CPU seconds this process spends in ``fn()`` over ``repeats`` runs (all its threads)."""
-    spent = []
-    for _ in range(repeats):
-        if setup:
-            setup()
-        start = time.process_time()
-        fn()
-        spent.append(time.process_time() - start)
-    return statistics.median(spent)
+    return statistics.median(samples(fn, repeats, setup, clock))
 
 
 def _git(*args: str) -> str:
