@@ -217,7 +217,7 @@ def main() -> None:
                       f"{row['layerwise']['ttft_mean']:.2f} s ({row['layerwise']['ttft_mean'] / max(st.values()):.2f}x "
                       f"max stage)  adaptive {row['adaptive']['ttft_mean']:.2f} s (KL {row['adaptive']['kl']:.4f})"
                       f"  full prefill {full:.2f} s")
-            for method in args.trace_methods.split(","):
+            for method in args.trace_methods.split(",") if args.trace_requests else []:  # 0: fixed links only
                 rows = []
                 for i in range(args.trace_requests):
                     trace = traces[i % len(traces)]
