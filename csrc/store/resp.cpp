@@ -21,13 +21,20 @@ constexpr size_t kReadChunk = 1 << 16;
 constexpr size_t kMaxParts = 1024;  // iovecs per sendmsg (Linux's IOV_MAX)
 constexpr int64_t kMaxBulk = int64_t(1) << 32;  // a value this tier wrote is at most part_bytes (16 MiB)
 
+// A bulk string's length line; its bytes and a CRLF follow.
+void append_bulk_length(std::string& out, size_t size) {
+  out += "$" + std::to_string(size) + "\r\n";
+}
+
+void append_bulk(std::string& out, const std::string& a) {
+  append_bulk_length(out, a.size());
+  out += a;
+  out += "\r\n";
+}
+
 void append_command(std::string& out, const std::vector<std::string>& args) {
   out += "*" + std::to_string(args.size()) + "\r\n";
-  for (const auto& a : args) {
-    out += "$" + std::to_string(a.size()) + "\r\n";
-    out += a;
-    out += "\r\n";
-  }
+  for (const auto& a : args) append_bulk(out, a);
 }
 
 int connect_socket(const std::string& host, int port, int timeout_ms) {
@@ -227,20 +234,22 @@ std::vector<BufferPtr> RespConnection::get_ranges(const std::vector<Range>& rang
 }
 
 void RespConnection::set_many(const std::vector<Value>& items, int64_t ttl_ms) {
-  const std::string ttl = std::to_string(ttl_ms);
-  const std::string tail = ttl_ms > 0 ? "\r\n$2\r\nPX\r\n$" + std::to_string(ttl.size()) + "\r\n" + ttl + "\r\n" : "\r\n";
-  std::vector<std::string> heads;  // each command up to its value
-  heads.reserve(items.size());
+  std::string tail = "\r\n";  // after each value: its CRLF, then PX ttl
+  if (ttl_ms > 0) {
+    append_bulk(tail, "PX");
+    append_bulk(tail, std::to_string(ttl_ms));
+  }
+  std::vector<std::string> heads(items.size());  // each command up to its value
   std::vector<iovec> parts;
   parts.reserve(3 * items.size());
-  for (const Value& v : items) {
-    heads.push_back(std::string(ttl_ms > 0 ? "*5" : "*3") + "\r\n$3\r\nSET\r\n$" + std::to_string(v.name.size()) +
-                    "\r\n" + v.name + "\r\n$" + std::to_string(v.size) + "\r\n");
-  }
   for (size_t i = 0; i < items.size(); ++i) {
+    heads[i] = ttl_ms > 0 ? "*5\r\n" : "*3\r\n";
+    append_bulk(heads[i], "SET");
+    append_bulk(heads[i], items[i].name);
+    append_bulk_length(heads[i], items[i].size);
     parts.push_back({heads[i].data(), heads[i].size()});
     parts.push_back({const_cast<uint8_t*>(items[i].data), items[i].size});
-    parts.push_back({const_cast<char*>(tail.data()), tail.size()});
+    parts.push_back({tail.data(), tail.size()});
   }
   send_all(std::move(parts));
   std::string error;

@@ -124,7 +124,7 @@ class _Direct:
         if conn is None:
             conn = _core.RespConnection(*self.where, timeout=self.timeout, user=self.user, password=self.password,
                                         db=self.db)
-        values = getattr(conn, method)(*args)  # a RespIOError drops the connection with the exception
+        values = getattr(conn, method)(*args)  # an exception drops the connection with it
         with self._lock:
             self._idle.append(conn)
         return values
