@@ -325,14 +325,19 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     docqa = [r for r in rows if r["workload"] == "docqa"]
+    if not docqa:  # the plot is of docqa runs (N and concurrency); chat runs are in the table
+        return
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for config in dict.fromkeys(r["config"] for r in docqa):
         mine = [r for r in docqa if r["config"] == config]
-        c0 = min(r["concurrency"] for r in mine)
+        # against N at the concurrency most Ns were run at; against concurrency at the N with most levels
+        c0 = max(dict.fromkeys(r["concurrency"] for r in mine),
+                 key=lambda c: len({r["n"] for r in mine if r["concurrency"] == c}))
         by_n = sorted((r for r in mine if r["concurrency"] == c0), key=lambda r: r["n"])
-        axes[0].plot([r["n"] for r in by_n], [r["ttft_p50_s"] for r in by_n], "o-", label=config)
-        axes[1].plot([r["n"] for r in by_n], [r["throughput_rps"] for r in by_n], "o-", label=config)
-        n0 = max(r["n"] for r in mine)
+        axes[0].plot([r["n"] for r in by_n], [r["ttft_p50_s"] for r in by_n], "o-", label=f"{config} (C={c0})")
+        axes[1].plot([r["n"] for r in by_n], [r["throughput_rps"] for r in by_n], "o-", label=f"{config} (C={c0})")
+        n0 = max(dict.fromkeys(r["n"] for r in mine),
+                 key=lambda n: len({r["concurrency"] for r in mine if r["n"] == n}))
         by_c = sorted((r for r in mine if r["n"] == n0), key=lambda r: r["concurrency"])
         axes[2].plot([r["concurrency"] for r in by_c], [r["ttft_p50_s"] for r in by_c], "o-",
                      label=f"{config} (N={n0})")
