@@ -35,11 +35,11 @@ QUESTIONS = [" Question: who founded the city, and when?", " Question: how long 
              " Question: who designed the Glass Bridge?", " Question: what is the city's main export?"]
 
 
-def engine(python: str, model: str, prompts: list, kdn: dict | None, *flags: str, dtype: str = "float32") -> dict:
+def engine(python: str, model: str, prompts: list, kdn: dict | None, *flags: str) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
     args = [python, str(ROOT / "tests" / "vllm_engine.py"), "--model", model, "--prompts", f.name,
-            "--max-tokens", "1", "--dtype", dtype]
+            "--max-tokens", "1"]
     if kdn is not None:
         args += ["--kdn", json.dumps(kdn)]
     proc = subprocess.run(args + list(flags), capture_output=True, text=True, timeout=1800)
@@ -96,7 +96,7 @@ def main() -> None:
     rows = {}
 
     def run(prompts: list, kdn: dict | None, *flags: str) -> dict:
-        return engine(python, model_dir, prompts, kdn, *flags, dtype=args.dtype)
+        return engine(python, model_dir, prompts, kdn, "--dtype", args.dtype, *flags)
 
     def record(name: str, seconds: list[float], stats: dict | None = None) -> None:
         rows[name] = {**summary(seconds), "connector": (stats or {}).get("connector")}

@@ -55,8 +55,8 @@ def main() -> None:
         if fp32 is not None and hit:  # before the suffix below extends the cache
             result["kv_error_vs_own_prefill"] = _kv_error_ratio(cache, model, fp32, ids[:, :hit])
         with torch.inference_mode():
-            full = model(ids).logits[0, -1]
-            served = model(ids[:, hit:], past_key_values=cache).logits[0, -1] if hit else full
+            full = model(ids, logits_to_keep=1).logits[0, -1]
+            served = model(ids[:, hit:], past_key_values=cache, logits_to_keep=1).logits[0, -1] if hit else full
         out = kdn.generate(model, ids, max_new_tokens=args.max_tokens, do_sample=False)
         result.update(tokens=out[0, ids.shape[1]:].tolist(), max_logit_diff=float((served - full).abs().max()))
         results.append(result)
