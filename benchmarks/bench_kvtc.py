@@ -1,7 +1,9 @@
 """How fast ``kvtc`` chunks decode on the CPU: GB/s of fp16-equivalent KV out of
 ``_core.unpack_chunks`` (the CPU read path: coded chunks -> per-layer tensors), with ``int4`` beside
 it, and the reconstruction's bound: MKL's sgemm (torch, one thread per core kdn uses) on the same
-dense products (per plane: 256 rows x the live components, from the coder's report, x channels).
+dense products (per plane: 256 rows x the live components, from the coder's report, x channels),
+and the same products in bf16 (oneDNN's AVX512-BF16 dot products where the CPU has them): what a
+reconstruction from a bf16 basis could reach.
 
 kdn's reconstruction is its own blocked AVX2 microkernel, not a BLAS call: the CUDA decoder must
 give the same bits, which needs every output summed over components in ascending order with one
@@ -77,17 +79,21 @@ def main() -> None:
     torch.set_num_threads(min(threads, os.cpu_count() or 1))
     a, b = torch.randn(256, components), torch.randn(components, channels)
     gemm = statistics.median(seconds(lambda: [torch.mm(a, b) for _ in range(planes)], 5))
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    gemm_bf16 = statistics.median(seconds(lambda: [torch.mm(a16, b16) for _ in range(planes)], 5))
     torch.set_num_threads(threads)
     result = {"model": args.model, "tokens": n, "fp16_bytes": fp16_bytes, "codecs": rows, "kvtc_symbols": symbols,
               "live_components_per_row": live, "channels": channels,
-              "mkl_sgemm_ms_all_planes": 1e3 * gemm, "mkl_shape": [256, components, channels], "planes": planes,
+              "mkl_sgemm_ms_all_planes": 1e3 * gemm,
+              "bf16_gemm_ms_all_planes": 1e3 * gemm_bf16, "mkl_shape": [256, components, channels], "planes": planes,
               "load_average": os.getloadavg()}
     for spec, row in rows.items():
         print(f"{spec:14s} {row['gb_per_s']:.3f} GB/s fp16-equivalent (best {row['gb_per_s_best']:.3f}), "
               f"{row['ms']:.1f} ms for {n} tokens, {row['ratio_vs_fp16']:.2f}x vs fp16, rel L2 {row['rel_l2']:.3f}")
     print(f"{kvtc_spec}: {symbols / 1e6:.2f} M symbols, {live:.1f} of {channels} components live per row")
     print(f"MKL sgemm on {planes} planes of 256x{components}x{channels} (the live components): {1e3 * gemm:.1f} ms "
-          f"({torch.get_num_threads()} threads); load average {os.getloadavg()[0]:.2f}")
+          f"({torch.get_num_threads()} threads); in bf16 {1e3 * gemm_bf16:.1f} ms ({gemm / gemm_bf16:.2f}x); "
+          f"load average {os.getloadavg()[0]:.2f}")
     print("wrote", save_result(Path(args.out) / "bench_kvtc.json", result))
 
 
