@@ -40,6 +40,7 @@ import kdn  # noqa: E402
 from kdn import KDN, KDNConfig, kvtc  # noqa: E402
 from kdn.demo import QUESTIONS, document, prompt_ids  # noqa: E402
 from kdn.edits import kvzip, parse, stored  # noqa: E402
+from kdn.engine.session import ROOT  # noqa: E402
 from kdn.eval.stats import bootstrap_ci, paired_difference  # noqa: E402
 from timing import save_result  # noqa: E402
 
@@ -76,13 +77,20 @@ def shared_context(prompts: list) -> list[int]:
 
 
 def copy_into(src: KDN, dst: KDN, model, context: list[int], specs: list[str]) -> None:
-    """Put the exact chunks and every edit's masks and rows of ``context`` from ``src`` into
-    ``dst``'s tiers (``dst`` codes them as its own deposit would)."""
+    """Put the exact chunks (the partial last one too, with the pointers filed under the probes of
+    its tokens) and every edit's masks and rows of ``context`` from ``src`` into ``dst``'s tiers
+    (``dst`` codes them as its own deposit would)."""
     session = src.session(model)
-    addresses = list(src.chunk_keys(model, context))
+    full = src.chunk_keys(model, context)
+    tokens = session.tokens(context)
+    every = session.prefix_keys(tokens, include_partial=True)
+    addresses = list(every)
+    if len(every) > len(full):
+        probes = session.probe_keys(full[-1] if full else ROOT, tokens[len(full) * session.chunk_size:])
+        addresses += [p for p, held in zip(probes, src.chunks.tiers.held(probes)) if held]
     for spec in specs:
         edit = parse(spec)
-        for key in src.chunk_keys(model, context):
+        for key in full:
             payload = src.chunks.read_sidecar(session, edit.address(key))
             addresses += [edit.address(key), kvzip.rows_address(edit.address(key), payload)]
     for address in addresses:

@@ -19,7 +19,7 @@ CHUNK = 128
 def case(stories):
     model, _ = stories
     g = torch.Generator().manual_seed(3)
-    doc = torch.randint(10, 500, (400,), generator=g).tolist()  # 3 full chunks + a tail of 16
+    doc = torch.randint(10, 500, (400,), generator=g).tolist()  # 3 full chunks + a tail of 16 (served exact)
     question = torch.randint(10, 500, (20,), generator=g).tolist()
     return model, doc, torch.tensor([doc + question])
 
@@ -35,7 +35,7 @@ def test_keep_one_is_a_full_prefill(case):
     report = kdn.deposit(model, doc, edits=["kvzip:keep=1"])
     assert report["edits"]["kvzip:keep=1,sink=4"]["chunks"] == 3
     cache, hit = kdn.retrieve(model, ids[0], edits="kvzip:keep=1")
-    assert hit == 3 * CHUNK and kdn.last_retrieve["edit"] == "kvzip:keep=1,sink=4"
+    assert hit == len(doc) and kdn.last_retrieve["edit"] == "kvzip:keep=1,sink=4"
     with torch.inference_mode():
         full = model(ids).logits[0, -1]
     assert torch.allclose(last_logits(model, ids, cache, hit), full, atol=1e-5)
@@ -56,9 +56,17 @@ def masked_reference(model, kv, mask, token, position):
                      position_ids=torch.tensor([[position]])).logits[0, -1]
 
 
+def kept_whole_after(mask, tokens):
+    """``mask`` ``[layers, heads, n]`` extended to ``tokens`` with every later triple kept: an edited
+    hit serves the stored KV past its edited chunks exactly (the deposit's partial last chunk)."""
+    layers, heads, n = mask.shape
+    return torch.cat([mask, torch.ones(layers, heads, tokens - n, dtype=torch.bool)], dim=2)
+
+
 def assert_served_as_masked_exact(model, kdn, doc, ids, cache, hit, mask):
     """The next token over the served ``cache`` (under the retrieve's bias) equals the exact cache
-    of ``doc`` with the triples ``mask`` drops hidden."""
+    of ``doc`` with the triples ``mask`` drops hidden (the tokens past the mask kept)."""
+    mask = kept_whole_after(mask, hit)
     with torch.inference_mode():
         kv = cache_to_kv_list(model(torch.tensor([doc]), use_cache=True).past_key_values)
     token = ids[:, hit:hit + 1]
@@ -71,24 +79,26 @@ def test_a_pruned_cache_is_the_exact_cache_with_the_dropped_triples_masked(case)
     """keep=0.5: the served cache holds fewer rows (heads keep different counts: the budget is
     ranked across layers and heads), the next token is computed at position ``hit`` (not at the
     row count), and its logits equal the exact cache's with every dropped (layer, head, token)
-    masked out."""
+    masked out; the deposit's partial last chunk (16 tokens, no edit covers it) is served too,
+    exact, so the reader computes only its question."""
     model, doc, ids = case
     kdn = KDN(KDNConfig(chunk_size=CHUNK))
     kdn.deposit(model, doc, edits=["kvzip:keep=0.5"])
     cache, hit = kdn.retrieve(model, ids[0], edits="kvzip:keep=0.5")
     rows = cache_to_kv_list(cache)
     bias = kdn.last_retrieve["bias"]
-    assert hit == 3 * CHUNK and cache.get_seq_length() == hit and rows[0].shape[2] < hit
+    assert hit == len(doc) and cache.get_seq_length() == hit and rows[0].shape[2] < hit
     with torch.inference_mode():
         kv = cache_to_kv_list(model(torch.tensor([doc]), use_cache=True).past_key_values)
-    mask = kvzip.chosen(kvzip.scores(model, kv, doc, []), hit, 0.5, 4)
+    mask = kvzip.chosen(kvzip.scores(model, kv, doc, []), 3 * CHUNK, 0.5, 4)
     held = mask.sum(-1)
     assert abs(int(mask.sum()) - 0.5 * mask.numel()) <= 1 and held.min() < held.max()  # non-uniform
     token = ids[:, hit:hit + 1]
     with torch.inference_mode(), steer.applied(model, bias):
         served = model(token, past_key_values=cache).logits[0, -1]
-    assert torch.allclose(served, masked_reference(model, kv, mask, token, hit), atol=1e-5)
-    assert not torch.allclose(served, masked_reference(model, kv, mask, token, rows[0].shape[2]), atol=1e-3)
+    whole = kept_whole_after(mask, hit)
+    assert torch.allclose(served, masked_reference(model, kv, whole, token, hit), atol=1e-5)
+    assert not torch.allclose(served, masked_reference(model, kv, whole, token, rows[0].shape[2]), atol=1e-3)
     with torch.inference_mode():  # the padding rows matter: without their bias the answer differs
         unmasked = model(token, past_key_values=kdn.retrieve(model, ids[0], edits="kvzip:keep=0.5")[0]).logits[0, -1]
     assert not torch.allclose(unmasked, served, atol=1e-3)
@@ -249,7 +259,7 @@ def test_kdn_deposit_fills_a_store_resumably(tmp_path, stories, capsys):
     _, hit = reader.retrieve(model, ids[0])
     assert hit == ids.shape[1] - 3 and reader.last_retrieve.get("edit") is None
     _, hit = reader.retrieve(model, ids[0], edits="kvzip:keep=0.5")
-    assert reader.last_retrieve["edit"] == "kvzip:keep=0.5,sink=4" and hit == (hit // CHUNK) * CHUNK > 0
+    assert reader.last_retrieve["edit"] == "kvzip:keep=0.5,sink=4" and hit == ids.shape[1] - 3  # the tail exact
 
 
 @pytest.mark.parametrize("extra, why", [(["--edit", "kvzip:keep=2"], "keep must be"),
@@ -319,7 +329,7 @@ def test_a_kvtc_tier_files_masked_chunks_read_back_exact_where_stored_raw(case, 
         assert all(kvzip.is_masked(p, m) for p, m in zip(payloads, masks))
         mask = torch.cat(masks, -1)
         cache, hit = kdn.retrieve(model, ids[0], edits=spec)  # the memory tier: raw
-        assert hit == 3 * CHUNK
+        assert hit == len(doc)
         exact_rows = [t.clone() for t in cache_to_kv_list(cache)]  # before a forward extends the cache
         assert_served_as_masked_exact(model, kdn, doc, ids, cache, hit, mask)
         reader = KDN(KDNConfig(**config))  # the disk tier alone: kvtc
@@ -332,9 +342,9 @@ def test_a_kvtc_tier_files_masked_chunks_read_back_exact_where_stored_raw(case, 
 
 
 def test_a_missing_rows_blob_ends_the_edited_hit_there(case):
-    """The second chunk's rows evicted (its mask still stored): the edited hit is the first chunk
-    only, still equal to the exact cache with that chunk's dropped triples masked; the bytes
-    counted stop there too."""
+    """The second chunk's rows evicted (its mask still stored): the edited run is the first chunk
+    only, then the exact KV stored past it (the rest of the document), equal to the exact cache with
+    that chunk's dropped triples masked; the bytes counted stop there too."""
     model, doc, ids = case
     kdn = KDN(KDNConfig(chunk_size=CHUNK))
     kdn.deposit(model, doc, edits=["kvzip:keep=0.5"])
@@ -348,7 +358,8 @@ def test_a_missing_rows_blob_ends_the_edited_hit_there(case):
     coded.deposit(model, doc, edits=["kvzip:keep=0.5"])
     assert 0 < stored.stored_bytes(coded.engine, model, doc, edit.spec) < whole / 4
     cache, hit = kdn.retrieve(model, ids[0], edits="kvzip:keep=0.5")
-    assert hit == CHUNK and kdn.last_retrieve["edit"] == edit.spec
+    assert hit == len(doc) and kdn.last_retrieve["edit"] == edit.spec
+    assert cache_to_kv_list(cache)[0].shape[2] < CHUNK + (len(doc) - CHUNK) * 0.99  # the first chunk pruned
     layers, heads = session.layout.layers, session.layout.kv_heads
     mask = kvzip.unpack_mask(kdn.chunks.read_sidecar(session, edit.address(keys[0])), layers, heads, CHUNK)
     assert_served_as_masked_exact(model, kdn, doc, ids, cache, hit, mask)
@@ -356,7 +367,8 @@ def test_a_missing_rows_blob_ends_the_edited_hit_there(case):
 
 def test_an_edited_hit_reads_its_masks_then_its_rows_in_one_round_trip_each(case, monkeypatch):
     """Every chunk's mask in one fetch, then every chunk's rows in one: two round trips to a
-    remote tier for the whole hit, not two per chunk; the cache equals the chunks read one by one."""
+    remote tier for the edited chunks, not two per chunk, then the exact rest (the pointer to the
+    deposit's partial last chunk, that chunk); the cache equals the chunks read one by one."""
     model, doc, ids = case
     kdn = KDN(KDNConfig(chunk_size=CHUNK))
     kdn.deposit(model, doc, edits=["kvzip:keep=0.5"])
@@ -374,6 +386,6 @@ def test_an_edited_hit_reads_its_masks_then_its_rows_in_one_round_trip_each(case
     fetch = kdn.chunks.tiers.fetch
     monkeypatch.setattr(kdn.chunks.tiers, "fetch", lambda keys, **kw: fetched.append(len(keys)) or fetch(keys, **kw))
     cache, hit, spec, _ = stored.read(kdn.engine, model, session.tokens(ids[0]), ids.shape[1], [edit.spec])
-    assert hit == 3 * CHUNK and spec == edit.spec and fetched == [3, 3]
+    assert hit == len(doc) and spec == edit.spec and fetched == [3, 3, 1, 1]
     for a, b in zip(cache_to_kv_list(cache), one_by_one):
-        assert torch.equal(a, b)
+        assert torch.equal(a[:, :, :b.shape[2]], b)

@@ -207,17 +207,18 @@ def unpool(parts: list[tuple], inv_freq: torch.Tensor | None = None) -> tuple:
     return kv, held
 
 
-def padding_bias(held: torch.Tensor, query_heads: int) -> dict:
-    """``{layer: [query_heads, m] fp32}``: -inf on the padding rows :func:`unpool` added (each query
-    head reads its KV head's rows), for the layers that have any; run the model under
+def padding_bias(held: torch.Tensor, query_heads: int, after: int = 0) -> dict:
+    """``{layer: [query_heads, m + after] fp32}``: -inf on the padding rows :func:`unpool` added
+    (each query head reads its KV head's rows; the ``after`` rows appended past them are read by
+    every head), for the layers that have any; run the model under
     :func:`kdn.edits.steer.applied` with it."""
     layers, heads = held.shape
     m = int(held.max())
-    rows = torch.arange(m)
+    rows = torch.arange(m + after)
     out = {}
     for layer in range(layers):
         if bool((held[layer] < m).any()):
-            pad = torch.where(rows[None, :] < held[layer][:, None], 0.0, float("-inf"))
+            pad = torch.where((rows[None, :] < held[layer][:, None]) | (rows[None, :] >= m), 0.0, float("-inf"))
             out[layer] = pad.repeat_interleave(query_heads // heads, dim=0)
     return out
 

@@ -206,11 +206,12 @@ def steering(kdn, model, tokens, limit: int, edit: Edit) -> tuple[dict, int] | N
 
 def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int, str | None, dict | None]:
     """``(cache, hit, edit, bias)``: the longest run of full chunks of ``tokens`` (within ``limit``)
-    stored under the first of ``edits`` that has any, as a :class:`PrunedCache` on the model's
-    device, and the attention bias that hides its padding rows (run the model under
-    :func:`kdn.edits.steer.applied`; None when no head was padded); ``(None, 0, None, None)`` when
-    none has. A chunk whose mask or rows are missing or unusable ends the hit there (an unusable
-    blob is dropped: :meth:`kdn.engine.ChunkIO.read_segment`)."""
+    stored under the first of ``edits`` that has any, then the stored KV of the prompt past that
+    run (:func:`exact_rest`: the deposit's partial last chunk, which no edit covers), as a
+    :class:`PrunedCache` on the model's device, and the attention bias that hides its padding rows
+    (run the model under :func:`kdn.edits.steer.applied`; None when no head was padded);
+    ``(None, 0, None, None)`` when none has. A chunk whose mask or rows are missing or unusable
+    ends the edited run there (an unusable blob is dropped: :meth:`kdn.engine.ChunkIO.read_segment`)."""
     session = kdn.session(model)
     keys = session.prefix_keys(tokens)[: limit // session.chunk_size]
     target = HFTarget(next(model.parameters()).device)
@@ -232,10 +233,35 @@ def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int
         parts = [(mask, chunk_rows, layout) for (mask, layout), chunk_rows in zip(masks, got)]
         if parts:
             kv, held = kvzip.unpool(parts, _rope(model))
-            hit = len(parts) * session.chunk_size
-            bias = kvzip.padding_bias(held, model.config.num_attention_heads)
+            rest, count = exact_rest(kdn, session, tokens, limit, len(parts), target)
+            if count:
+                kv = [torch.cat([pruned, exact], 2) for pruned, exact in zip(kv, rest)]
+            hit = len(parts) * session.chunk_size + count
+            bias = kvzip.padding_bias(held, model.config.num_attention_heads, after=count)
             return PrunedCache.holding(model, kv, hit), hit, edit.spec, bias or None
     return None, 0, None, None
+
+
+def exact_rest(kdn, session, tokens, limit: int, chunks: int, target) -> tuple[list, int]:
+    """``(kv, count)``: the stored KV of ``tokens`` past their first ``chunks`` chunks, as far as it
+    is stored (within ``limit``; token-granular: a deposit stores its partial last chunk exactly),
+    ``count`` tokens of ``2 * layers`` tensors ``[1, kv_heads, count, head_dim]`` on ``target``;
+    ``([], 0)`` when nothing more is. An edited hit serves it after its edited chunks: rows a
+    pruning would have kept whole (KVzip prunes the rows of a full prefill; these are such rows)."""
+    chunk = session.chunk_size
+    found = kdn.chunks.find(session, tokens, limit)
+    if found.tokens <= chunks * chunk:
+        return [], 0
+    keys = found.keys[chunks:]
+    sizes = [chunk] * len(keys)
+    if found.last_tokens:
+        sizes[-1] = found.last_tokens
+    got = kdn.chunks.read_segments(session, [(key, (chunks + i) * chunk, size)
+                                             for i, (key, size) in enumerate(zip(keys, sizes))], target)
+    if not got:
+        return [], 0
+    count = found.tokens - chunks * chunk if len(got) == len(keys) else len(got) * chunk
+    return [torch.cat(parts, 2)[:, :, :count] for parts in zip(*got)], count
 
 
 def stored_bytes(kdn, model, tokens, edit) -> int:
