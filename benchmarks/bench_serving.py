@@ -14,6 +14,7 @@ Configurations (one server each, serving every run in turn; two for kdn-redis):
   vllm-prefix    vLLM's own prefix cache (evicts when the working set exceeds the KV space)
   kdn-memory     kdn's connector, memory tier of --kdn-docs documents' KV
   kdn-disk       the same memory tier with a disk tier below it
+  kdn-disk-s3fifo  kdn-disk with the memory tier evicting by S3-FIFO instead of LRU (not run by default)
   kdn-redis      two engines sharing one redis-server (request i to engine i % 2: about half the
                  hits cross engines), the same memory tier each
 
@@ -46,6 +47,7 @@ from timing import save_result
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 CONFIGS = ["vllm", "vllm-prefix", "kdn-memory", "kdn-disk", "kdn-redis"]
+EXTRA_CONFIGS = ["kdn-disk-s3fifo"]  # run when named
 QUESTIONS = ["Who founded the city, and when?", "How long does the ferry to Brannock take?",
              "Who designed the Glass Bridge?", "What is the city's main export?", "What is the river called?",
              "Which festival is held in spring?", "How many bridges cross the river?", "Who was the first mayor?"]
@@ -156,8 +158,10 @@ def start(config: str, python: str, model: str, tmp: Path, args, kv_bytes: int, 
     if config in ("vllm", "vllm-prefix"):
         return [VLLMServer(python, model, tmp / f"{config}.log", prefix_caching=config == "vllm-prefix", **common)]
     kdn = {"memory_bytes": kdn_bytes}
-    if config == "kdn-disk":
+    if config.startswith("kdn-disk"):
         kdn["disk_dir"] = str(tmp / "kv")
+    if config.endswith("-s3fifo"):
+        kdn["memory_policy"] = "s3fifo"
     if config == "kdn-redis":
         kdn["remote_url"] = redis_url
         return [VLLMServer(python, model, tmp / f"{config}-{i}.log", kdn=kdn, **common) for i in range(2)]
@@ -203,6 +207,9 @@ def main() -> None:
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="only redraw the table and plot of earlier "
                                                                    "runs' bench_serving.json files, into --out")
     args = parser.parse_args()
+    unknown = set(args.configs.split(",")) - set(CONFIGS + EXTRA_CONFIGS)
+    if unknown:
+        parser.error(f"unknown configuration(s) {sorted(unknown)}; known: {', '.join(CONFIGS + EXTRA_CONFIGS)}")
     if args.merge:
         rows = bound([r for path in args.merge for r in json.loads(Path(path).read_text())["rows"]])
         Path(args.out).mkdir(parents=True, exist_ok=True)
