@@ -159,7 +159,7 @@ def start(config: str, python: str, model: str, tmp: Path, args, kv_bytes: int, 
         return [VLLMServer(python, model, tmp / f"{config}.log", prefix_caching=config == "vllm-prefix", **common)]
     kdn = {"memory_bytes": kdn_bytes}
     if config.startswith("kdn-disk"):
-        kdn["disk_dir"] = str(tmp / "kv")
+        kdn["disk_dir"] = str(tmp / f"kv-{config}")  # its own: configurations serve the same documents
     if config.endswith("-s3fifo"):
         kdn["memory_policy"] = "s3fifo"
     if config == "kdn-redis":
