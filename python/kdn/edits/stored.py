@@ -243,11 +243,13 @@ def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int
 
 
 def exact_rest(kdn, session, tokens, limit: int, chunks: int, target) -> tuple[list, int]:
-    """``(kv, count)``: the stored KV of ``tokens`` past their first ``chunks`` chunks, as far as it
-    is stored (within ``limit``; token-granular: a deposit stores its partial last chunk exactly),
+    """``(kv, count)``: the KV of ``tokens`` past their first ``chunks`` chunks as far as it is
+    stored exactly (within ``limit``; token-granular: a deposit stores its partial last chunk),
     ``count`` tokens of ``2 * layers`` tensors ``[1, kv_heads, count, head_dim]`` on ``target``;
     ``([], 0)`` when nothing more is. An edited hit serves it after its edited chunks: rows a
-    pruning would have kept whole (KVzip prunes the rows of a full prefill; these are such rows)."""
+    pruning keeps whole (KVzip prunes the rows of a full prefill; these are such rows). A coded
+    copy (a ``kvtc`` tier's) is not served here: those rows sit right before the question, and
+    recomputing them answered better (records 16-17 of the LongChat run, results README)."""
     chunk = session.chunk_size
     found = kdn.chunks.find(session, tokens, limit)
     if found.tokens <= chunks * chunk:
@@ -257,7 +259,8 @@ def exact_rest(kdn, session, tokens, limit: int, chunks: int, target) -> tuple[l
     if found.last_tokens:
         sizes[-1] = found.last_tokens
     got = kdn.chunks.read_segments(session, [(key, (chunks + i) * chunk, size)
-                                             for i, (key, size) in enumerate(zip(keys, sizes))], target)
+                                             for i, (key, size) in enumerate(zip(keys, sizes))], target,
+                                   exact=True)
     if not got:
         return [], 0
     count = found.tokens - chunks * chunk if len(got) == len(keys) else len(got) * chunk

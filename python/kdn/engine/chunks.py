@@ -335,11 +335,12 @@ class ChunkIO:
         return found[0] if found else None
 
     def read_segments(self, session: ModelSession, segments: list[tuple[bytes, int, int]],
-                      target: HFTarget | None = None) -> list:
+                      target: HFTarget | None = None, exact: bool = False) -> list:
         """The KV of the leading stored ``(key, position, tokens)`` segments (see :meth:`read_segment`),
         each on its own, read together (one round trip per tier); stops at the first missing or
-        unusable one (which is dropped and logged)."""
-        blobs, addresses = self.tiers.fetch([key for key, _, _ in segments])
+        unusable one (which is dropped and logged). ``exact``: only as stored exactly (a lossy
+        coding of a segment is a miss)."""
+        blobs, addresses = self.tiers.fetch([key for key, _, _ in segments], exact=exact)
         out = []
         for blob, address, (_, position, tokens) in zip(blobs, addresses, segments):
             try:
