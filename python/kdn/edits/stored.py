@@ -249,7 +249,8 @@ def exact_rest(kdn, session, tokens, limit: int, chunks: int, target) -> tuple[l
     ``([], 0)`` when nothing more is. An edited hit serves it after its edited chunks: rows a
     pruning keeps whole (KVzip prunes the rows of a full prefill; these are such rows). A coded
     copy (a ``kvtc`` tier's) is not served here: those rows sit right before the question, and
-    recomputing them answered better (records 16-17 of the LongChat run, results README)."""
+    recomputed they kept answers closer to a full prefill's (results README, "Edited hits serve
+    the deposit's partial last chunk")."""
     chunk = session.chunk_size
     found = kdn.chunks.find(session, tokens, limit)
     if found.tokens <= chunks * chunk:
