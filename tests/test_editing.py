@@ -308,11 +308,11 @@ def test_kvzip_into_a_kvtc_tier_without_per_head_bases_is_refused_before_anythin
 def test_a_kvtc_tier_files_masked_chunks_read_back_exact_where_stored_raw(case, tmp_path):
     """With a per-head kvtc calibration, a kvzip deposit into a kvtc disk tier files every chunk in
     the masked layout (its own rows, dropped ones zeroed, at the chunk's own position) in every
-    tier: from the raw memory tier the hit is the exact cache with the dropped triples masked (and
-    the partial last chunk, exact); from the kvtc disk tier alone the same rows come back within
-    kvtc's error (without that chunk: a coded copy is not served after edited chunks) (keys 0.17 where a chunk
-    was coded as if at position 0, its keys unrotated by the wrong angles) and every dropped triple
-    stays out."""
+    tier: from the raw memory tier the hit is the exact cache with the dropped triples masked, then
+    the partial last chunk exact; from the kvtc disk tier alone the same rows come back within
+    kvtc's error (keys 0.17 where a chunk was coded as if at position 0, its keys unrotated by the
+    wrong angles), every dropped triple stays out, and the partial last chunk, held there only
+    coded, is not served after the edited chunks."""
     model, doc, ids = case
     g = torch.Generator().manual_seed(9)
     contexts = [torch.randint(10, 500, (300,), generator=g).tolist() for _ in range(2)]
