@@ -96,17 +96,20 @@ void bind_store(py::module_& m) {
            "host:port (a unix socket path when port < 0); AUTH and SELECT when given.")
       .def(
           "get_many",
-          [](RespConnection& self, const std::vector<std::string>& names) {
+          [](RespConnection& self, const std::vector<std::string>& names, int64_t max_bytes) {
+            KDN_CHECK_INPUT(max_bytes >= 0, "RespConnection.get_many: max_bytes must be >= 0");
             std::vector<BufferPtr> values;
             {
               py::gil_scoped_release release;
-              values = self.get_many(names);
+              values = self.get_many(names, max_bytes);
             }
             py::list out;
             for (auto& v : values) out.append(v ? py::cast(v) : py::none());
             return out;
           },
-          py::arg("names"), "GET of every name in one round trip: a Buffer per value, None for a missing key.")
+          py::arg("names"), py::arg("max_bytes") = 0,
+          "GET of every name in one round trip: a Buffer per value, None for a missing key; with "
+          "max_bytes > 0, at most max_bytes + 1 bytes of each (GETRANGE).")
       .def(
           "get_ranges",
           [](RespConnection& self, const std::vector<std::tuple<std::string, int64_t, int64_t>>& requests) {
@@ -145,7 +148,9 @@ void bind_store(py::module_& m) {
           py::arg("items"), py::arg("ttl_ms") = 0,
           "SET of every (name, value) in one round trip, PX ttl_ms when > 0; values (bytes-like, "
           "contiguous) are sent from their own memory.")
-      .def_property_readonly("open", &RespConnection::open);
+      .def_property_readonly("open", &RespConnection::open)
+      .def_property_readonly("in_step", &RespConnection::in_step,
+                             "Open with nothing unread (no reply nobody asked for): safe to reuse.");
   m.def(
       "sidecar_pack",
       [](py::handle fingerprint, py::handle key, py::handle data) {

@@ -4,6 +4,8 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/uio.h>
@@ -12,6 +14,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <climits>
 #include <cstring>
 
 namespace kdn {
@@ -20,6 +24,11 @@ namespace {
 constexpr size_t kReadChunk = 1 << 16;
 constexpr size_t kMaxParts = 1024;  // iovecs per sendmsg (Linux's IOV_MAX)
 constexpr int64_t kMaxBulk = int64_t(1) << 32;  // a value this tier wrote is at most part_bytes (16 MiB)
+
+int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 // A bulk string's length line; its bytes and a CRLF follow.
 void append_bulk_length(std::string& out, size_t size) {
@@ -72,9 +81,8 @@ int connect_socket(const std::string& host, int port, int timeout_ms) {
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   }
   if (fd < 0) throw RespIOError(std::string("socket: ") + std::strerror(errno));
-  timeval tv{timeout_ms / 1000, (timeout_ms % 1000) * 1000};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  // non-blocking from here: every send and receive waits in poll() for what is left of its call's deadline
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
   return fd;
 }
 
@@ -82,7 +90,8 @@ int connect_socket(const std::string& host, int port, int timeout_ms) {
 
 RespConnection::RespConnection(const std::string& host, int port, int timeout_ms, const std::string& user,
                                const std::string& password, int db)
-    : fd_(connect_socket(host, port, timeout_ms)), buf_(kReadChunk) {
+    : fd_(connect_socket(host, port, timeout_ms)), timeout_ms_(timeout_ms), buf_(kReadChunk) {
+  deadline_ms_ = now_ms() + timeout_ms_;
   std::string hello;
   int replies = 0;
   if (!password.empty()) {
@@ -110,6 +119,30 @@ void RespConnection::fail(const std::string& why) {
   throw RespIOError(why);
 }
 
+void RespConnection::start_call() {
+  if (fd_ < 0) throw RespIOError("connection closed");
+  if (!in_step()) fail("the server sent bytes nobody asked for (its replies are out of step)");
+  deadline_ms_ = now_ms() + timeout_ms_;
+}
+
+bool RespConnection::in_step() {
+  if (fd_ < 0 || head_ != tail_) return false;
+  char c;
+  const ssize_t n = ::recv(fd_, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);  // 0: closed by the server; > 0: unread bytes
+}
+
+void RespConnection::wait_for(short events) {
+  for (;;) {
+    const int64_t left = deadline_ms_ - now_ms();
+    if (left <= 0) fail("timed out: the call took more than " + std::to_string(timeout_ms_) + " ms");
+    pollfd p{fd_, events, 0};
+    const int rc = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left, INT_MAX)));
+    if (rc > 0) return;
+    if (rc < 0 && errno != EINTR) fail(std::string("poll: ") + std::strerror(errno));
+  }
+}
+
 void RespConnection::send_all(const std::string& data) {
   send_all({iovec{const_cast<char*>(data.data()), data.size()}});
 }
@@ -125,6 +158,10 @@ void RespConnection::send_all(std::vector<iovec> parts) {
     msg.msg_iovlen = std::min(parts.size() - i, kMaxParts);
     const ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
     if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      wait_for(POLLOUT);
+      continue;
+    }
     if (n <= 0) fail(std::string("send: ") + (n < 0 ? std::strerror(errno) : "closed"));
     for (size_t left = static_cast<size_t>(n); left > 0;) {  // skip what went out; trim a part sent in part
       const size_t step = std::min(left, parts[i].iov_len);
@@ -138,15 +175,19 @@ void RespConnection::send_all(std::vector<iovec> parts) {
 
 void RespConnection::fill() {
   if (head_ == tail_) head_ = tail_ = 0;
-  if (tail_ == buf_.size()) {  // compact, then grow if a line is longer than the buffer
+  if (tail_ == buf_.size()) {  // compact (lines are capped far below the buffer's size)
     std::memmove(buf_.data(), buf_.data() + head_, tail_ - head_);
     tail_ -= head_;
     head_ = 0;
-    if (tail_ == buf_.size()) buf_.resize(buf_.size() * 2);
+    if (tail_ == buf_.size()) fail("read buffer full");
   }
   for (;;) {
     const ssize_t n = ::recv(fd_, buf_.data() + tail_, buf_.size() - tail_, 0);
     if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      wait_for(POLLIN);
+      continue;
+    }
     if (n <= 0) fail(std::string("recv: ") + (n < 0 ? std::strerror(errno) : "connection closed by the server"));
     tail_ += static_cast<size_t>(n);
     return;
@@ -162,6 +203,7 @@ std::string RespConnection::read_line() {
         head_ = i + 2;
         return line;
       }
+    if (tail_ - head_ > kMaxLine) fail("a reply line longer than " + std::to_string(kMaxLine) + " bytes");
     scanned = tail_ > head_ ? tail_ - 1 : head_;
     const size_t offset = scanned - head_;
     fill();
@@ -175,14 +217,15 @@ void RespConnection::expect_ok() {
   if (line != "+OK") fail("unexpected reply: " + line.substr(0, 80));
 }
 
-BufferPtr RespConnection::read_bulk() {
+BufferPtr RespConnection::read_bulk(int64_t max_bytes) {
   const std::string line = read_line();
   if (line.empty()) fail("empty reply line");
   if (line[0] == '-') throw RespError(line.substr(1));
   if (line[0] != '$') fail("expected a bulk string, got: " + line.substr(0, 80));
   char* end = nullptr;
   const long long n = std::strtoll(line.c_str() + 1, &end, 10);
-  if (end == line.c_str() + 1 || *end != '\0' || n < -1 || n > kMaxBulk) fail("bad bulk length: " + line);
+  if (end == line.c_str() + 1 || *end != '\0' || n < -1) fail("bad bulk length: " + line.substr(0, 80));
+  if (n > max_bytes) fail("a reply of " + std::to_string(n) + " bytes to a request for at most " + std::to_string(max_bytes));
   if (n == -1) return nullptr;
   auto out = std::make_shared<Buffer>(static_cast<size_t>(n));
   uint8_t* dst = out->data();
@@ -192,6 +235,10 @@ BufferPtr RespConnection::read_bulk() {
   while (have < static_cast<size_t>(n)) {  // the rest straight from the socket into the Buffer
     const ssize_t got = ::recv(fd_, dst + have, static_cast<size_t>(n) - have, 0);
     if (got < 0 && errno == EINTR) continue;
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      wait_for(POLLIN);
+      continue;
+    }
     if (got <= 0) fail(std::string("recv: ") + (got < 0 ? std::strerror(errno) : "connection closed by the server"));
     have += static_cast<size_t>(got);
   }
@@ -201,33 +248,45 @@ BufferPtr RespConnection::read_bulk() {
   return out;
 }
 
-std::vector<BufferPtr> RespConnection::pipelined(const std::string& request, size_t replies) {
+std::vector<BufferPtr> RespConnection::pipelined(const std::string& request, size_t replies, int64_t max_bytes) {
+  start_call();
   send_all(request);
   std::vector<BufferPtr> out;
   out.reserve(replies);
   std::string error;
   for (size_t i = 0; i < replies; ++i) {
     try {
-      out.push_back(read_bulk());
+      out.push_back(read_bulk(max_bytes));
     } catch (const RespError& e) {  // read every reply before reporting, so the stream stays in step
       if (error.empty()) error = e.what();
       out.push_back(nullptr);
     }
   }
+  if (head_ != tail_) fail("more replies than requests (the server's replies are out of step)");
   if (!error.empty()) throw RespError(error);
   return out;
 }
 
-std::vector<BufferPtr> RespConnection::get_many(const std::vector<std::string>& names) {
+std::vector<BufferPtr> RespConnection::get_many(const std::vector<std::string>& names, int64_t max_bytes) {
   std::string request;
-  for (const auto& name : names) append_command(request, {"GET", name});
-  return pipelined(request, names.size());
+  for (const auto& name : names)
+    append_command(request, max_bytes > 0 ? std::vector<std::string>{"GETRANGE", name, "0", std::to_string(max_bytes)}
+                                          : std::vector<std::string>{"GET", name});
+  std::vector<BufferPtr> out = pipelined(request, names.size(), max_bytes > 0 ? max_bytes + 1 : kMaxBulk);
+  if (max_bytes > 0)
+    for (auto& v : out)
+      if (v && v->size() == 0) v = nullptr;  // GETRANGE answers "" for a missing key; kdn writes no empty values
+  return out;
 }
 
 std::vector<BufferPtr> RespConnection::get_ranges(const std::vector<Range>& ranges) {
   std::string request;
-  for (const auto& r : ranges) append_command(request, {"GETRANGE", r.name, std::to_string(r.start), std::to_string(r.end)});
-  std::vector<BufferPtr> out = pipelined(request, ranges.size());
+  int64_t most = 0;  // the longest range asked: no reply may be longer
+  for (const auto& r : ranges) {
+    append_command(request, {"GETRANGE", r.name, std::to_string(r.start), std::to_string(r.end)});
+    most = std::max(most, r.start >= 0 && r.end >= 0 ? std::max<int64_t>(0, r.end - r.start + 1) : kMaxBulk);
+  }
+  std::vector<BufferPtr> out = pipelined(request, ranges.size(), most);
   for (auto& v : out)
     if (!v) fail("GETRANGE answered nil");  // the server answers "" for a missing key
   return out;
@@ -251,6 +310,7 @@ void RespConnection::set_many(const std::vector<Value>& items, int64_t ttl_ms) {
     parts.push_back({const_cast<uint8_t*>(items[i].data), items[i].size});
     parts.push_back({tail.data(), tail.size()});
   }
+  start_call();
   send_all(std::move(parts));
   std::string error;
   for (size_t i = 0; i < items.size(); ++i) {
@@ -260,6 +320,7 @@ void RespConnection::set_many(const std::vector<Value>& items, int64_t ttl_ms) {
       if (error.empty()) error = e.what();
     }
   }
+  if (head_ != tail_) fail("more replies than requests (the server's replies are out of step)");
   if (!error.empty()) throw RespError(error);
 }
 

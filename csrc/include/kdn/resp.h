@@ -6,9 +6,15 @@
 // URLs stay on redis-py). Not thread-safe: one connection per caller thread (the Python side pools
 // them). A socket failure or a malformed reply throws RespIOError and closes the connection; an
 // error reply (-ERR ...) throws RespError with the server's text (the connection stays usable).
+//
+// The server is not trusted: each call (not each recv) has a deadline of timeout_ms; a reply line
+// longer than kMaxLine, a bulk reply larger than what was asked, or bytes nobody asked for (an
+// extra reply: the stream is out of step) close the connection with a RespIOError.
 #pragma once
 
 #include <sys/uio.h>
+
+#include <cstdint>
 
 #include <stdexcept>
 #include <string>
@@ -31,7 +37,9 @@ class RespIOError : public std::runtime_error {  // the connection failed (close
 
 class RespConnection {
  public:
-  // host:port, or a unix socket path when port < 0. timeout_ms bounds every send and receive.
+  static constexpr size_t kMaxLine = 4096;  // the RESP lines kdn reads are < 100 bytes (error text: more)
+
+  // host:port, or a unix socket path when port < 0. timeout_ms bounds each call, start to end.
   // With a password, AUTH [user] password; with db > 0, SELECT db.
   RespConnection(const std::string& host, int port, int timeout_ms, const std::string& user,
                  const std::string& password, int db);
@@ -39,8 +47,10 @@ class RespConnection {
   RespConnection(const RespConnection&) = delete;
   RespConnection& operator=(const RespConnection&) = delete;
 
-  // GET of every name in one round trip: a Buffer per value, nullptr for a missing key.
-  std::vector<BufferPtr> get_many(const std::vector<std::string>& names);
+  // GET of every name in one round trip: a Buffer per value, nullptr for a missing key. With
+  // max_bytes > 0, GETRANGE name 0 max_bytes instead: at most max_bytes + 1 bytes of any value
+  // (an empty value reads as missing).
+  std::vector<BufferPtr> get_many(const std::vector<std::string>& names, int64_t max_bytes = 0);
   // GETRANGE name start end (both inclusive; negative: from the value's end) of every request in
   // one round trip: a Buffer per range (empty for a missing key, as the server answers).
   struct Range {
@@ -58,18 +68,26 @@ class RespConnection {
   };
   void set_many(const std::vector<Value>& items, int64_t ttl_ms);
   bool open() const { return fd_ >= 0; }
+  // Open, with nothing unread: no byte in the buffer or waiting on the socket (a pooled connection
+  // that is not in step is dropped before use).
+  bool in_step();
 
  private:
   void send_all(const std::string& data);
   void send_all(std::vector<iovec> parts);  // in order, resuming after partial sends
+  void start_call();                        // a new call: sets the deadline; fails unless in step
+  void wait_for(short events);              // poll until ready or the call's deadline (then fail)
   void fill();                              // at least one more byte into the read buffer
   std::string read_line();                  // up to CRLF, without it
-  BufferPtr read_bulk();                    // one reply: a bulk string, nil, or an error
-  std::vector<BufferPtr> pipelined(const std::string& request, size_t replies);  // send, read every bulk reply
+  BufferPtr read_bulk(int64_t max_bytes);   // one reply: a bulk string (at most max_bytes), nil, or an error
+  // send, read every bulk reply (each at most max_bytes), then check nothing more came
+  std::vector<BufferPtr> pipelined(const std::string& request, size_t replies, int64_t max_bytes);
   void expect_ok();
   [[noreturn]] void fail(const std::string& why);  // close, throw RespIOError
 
   int fd_ = -1;
+  int timeout_ms_;
+  int64_t deadline_ms_ = 0;                 // of the call in progress (steady clock)
   std::vector<uint8_t> buf_;
   size_t head_ = 0, tail_ = 0;              // unread bytes: buf_[head_, tail_)
 };

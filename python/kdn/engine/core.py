@@ -93,11 +93,17 @@ class Engine:
             return []
         return session.prefix_keys(session.tokens(tokens))[hit // session.chunk_size:]
 
-    def claim(self, keys: list[bytes], owner: str, ttl: float) -> bool:
-        """Tell the engines sharing the remote store that ``owner`` computes the chunks ``keys``
-        (the first decides: False if another owner's claim on it is live;
+    def claim(self, keys: list[bytes], owner: str, ttl: float) -> bool | None:
+        """Tell the engines sharing the remote store that ``owner`` computes the chunks ``keys`` for
+        a lease of ``ttl`` seconds (the first decides: True if ``owner`` holds it, False if another
+        owner's claim on it is live, None when the store cannot tell: compute then, never wait;
         :meth:`kdn.storage.remote.RemoteTier.claim`)."""
         return self.chunks.remote.claim(keys[0], owner, ttl, also=keys[1:])
+
+    def renew_claims(self, keys: list[bytes], owner: str, ttl: float) -> None:
+        """Extend ``owner``'s leases on ``keys`` (claimed with :meth:`claim`) by ``ttl`` seconds."""
+        if self.chunks.remote is not None:
+            self.chunks.remote.renew(keys, owner, ttl)
 
     def save(self, session: ModelSession, tokens, kv: list, served: Served | None = None) -> int:
         """Store the KV of ``tokens`` (HF per-layer CPU tensors) unless what ``served`` says forbids it

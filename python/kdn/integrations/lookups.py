@@ -6,6 +6,11 @@ worker answers.
 
 One request: ``u32 tokens, u32 limit`` then the token ids (u32 each); the reply: ``i64`` leading
 tokens held (``-1``: the worker could not look up).
+
+Trust: the socket's folder must be a real directory (not a symlink) owned by this user and closed to
+others; one another local user created first is never used (a private folder in this user's home
+is used instead, and a warning names the squatted one). Answers are clamped to the limit asked; a
+connection that stays silent is dropped, and the server holds at most ``MAX_CONNECTIONS``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import hashlib
 import logging
 import os
 import socket
+import stat
 import struct
 import tempfile
 import threading
@@ -26,13 +32,45 @@ log = logging.getLogger("kdn")
 
 _REQUEST = struct.Struct("<II")
 _REPLY = struct.Struct("<q")
+MAX_TOKENS = 1 << 24  # a request asking about more tokens is not a prompt: the connection is dropped
+MAX_CONNECTIONS = 64  # a vLLM scheduler keeps one
+IDLE_S = 600.0  # a connection silent this long is dropped (its client reconnects)
+_warned_squat: set = set()
+_FAILED = object()  # no answer (as opposed to the worker's "could not look up")
+
+
+def _private_folder(folder: Path) -> bool:
+    """Make ``folder`` (mode 0700) or check the one there: a real directory (lstat: a symlink is
+    refused) owned by this user; a loose mode of our own folder is tightened. False if it is not ours."""
+    try:
+        folder.mkdir(mode=0o700, parents=False)
+    except FileExistsError:
+        pass
+    except OSError:
+        return False
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        return False
+    if info.st_mode & 0o077:
+        os.chmod(folder, 0o700)
+    return True
 
 
 def socket_path(name: str) -> str:
-    """The socket of the lookup server called ``name`` (any string both processes derive alike)."""
-    folder = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"kdn-{os.getuid()}"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    os.chmod(folder, 0o700)
+    """The socket of the lookup server called ``name`` (any string both processes derive alike), in
+    ``$XDG_RUNTIME_DIR/kdn-<uid>`` or ``$TMPDIR/kdn-<uid>``, or where another user holds that name,
+    in ``~/.cache/kdn/run`` (the same in every process of this user)."""
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
+    folder = base / f"kdn-{os.getuid()}"
+    if not _private_folder(folder):
+        if str(folder) not in _warned_squat:
+            _warned_squat.add(str(folder))
+            log.warning("kdn: %s is not a private folder of this user (another user made it, or it is a "
+                        "symlink); lookup sockets go to ~/.cache/kdn/run instead", folder)
+        folder = Path.home() / ".cache" / "kdn" / "run"
+        folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not _private_folder(folder):
+            raise PermissionError(f"kdn: no private folder for lookup sockets ({folder} is not this user's)")
     return str(folder / f"lookup-{hashlib.blake2b(name.encode(), digest_size=12).hexdigest()}.sock")
 
 
@@ -66,6 +104,10 @@ class LookupServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
+            if len(self._conns) >= MAX_CONNECTIONS:
+                conn.close()
+                continue
+            conn.settimeout(IDLE_S)
             self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="kdn-lookup", daemon=True).start()
 
@@ -78,6 +120,8 @@ class LookupServer:
         while True:
             try:
                 n, limit = _REQUEST.unpack(_read_exactly(conn, _REQUEST.size))
+                if n > MAX_TOKENS:
+                    return
                 tokens = np.frombuffer(_read_exactly(conn, 4 * n), dtype=np.uint32)
             except (OSError, ConnectionError):
                 return
@@ -116,27 +160,37 @@ class LookupClient:
         self._warned = False
 
     def lookup(self, tokens: np.ndarray, limit: int) -> int | None:
+        """Leading tokens the worker holds (clamped to ``limit``), or None when no worker answers."""
         tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
+        limit = max(0, min(int(limit), len(tokens)))
         with self._lock:
-            try:
-                if self._conn is None:
-                    if not os.path.exists(self.path):
-                        return None
-                    self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    self._conn.settimeout(self.timeout)
-                    self._conn.connect(self.path)
-                self._conn.sendall(_REQUEST.pack(len(tokens), max(0, limit)) + tokens.tobytes())
-                hit = _REPLY.unpack(_read_exactly(self._conn, _REPLY.size))[0]
-            except (OSError, ConnectionError) as e:
-                if self._conn is not None:
-                    self._conn.close()
-                    self._conn = None
-                if not self._warned:
-                    self._warned = True
-                    log.warning("kdn: the worker's lookup server at %s did not answer (%s); the scheduler "
-                                "asks its own tiers (a memory tier private to the worker is not seen)", self.path, e)
-                return None
-        return hit if hit >= 0 else None
+            if self._conn is not None:  # a kept connection the server dropped (idle): one more try
+                hit = self._ask(tokens, limit, warn=False)
+                if hit is not _FAILED:
+                    return hit
+            hit = self._ask(tokens, limit, warn=True)
+            return None if hit is _FAILED else hit
+
+    def _ask(self, tokens: np.ndarray, limit: int, warn: bool):
+        try:
+            if self._conn is None:
+                if not os.path.exists(self.path):
+                    return _FAILED
+                self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._conn.settimeout(self.timeout)
+                self._conn.connect(self.path)
+            self._conn.sendall(_REQUEST.pack(len(tokens), limit) + tokens.tobytes())
+            hit = _REPLY.unpack(_read_exactly(self._conn, _REPLY.size))[0]
+        except (OSError, ConnectionError) as e:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            if warn and not self._warned:
+                self._warned = True
+                log.warning("kdn: the worker's lookup server at %s did not answer (%s); the scheduler "
+                            "asks its own tiers (a memory tier private to the worker is not seen)", self.path, e)
+            return _FAILED
+        return min(hit, limit) if hit >= 0 else None
 
     def close(self) -> None:
         with self._lock:

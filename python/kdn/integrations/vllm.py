@@ -75,8 +75,10 @@ _connectors: weakref.WeakSet = weakref.WeakSet()
 # a request whose next chunk another request is prefilling (in this engine, or claimed in the remote
 # store by another) waits for it (asked again each step) at most this long; a prefill that completed
 # (its last step executed, not scheduled: a step may take longer than this on a loaded host) is
-# waited on this long more, while its store lands
-IN_FLIGHT_WAIT_S, STORE_GRACE_S = 120.0, 10.0
+# waited on this long more, while its store lands. A claim in the remote store is a lease of
+# CLAIM_LEASE_S that its engine renews while the prefill runs: a claim whose engine died, or that
+# nobody renews, stops holding anyone within seconds; a store that cannot be used holds no one.
+IN_FLIGHT_WAIT_S, STORE_GRACE_S, CLAIM_LEASE_S = 120.0, 10.0, 5.0
 _COMPLETING = float("inf")  # an admitted request whose prefill's last step is scheduled, not yet run
 
 
@@ -208,7 +210,9 @@ class KDNConnector(KVConnectorBase_V1):
         # kept STORE_GRACE_S past its request's end, while its store lands
         self._admitted: dict[str, list] = {}
         self._claims: dict[str, list[bytes]] = {}  # req_id -> the chunks it will compute (claimed)
-        self._owner = getattr(vllm_config.kv_transfer_config, "engine_id", None) or f"kdn-{id(self)}"
+        engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None) or f"kdn-{id(self)}"
+        self._owner = re.sub(r"[^\x21-\x7e]", "_", str(engine_id))[:200]  # a claim's owner: printable ASCII
+        self._renewed = 0.0  # when the claims of running prefills were last renewed
         self._requests: dict[str, _Request] = {}
         # worker side
         self._blocks: list[torch.Tensor] = []
@@ -259,7 +263,8 @@ class KDNConnector(KVConnectorBase_V1):
                     break
             keys = self.engine.computing_keys(self.session, tokens, hit)
             if not busy and keys:  # claimed now, at lookup: of two engines asked at once, one computes
-                busy = not self.engine.claim(keys, self._owner, IN_FLIGHT_WAIT_S)
+                # False: another engine's live claim; None (the store cannot tell): computes now
+                busy = self.engine.claim(keys, self._owner, CLAIM_LEASE_S) is False
         if busy:
             first = self._waiting.setdefault(req_id, now)
             if now - first < IN_FLIGHT_WAIT_S:
@@ -285,6 +290,7 @@ class KDNConnector(KVConnectorBase_V1):
         meta = KDNConnectorMetadata()
         if self.engine is None:
             return meta
+        self._renew_claims()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             req = self._requests[new.req_id] = _Request(list(new.prompt_token_ids or []), list(new.block_ids[0]),
@@ -317,6 +323,17 @@ class KDNConnector(KVConnectorBase_V1):
                 meta.loads.append(LoadSpec(req_id, req.tokens[:done], done - external, done, req.block_ids))
             self._maybe_save(meta, req_id, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
         return meta
+
+    def _renew_claims(self) -> None:
+        """Renew the leases of the chunks this engine's running prefills claimed (every third of a
+        lease, in one round trip), so that engines waiting on them keep waiting only while they run."""
+        now = time.monotonic()
+        if now - self._renewed < CLAIM_LEASE_S / 3:
+            return
+        self._renewed = now
+        keys = [k for _, at, claimed in self._admitted.values() if at is None or at == _COMPLETING for k in claimed]
+        if keys:
+            self.engine.renew_claims(keys, self._owner, CLAIM_LEASE_S)
 
     def _maybe_save(self, meta: KDNConnectorMetadata, req_id: str, computed: int, scheduled: int) -> None:
         """A step that completes a prompt's prefill (``computed`` tokens before it, ``scheduled`` in

@@ -26,6 +26,7 @@ class RedisTransport(RemoteTransport):
     schemes = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
     supports_ranges = True
     supports_put_if_absent = True
+    supports_compare_and_set = True
 
     def __init__(self, url: str, timeout: float, direct: bool = True):
         try:
@@ -61,9 +62,14 @@ class RedisTransport(RemoteTransport):
         return [bool(x) for x in self._pipeline("exists", [(n,) for n in names])]
 
     def get(self, names: list[str]) -> list:
+        # bounded: GETRANGE 0..max reads at most one byte more than the tier writes (an empty
+        # reply is a missing name: kdn writes no empty values)
+        limit = self.max_value_bytes
         if self._direct is not None:
-            return self._direct.call("get_many", names)
-        return self._pipeline("get", [(n,) for n in names])
+            return self._direct.call("get_many", names, limit or 0)
+        if limit is None:
+            return self._pipeline("get", [(n,) for n in names])
+        return [v or None for v in self._pipeline("getrange", [(n, 0, limit) for n in names])]
 
     def get_ranges(self, requests: list[tuple[str, int, int]]) -> list:
         if self._direct is not None:
@@ -81,6 +87,27 @@ class RedisTransport(RemoteTransport):
 
     def put_if_absent(self, name: str, value, ttl_ms: int) -> bool:
         return bool(self.client.set(name, value, nx=True, px=ttl_ms))
+
+    def put_if_unchanged(self, name: str, digest: bytes, value, ttl_ms: int | None) -> bool:
+        import hashlib
+
+        from redis.exceptions import WatchError
+
+        with self.client.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(name)  # EXEC fails if anyone writes the name after this
+                current = pipe.getrange(name, 0, self.max_value_bytes) if self.max_value_bytes else pipe.get(name)
+                if current is None or hashlib.sha256(current).digest() != digest:
+                    return False
+                pipe.multi()
+                pipe.set(name, value, px=ttl_ms)
+                pipe.execute()
+                return True
+            except WatchError:
+                return False
+
+    def expiry(self, names: list[str]) -> list:
+        return [int(x) for x in self._pipeline("pttl", [(n,) for n in names])]
 
     def delete(self, names: list[str]) -> int:
         return sum(self._pipeline("delete", [(n,) for n in names])) if names else 0
@@ -121,6 +148,8 @@ class _Direct:
     def call(self, method: str, *args):
         with self._lock:
             conn = self._idle.pop() if self._idle else None
+        if conn is not None and not conn.in_step:  # unread bytes: a reply nobody asked for (dropped)
+            conn = None
         if conn is None:
             conn = _core.RespConnection(*self.where, timeout=self.timeout, user=self.user, password=self.password,
                                         db=self.db)

@@ -4,8 +4,10 @@ Cluster, or any :class:`~kdn.storage.transport.RemoteTransport`)."""
 from __future__ import annotations
 
 import collections
+import hashlib
 import hmac
 import logging
+import re
 import struct
 import threading
 import time
@@ -23,6 +25,12 @@ FORMAT = 2  # bump when the key or value layout changes: old values become invis
 _MANIFEST = struct.Struct("<4sIIQ")  # magic, format, parts, total bytes (the blob inside has its own checksum)
 _MANIFEST_MAGIC = b"KDNM"
 _TAG_BYTES = 32  # keyed mode: a BLAKE3 tag of the blob follows it in the value
+MAX_VALUE_BYTES = 1 << 30  # no chunk kdn stores is larger: a manifest declaring more is not one it wrote
+# claims are hints with a short lease their owner renews; a claim set to live longer than this (or
+# forever), or whose owner is not a short printable name, was not written by kdn: ignored and removed
+CLAIM_MAX_TTL_S = 60.0
+_OWNER = re.compile(rb"[\x21-\x7e]{1,200}")
+_BAD_NAMES = 4096  # unverifiable values remembered for repair (their names and a digest)
 
 
 class _Breaker:
@@ -102,11 +110,13 @@ class RemoteTier(Tier):
         self.url, self.ttl, self.part_bytes, self.queue_bytes = url, ttl, part_bytes, queue_bytes
         self.transport = transport if transport is not None else open_transport(url, timeout)
         self.cluster = self.transport.cluster
+        self.transport.max_value_bytes = part_bytes  # no value this tier writes is larger (part of the protocol)
         self._breaker = _Breaker(url, retry_seconds)
         self._stats = collections.Counter()
         self._queue: collections.deque = collections.deque()
         self._queued_bytes, self._sending = 0, False
         self._cv = threading.Condition()
+        self._bad: dict[str, bytes] = {}  # name -> digest of an unverifiable value read there (to repair)
         self._check_connection()
         self._writer = threading.Thread(target=self._write_loop, name="kdn-remote-writer", daemon=True)
         self._writer.start()
@@ -137,6 +147,8 @@ class RemoteTier(Tier):
 
     def _decode(self, key: bytes, value):
         """A verified Buffer from a stored value (bytes, or the list of its parts), or None (counted as corrupt)."""
+        if not isinstance(value, list) and len(value) > self.part_bytes:
+            return self._corrupt(key, f"a value of {len(value)} bytes, more than this tier writes ({self.part_bytes})")
         if self._mac_key:
             value = b"".join(value) if isinstance(value, list) else bytes(value)
             body, tag = value[:-_TAG_BYTES], value[-_TAG_BYTES:]
@@ -207,45 +219,74 @@ class RemoteTier(Tier):
         return self.present([key]) == [True]
 
     def get_many(self, keys: list[bytes]) -> list:
-        """Verified blobs of ``keys`` (None for a miss), in one round trip (two if some are split)."""
+        """Verified blobs of ``keys`` (None for a miss), in one round trip (two if some are split).
+        A value that is not one this tier wrote (too short, too large, a manifest out of bounds, a
+        bad checksum or tag) is a miss of that chunk alone, counted as ``corrupt``."""
         if not keys:
             return []
         names = [self.redis_key(k) for k in keys]
 
         def run():
             values = self.transport.get(names)
-            split = {i: _MANIFEST.unpack_from(v)[2] for i, v in enumerate(values)
-                     if v is not None and bytes(memoryview(v)[:4]) == _MANIFEST_MAGIC}
+            raw = list(values)  # as stored under each name: what a repair compares against
+            split = {}
+            for i, v in enumerate(values):
+                if v is not None and bytes(memoryview(v)[:4]) == _MANIFEST_MAGIC:
+                    parts = self._manifest(v)
+                    if parts is None:
+                        values[i] = b""  # not a manifest this tier writes: a corrupt miss, nothing more is read
+                    else:
+                        split[i] = parts
             if split:  # every part of every split value in one more round trip
-                part_names = {i: _part_names(names[i], n) for i, n in split.items()}
+                part_names = {i: _part_names(names[i], n) for i, (n, _) in split.items()}
                 parts = iter(self.transport.get([p for ps in part_names.values() for p in ps]))
                 broken = []
                 for i, ps in part_names.items():
-                    values[i] = self._join(values[i], [next(parts) for _ in ps])
+                    values[i] = self._join(split[i][1], [next(parts) for _ in ps])
                     if values[i] is None:  # a part was evicted: drop the value so the next store rewrites it
                         broken += [names[i], *ps]
                 if broken:
                     self.transport.delete(broken)
                     self._stats["repaired"] += sum(values[i] is None for i in split)
-            return values
+            return values, raw
 
-        values = self._call(run, [None] * len(keys))
+        values, raw = self._call(run, ([None] * len(keys),) * 2)
         blobs = []
-        for key, value in zip(keys, values):
-            blob = self._decode(key, value) if value is not None else None
+        for key, name, value, stored in zip(keys, names, values, raw):
+            blob = None
+            if value is not None:
+                blob = self._decode(key, value)
+                if blob is None:
+                    self._remember_bad(name, stored)
             self._stats["hits" if blob is not None else "misses"] += 1
             blobs.append(blob)
         return blobs
 
-    def _join(self, manifest: bytes, parts: list):
+    def _manifest(self, value) -> tuple[int, int] | None:
+        """(parts, total bytes) of a split value's manifest, or None unless it is one this tier
+        writes: its exact size, this format, a total no chunk exceeds, and exactly the parts that
+        total splits into at ``part_bytes`` (so a planted manifest costs no memory and no time)."""
+        if len(value) != _MANIFEST.size:
+            return None
+        magic, fmt, parts, total = _MANIFEST.unpack(bytes(value))
+        if magic != _MANIFEST_MAGIC or fmt != FORMAT or not self.part_bytes < total <= MAX_VALUE_BYTES:
+            return None
+        return (parts, total) if parts == -(-total // self.part_bytes) else None
+
+    def _join(self, total: int, parts: list):
         """The parts of a split value (joined later, in one copy), None if incomplete, b"" if bad."""
-        try:
-            _, fmt, n, total = _MANIFEST.unpack(manifest)
-        except struct.error:
-            return b""  # not a manifest: fails blob parsing, a corrupt miss
-        if fmt != FORMAT or len(parts) != n or any(p is None for p in parts):
+        if any(p is None for p in parts):
             return None  # incomplete (expired or evicted parts): a plain miss
         return parts if sum(len(p) for p in parts) == total else b""
+
+    def _remember_bad(self, name: str, value) -> None:
+        """Remember an unverifiable value under ``name`` (a digest of it), so that this process'
+        next store of that chunk replaces it if it is still there (:meth:`_send`)."""
+        data = bytes(memoryview(value))
+        with self._cv:
+            self._bad[name] = hashlib.sha256(data).digest()
+            while len(self._bad) > _BAD_NAMES:
+                self._bad.pop(next(iter(self._bad)))
 
     def put(self, key: bytes, blob, wait: bool = False) -> bool:
         """Queue ``blob`` for the store (``wait=True``: send it now); False if dropped."""
@@ -269,17 +310,25 @@ class RemoteTier(Tier):
 
         def run():
             present = self.transport.exists([name for name, _, _ in todo])
-            items, sent = [], 0
+            with self._cv:
+                bad = {name: self._bad.pop(name) for name, _, _ in todo if name in self._bad}
+            items, repairs, sent = [], [], 0
             for (name, blob, codec), there in zip(todo, present):
-                coded = None if there else self._coded(blob, codec)  # only what the store lacks is encoded
+                repair = there and name in bad and self.transport.supports_compare_and_set
+                coded = None if there and not repair else self._coded(blob, codec)  # only what the store lacks
                 if coded is None:
                     continue
                 values = self._encode(coded)
                 items += list(zip(_part_names(name, len(values) - 1), values[1:]))  # parts before their manifest
-                items.append((name, values[0]))
+                if repair:  # replaces the unverifiable value only if it is still the one read
+                    repairs.append((name, bad[name], values[0]))
+                else:
+                    items.append((name, values[0]))
                 sent += codec == self.codec
             if items:
                 self.transport.put(items, self._ttl_ms())
+            for name, digest, value in repairs:
+                self._stats["replaced"] += self.transport.put_if_unchanged(name, digest, value, self._ttl_ms())
             return sent
 
         sent = self._call(run, None)
@@ -359,8 +408,9 @@ class RemoteTier(Tier):
         def run():
             manifest = self.transport.get([name])[0]
             names = [name]
-            if manifest is not None and bytes(memoryview(manifest)[:4]) == _MANIFEST_MAGIC:
-                names += _part_names(name, _MANIFEST.unpack_from(manifest)[2])
+            split = self._manifest(manifest) if manifest is not None else None
+            if split is not None:
+                names += _part_names(name, split[0])
             return self.transport.delete(names) > 0
 
         return bool(self._call(run, False))
@@ -380,36 +430,68 @@ class RemoteTier(Tier):
     def claim_name(key: bytes) -> str:
         return f"kdn:{FORMAT}:claim:{key.hex()}"
 
-    def claim(self, key: bytes, owner: str, ttl: float, also=()) -> bool:
-        """Record for ``ttl`` seconds that ``owner`` is computing chunk ``key``, unless another
-        owner's claim is live; False then, or when the store cannot be used. Atomic where the
+    def claim(self, key: bytes, owner: str, ttl: float, also=()) -> bool | None:
+        """Record for ``ttl`` seconds (a lease its owner renews, :meth:`renew`) that ``owner`` is
+        computing chunk ``key``, unless another owner's claim is live. True: ``owner`` holds it;
+        False: another owner does; **None: cannot tell** (the store cannot be used now): the caller
+        computes, as without claims — an outage never makes anyone wait. Atomic where the
         transport ``supports_put_if_absent`` (of two owners claiming at once, one wins); else a
-        hint two racing owners may both win (each then computes the chunk, as without claims).
+        hint two racing owners may both win. A claim kdn would not write (no TTL, a TTL above
+        ``CLAIM_MAX_TTL_S``, an owner that is not a short printable name) is removed and ignored.
         ``also``: the chunks the owner computes after ``key``, claimed with it when it wins (an
         engine whose lookup sees the first of them stored while the rest are on their way then
         waits for the rest instead of computing them again)."""
+        if not _OWNER.fullmatch(owner.encode()) or not 0 < ttl <= CLAIM_MAX_TTL_S:
+            raise InvalidInputError(f"claim: owner must be 1-200 printable ASCII characters and ttl in "
+                                    f"(0, {CLAIM_MAX_TTL_S:g}] s, got {owner!r}, {ttl!r}")
         name = self.claim_name(key)
         ttl_ms = max(1, round(ttl * 1000))
-        value = owner.encode()
 
         def run():
-            won = self.transport.supports_put_if_absent and self.transport.put_if_absent(name, value, ttl_ms)
+            won = self.transport.supports_put_if_absent and self.transport.put_if_absent(name, owner.encode(), ttl_ms)
             if not won:
-                held = self.transport.get([name])[0]
-                if held is not None and bytes(held).decode() != owner:
+                held = self._live_claim(name)
+                if held is not None and held != owner:
                     return False
-            rest = [] if won else [(name, value)]  # renewed by its owner (or a plain write)
-            rest += [(self.claim_name(k), value) for k in also]
-            if rest:
-                self.transport.put(rest, ttl_ms)
+            rest = [] if won else [name]  # renewed by its owner (or a plain write)
+            if rest or also:
+                self.transport.put([(n, owner.encode()) for n in rest + [self.claim_name(k) for k in also]], ttl_ms)
             return True
 
-        return bool(self._call(run, False))
+        return self._call(run, None)
+
+    def _live_claim(self, name: str) -> str | None:
+        """The owner of the claim under ``name`` if it is one kdn honours, else None (a claim kdn
+        would not write is deleted, counted as ``bad_claims``)."""
+        held = self.transport.get([name])[0]
+        if held is None:
+            return None
+        held = bytes(memoryview(held))
+        left = self.transport.expiry([name])[0]
+        if left == -2:  # expired since it was read
+            return None
+        if _OWNER.fullmatch(held) and (left is None or 0 < left <= CLAIM_MAX_TTL_S * 1000):
+            return held.decode()
+        self._stats["bad_claims"] += 1
+        if self._stats["bad_claims"] == 1:
+            log.warning("kdn remote tier: removed a claim kdn would not write (%s, %s ms to live); claims are "
+                        "leases of at most %g s", "a printable owner" if _OWNER.fullmatch(held) else "an unreadable owner",
+                        left, CLAIM_MAX_TTL_S)
+        self.transport.delete([name])
+        return None
+
+    def renew(self, keys: list[bytes], owner: str, ttl: float) -> bool:
+        """Extend ``owner``'s claims on ``keys`` by ``ttl`` seconds, in one round trip (a plain
+        write: claims are hints); False when the store cannot be used."""
+        if not keys:
+            return True
+        value, ttl_ms = owner.encode(), max(1, round(min(ttl, CLAIM_MAX_TTL_S) * 1000))
+        return bool(self._call(lambda: self.transport.put([(self.claim_name(k), value) for k in keys], ttl_ms)
+                               or True, False))
 
     def claimant(self, key: bytes) -> str | None:
-        """The owner of a live claim on chunk ``key``, or None (none, or the store is down)."""
-        held = self._call(lambda: self.transport.get([self.claim_name(key)])[0], None)
-        return None if held is None else bytes(held).decode()
+        """The owner of a live claim on chunk ``key``, or None (none, one kdn ignores, or the store is down)."""
+        return self._call(lambda: self._live_claim(self.claim_name(key)), None)
 
     def release(self, key: bytes, owner: str) -> None:
         """Drop ``owner``'s claim on ``key`` (another owner's is left alone)."""
@@ -423,6 +505,7 @@ class RemoteTier(Tier):
                 "dropped": self._stats["dropped"], "errors": self._stats["errors"],
                 "corrupt": self._stats["corrupt"], "skipped": self._stats["skipped"],
                 "refused": self._stats["refused"], "repaired": self._stats["repaired"],
+                "replaced": self._stats["replaced"], "bad_claims": self._stats["bad_claims"],
                 "queued_entries": queued, "queued_bytes": queued_bytes, "state": self._breaker.state,
                 "url": redact(self.url), "cluster": self.cluster}
 

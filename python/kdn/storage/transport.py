@@ -47,16 +47,23 @@ class RemoteTransport(abc.ABC):
       cannot use; an unreachable server is not an error until a call is made (:meth:`ping`).
     * Thread-safe: the tier calls from its readers and its writer thread at once.
 
+    * A store may be written by anyone: a transport never trusts a reply's size or count beyond
+      what it asked. ``max_value_bytes`` (set by the tier: the largest value it writes) bounds what
+      :meth:`get` reads of any one value; a transport that can (Redis: GETRANGE) reads at most one
+      byte more, so a planted huge value costs that, and the tier counts it corrupt.
+
     Capabilities (class or instance attributes): ``supports_ranges`` (:meth:`get_ranges` reads byte
     ranges of values without reading the rest), ``supports_put_if_absent`` (:meth:`put_if_absent`
-    is atomic), ``cluster`` (values are spread over nodes by name; names sharing a ``{tag}`` live
-    together).
+    is atomic), ``supports_compare_and_set`` (:meth:`put_if_unchanged` is atomic), ``cluster``
+    (values are spread over nodes by name; names sharing a ``{tag}`` live together).
     """
 
     schemes: tuple[str, ...] = ()
     supports_ranges: bool = False
     supports_put_if_absent: bool = False
+    supports_compare_and_set: bool = False
     cluster: bool = False
+    max_value_bytes: int | None = None
 
     @abc.abstractmethod
     def ping(self) -> None:
@@ -82,6 +89,17 @@ class RemoteTransport(abc.ABC):
         """Write ``value`` under ``name`` (expiring after ``ttl_ms``) only if nothing is there, in
         one atomic step; whether it was written. Only when ``supports_put_if_absent``."""
         raise NotImplementedError(f"{type(self).__name__} cannot write if absent")
+
+    def put_if_unchanged(self, name: str, digest: bytes, value, ttl_ms: int | None) -> bool:
+        """Write ``value`` under ``name`` only if the value there now has SHA-256 ``digest``, in one
+        atomic step (an honest write in between is never clobbered); whether it was written. Only
+        when ``supports_compare_and_set``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot compare and set")
+
+    def expiry(self, names: list[str]) -> list:
+        """Milliseconds each name has left to live: -1 none (kept until evicted), -2 no such name,
+        None where the store cannot tell (the default)."""
+        return [None] * len(names)
 
     @abc.abstractmethod
     def delete(self, names: list[str]) -> int:
