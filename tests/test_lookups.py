@@ -3,10 +3,14 @@ lookup, a dead or failing worker is "no answer" (the scheduler then asks its own
 socket lives in a folder only its user can open."""
 
 import os
+import socket
 import stat
+import time
 
 import numpy as np
+import pytest
 
+from kdn.integrations import lookups
 from kdn.integrations.lookups import LookupClient, LookupServer, socket_path
 
 
@@ -36,3 +40,44 @@ def test_the_worker_answers_and_a_gone_or_failing_worker_is_no_answer(tmp_path, 
     assert client.lookup(np.arange(70), 69) == 64
     client.close()
     restarted.close()
+
+
+@pytest.mark.parametrize("squat", ["another user's folder", "a symlink to another folder"])
+def test_a_folder_another_user_made_first_is_never_used(tmp_path, monkeypatch, squat):
+    """Another local user who creates ``kdn-<uid>`` first (or a symlink by that name) would receive
+    the scheduler's prompts and answer its lookups: the socket goes to a private folder instead."""
+    if os.getuid() != 0 and squat == "another user's folder":
+        pytest.skip("making a folder owned by another user needs root")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "run").mkdir()
+    squatted = tmp_path / "run" / f"kdn-{os.getuid()}"
+    if squat == "a symlink to another folder":
+        (tmp_path / "theirs").mkdir(mode=0o777)
+        squatted.symlink_to(tmp_path / "theirs")
+    else:
+        squatted.mkdir(mode=0o777)
+        os.chown(squatted, 65534, 65534)
+    path = socket_path("engine-a|store")
+    assert os.path.dirname(path) == str(tmp_path / "home" / ".cache" / "kdn" / "run")
+    assert stat.S_IMODE(os.lstat(os.path.dirname(path)).st_mode) == 0o700
+    assert path == socket_path("engine-a|store")  # the scheduler and the worker derive the same
+
+
+def test_an_answer_beyond_the_limit_is_clamped_and_a_silent_connection_dropped(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setattr(lookups, "IDLE_S", 0.3)
+    path = socket_path("engine-a|store")
+    server = LookupServer(path, lambda tokens, limit: 4096)  # a server that claims more than it was asked
+    client = LookupClient(path, timeout=1.0)
+    assert client.lookup(np.arange(6), 5) == 5
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.settimeout(5)
+    silent.connect(path)
+    start = time.monotonic()
+    assert silent.recv(1) == b"" and time.monotonic() - start < 2  # dropped by the server
+    time.sleep(0.5)  # the client's kept connection went idle too: it reconnects, one answer
+    assert client.lookup(np.arange(6), 5) == 5
+    silent.close()
+    client.close()
+    server.close()

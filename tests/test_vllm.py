@@ -309,6 +309,16 @@ def test_the_connector_under_vllms_real_scheduler(setup, redis_server):
     assert p["b_hit_while_storing"] == 256 and all(p["claimed_by_a"])
     assert p["b_waiting"] == [] and p["b_after"] == ["b"]
     assert p["b_loads"] == [["b", 0, 600]] and p["stored_tokens"] == 620 and p["equal_to_truth"]
+    d = out["store_down"]  # issue 46: a store that cannot be used holds no request ("cannot tell": compute)
+    assert d["first_step"] == ["a"] and d["seconds"] < 5 and d["remote_state"] == "down"
+    assert d["stored_tokens"] == 620 and d["equal_to_truth"]
+    f = out["forged_claim"]  # a claim kdn would not write (no TTL) is removed: the request computes
+    assert f["first_step"] == ["a"] and f["bad_claims"] == 1 and f["claimed_by"] in (None, f["owner"])
+    assert f["stored_tokens"] == 620 and f["equal_to_truth"]
+    lease = out["claim_lease"]  # a lease renewed while its prefill runs, lapsed when its engine stops
+    assert lease["b_while_a_runs"] == [[], []] and lease["b_after"] == ["b"] and lease["b_loads"] == [["b", 0, 600]]
+    assert lease["stored_tokens"] == 620 and lease["equal_to_truth"]
+    assert lease["b2_while_claim_live"] == [] and lease["b2_after_lease"] == ["b2"]
     for shape, g in out["gpu_layouts"].items():  # the worker half over vLLM's GPU layouts (CPU tensors)
         assert g["layout"] == ("packed" if shape in ("HND", "NHD") else shape), (shape, g)
         assert g["loads"] == [[0, 600]] and g["load_errors"] == 0 and g["blocks_equal_to_truth"], (shape, g)

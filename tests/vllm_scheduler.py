@@ -38,6 +38,9 @@ def main() -> None:
     if args.redis:
         results["claimed_elsewhere"] = claimed_elsewhere(args.model, args.redis)
         results["claimed_partly_stored"] = claimed_partly_stored(args.model, args.redis)
+        results["forged_claim"] = forged_claim(args.model, args.redis)
+        results["claim_lease"] = claim_lease(args.model, args.redis)
+    results["store_down"] = store_down(args.model)
     print("KDN-RESULT " + json.dumps(results), flush=True)
 
 
@@ -410,6 +413,7 @@ def claimed_partly_stored(model: str, url: str) -> dict:
     a.step({"a": truth}, drain=False)  # computed (claimed) in one step; its store is held
     tokens = np.asarray(doc, dtype=np.uint32)
     keys = a.worker.engine.computing_keys(a.session, tokens, 0)
+    claimed = [a.io.remote.claimant(k) == a.worker._owner for k in keys]  # (a lease A would renew as it steps)
     from kdn import _core
 
     # A's first chunk lands before the rest
@@ -421,10 +425,88 @@ def claimed_partly_stored(model: str, url: str) -> dict:
     a.connector.drain()
     a.io.flush()
     b_after, _ = b.step({"b": truth2})
-    return {"b_hit_while_storing": b_hit, "claimed_by_a": [a.io.remote.claimant(k) == a.worker._owner for k in keys],
+    return {"b_hit_while_storing": b_hit, "claimed_by_a": claimed,
             "b_waiting": b_waiting.fresh, "b_after": b_after.fresh,
             "b_loads": [[s.req_id, s.start, s.end] for s in b_after.loads],
             **_exact(b, doc + _tokens(20, 45), truth2)}
+
+
+
+def store_down(model: str) -> dict:
+    """Issue 46, defect 1: the remote store cannot be used (nothing listens on its port): a new
+    document's request is scheduled at once, computed and stored in the other tiers (its claim
+    answered "cannot tell", which never makes a request wait)."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    h = Harness(model, chunk_size=256, remote_url=f"redis://127.0.0.1:{port}/0", remote_timeout=0.2)
+    doc = _tokens(600, 51) + _tokens(20, 52)
+    truth = _random_kv(h, 620, 53)
+    h.request("a", doc)
+    start = time.monotonic()
+    first, _ = h.step({"a": truth})
+    return {"first_step": first.fresh, "seconds": time.monotonic() - start,
+            "remote_state": h.worker.engine.stats()["remote"]["state"], **_exact(h, doc, truth)}
+
+
+def forged_claim(model: str, url: str) -> dict:
+    """Issue 46, defect 2: a claim planted without a TTL under a document's first chunk (a shared
+    system prompt, say) holds no request: it is removed, the request computes at once."""
+    h = Harness(model, chunk_size=256, remote_url=url)
+    h.io.remote.clear()
+    doc = _tokens(600, 61) + _tokens(20, 62)
+    truth = _random_kv(h, 620, 63)
+    key = h.worker.engine.computing_keys(h.session, np.asarray(doc, dtype=np.uint32), 0)[0]
+    h.io.remote.transport.client.set(h.io.remote.claim_name(key), b"intruder")  # forever
+    h.request("a", doc)
+    first, _ = h.step({"a": truth})
+    return {"first_step": first.fresh, "bad_claims": h.io.remote.stats()["bad_claims"],
+            "claimed_by": h.io.remote.claimant(key), "owner": h.worker._owner, **_exact(h, doc, truth)}
+
+
+def claim_lease(model: str, url: str) -> dict:
+    """Issue 46, defect 2: a claim is a lease its engine renews while the prefill runs. Engine B
+    waits on A's claim while A keeps stepping (past one lease), then loads what A stored; a claim
+    whose engine stopped (never renewed, never released) holds B one lease at most."""
+    import time
+
+    a = Harness(model, chunk_size=256, remote_url=url, batch=256)
+    b = Harness(model, chunk_size=256, remote_url=url)
+    a.io.remote.clear()
+    lease = a.connector.CLAIM_LEASE_S
+    a.connector.CLAIM_LEASE_S = 0.6
+    try:
+        doc = _tokens(600, 71)
+        truth = _random_kv(a, 620, 72)
+        truth_b = [torch.cat([x[:, :, :600], y[:, :, 600:]], dim=2) for x, y in zip(truth, _random_kv(a, 620, 73))]
+        a.request("a", doc + _tokens(20, 74))
+        a.step({"a": truth})  # 256 of 620: claimed
+        b.request("b", doc + _tokens(20, 75))
+        waits = []
+        for _ in range(2):  # 0.8 s in all: past the lease, renewed by A's steps
+            time.sleep(0.4)
+            a.step({"a": truth}) if a.scheduler.requests["a"].num_computed_tokens < 512 else None
+            waits.append(b.step({"b": truth_b})[0].fresh)
+        while a.scheduler.requests["a"].num_computed_tokens < 620:
+            a.step({"a": truth})
+        a.io.flush()
+        after, _ = b.step({"b": truth_b})
+        renewed = {"b_while_a_runs": waits, "b_after": after.fresh,
+                   "b_loads": [[s.req_id, s.start, s.end] for s in after.loads], **_exact(b, doc + _tokens(20, 75), truth_b)}
+
+        doc2 = _tokens(600, 76)
+        a.request("a2", doc2 + _tokens(20, 77))
+        a.step({"a2": _random_kv(a, 620, 78)})  # claimed; engine A then stops (never renews, never releases)
+        b.request("b2", doc2 + _tokens(20, 79))
+        held = b.step({"b2": _random_kv(b, 620, 80)})[0].fresh
+        time.sleep(0.8)
+        lapsed = b.step({"b2": _random_kv(b, 620, 80)})[0].fresh
+        return {**renewed, "b2_while_claim_live": held, "b2_after_lease": lapsed}
+    finally:
+        a.connector.CLAIM_LEASE_S = lease
 
 
 if __name__ == "__main__":

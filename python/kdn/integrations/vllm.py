@@ -325,13 +325,15 @@ class KDNConnector(KVConnectorBase_V1):
         return meta
 
     def _renew_claims(self) -> None:
-        """Renew the leases of the chunks this engine's running prefills claimed (every third of a
-        lease, in one round trip), so that engines waiting on them keep waiting only while they run."""
+        """Renew the leases of the chunks this engine's prefills claimed, while they run and for
+        ``STORE_GRACE_S`` after (their stores land), every third of a lease in one round trip: engines
+        waiting on them keep waiting only while this engine is alive and on its way to storing them."""
         now = time.monotonic()
         if now - self._renewed < CLAIM_LEASE_S / 3:
             return
         self._renewed = now
-        keys = [k for _, at, claimed in self._admitted.values() if at is None or at == _COMPLETING for k in claimed]
+        keys = [k for _, at, claimed in self._admitted.values() if at is None or now - at < STORE_GRACE_S
+                for k in claimed]
         if keys:
             self.engine.renew_claims(keys, self._owner, CLAIM_LEASE_S)
 
