@@ -166,8 +166,8 @@ def test_keyed_mode_refuses_files_written_without_the_secret(tiny_llama, tmp_pat
     keyed = KDNConfig(chunk_size=CHUNK, disk_dir=str(tmp_path), secret="correct horse battery")
     assert "correct horse" not in repr(keyed)
     reader = KDN(keyed)
-    assert reader.retrieve(tiny_llama, ids)[1] == 0  # untagged files: misses (and dropped)
-    assert reader.stats()["disk"]["corrupt"] == 3  # the three chunks were read in parallel, all refused
+    assert reader.retrieve(tiny_llama, ids)[1] == 0  # keys derive from the secret: the plain files are not even seen
+    assert reader.stats()["disk"]["corrupt"] == 0
     reader.store(tiny_llama, ids, full_prefill(tiny_llama, ids)[1])
     reader.flush()
     again = KDN(keyed)
@@ -186,7 +186,12 @@ def test_keyed_mode_on_redis(tiny_llama, redis_server):
     writer = KDN(KDNConfig(chunk_size=CHUNK, remote_url=redis_server.url))  # no secret
     writer.store(tiny_llama, ids, full_prefill(tiny_llama, ids)[1])
     writer.flush()
-    assert KDN(keyed).retrieve(tiny_llama, ids)[1] == 0
+    reader = KDN(keyed)
+    assert reader.retrieve(tiny_llama, ids)[1] == 0
+    # a value without the tag under a keyed name (its writer learned the name): a corrupt miss
+    plain_blob = writer.remote.get_many([writer.chunk_keys(tiny_llama, ids)[0]])[0]
+    reader.remote.transport.put([(reader.remote.redis_key(reader.chunk_keys(tiny_llama, ids)[0]), plain_blob)], None)
+    assert reader.retrieve(tiny_llama, ids)[1] == 0 and reader.stats()["remote"]["corrupt"] == 1
     RemoteTier(redis_server.url).clear()
     keyed_writer = KDN(keyed)
     keyed_writer.store(tiny_llama, ids, full_prefill(tiny_llama, ids)[1])

@@ -20,8 +20,10 @@ def test_the_worker_answers_and_a_gone_or_failing_worker_is_no_answer(tmp_path, 
     assert path != socket_path("engine-b|store")  # one socket per vLLM engine and store
     seen = []
 
-    def lookup(tokens, limit):
+    def lookup(tokens, limit, namespace):
         seen.append((tokens.tolist(), limit))
+        if namespace is not None:
+            return len(namespace)
         if limit == 13:
             raise RuntimeError("the worker's tiers failed")
         return min(limit, 16 * (len(tokens) // 16))
@@ -32,6 +34,7 @@ def test_the_worker_answers_and_a_gone_or_failing_worker_is_no_answer(tmp_path, 
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
     assert client.lookup(np.arange(40), 39) == 32 and client.lookup(np.arange(5), 4) == 0
     assert seen[0] == (list(range(40)), 39)
+    assert client.lookup(np.arange(40), 39, "tenant-b") == 8  # the request's tenant reaches the worker
     assert client.lookup(np.arange(40), 13) is None  # the worker's lookup raised: no answer
     assert client.lookup(np.arange(100), 99) == 96  # and it keeps serving
     server.close()
@@ -68,7 +71,7 @@ def test_an_answer_beyond_the_limit_is_clamped_and_a_silent_connection_dropped(t
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setattr(lookups, "IDLE_S", 0.3)
     path = socket_path("engine-a|store")
-    server = LookupServer(path, lambda tokens, limit: 4096)  # a server that claims more than it was asked
+    server = LookupServer(path, lambda tokens, limit, namespace: 4096)  # a server that claims more than it was asked
     client = LookupClient(path, timeout=1.0)
     assert client.lookup(np.arange(6), 5) == 5
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -189,6 +189,25 @@ def test_an_hf_process_and_a_vllm_engine_serve_each_other(setup, stored, referen
     assert out["stats"]["connector"]["loaded_tokens"] >= 2 * 1500
 
 
+def test_a_cache_salt_is_a_tenant_that_an_hf_namespace_of_the_same_name_shares(setup, reference, tmp_path):
+    """Issue 46: vLLM's ``cache_salt`` isolates tenants in kdn as in vLLM's own prefix cache. An engine
+    whose requests carry ``cache_salt="tenant-a"`` stores and hits within that tenant; an HF process
+    in namespace "tenant-b" on the same store misses the document (and stores its own); one in
+    namespace "tenant-a" is served it (fp32 logits within 1e-3 of a full prefill)."""
+    python, folder, prompts = setup
+    disk = str(tmp_path / "salted")
+    out = engine(setup, {"disk_dir": disk}, "--cache-salt", "tenant-a")
+    assert [r["tokens"] for r in out["results"]] == reference
+    assert out["stats"]["connector"]["loaded_tokens"] >= 1500  # the second prompt, within tenant-a
+    other = run(python, "vllm_hf.py", "--model", folder, "--prompts", prompts, "--kdn",
+                json.dumps({"disk_dir": disk, "namespace": "tenant-b"}))["results"]
+    assert other[0]["hit_tokens"] == 0 and other[1]["hit_tokens"] >= 1500  # its own store, not tenant-a's
+    same = run(python, "vllm_hf.py", "--model", folder, "--prompts", prompts, "--kdn",
+               json.dumps({"disk_dir": disk, "namespace": "tenant-a"}))["results"]
+    for r in same:
+        assert r["hit_tokens"] >= 1500 and r["max_logit_diff"] < 1e-3
+
+
 def test_an_unknown_setting_stops_the_engine_with_did_you_mean(setup):
     python, folder, prompts = setup
     proc = subprocess.run([python, str(HERE / "vllm_engine.py"), "--model", folder, "--prompts", prompts,
@@ -319,6 +338,9 @@ def test_the_connector_under_vllms_real_scheduler(setup, redis_server):
     assert lease["b_while_a_runs"] == [[], []] and lease["b_after"] == ["b"] and lease["b_loads"] == [["b", 0, 600]]
     assert lease["stored_tokens"] == 620 and lease["equal_to_truth"]
     assert lease["b2_while_claim_live"] == [] and lease["b2_after_lease"] == ["b2"]
+    t = out["salted"]  # issue 46: cache_salt is a tenant: other salts (and none) compute, the same loads
+    assert t["first"] == ["a"] and t["others"] == ["b", "n"] and t["others_loads"] == 0
+    assert t["same_loads"] == [["c", 0, 600]] and t["held"] == {"tenant-a": 600, "tenant-b": 600, "none": 600}
     for shape, g in out["gpu_layouts"].items():  # the worker half over vLLM's GPU layouts (CPU tensors)
         assert g["layout"] == ("packed" if shape in ("HND", "NHD") else shape), (shape, g)
         assert g["loads"] == [[0, 600]] and g["load_errors"] == 0 and g["blocks_equal_to_truth"], (shape, g)

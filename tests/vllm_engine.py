@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--drop-chunk-at-lookup", default="",
                         help="N:I: right after the N-th lookup (1-based), drop chunk I of that prompt's stored "
                              "prefix (evicted between lookup and load: the load fails part-way)")
+    parser.add_argument("--cache-salt", default=None, help="vLLM's cache_salt of every prompt (a tenant)")
     parser.add_argument("--kill-after-first", type=int, default=0,
                         help="a process to kill (SIGKILL) once the first prompt is answered: a store going down")
     args = parser.parse_args()
@@ -81,7 +82,8 @@ def main() -> None:
         prompts = json.load(f)
     for ids in prompts:
         t0 = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        prompt = TokensPrompt(prompt_token_ids=ids, **({"cache_salt": args.cache_salt} if args.cache_salt else {}))
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
         results.append({"tokens": list(out.outputs[0].token_ids), "seconds": time.perf_counter() - t0})
         if args.kill_after_first and len(results) == 1:
             import signal

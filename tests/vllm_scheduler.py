@@ -41,6 +41,7 @@ def main() -> None:
         results["forged_claim"] = forged_claim(args.model, args.redis)
         results["claim_lease"] = claim_lease(args.model, args.redis)
     results["store_down"] = store_down(args.model)
+    results["salted"] = salted(args.model)
     print("KDN-RESULT " + json.dumps(results), flush=True)
 
 
@@ -91,14 +92,14 @@ class Harness:
         self.io, self.session = self.worker.engine.chunks, self.worker.session
         self.connector = connector
 
-    def request(self, req_id: str, tokens: list, max_tokens: int = 4):
+    def request(self, req_id: str, tokens: list, max_tokens: int = 4, cache_salt: str | None = None):
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0)
         params.update_from_generation_config({}, 0)
         request = Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=params,
-                          pooling_params=None)
+                          pooling_params=None, cache_salt=cache_salt)
         self.scheduler.add_request(request)
         return request
 
@@ -507,6 +508,28 @@ def claim_lease(model: str, url: str) -> dict:
         return {**renewed, "b2_while_claim_live": held, "b2_after_lease": lapsed}
     finally:
         a.connector.CLAIM_LEASE_S = lease
+
+
+def salted(model: str) -> dict:
+    """Issue 46: requests with different ``cache_salt`` never share KV (the first question of a
+    document in tenant-a stores it; tenant-b's and a request without a salt compute it whole, not
+    even waiting on tenant-a's in-flight prefill); a second request of tenant-a loads it."""
+    h = Harness(model, chunk_size=256)
+    doc = _tokens(600, 81)
+    truth = _random_kv(h, 620, 82)
+    h.request("a", doc + _tokens(20, 83), cache_salt="tenant-a")
+    first, _ = h.step({"a": truth})
+    h.request("b", doc + _tokens(20, 84), cache_salt="tenant-b")
+    h.request("n", doc + _tokens(20, 85))
+    others, _ = h.step({"b": _random_kv(h, 620, 86), "n": _random_kv(h, 620, 87)})
+    truth_c = [torch.cat([x[:, :, :600], y[:, :, 600:]], dim=2) for x, y in zip(truth, _random_kv(h, 620, 88))]
+    h.request("c", doc + _tokens(20, 89), cache_salt="tenant-a")
+    same, _ = h.step({"c": truth_c})
+    lookup = h.worker.engine.lookup
+    tokens = np.asarray(doc, dtype=np.uint32)
+    return {"first": first.fresh, "others": sorted(others.fresh), "others_loads": len(others.loads),
+            "same_loads": [[s.req_id, s.start, s.end] for s in same.loads],
+            "held": {salt or "none": lookup(h.session.within(salt), tokens, 600) for salt in ("tenant-a", "tenant-b", None)}}
 
 
 if __name__ == "__main__":

@@ -50,9 +50,10 @@ class KDN:
         self._local = threading.local()
 
     # -- the engine -----------------------------------------------------------------------------
-    def session(self, model) -> ModelSession:
-        """The engine's view of ``model``: KV layout, fingerprint, prefix and segment keys."""
-        return self.engine.session(model)
+    def session(self, model, namespace: str | None = None) -> ModelSession:
+        """The engine's view of ``model``: KV layout, fingerprint, prefix and segment keys (in the
+        tenant ``namespace`` within ``config.namespace``, when given)."""
+        return self.engine.session(model, namespace)
 
     @property
     def chunks(self):
@@ -93,15 +94,19 @@ class KDN:
         return self.chunks.tiers.remote
 
     # -- public API -------------------------------------------------------------------------
-    def lookup(self, model, token_ids, limit: int | None = None) -> int:
+    def lookup(self, model, token_ids, limit: int | None = None, namespace: str | None = None) -> int:
         """Number of leading tokens of ``token_ids`` that :meth:`retrieve` would serve (only pointers
         are read, no KV): the stored prefix, at most ``len(token_ids) - 1`` unless ``limit`` says
-        otherwise (``limit=len(token_ids)`` asks how much of the whole prompt is stored)."""
-        session = self.session(model)
+        otherwise (``limit=len(token_ids)`` asks how much of the whole prompt is stored).
+
+        ``namespace`` (here and in :meth:`store`, :meth:`retrieve`, :meth:`generate`): the tenant
+        the call belongs to, within ``config.namespace``. Different namespaces share no KV and see
+        none of each other's; the same string as a vLLM request's ``cache_salt`` shares with it."""
+        session = self.session(model, namespace)
         tokens = session.tokens(token_ids)
         return self.engine.lookup(session, tokens, _limit(limit, len(tokens), "lookup"))
 
-    def store(self, model, token_ids, past_key_values) -> int:
+    def store(self, model, token_ids, past_key_values, namespace: str | None = None) -> int:
         """Store the KV of ``token_ids`` from ``past_key_values`` (its full chunks, and a tail of at
         least ``config.probe_step`` tokens).
 
@@ -110,13 +115,13 @@ class KDN:
         Returns the number of leading tokens a retrieve can now serve (fewer than given, with one
         warning, when the prompt's KV is larger than the tiers hold).
         """
-        session = self.session(model)
+        session = self.session(model, namespace)
         tokens = session.tokens(token_ids)
         kv = cache_to_kv_list(past_key_values)
         check_kv_matches(session.layout, kv, len(tokens))
         return self.engine.save(session, tokens, [t.cpu() for t in kv])
 
-    def retrieve(self, model, token_ids, limit: int | None = None, edits=None):
+    def retrieve(self, model, token_ids, limit: int | None = None, edits=None, namespace: str | None = None):
         """Fetch the stored KV of the longest stored prefix of ``token_ids``.
 
         Returns ``(cache, num_hit_tokens)``: a DynamicCache holding exactly ``num_hit_tokens``
@@ -147,9 +152,10 @@ class KDN:
         ``kdn.edits.steer.applied(model, biases)`` (``generate`` does).
         """
         started = time.perf_counter()
-        session = self.session(model)
+        session = self.session(model, namespace)
         tokens = session.tokens(token_ids)
-        cache, load = hf.load_cache(self.engine, model, tokens, _limit(limit, len(tokens), "retrieve"), edits, started)
+        cache, load = hf.load_cache(self.engine, model, tokens, _limit(limit, len(tokens), "retrieve"), edits, started,
+                                    namespace)
         self._local.last_retrieve = {"hit_tokens": load.hit, "stream": load.stream, "lossy": load.lossy,
                                      "edit": load.edit, "bias": load.bias}
         return (cache, load.hit) if load.hit else (None, 0)
@@ -171,7 +177,7 @@ class KDN:
     def generate(self, model, input_ids, **generate_kwargs):
         """``model.generate`` with the prompt's stored prefix served from kdn and the new KV stored.
 
-        See :func:`kdn.integrations.hf.generate`.
+        See :func:`kdn.integrations.hf.generate` (``namespace=``: the tenant, as in :meth:`lookup`).
         """
         out, stats = hf.generate(self.engine, model, input_ids, **generate_kwargs)
         self._local.last_generate = stats

@@ -105,6 +105,12 @@ class KDNConfig:
             disk files and remote values then carry a keyed BLAKE3 tag, verified on every read,
             so bytes written without the secret are misses. Never printed. Default None (plain
             XXH64 checksums: they catch corruption, not forgery).
+        namespace: the tenant this process' KV belongs to (a string, e.g. a customer id): it enters the
+            root of every key, so processes in different namespaces sharing tiers neither hit nor
+            see each other's KV (vLLM's ``cache_salt`` and the facade's per-call ``namespace=``
+            name one within it; in a config without a namespace, a call's ``"x"`` is the tenant a
+            config's ``namespace="x"`` is). With a ``secret`` the keys also derive from it: tenants
+            with different secrets neither see nor block each other. Default None (one shared space).
         accept_codecs: lossy codecs whose chunks this process may be served although it did not
             choose them for a tier (e.g. ``("int8", "cachegen:level=3")``, or a comma-separated
             string). Default ``()``: exact KV only, plus the lossy codecs of this process's own
@@ -178,6 +184,7 @@ class KDNConfig:
     verify_fraction: float = 0.0
     disk_shared: bool = False
     secret: str | None = dataclasses.field(default=None, repr=False)
+    namespace: str | None = None
 
     def __post_init__(self):
         for name in _SIZE_FIELDS:
@@ -214,6 +221,8 @@ class KDNConfig:
         for name in ("disk_fsync", "disk_shared"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"KDNConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.namespace is not None:
+            check_namespace(self.namespace, "KDNConfig.namespace")
         if self.secret is not None and (not isinstance(self.secret, (str, bytes)) or len(self.secret) < 8):
             raise InvalidInputError("KDNConfig.secret must be a string or bytes of at least 8 characters (or None)")
         for name in _SECONDS_FIELDS:
@@ -287,6 +296,14 @@ class KDNConfig:
 
         specs = (self.memory_codec, self.disk_codec, self.remote_codec, *self.accept_codecs)
         return tuple(dict.fromkeys(s for s in specs if codecs.parse(s).lossy))
+
+
+def check_namespace(namespace, what: str = "namespace") -> str:
+    """``namespace`` if it is a usable tenant name (a non-empty string of at most 1024 characters)."""
+    if not isinstance(namespace, str) or not 0 < len(namespace) <= 1024:
+        raise InvalidInputError(f"{what} must be a non-empty string of at most 1024 characters (or None), "
+                                f"got {namespace!r}")
+    return namespace
 
 
 def _codec_list(name: str, value) -> tuple:

@@ -169,6 +169,24 @@ def prefix_keys(fingerprint: bytes, tokens: np.ndarray, chunk_size: int, include
     return _core.prefix_chunk_keys(fingerprint, tokens, chunk_size, include_partial)
 
 
+def tenant_fingerprint(fingerprint: bytes, namespace: str | None = None, key: bytes = b"") -> bytes:
+    """The fingerprint a tenant's keys derive from: the model's ``fingerprint`` itself when there is
+    no ``namespace`` and no ``key`` (one shared space), else
+    ``BLAKE3[keyed by key]("kdn/tenant" | fingerprint | namespace)[:16]``. Every chunk key, probe key,
+    segment key and blob header of the tenant follows from it, so tenants share nothing and, with
+    a ``key`` (:meth:`kdn.KDNConfig.mac_key`), cannot even compute each other's names.
+
+    Example:
+        >>> fp = bytes(16)
+        >>> tenant_fingerprint(fp) == fp, tenant_fingerprint(fp, "a") == tenant_fingerprint(fp, "b")
+        (True, False)
+    """
+    if namespace is None and not key:
+        return fingerprint
+    body = b"kdn/tenant\0" + fingerprint + (b"\1" + namespace.encode() if namespace is not None else b"\0")
+    return _core.blake3(body, 16, key=key) if key else _core.blake3(body, 16)
+
+
 SEGMENT_KEY_VERSION = 1
 
 

@@ -29,6 +29,7 @@ from kdn.engine.chunks import ChunkIO
 from kdn.engine.served import Served
 from kdn.engine.session import ModelSession, Sessions
 from kdn.engine.targets import Target
+from kdn.keys import tenant_fingerprint
 from kdn.storage import TierManager
 
 
@@ -60,11 +61,19 @@ class Engine:
         self.chunks = ChunkIO(tiers if tiers is not None else TierManager(config))
         self.delivery = Deliverer(self.chunks, config)
         self.sessions = Sessions(config.chunk_size, min(config.probe_step, config.chunk_size),
-                                 on_new=self.chunks.load_calibration)
+                                 on_new=self.chunks.load_calibration, namespace=config.namespace, key=config.mac_key())
 
-    def session(self, model) -> ModelSession:
-        """The engine's view of a live model: KV layout, fingerprint, prefix and segment keys."""
-        return self.sessions.of(model)
+    def session(self, model, namespace: str | None = None) -> ModelSession:
+        """The engine's view of a live model: KV layout, fingerprint, prefix and segment keys, in the
+        config's tenant (``namespace``, ``secret``) and, when given, the tenant ``namespace`` within it."""
+        return self.sessions.of(model).within(namespace)
+
+    def checkpoint_session(self, layout, fingerprint: bytes) -> ModelSession:
+        """The session of a model known by its checkpoint's ``fingerprint``
+        (:func:`kdn.keys.checkpoint_fingerprint`; a vLLM scheduler has no weights), in the config's tenant."""
+        config = self.config
+        return ModelSession(layout, tenant_fingerprint(fingerprint, config.namespace, config.mac_key()),
+                            config.chunk_size, min(config.probe_step, config.chunk_size))
 
     def lookup(self, session: ModelSession, tokens, limit: int) -> int:
         """Leading tokens of ``tokens`` (at most ``limit``) a load would serve; only pointers are read."""

@@ -10,7 +10,8 @@ import weakref
 import numpy as np
 
 from kdn import _core
-from kdn.keys import model_fingerprint, prefix_keys, segment_key, token_array
+from kdn.config import check_namespace
+from kdn.keys import model_fingerprint, prefix_keys, segment_key, tenant_fingerprint, token_array
 from kdn.layout import ModelLayout
 
 ROOT = bytes(16)  # the parent key of a prompt's first chunk
@@ -56,6 +57,27 @@ class ModelSession:
     chunk_size: int
     probe_step: int = 0
     recent: RecentKeys = dataclasses.field(default_factory=RecentKeys, init=False, compare=False, repr=False)
+    _tenants: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def within(self, namespace: str | None) -> ModelSession:
+        """This session for the tenant ``namespace`` inside it (vLLM's ``cache_salt``, the facade's
+        per-call ``namespace=``): keys from :func:`kdn.keys.tenant_fingerprint`, so nothing is
+        shared with another namespace; ``None``: this session itself.
+
+        Example:
+            >>> session.within(None) is session, session.within("tenant-b").fingerprint != session.fingerprint
+            (True, True)
+        """
+        if namespace is None:
+            return self
+        tenant = self._tenants.get(namespace)
+        if tenant is None:
+            check_namespace(namespace)
+            tenant = dataclasses.replace(self, fingerprint=tenant_fingerprint(self.fingerprint, namespace))
+            if len(self._tenants) >= 4096:  # many short-lived tenants: forget the oldest
+                self._tenants.pop(next(iter(self._tenants)))
+            self._tenants[namespace] = tenant
+        return tenant
 
     def tokens(self, token_ids) -> np.ndarray:
         """Validated uint32 token ids (list, numpy or torch; 1-D or [1, n])."""
@@ -87,14 +109,16 @@ class Sessions:
     """The :class:`ModelSession` of each live model object, rebuilt when the model changes (a new
     dtype or device, new weights): the fingerprint is re-checked on every call (cheap when cached)."""
 
-    def __init__(self, chunk_size: int, probe_step: int = 0, on_new=None):
+    def __init__(self, chunk_size: int, probe_step: int = 0, on_new=None, namespace: str | None = None,
+                 key: bytes = b""):
         self.chunk_size = chunk_size
         self.probe_step = probe_step
+        self.namespace, self._key = namespace, key  # the config's tenant: every session's root
         self._on_new = on_new  # called with each new session (KDN: load the model's codec calibration)
         self._by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def of(self, model) -> ModelSession:
-        fingerprint = model_fingerprint(model)
+        fingerprint = tenant_fingerprint(model_fingerprint(model), self.namespace, self._key)
         session = self._by_model.get(model)
         if session is None or session.fingerprint != fingerprint:
             session = ModelSession(ModelLayout.of(model), fingerprint, self.chunk_size, self.probe_step)

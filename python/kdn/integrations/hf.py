@@ -69,14 +69,17 @@ def _rows_per_prompt(model, generate_kwargs) -> int:
     return max(rows)
 
 
-def load_cache(engine: Engine, model, tokens, limit: int, edits=None, started: float | None = None):
+def load_cache(engine: Engine, model, tokens, limit: int, edits=None, started: float | None = None,
+               namespace: str | None = None):
     """``(cache, load)``: the stored prefix of ``tokens`` (at most ``limit``) as an HF cache on the
     model's device (None on a miss) and what :meth:`kdn.engine.Engine.load` served. With ``edits``,
     the first edit stored for the prompt's leading chunks (a :class:`kdn.edits.stored.PrunedCache`);
     on the CPU a layer-wise stream when the engine delivers layer-wise (the cache's layer i waits
-    for layer i); else a whole read."""
-    session = engine.session(model)
+    for layer i); else a whole read. ``namespace``: the tenant read (:meth:`kdn.engine.Engine.session`)."""
+    session = engine.session(model, namespace)
     device = next(model.parameters()).device
+    if edits and namespace is not None:
+        raise InvalidInputError("edits are not served within a per-call namespace yet; set KDNConfig.namespace")
     if edits:
         from kdn.edits import parse_many, stored
 
@@ -110,7 +113,9 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
         **generate_kwargs: passed to ``model.generate`` (``past_key_values`` is kdn's to provide;
             an ``attention_mask``, if given, must be all ones), except ``edits``: edited caches this
             call accepts (:mod:`kdn.edits`, e.g. ``"kvzip:keep=0.3"``), served when stored (the exact
-            cache otherwise); nothing computed over an edited cache is stored.
+            cache otherwise); nothing computed over an edited cache is stored; and ``namespace``:
+            the tenant this call reads and stores in (within ``KDNConfig.namespace``; the same
+            string as a vLLM request's ``cache_salt`` shares KV with it, and nothing else does).
 
     Returns ``(output, stats)``: what ``model.generate`` returns (``sequences`` tensor, or the dict
     output when ``return_dict_in_generate=True``, which then also carries ``kdn_stats``) and
@@ -140,9 +145,10 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
     want_dict = generate_kwargs.pop("return_dict_in_generate", False)
     rows = _rows_per_prompt(model, generate_kwargs)
     edits = generate_kwargs.pop("edits", None)
+    namespace = generate_kwargs.pop("namespace", None)
     started = time.perf_counter()
-    session = engine.session(model)
-    cache, load = load_cache(engine, model, session.tokens(ids[0]), ids.shape[1] - 1, edits, started)
+    session = engine.session(model, namespace)
+    cache, load = load_cache(engine, model, session.tokens(ids[0]), ids.shape[1] - 1, edits, started, namespace)
     hit, stream = load.hit, load.stream
     if cache is not None:
         if rows > 1:  # beams / several sequences: generate expands the prompt, so the cache too
@@ -186,7 +192,7 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
     try:
         final = output_cache(out)
         if final is not None and rows == 1 and hit:
-            record.suspect = not _verify_hit(engine, model, ids, hit, cache_to_kv_list(final), lossy)
+            record.suspect = not _verify_hit(engine, session, model, ids, hit, cache_to_kv_list(final), lossy)
         if final is not None and rows == 1:
             n_kv = final.get_seq_length()
             engine.save(session, session.tokens(out.sequences[0, :n_kv]), [t.cpu() for t in cache_to_kv_list(final)],
@@ -202,7 +208,8 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
 
 
 @torch.inference_mode()
-def _verify_hit(engine: Engine, model, ids: torch.Tensor, hit: int, kv: list[torch.Tensor], lossy: bool) -> bool:
+def _verify_hit(engine: Engine, session, model, ids: torch.Tensor, hit: int, kv: list[torch.Tensor],
+                lossy: bool) -> bool:
     """If this hit is sampled (``KDNConfig.verify_fraction``), recompute its last tokens over the
     served prefix and compare them with the served rows (``kv``: the generated cache, whose first
     ``hit`` tokens are what kdn served). On a mismatch, the whole prefix is recomputed to find the
@@ -211,7 +218,6 @@ def _verify_hit(engine: Engine, model, ids: torch.Tensor, hit: int, kv: list[tor
     span = verifier.sample(hit)
     if not span:
         return True
-    session = engine.session(model)
     tolerance = verifier.tolerance(session.layout.torch_dtype, lossy)
     if tolerance is None:
         return True

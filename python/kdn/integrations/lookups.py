@@ -4,8 +4,9 @@ tiers never sees what the worker holds in memory. The worker serves lookups on a
 folder only its user can open); the scheduler asks it, and falls back to its own tiers when no
 worker answers.
 
-One request: ``u32 tokens, u32 limit`` then the token ids (u32 each); the reply: ``i64`` leading
-tokens held (``-1``: the worker could not look up).
+One request: ``u32 tokens, u32 limit, u32 namespace bytes`` (``0xFFFFFFFF``: none), the namespace
+(UTF-8: the request's tenant, vLLM's ``cache_salt``), then the token ids (u32 each); the reply:
+``i64`` leading tokens held (``-1``: the worker could not look up).
 
 Trust: the socket's folder must be a real directory (not a symlink) owned by this user and closed to
 others; one another local user created first is never used (a private folder in this user's home
@@ -30,7 +31,9 @@ import numpy as np
 
 log = logging.getLogger("kdn")
 
-_REQUEST = struct.Struct("<II")
+_REQUEST = struct.Struct("<III")
+_NO_NAMESPACE = 0xFFFFFFFF
+MAX_NAMESPACE_BYTES = 4096
 _REPLY = struct.Struct("<q")
 MAX_TOKENS = 1 << 24  # a request asking about more tokens is not a prompt: the connection is dropped
 MAX_CONNECTIONS = 64  # a vLLM scheduler keeps one
@@ -85,9 +88,9 @@ def _read_exactly(conn: socket.socket, n: int) -> bytes:
 
 
 class LookupServer:
-    """Answers lookups with ``lookup(tokens, limit) -> int`` from a thread per connection."""
+    """Answers lookups with ``lookup(tokens, limit, namespace) -> int`` from a thread per connection."""
 
-    def __init__(self, path: str, lookup: Callable[[np.ndarray, int], int]):
+    def __init__(self, path: str, lookup: Callable[[np.ndarray, int, str | None], int]):
         self.path, self._lookup = path, lookup
         if os.path.exists(path):
             os.unlink(path)  # a socket left by an engine that died: nobody listens on it
@@ -119,14 +122,15 @@ class LookupServer:
     def _answer(self, conn: socket.socket) -> None:
         while True:
             try:
-                n, limit = _REQUEST.unpack(_read_exactly(conn, _REQUEST.size))
-                if n > MAX_TOKENS:
+                n, limit, size = _REQUEST.unpack(_read_exactly(conn, _REQUEST.size))
+                if n > MAX_TOKENS or (size != _NO_NAMESPACE and size > MAX_NAMESPACE_BYTES):
                     return
+                namespace = None if size == _NO_NAMESPACE else _read_exactly(conn, size).decode()
                 tokens = np.frombuffer(_read_exactly(conn, 4 * n), dtype=np.uint32)
-            except (OSError, ConnectionError):
+            except (OSError, ConnectionError, UnicodeDecodeError):
                 return
             try:
-                hit = int(self._lookup(tokens, limit))
+                hit = int(self._lookup(tokens, limit, namespace))
             except Exception as e:  # a failed lookup is a miss for the asker, never a dead server
                 log.warning("kdn: a lookup for the scheduler failed (%s: %s)", type(e).__name__, e)
                 hit = -1
@@ -159,19 +163,25 @@ class LookupClient:
         self._lock = threading.Lock()
         self._warned = False
 
-    def lookup(self, tokens: np.ndarray, limit: int) -> int | None:
-        """Leading tokens the worker holds (clamped to ``limit``), or None when no worker answers."""
+    def lookup(self, tokens: np.ndarray, limit: int, namespace: str | None = None) -> int | None:
+        """Leading tokens the worker holds in ``namespace`` (clamped to ``limit``), or None when no
+        worker answers."""
         tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
         limit = max(0, min(int(limit), len(tokens)))
+        name = b"" if namespace is None else namespace.encode()
+        if len(name) > MAX_NAMESPACE_BYTES:
+            return None
+        request = _REQUEST.pack(len(tokens), limit, _NO_NAMESPACE if namespace is None else len(name)) + name
+        request += tokens.tobytes()
         with self._lock:
             if self._conn is not None:  # a kept connection the server dropped (idle): one more try
-                hit = self._ask(tokens, limit, warn=False)
+                hit = self._ask(request, limit, warn=False)
                 if hit is not _FAILED:
                     return hit
-            hit = self._ask(tokens, limit, warn=True)
+            hit = self._ask(request, limit, warn=True)
             return None if hit is _FAILED else hit
 
-    def _ask(self, tokens: np.ndarray, limit: int, warn: bool):
+    def _ask(self, request: bytes, limit: int, warn: bool):
         try:
             if self._conn is None:
                 if not os.path.exists(self.path):
@@ -179,7 +189,7 @@ class LookupClient:
                 self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 self._conn.settimeout(self.timeout)
                 self._conn.connect(self.path)
-            self._conn.sendall(_REQUEST.pack(len(tokens), limit) + tokens.tobytes())
+            self._conn.sendall(request)
             hit = _REPLY.unpack(_read_exactly(self._conn, _REPLY.size))[0]
         except (OSError, ConnectionError) as e:
             if self._conn is not None:

@@ -98,13 +98,15 @@ def stats() -> dict:
 
 @dataclasses.dataclass
 class LoadSpec:
-    """Load tokens [start, end) of ``tokens`` from kdn into ``block_ids``."""
+    """Load tokens [start, end) of ``tokens`` from kdn into ``block_ids`` (the request's tenant:
+    its ``cache_salt``, None for none)."""
 
     req_id: str
     tokens: list
     start: int
     end: int
     block_ids: list
+    namespace: str | None = None
 
 
 @dataclasses.dataclass
@@ -116,6 +118,7 @@ class SaveSpec:
     tokens: list
     block_ids: list
     check: tuple | None = None
+    namespace: str | None = None
 
 
 @dataclasses.dataclass
@@ -130,6 +133,7 @@ class _Request:
     tokens: list
     block_ids: list
     check: tuple | None = None  # (start, end): hit tokens held back to be verified
+    namespace: str | None = None  # its cache_salt: a tenant shares KV only within it
 
 
 def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
@@ -155,13 +159,12 @@ def _store_for(config: KDNConfig, vllm_config) -> tuple[Engine, ModelSession, st
     """This process' engine and session for (config, model), and the lookup socket both of vLLM's
     processes derive for them (the engine id names one vLLM engine)."""
     model = vllm_config.model_config
-    key = (repr(config), str(model.model), str(model.dtype))
+    key = (repr(config), config.mac_key(), str(model.model), str(model.dtype))  # repr hides the secret
     with _stores_lock:
         if key not in _stores:
+            engine = Engine(config)
             layout = ModelLayout.from_config(model.hf_config, model.dtype)
-            session = ModelSession(layout, checkpoint_fingerprint(model.model, model.dtype), config.chunk_size,
-                                   min(config.probe_step, config.chunk_size))
-            _stores[key] = (Engine(config), session)
+            _stores[key] = (engine, engine.checkpoint_session(layout, checkpoint_fingerprint(model.model, model.dtype)))
         engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None) or ""
         return (*_stores[key], socket_path(f"{engine_id}|{key}"))
 
@@ -170,9 +173,9 @@ def _serve_lookups(path: str, engine: Engine, session: ModelSession) -> None:
     """Start this process' lookup server for its worker's store (once per socket)."""
     with _stores_lock:
         if path not in _lookup_servers:
-            def lookup(tokens, limit):  # counted here: this process' counters reach vLLM's /metrics
+            def lookup(tokens, limit, namespace):  # counted here: this process' counters reach vLLM's /metrics
                 metrics.count(lookups=1)
-                return engine.lookup(session, tokens, limit)
+                return engine.lookup(session.within(namespace), tokens, limit)
 
             _lookup_servers[path] = LookupServer(path, lookup)
 
@@ -210,6 +213,7 @@ class KDNConnector(KVConnectorBase_V1):
         # kept STORE_GRACE_S past its request's end, while its store lands
         self._admitted: dict[str, list] = {}
         self._claims: dict[str, list[bytes]] = {}  # req_id -> the chunks it will compute (claimed)
+        self._salts: dict[str, str | None] = {}  # req_id -> its cache_salt (its tenant)
         engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None) or f"kdn-{id(self)}"
         self._owner = re.sub(r"[^\x21-\x7e]", "_", str(engine_id))[:200]  # a claim's owner: printable ASCII
         self._renewed = 0.0  # when the claims of running prefills were last renewed
@@ -229,13 +233,15 @@ class KDNConnector(KVConnectorBase_V1):
         if self.engine is None:
             return 0, False
         tokens = np.asarray(request.prompt_token_ids or [], dtype=np.uint32)
+        salt = self._salts[request.request_id] = getattr(request, "cache_salt", None) or None
+        session = self.session.within(salt)  # vLLM's cache_salt: tenants never share KV
         hit = None  # the last token is computed: limit len - 1
         if not self._worker_here():  # ask the worker's process: its memory tier is its own
-            hit = self._lookups.lookup(tokens, len(tokens) - 1)
+            hit = self._lookups.lookup(tokens, len(tokens) - 1, salt)
         if hit is None:
-            hit = self.engine.lookup(self.session, tokens, len(tokens) - 1)
+            hit = self.engine.lookup(session, tokens, len(tokens) - 1)
             metrics.count(lookups=1)
-        if self._prefilled_elsewhere(request.request_id, tokens, hit):
+        if self._prefilled_elsewhere(request.request_id, tokens, hit, session):
             return None, False  # vLLM skips the request this step and asks again
         span = self.engine.chunks.verifier.sample(hit - num_computed_tokens)  # verified: vLLM computes the last ones
         if span:
@@ -244,24 +250,26 @@ class KDNConnector(KVConnectorBase_V1):
             self._checks.pop(request.request_id, None)
         return max(0, hit - span - num_computed_tokens), False
 
-    def _prefilled_elsewhere(self, req_id: str, tokens: np.ndarray, hit: int) -> bool:
+    def _prefilled_elsewhere(self, req_id: str, tokens: np.ndarray, hit: int, session: ModelSession) -> bool:
         """Whether another request is computing at least one more chunk of this prompt than kdn
         holds (two questions of one document arriving together): one admitted in this engine, or,
         with a remote store, one another engine claimed there. Then this request waits for that KV
         to be stored, so the document is prefilled once (at most ``IN_FLIGHT_WAIT_S``); otherwise
         it has claimed the chunk it will compute (until ``STORE_GRACE_S`` after it finishes: its
         stores to a remote tier are queued, and a claim dropped at once let another engine miss)."""
-        need = hit + self.session.chunk_size
+        need = hit + session.chunk_size
         now = time.monotonic()
-        for done in [r for r, (_, at, _) in self._admitted.items() if at is not None and now - at > STORE_GRACE_S]:
+        for done in [r for r, (_, at, _, _) in self._admitted.items() if at is not None and now - at > STORE_GRACE_S]:
             del self._admitted[done]  # prefilled and stored (or refused) already: nothing to wait for
         busy, keys = False, []
+        salt = self._salts.get(req_id)
         if need < len(tokens):
-            for other_id, (other, _, _) in self._admitted.items():
-                if other_id != req_id and len(other) >= need and np.array_equal(other[:need], tokens[:need]):
+            for other_id, (other, _, _, other_salt) in self._admitted.items():
+                if (other_id != req_id and other_salt == salt and len(other) >= need
+                        and np.array_equal(other[:need], tokens[:need])):
                     busy = True
                     break
-            keys = self.engine.computing_keys(self.session, tokens, hit)
+            keys = self.engine.computing_keys(session, tokens, hit)
             if not busy and keys:  # claimed now, at lookup: of two engines asked at once, one computes
                 # False: another engine's live claim; None (the store cannot tell): computes now
                 busy = self.engine.claim(keys, self._owner, CLAIM_LEASE_S) is False
@@ -282,7 +290,8 @@ class KDNConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         # admitted: the next request's lookup in this very step sees that this one prefills its prompt
         keys = self._claims.pop(request.request_id, [])  # claimed at its lookup: renewed when it finishes
-        self._admitted[request.request_id] = [np.asarray(request.prompt_token_ids or [], dtype=np.uint32), None, keys]
+        self._admitted[request.request_id] = [np.asarray(request.prompt_token_ids or [], dtype=np.uint32), None, keys,
+                                              self._salts.get(request.request_id)]
         if num_external_tokens > 0:
             self._pending[request.request_id] = num_external_tokens
 
@@ -294,13 +303,14 @@ class KDNConnector(KVConnectorBase_V1):
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             req = self._requests[new.req_id] = _Request(list(new.prompt_token_ids or []), list(new.block_ids[0]),
-                                                        self._checks.pop(new.req_id, None))
+                                                        self._checks.pop(new.req_id, None),
+                                                        self._salts.get(new.req_id))
             meta.fresh.append(new.req_id)
             external = self._pending.pop(new.req_id, 0)
             if external:
                 start = new.num_computed_tokens - external
                 meta.loads.append(LoadSpec(new.req_id, req.tokens[:new.num_computed_tokens], start,
-                                           new.num_computed_tokens, req.block_ids))
+                                           new.num_computed_tokens, req.block_ids, req.namespace))
             self._maybe_save(meta, new.req_id, new.num_computed_tokens, scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -320,7 +330,8 @@ class KDNConnector(KVConnectorBase_V1):
             external = self._pending.pop(req_id, 0)
             if external:  # resumed after preemption with a fresh load
                 done = cached.num_computed_tokens[i]
-                meta.loads.append(LoadSpec(req_id, req.tokens[:done], done - external, done, req.block_ids))
+                meta.loads.append(LoadSpec(req_id, req.tokens[:done], done - external, done, req.block_ids,
+                                           req.namespace))
             self._maybe_save(meta, req_id, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
         return meta
 
@@ -332,7 +343,7 @@ class KDNConnector(KVConnectorBase_V1):
         if now - self._renewed < CLAIM_LEASE_S / 3:
             return
         self._renewed = now
-        keys = [k for _, at, claimed in self._admitted.values() if at is None or now - at < STORE_GRACE_S
+        keys = [k for _, at, claimed, _ in self._admitted.values() if at is None or now - at < STORE_GRACE_S
                 for k in claimed]
         if keys:
             self.engine.renew_claims(keys, self._owner, CLAIM_LEASE_S)
@@ -349,10 +360,12 @@ class KDNConnector(KVConnectorBase_V1):
         check = req.check if req.check is not None and computed <= req.check[0] else None
         if req_id in self._admitted:
             self._admitted[req_id][1] = _COMPLETING
-        meta.saves.append(SaveSpec(req_id, req.tokens, req.block_ids[: -(-n // self.block_size)], check))
+        meta.saves.append(SaveSpec(req_id, req.tokens, req.block_ids[: -(-n // self.block_size)], check,
+                                   req.namespace))
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
+        self._salts.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
         self._checks.pop(request.request_id, None)
         self._waiting.pop(request.request_id, None)
@@ -421,7 +434,8 @@ class KDNConnector(KVConnectorBase_V1):
             tokens = np.asarray(spec.tokens, dtype=np.uint32)
             blocks = PagedBlocks(self._blocks, self._layout, spec.block_ids, spec.start)
             # layer-wise when the engine streams: layers arrive while the model computes the ones before
-            load = self.engine.load(self.session, tokens, spec.end, blocks, lambda _, blocks=blocks: blocks, began)
+            load = self.engine.load(self.session.within(spec.namespace), tokens, spec.end, blocks,
+                                    lambda _, blocks=blocks: blocks, began)
             hit = load.hit
             served.lossy |= load.lossy  # a stream's is known when it ends (_finish_streams)
             if load.stream is not None:
@@ -472,6 +486,7 @@ class KDNConnector(KVConnectorBase_V1):
         self._finish_streams()  # every load of this step has ended: the rule below sees its failures
         for spec in self._get_connector_metadata().saves:
             n = len(spec.tokens)
+            session = self.session.within(spec.namespace)
             served = self._served.get(spec.req_id) or Served()
             if spec.check is not None:
                 served.checked = spec.check[1] - spec.check[0]
@@ -479,14 +494,14 @@ class KDNConnector(KVConnectorBase_V1):
             check = spec.check if not served.failed else None  # a failed step's blocks are stale: no check
             if not store and check is None:
                 if served.unstorable() is not None:
-                    self.engine.save(self.session, np.asarray(spec.tokens, dtype=np.uint32), [], served)  # refused
+                    self.engine.save(session, np.asarray(spec.tokens, dtype=np.uint32), [], served)  # refused
                     metrics.count(refused_stores=1)
                 continue  # else kdn served this prompt: it holds its KV already
             # a copy: the blocks are vLLM's to reuse once this returns
             blocks = PagedBlocks(self._blocks, self._layout, spec.block_ids)
             first, kv = blocks.emit(0, n) if store else blocks.emit(*check)
             self._start_saver()
-            self._saves.put((np.asarray(spec.tokens, dtype=np.uint32), first, kv, dataclasses.replace(served),
+            self._saves.put((session, np.asarray(spec.tokens, dtype=np.uint32), first, kv, dataclasses.replace(served),
                              check, store))
         for served in self._served.values():
             served.failed = False  # vLLM recomputes what failed: the recomputed prefill is stored
@@ -503,12 +518,12 @@ class KDNConnector(KVConnectorBase_V1):
                 return
             began = time.perf_counter()
             try:
-                tokens, first, kv, served, check, store = item
+                session, tokens, first, kv, served, check, store = item
                 if check is not None:
-                    served.suspect = not self._verify(tokens, first, kv, check, served)
+                    served.suspect = not self._verify(session, tokens, first, kv, check, served)
                 if not store:
                     continue
-                stored = self.engine.save(self.session, tokens, kv, served)
+                stored = self.engine.save(session, tokens, kv, served)
                 self.engine.flush()
                 if served.unstorable() is None:
                     metrics.count(stores=1, stored_tokens=stored, store_seconds=time.perf_counter() - began)
@@ -519,12 +534,13 @@ class KDNConnector(KVConnectorBase_V1):
             finally:
                 self._saves.task_done()
 
-    def _verify(self, tokens: np.ndarray, first: int, kv: list, check: tuple, served: Served) -> bool:
+    def _verify(self, session: ModelSession, tokens: np.ndarray, first: int, kv: list, check: tuple,
+                served: Served) -> bool:
         """Compare the rows [start, end) vLLM computed (``kv`` holds tokens from ``first``) with the
         KV kdn stores for them; on a mismatch drop every chunk of the hit (vLLM cannot recompute the
         prefix on the side to tell which one is wrong; the next request recomputes and stores it)."""
         start, end = check
-        load = self.engine.load(self.session, tokens[:end], end, HFTarget())
+        load = self.engine.load(session, tokens[:end], end, HFTarget())
         stored, hit = load.result, load.hit
         verifier = self.engine.chunks.verifier
         tolerance = verifier.tolerance(self.session.layout.torch_dtype, served.lossy or load.lossy)
@@ -534,8 +550,8 @@ class KDNConnector(KVConnectorBase_V1):
         ok = verifier.judge(error, tolerance)
         metrics.count(verify_checks=1, verify_mismatches=0 if ok else 1)
         if not ok:
-            found = self.engine.chunks.find(self.session, tokens[:end], end)
-            keys = self.engine.chunks.drop_chunks(self.session, tokens, found, list(range(len(found.keys))))
+            found = self.engine.chunks.find(session, tokens[:end], end)
+            keys = self.engine.chunks.drop_chunks(session, tokens, found, list(range(len(found.keys))))
             verifier.dropped(keys, f"vLLM's KV of tokens [{start}, {end}) differs from kdn's by {error:.3g} "
                                    f"(tolerance {tolerance:.3g})")
         return ok

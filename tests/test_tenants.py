@@ -1,0 +1,73 @@
+"""Tenants share tiers, never KV: a namespace (config or per call) or a secret is part of every
+key's root, so across tenants there are no hits and no lookup membership, nobody blocks anybody's
+store, and within a tenant every hit is exact (issue 46)."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import full_prefill, random_ids
+from kdn import KDN, InvalidInputError, KDNConfig
+
+CHUNK = 8
+
+
+def test_100_mixed_requests_share_kv_only_within_their_tenant(tiny_llama, tmp_path, redis_server):
+    """Seven tenants on one disk directory and one Redis: no namespace, two config namespaces, two
+    secrets, and two per-call namespaces inside the plain config (a per-call "x" in a plain config is
+    the config namespace "x": one tenant, two doors). Each request's lookup is exactly what its own
+    tenant stored before (0 for a document only other tenants stored), and its answer is a full
+    prefill's."""
+    shared = dict(chunk_size=CHUNK, disk_dir=str(tmp_path / "disk"), remote_url=redis_server.url)
+    plain = KDN(KDNConfig(**shared))
+    plain.remote.clear()
+    faces = {"plain": (plain, None), "call-x": (plain, "x"), "call-y": (plain, "y"),
+             "ns-a": (KDN(KDNConfig(**shared, namespace="a")), None),
+             "ns-x": (KDN(KDNConfig(**shared, namespace="x")), None),
+             "secret-1": (KDN(KDNConfig(**shared, secret="first secret")), None),
+             "secret-2": (KDN(KDNConfig(**shared, secret="second secret")), None)}
+    docs = [random_ids(tiny_llama, 4 * CHUNK + 2 + i, seed=100 + i) for i in range(5)]
+    answers = [tiny_llama.generate(d, max_new_tokens=2, do_sample=False) for d in docs]
+    rng = random.Random(7)
+    stored, cross = set(), 0
+    for _ in range(100):
+        tenant, d = rng.choice(sorted(faces)), rng.randrange(len(docs))
+        cache, namespace = faces[tenant]
+        tenant = "x" if tenant in ("call-x", "ns-x") else tenant
+        expected = 4 * CHUNK if (tenant, d) in stored else 0
+        found = cache.lookup(tiny_llama, docs[d], namespace=namespace)
+        cross += found > expected
+        assert found == expected, (tenant, d, found, expected)
+        out = cache.generate(tiny_llama, docs[d], max_new_tokens=2, do_sample=False, namespace=namespace)
+        assert torch.equal(out, answers[d])
+        assert cache.last_generate["hit_tokens"] == expected
+        cache.flush()
+        stored.add((tenant, d))
+    assert cross == 0 and len({t for t, _ in stored}) == len(faces) - 1
+
+
+def test_a_tenants_hit_is_exact_from_a_new_process_on_the_shared_store(tiny_llama, redis_server):
+    """A new reader of the same tenant (the remote tier only) gets a full prefill's logits; another
+    secret's reader of the same prompt misses, stores its own, and is then served exactly too."""
+    ids = random_ids(tiny_llama, 3 * CHUNK + 1, seed=9)
+    reference, cache = full_prefill(tiny_llama, ids)
+    for secret in ("first secret", "second secret"):
+        config = KDNConfig(chunk_size=CHUNK, remote_url=redis_server.url, secret=secret, namespace="docs")
+        writer = KDN(config)
+        assert writer.lookup(tiny_llama, ids) == 0  # the first secret's stores are not seen, nor in the way
+        writer.store(tiny_llama, ids, cache)
+        writer.flush()
+        kv, hit = KDN(config).retrieve(tiny_llama, ids)
+        assert hit == 3 * CHUNK
+        with torch.inference_mode():
+            logits = tiny_llama(ids[:, hit:], past_key_values=kv).logits[0, -1]
+        torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", ["", 7, "x" * 1025])
+def test_a_namespace_is_a_short_non_empty_string(tiny_llama, bad):
+    with pytest.raises(InvalidInputError, match="namespace"):
+        KDNConfig(namespace=bad)
+    with pytest.raises(InvalidInputError, match="namespace"):
+        KDN(KDNConfig(chunk_size=CHUNK)).lookup(tiny_llama, random_ids(tiny_llama, 20), namespace=bad)
