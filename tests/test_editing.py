@@ -214,7 +214,8 @@ def test_nothing_computed_over_an_edited_cache_is_stored(case):
 @pytest.mark.parametrize("spec, why", [("pasta:alpha=0.01", "unknown edit"), ("steer:alpha=0", "alpha must be"),
                                        ("steer:heads=2.5", "heads must be"), ("kvzip:keep=0", "keep must be"),
                                        ("kvzip:keep=1.5", "keep must be"), ("kvzip:keep=abc", "must be a number"),
-                                       ("kvzip:ratio=2", "unknown parameter"), ("", "an edit is")])
+                                       ("kvzip:ratio=2", "unknown parameter"), ("", "an edit is"),
+                                       ("kvzip:keep=0.3,keep=0.9", "keep is given twice")])
 def test_bad_edits_are_typed_errors_and_store_nothing(case, spec, why):
     model, doc, _ = case
     kdn = KDN(KDNConfig(chunk_size=CHUNK))

@@ -71,3 +71,42 @@ def test_a_namespace_is_a_short_non_empty_string(tiny_llama, bad):
         KDNConfig(namespace=bad)
     with pytest.raises(InvalidInputError, match="namespace"):
         KDN(KDNConfig(chunk_size=CHUNK)).lookup(tiny_llama, random_ids(tiny_llama, 20), namespace=bad)
+
+
+def test_encrypted_values_read_back_exactly_and_tell_the_store_nothing(tiny_llama, redis_server):
+    """``encrypt=True``: what the store holds is ciphertext (no 32-byte run of the chunk's KV bytes
+    appears in it), a reader with the secret is served a full prefill's logits (values split into
+    parts too), and a value moved under another chunk's name does not decrypt (a corrupt miss)."""
+    ids = random_ids(tiny_llama, 3 * CHUNK + 1, seed=21)
+    reference, cache = full_prefill(tiny_llama, ids)
+    config = KDNConfig(chunk_size=CHUNK, remote_url=redis_server.url, secret="tenant secret", encrypt=True,
+                       remote_part_bytes=4096)
+    writer = KDN(config)
+    writer.remote.clear()
+    writer.store(tiny_llama, ids, cache)
+    writer.flush()
+    keys = writer.chunk_keys(tiny_llama, ids)
+    plain = bytes(writer.memory.get(keys[0]))
+    stored = b"".join(bytes(v) for v in writer.remote.transport.get(
+        [writer.remote.redis_key(keys[0])] + [f"{writer.remote.redis_key(keys[0])}:p{i}" for i in range(1, 5)]) if v)
+    payload = plain[len(plain) // 2:]
+    assert len(stored) > len(plain) // 2 and not any(payload[i:i + 32] in stored for i in range(0, len(payload) - 32, 32))
+
+    reader = KDN(config)
+    kv, hit = reader.retrieve(tiny_llama, ids)
+    assert hit == 3 * CHUNK
+    with torch.inference_mode():
+        logits = tiny_llama(ids[:, hit:], past_key_values=kv).logits[0, -1]
+    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
+
+    moved = KDN(config)  # the second chunk's value copied under the first's name (parts and all)
+    tier = moved.remote
+    first, second = tier.redis_key(keys[0]), tier.redis_key(keys[1])
+    names = [second] + [f"{second}:p{i}" for i in range(1, 5)]
+    tier.transport.put([(n.replace(second, first), v) for n, v in zip(names, tier.transport.get(names)) if v], None)
+    assert moved.retrieve(tiny_llama, ids)[1] == 0 and tier.stats()["corrupt"] == 1
+
+
+def test_encrypt_needs_a_secret():
+    with pytest.raises(InvalidInputError, match="encrypt=True needs a secret"):
+        KDNConfig(encrypt=True)

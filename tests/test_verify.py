@@ -238,3 +238,16 @@ def test_a_forged_pointer_is_never_followed(stories, forgery):
     with torch.inference_mode():
         served = model(reader[:, hit:], past_key_values=cache).logits[0, -1]
     assert float((served - full_prefill(model, reader)[0]).abs().max()) < 1e-3
+
+
+def test_kdn_verify_that_checked_nothing_says_so_and_fails(stories, tmp_path, capsys):
+    """A store written with ``probe_step == chunk_size`` has no pointers, so no prompt can be rebuilt:
+    ``kdn verify`` says it checked nothing and exits 1 (it exited 0, as if the store were sound)."""
+    from kdn.cli import main
+
+    model, _ = stories
+    folder = str(tmp_path / "kv")
+    _stored_store(model, {"disk_dir": folder, "probe_step": 32})
+    assert main(["verify", folder, "--model", "stories260k", "--chunk-size", "32"]) == 1
+    err = capsys.readouterr().err
+    assert "checked nothing" in err and "chunk_size == probe_step" in err

@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         except (InstallFailed, qwen.InstallFailed) as e:
             print(f"kdn install: {e}", file=sys.stderr)
             return 1
+        except OSError as e:  # e.g. the disk filled while converting: one line, not a traceback
+            print(f"kdn install: {args.model}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""),
+                  file=sys.stderr)
+            return 1
     elif args.command == "demo":
         if not args.no_install:
             try:
@@ -203,8 +207,8 @@ def unknown_model(name: str) -> str | None:
 
 
 def run_verify_command(args) -> int:
-    """``kdn verify``: 0 when every recomputed chunk matches, 1 when some differ, 2 when the store or
-    the arguments cannot be used (one line on stderr)."""
+    """``kdn verify``: 0 when every recomputed chunk matches, 1 when some differ or nothing could be
+    checked, 2 when the store or the arguments cannot be used (one line on stderr)."""
     from tqdm import tqdm
 
     from kdn import KDN
@@ -244,9 +248,12 @@ def run_verify_command(args) -> int:
           "not checked")
     for key in report.mismatches:
         print(f"  mismatch {key.hex()}" + (" (dropped)" if key in report.dropped else ""))
-    if report.prompts == 0:
-        print("  no prompt of this model could be rebuilt (a store written with probe_step=0, another model, "
-              "or another --chunk-size?)")
+    if report.checked == 0:  # nothing was compared: not a pass
+        why = ("no prompt of this model could be rebuilt from pointers (pointers are written when probe_step < "
+               "chunk_size: a store written with chunk_size == probe_step or probe_step=0 has none; or another "
+               "model, or another --chunk-size?)" if report.prompts == 0 else "no rebuilt prompt could be read back")
+        print(f"kdn verify: checked nothing: {why}", file=sys.stderr)
+        return 1
     return 1 if report.mismatches else 0
 
 

@@ -105,6 +105,11 @@ class KDNConfig:
             disk files and remote values then carry a keyed BLAKE3 tag, verified on every read,
             so bytes written without the secret are misses. Never printed. Default None (plain
             XXH64 checksums: they catch corruption, not forgery).
+        encrypt: store remote values encrypted (AES-256-GCM, ``pip install 'kdn[crypto]'``) under keys
+            derived from ``secret`` and each chunk's key (so no two tenants share a key), with the
+            value's name as associated data: a store's operator reads no KV, and a value moved
+            under another name does not decrypt. Needs ``secret``; the key is never logged. Values
+            are then read whole (no byte ranges). Default False.
         namespace: the tenant this process' KV belongs to (a string, e.g. a customer id): it enters the
             root of every key, so processes in different namespaces sharing tiers neither hit nor
             see each other's KV (vLLM's ``cache_salt`` and the facade's per-call ``namespace=``
@@ -185,6 +190,7 @@ class KDNConfig:
     disk_shared: bool = False
     secret: str | None = dataclasses.field(default=None, repr=False)
     namespace: str | None = None
+    encrypt: bool = False
 
     def __post_init__(self):
         for name in _SIZE_FIELDS:
@@ -218,7 +224,10 @@ class KDNConfig:
                               ("write_policy", WRITE_POLICIES), ("delivery", DELIVERY_MODES)):
             if getattr(self, name) not in choices:
                 raise InvalidInputError(f"KDNConfig.{name}={getattr(self, name)!r}; choose one of {', '.join(choices)}")
-        for name in ("disk_fsync", "disk_shared"):
+        if self.encrypt and self.secret is None:
+            raise InvalidInputError("KDNConfig.encrypt=True needs a secret (its keys derive from it): set "
+                                    "KDNConfig.secret or $KDN_SECRET")
+        for name in ("disk_fsync", "disk_shared", "encrypt"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"KDNConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.namespace is not None:

@@ -84,10 +84,14 @@ def parse(spec) -> Edit:
         raise InvalidInputError(f"unknown edit {name!r}; known edits: {', '.join(sorted(EDITS))}")
     version, known = EDITS[name]
     values = {k: default for k, (default, _, _) in known.items()}
+    given = set()
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = item.partition("=")
         if key not in known or not eq:
             raise InvalidInputError(f"edit {name}: unknown parameter {item!r}; parameters: {', '.join(known)}")
+        if key in given:
+            raise InvalidInputError(f"edit {name}: {key} is given twice in {spec!r}")
+        given.add(key)
         try:
             number = float(value)
         except ValueError:

@@ -65,6 +65,7 @@ class ModelSession:
         shared with another namespace; ``None``: this session itself.
 
         Example:
+            >>> session = kdn.KDN(kdn.KDNConfig(chunk_size=16)).session(model)
             >>> session.within(None) is session, session.within("tenant-b").fingerprint != session.fingerprint
             (True, True)
         """

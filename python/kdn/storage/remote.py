@@ -7,6 +7,7 @@ import collections
 import hashlib
 import hmac
 import logging
+import os
 import re
 import struct
 import threading
@@ -101,12 +102,13 @@ class RemoteTier(Tier):
 
     def __init__(self, url: str, timeout: float = 1.0, ttl: float | None = None, part_bytes: int = 16 << 20,
                  queue_bytes: int = 256 << 20, retry_seconds: float = 5.0, codec: str = "raw", mac_key: bytes = b"",
-                 levels: tuple = (), transport: RemoteTransport | None = None):
+                 levels: tuple = (), transport: RemoteTransport | None = None, encrypt: bool = False):
         self.codec = codecs.parse(codec).spec
         self.levels = tuple(s for s in dict.fromkeys(codecs.parse(c).spec for c in levels) if s != self.codec)
         if mac_key and len(mac_key) != 32:
             raise InvalidInputError("remote tier: mac_key must be 32 bytes")
         self._mac_key = bytes(mac_key)
+        self._sealer = _Sealer(self._mac_key) if encrypt else None
         self.url, self.ttl, self.part_bytes, self.queue_bytes = url, ttl, part_bytes, queue_bytes
         self.transport = transport if transport is not None else open_transport(url, timeout)
         self.cluster = self.transport.cluster
@@ -134,11 +136,13 @@ class RemoteTier(Tier):
     def redis_key(key: bytes) -> str:
         return f"kdn:{FORMAT}:{{{key.hex()}}}"
 
-    def _encode(self, blob) -> list:
-        """[value] or [manifest, part1, ...] for one blob, as views of its bytes (no copies; one
-        copy in keyed mode, where the blob's tag is appended)."""
+    def _encode(self, blob, key: bytes, name: str) -> list:
+        """[value] or [manifest, part1, ...] for one blob filed under ``key`` as ``name``, as views of
+        its bytes (no copies; one copy in keyed mode, where the blob's tag is appended, or sealed)."""
         data = memoryview(blob).cast("B")
-        if self._mac_key:
+        if self._sealer is not None:
+            data = memoryview(self._sealer.seal(key, name, data))
+        elif self._mac_key:
             data = memoryview(bytes(data) + _core.blake3(data, _TAG_BYTES, key=self._mac_key))
         if len(data) <= self.part_bytes:
             return [data]
@@ -149,7 +153,11 @@ class RemoteTier(Tier):
         """A verified Buffer from a stored value (bytes, or the list of its parts), or None (counted as corrupt)."""
         if not isinstance(value, list) and len(value) > self.part_bytes:
             return self._corrupt(key, f"a value of {len(value)} bytes, more than this tier writes ({self.part_bytes})")
-        if self._mac_key:
+        if self._sealer is not None:
+            value = self._sealer.open(key, self.redis_key(key), value)
+            if value is None:
+                return self._corrupt(key, "does not decrypt (written without the secret, under another name, or altered)")
+        elif self._mac_key:
             value = b"".join(value) if isinstance(value, list) else bytes(value)
             body, tag = value[:-_TAG_BYTES], value[-_TAG_BYTES:]
             if len(value) <= _TAG_BYTES or not hmac.compare_digest(tag, _core.blake3(body, _TAG_BYTES,
@@ -304,21 +312,26 @@ class RemoteTier(Tier):
         return True
 
     def _send(self, blobs: list) -> bool:
-        # each blob in this tier's codec, then in each delivery level: (name, blob, codec) to send
-        todo = [(self.redis_key(codecs.stored_key(b, c)), b, c) for b in blobs for c in (self.codec, *self.levels)]
-        todo = list({name: (name, b, c) for name, b, c in reversed(todo)}.values())[::-1]  # a pointer has one name
+        # each blob in this tier's codec, then in each delivery level: (name, key, blob, codec) to send,
+        # the first blob filed under each name (a pointer has one name in every codec)
+        named: dict = {}
+        for b in blobs:
+            for c in (self.codec, *self.levels):
+                k = codecs.stored_key(b, c)
+                named.setdefault(self.redis_key(k), (k, b, c))
+        todo = [(name, *item) for name, item in named.items()]
 
         def run():
-            present = self.transport.exists([name for name, _, _ in todo])
+            present = self.transport.exists([name for name, _, _, _ in todo])
             with self._cv:
-                bad = {name: self._bad.pop(name) for name, _, _ in todo if name in self._bad}
+                bad = {name: self._bad.pop(name) for name, _, _, _ in todo if name in self._bad}
             items, repairs, sent = [], [], 0
-            for (name, blob, codec), there in zip(todo, present):
+            for (name, key, blob, codec), there in zip(todo, present):
                 repair = there and name in bad and self.transport.supports_compare_and_set
                 coded = None if there and not repair else self._coded(blob, codec)  # only what the store lacks
                 if coded is None:
                     continue
-                values = self._encode(coded)
+                values = self._encode(coded, key, name)
                 items += list(zip(_part_names(name, len(values) - 1), values[1:]))  # parts before their manifest
                 if repair:  # replaces the unverifiable value only if it is still the one read
                     repairs.append((name, bad[name], values[0]))
@@ -342,7 +355,7 @@ class RemoteTier(Tier):
     def range_readable(self) -> bool:
         """Whether values can be read in byte ranges (the transport can, and not in keyed mode: a
         tag covers a whole value)."""
-        return self.transport.supports_ranges and not self._mac_key
+        return self.transport.supports_ranges and not self._mac_key and self._sealer is None
 
     def read_ranges(self, requests: list) -> list | None:
         """Byte ranges of stored values in one pipelined round trip: ``(key, start, end)`` per range,
@@ -508,6 +521,43 @@ class RemoteTier(Tier):
                 "replaced": self._stats["replaced"], "bad_claims": self._stats["bad_claims"],
                 "queued_entries": queued, "queued_bytes": queued_bytes, "state": self._breaker.state,
                 "url": redact(self.url), "cluster": self.cluster}
+
+
+class _Sealer:
+    """AES-256-GCM for values at rest: a key per chunk (BLAKE3 keyed by the secret's key over the
+    chunk's key), a random 96-bit nonce per value (stored before the ciphertext), the value's name as
+    associated data. Nothing of the key is ever logged."""
+
+    NONCE = 12
+
+    def __init__(self, mac_key: bytes):
+        try:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        except ImportError:
+            raise InvalidInputError("encrypt=True needs the cryptography package: pip install 'kdn[crypto]'") from None
+        if not mac_key:
+            raise InvalidInputError("encrypt=True needs a secret (its keys derive from it)")
+        self._aead, self._master = AESGCM, _core.blake3(b"kdn/encrypt\0" + mac_key, 32)
+
+    def _cipher(self, key: bytes):
+        return self._aead(_core.blake3(key, 32, key=self._master))
+
+    def seal(self, key: bytes, name: str, data) -> bytes:
+        nonce = os.urandom(self.NONCE)
+        return nonce + self._cipher(key).encrypt(nonce, data, name.encode())
+
+    def open(self, key: bytes, name: str, value):
+        """The plaintext of a sealed ``value`` (bytes, or the list of its parts), or None."""
+        from cryptography.exceptions import InvalidTag
+
+        data = _core.buffer_join(value) if isinstance(value, list) else value
+        view = memoryview(data).cast("B")
+        if len(view) <= self.NONCE + 16:
+            return None
+        try:
+            return self._cipher(key).decrypt(view[:self.NONCE], view[self.NONCE:], name.encode())
+        except InvalidTag:
+            return None
 
 
 def _part_names(name: str, parts: int) -> list[str]:
