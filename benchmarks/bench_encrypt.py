@@ -102,7 +102,8 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_result(out_dir / "bench_encrypt.json", {"tokens": args.tokens, "repeats": args.repeats, "rows": rows,
-                                                  "times": times, "aes_gcm_decrypt_gbs": len(plaintext) / per_chunk / 1e9})
+                                                  "times": times,
+                                                  "aes_gcm_decrypt_gbs": len(plaintext) / per_chunk / 1e9})
     print(f"\nwrote {out_dir / 'bench_encrypt.json'}")
 
 

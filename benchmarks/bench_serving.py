@@ -28,6 +28,13 @@ requests / misses). Needs the vLLM venv (.ci/vllm-env) and redis-server.
     python benchmarks/bench_serving.py --docs 2,8,32 --concurrency 4 --out benchmarks/results/serving
     python benchmarks/bench_serving.py --docs 8 --concurrency 1,4,16 --workloads docqa
     python benchmarks/bench_serving.py --merge a/bench_serving.json b/bench_serving.json --out merged
+
+Chaos (issue 46; benchmarks/serving_chaos.py): ``--chaos plant@5,stop@10+30,restart@55`` runs the
+kdn-redis configuration while its redis-server has values planted, is SIGSTOPped and is restarted,
+vLLM alone serving every request of the run too (replies compared), and prints the targets:
+
+    python benchmarks/bench_serving.py --docs 8 --questions 8 --concurrency 4 --workloads docqa \
+        --configs vllm,kdn-redis --chaos plant@5,stop@10+30,restart@55 --out benchmarks/results/serving/chaos
 """
 
 from __future__ import annotations
@@ -164,6 +171,7 @@ def start(config: str, python: str, model: str, tmp: Path, args, kv_bytes: int, 
         kdn["memory_policy"] = "s3fifo"
     if config == "kdn-redis":
         kdn["remote_url"] = redis_url
+        kdn["remote_timeout"] = args.remote_timeout
         return [VLLMServer(python, model, tmp / f"{config}-{i}.log", kdn=kdn, **common) for i in range(2)]
     return [VLLMServer(python, model, tmp / f"{config}.log", kdn=kdn, **common)]
 
@@ -204,12 +212,20 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "qwen2.5-coder-0.5b"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_out/serving")
+    parser.add_argument("--chaos", default="", help="a chaos schedule for the kdn-redis runs (see above)")
+    parser.add_argument("--remote-timeout", type=float, default=1.0, help="kdn's remote_timeout (kdn-redis)")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="only redraw the table and plot of earlier "
                                                                    "runs' bench_serving.json files, into --out")
     args = parser.parse_args()
     unknown = set(args.configs.split(",")) - set(CONFIGS + EXTRA_CONFIGS)
     if unknown:
         parser.error(f"unknown configuration(s) {sorted(unknown)}; known: {', '.join(CONFIGS + EXTRA_CONFIGS)}")
+    if args.chaos:
+        from serving_chaos import parse
+
+        events = parse(args.chaos)
+        if not {"vllm", "kdn-redis"} <= set(args.configs.split(",")):
+            parser.error("--chaos runs kdn-redis against vllm alone: name both in --configs")
     if args.merge:
         rows = bound([r for path in args.merge for r in json.loads(Path(path).read_text())["rows"]])
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -238,6 +254,7 @@ def main() -> None:
     print(f"engine KV space {kv_bytes / 2**20:.0f} MiB ({args.kv_docs:g} documents of {args.tokens} tokens); "
           f"kdn memory tier {kdn_bytes / 2**20:.0f} MiB", flush=True)
     rows: list[dict] = []
+    records: dict = {}  # (config, workload, n, concurrency) -> the run's records (chaos runs)
     out_dir = Path(args.out)
     with tempfile.TemporaryDirectory() as tmp:
         redis = RedisServer(Path(tmp) / "redis")
@@ -254,17 +271,27 @@ def main() -> None:
                         docs_of = None
                         if workload == "docqa":
                             prompts, docs_of = work.docqa(n, args.questions, args.tokens, args.zipf)
-                            if config == "vllm":
+                            if config == "vllm" and not args.chaos:  # chaos: every reply compared
                                 prompts, docs_of = prompts[: args.vllm_sample], docs_of[: args.vllm_sample]
                             job["prompts"] = prompts
                         else:
                             job["sessions"], job["turns"] = work.chat(n, args.rounds, args.chat_tokens)
+                        job["keep_replies"] = bool(args.chaos)
+                        chaos = None
+                        if args.chaos and config == "kdn-redis":
+                            from serving_chaos import Chaos
+
+                            chaos = Chaos(redis, events)
+                            chaos.start()
                         before = kdn_counters(servers)
                         result = drive(python, job)
                         after = kdn_counters(servers)
+                        records[(config, workload, n, c)] = result
                         row = {"config": config, "workload": workload, "n": n, "concurrency": c,
                                **summarise(result, args.tokens, docs_of, chunk),
                                "kdn": {k: after[k] - before.get(k, 0.0) for k in after}}
+                        if chaos is not None:
+                            row["chaos"] = judged(chaos, result, records.get(("vllm", workload, n, c)), args)
                         rows.append(row)
                         print(line(row), flush=True)
                         save_result(out_dir / "bench_serving.json", {"args": vars(args), "rows": bound(rows)})
@@ -278,6 +305,26 @@ def main() -> None:
     (out_dir / "bench_serving.md").write_text(table(rows) + "\n")
     plot(rows, out_dir / "bench_serving.png")
     print("saved", out_dir)
+
+
+def judged(chaos, result: dict, alone: dict | None, args) -> dict:
+    """The chaos run's events (in the clients' time) and its targets against vLLM alone's run."""
+    from serving_chaos import judge
+
+    log = chaos.finish()
+    shift = chaos.epoch0 - result["t0_epoch"]  # chaos times -> the clients' clock
+    for event in log:
+        event["start"] += shift
+        event["end"] += shift
+    out = {"events": log, "schedule": args.chaos,
+           "per_request": [{k: r.get(k) for k in ("start", "ttft", "latency", "cached_tokens", "server", "error")}
+                           for r in result["records"]]}
+    if alone is not None:
+        out.update(judge(result["records"], alone["records"], log, args.remote_timeout))
+        print("chaos: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                    for k, v in out.items() if k not in ("events", "per_request", "schedule")),
+              flush=True)
+    return out
 
 
 def bound(rows: list[dict]) -> list[dict]:

@@ -6,6 +6,7 @@ Job: ``{"urls": [...], "model": DIR, "concurrency": C, "max_tokens": M, "workloa
 "prompts": [[ids], ...]}`` (prompts sent in order, at most C in flight, request i to server
 i % len(urls)) or ``{"workload": "chat", "sessions": [[opening ids], ...], "turns": [[ids], ...]}``
 (round r: every session sends its history + turn r, C at a time; its reply joins its history).
+``"keep_replies": true`` keeps each request's reply token ids in its record.
 
     python benchmarks/serving_client.py job.json
 """
@@ -63,7 +64,7 @@ async def main(job: dict) -> dict:
 
     clients = [AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=3600, max_retries=0)
                for url in job["urls"]]
-    t0 = time.perf_counter()
+    t0, t0_epoch = time.perf_counter(), time.time()
     if job["workload"] == "docqa":
         records = await run_all(clients, job, job["prompts"])
     else:  # chat: rounds; a session's reply joins its history before its next turn
@@ -78,9 +79,10 @@ async def main(job: dict) -> dict:
             records += done
     wall = time.perf_counter() - t0
     for rec in records:
-        rec.pop("reply", None)
+        if not job.get("keep_replies"):
+            rec.pop("reply", None)
         rec["start"] = rec.get("start", t0) - t0
-    return {"wall": wall, "records": records}
+    return {"wall": wall, "t0_epoch": t0_epoch, "records": records}
 
 
 if __name__ == "__main__":

@@ -496,7 +496,8 @@ def claim_lease(model: str, url: str) -> dict:
         a.io.flush()
         after, _ = b.step({"b": truth_b})
         renewed = {"b_while_a_runs": waits, "b_after": after.fresh,
-                   "b_loads": [[s.req_id, s.start, s.end] for s in after.loads], **_exact(b, doc + _tokens(20, 75), truth_b)}
+                   "b_loads": [[s.req_id, s.start, s.end] for s in after.loads],
+                   **_exact(b, doc + _tokens(20, 75), truth_b)}
 
         doc2 = _tokens(600, 76)
         a.request("a2", doc2 + _tokens(20, 77))
@@ -529,7 +530,8 @@ def salted(model: str) -> dict:
     tokens = np.asarray(doc, dtype=np.uint32)
     return {"first": first.fresh, "others": sorted(others.fresh), "others_loads": len(others.loads),
             "same_loads": [[s.req_id, s.start, s.end] for s in same.loads],
-            "held": {salt or "none": lookup(h.session.within(salt), tokens, 600) for salt in ("tenant-a", "tenant-b", None)}}
+            "held": {salt or "none": lookup(h.session.within(salt), tokens, 600)
+                     for salt in ("tenant-a", "tenant-b", None)}}
 
 
 if __name__ == "__main__":

@@ -156,7 +156,8 @@ class RemoteTier(Tier):
         if self._sealer is not None:
             value = self._sealer.open(key, self.redis_key(key), value)
             if value is None:
-                return self._corrupt(key, "does not decrypt (written without the secret, under another name, or altered)")
+                return self._corrupt(key, "does not decrypt (written without the secret, under another name, "
+                                          "or altered)")
         elif self._mac_key:
             value = b"".join(value) if isinstance(value, list) else bytes(value)
             body, tag = value[:-_TAG_BYTES], value[-_TAG_BYTES:]
@@ -488,8 +489,8 @@ class RemoteTier(Tier):
         self._stats["bad_claims"] += 1
         if self._stats["bad_claims"] == 1:
             log.warning("kdn remote tier: removed a claim kdn would not write (%s, %s ms to live); claims are "
-                        "leases of at most %g s", "a printable owner" if _OWNER.fullmatch(held) else "an unreadable owner",
-                        left, CLAIM_MAX_TTL_S)
+                        "leases of at most %g s",
+                        "a printable owner" if _OWNER.fullmatch(held) else "an unreadable owner", left, CLAIM_MAX_TTL_S)
         self.transport.delete([name])
         return None
 
