@@ -124,6 +124,35 @@ def test_an_outage_makes_a_claim_unknown_never_held(tmp_path):
         server.stop()
 
 
+def test_an_outage_costs_the_callers_one_timeout_and_a_probe_finds_the_store_back(tmp_path):
+    """After the first call that times out, no caller waits on a stopped store again (a background
+    thread probes it every ``retry_seconds`` instead of a caller's call); when it is back, the next
+    probe closes the breaker and reads hit again."""
+    require_redis()
+    server = RedisServer(tmp_path / "redis")
+    try:
+        tier = RemoteTier(server.url, timeout=0.3, retry_seconds=0.4)
+        assert tier.put(key(1), blob_for(1), wait=True)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            waits = []
+            end = time.monotonic() + 1.5  # several probe periods
+            while time.monotonic() < end:
+                start = time.monotonic()
+                assert tier.get_many([key(1)]) == [None]
+                waits.append(time.monotonic() - start)
+                time.sleep(0.05)
+            assert waits[0] < 0.3 * 1.1 + 0.1 and max(waits[1:]) < 0.05 and tier.stats()["state"] == "down"
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 0.4 + 0.3 + 1.0
+        while tier.stats()["state"] != "ok" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tier.stats()["state"] == "ok" and bytes(tier.get_many([key(1)])[0]) == bytes(blob_for(1))
+    finally:
+        server.stop()
+
+
 # -- values planted in a shared store -------------------------------------------------------------
 @pytest.mark.parametrize("forge", ["no ttl", "a day", "not utf-8", "too long an owner"])
 def test_a_claim_kdn_would_not_write_holds_no_one(redis_server, forge):

@@ -90,7 +90,8 @@ class KDNConfig:
         remote_part_bytes: values above this are split into parts (default 16 MiB).
         remote_queue_bytes: bound of the asynchronous send queue; beyond it stores are dropped
             and counted (default 256 MiB).
-        remote_retry_seconds: after a failure the store is skipped this long, then retried (default 5).
+        remote_retry_seconds: after a failure the store is skipped (no call waits on it) while a
+            background thread probes it this often; the first probe that answers brings it back (default 5).
         memory_codec, disk_codec, remote_codec: the KV codec each tier stores chunks with
             (:mod:`kdn.codecs`): ``"raw"`` (default everywhere: exact and fastest), ``"lossless"``
             (bit-exact, smaller), or lossy ``"int8"``, ``"int4"``, ``"int2"``, ``"cachegen"``

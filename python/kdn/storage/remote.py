@@ -35,26 +35,42 @@ _BAD_NAMES = 4096  # unverifiable values remembered for repair (their names and 
 
 
 class _Breaker:
-    """Circuit breaker: after a failure, calls are skipped for ``retry_seconds``, then one is tried."""
+    """Circuit breaker: after a failure every call is skipped (no caller waits on a store that is
+    down) while a background thread probes the store every ``retry_seconds``; the first probe that
+    succeeds closes it. So an outage costs the callers one timeout, not one per ``retry_seconds``."""
 
-    def __init__(self, url: str, retry_seconds: float):
-        self.url, self.retry_seconds = url, retry_seconds
-        self.open_until, self.down_since = 0.0, None
+    def __init__(self, url: str, retry_seconds: float, probe):
+        self.url, self.retry_seconds, self._probe = url, retry_seconds, probe
+        self.down_since = None
+        self._lock = threading.Lock()
 
     def allow(self) -> bool:
-        return time.monotonic() >= self.open_until
+        return self.down_since is None
 
     def failure(self, error: Exception) -> None:
-        self.open_until = time.monotonic() + self.retry_seconds
-        if self.down_since is None:
+        with self._lock:
+            if self.down_since is not None:
+                return
             self.down_since = time.monotonic()
-            log.warning("kdn remote tier %s unreachable (%s: %s); lookups miss and stores are dropped, "
-                        "retrying every %.0f s", redact(self.url), type(error).__name__, error, self.retry_seconds)
+        log.warning("kdn remote tier %s unreachable (%s: %s); lookups miss and stores are dropped, "
+                    "probing every %.0f s", redact(self.url), type(error).__name__, error, self.retry_seconds)
+        threading.Thread(target=self._probe_until_back, name="kdn-remote-probe", daemon=True).start()
+
+    def _probe_until_back(self) -> None:
+        while True:
+            time.sleep(self.retry_seconds)
+            try:
+                self._probe()
+            except Exception:  # still down (or refusing): probe again later
+                continue
+            self.success()
+            return
 
     def success(self) -> None:
-        if self.down_since is not None:
-            log.warning("kdn remote tier %s is back after %.1f s", redact(self.url), time.monotonic() - self.down_since)
-            self.down_since = None
+        with self._lock:
+            since, self.down_since = self.down_since, None
+        if since is not None:
+            log.warning("kdn remote tier %s is back after %.1f s", redact(self.url), time.monotonic() - since)
 
     @property
     def state(self) -> str:
@@ -73,7 +89,8 @@ class RemoteTier(Tier):
       background thread sends in pipelined batches, skipping keys already present; a full queue
       drops the blob and counts it.
     * Never raises after start-up: a down or slow store makes lookups miss and stores drop, counted
-      in ``stats()``; a circuit breaker then skips the store for ``retry_seconds`` and one warning is
+      in ``stats()``; a circuit breaker then skips the store (no caller waits on it) while a background
+      thread probes it every ``retry_seconds``, and one warning is
       logged; calls resume by themselves when it is back. At start-up a bad URL or a refused
       password is an :class:`InvalidInputError` (an unreachable server is only a warning).
     * Values above ``part_bytes`` are split into parts stored under the same hash tag (one cluster
@@ -113,7 +130,7 @@ class RemoteTier(Tier):
         self.transport = transport if transport is not None else open_transport(url, timeout)
         self.cluster = self.transport.cluster
         self.transport.max_value_bytes = part_bytes  # no value this tier writes is larger (part of the protocol)
-        self._breaker = _Breaker(url, retry_seconds)
+        self._breaker = _Breaker(url, retry_seconds, self.transport.ping)
         self._stats = collections.Counter()
         self._queue: collections.deque = collections.deque()
         self._queued_bytes, self._sending = 0, False
