@@ -108,6 +108,20 @@ def test_encrypted_values_read_back_exactly_and_tell_the_store_nothing(tiny_llam
     assert moved.retrieve(tiny_llama, ids)[1] == 0 and tier.stats()["corrupt"] == 1
 
 
+def test_an_encrypted_and_a_tagged_store_of_one_secret_never_share_a_name(tiny_llama, redis_server):
+    """The same secret with and without ``encrypt``: two formats of value, so two sets of names (a
+    tagged writer's values would not decrypt, and a sealed writer must not be blocked by them)."""
+    ids = random_ids(tiny_llama, 2 * CHUNK + 1, seed=22)
+    cache = full_prefill(tiny_llama, ids)[1]
+    for encrypt in (False, True):
+        config = KDNConfig(chunk_size=CHUNK, remote_url=redis_server.url, secret="one secret", encrypt=encrypt)
+        writer = KDN(config)
+        assert writer.lookup(tiny_llama, ids) == 0
+        writer.store(tiny_llama, ids, cache)
+        writer.flush()
+        assert KDN(config).retrieve(tiny_llama, ids)[1] == 2 * CHUNK
+
+
 def test_encrypt_needs_a_secret():
     with pytest.raises(InvalidInputError, match="encrypt=True needs a secret"):
         KDNConfig(encrypt=True)

@@ -300,6 +300,17 @@ class KDNConfig:
         raw = self.secret.encode() if isinstance(self.secret, str) else bytes(self.secret)
         return _core.blake3(b"kdn/mac-key\0" + raw, 32)
 
+    def tenant_key(self) -> bytes:
+        """The key every chunk key's root derives from (:func:`kdn.keys.tenant_fingerprint`): the
+        secret's (b"" without one), another when remote values are encrypted, so a store written
+        sealed and one written tagged never share a name."""
+        key = self.mac_key()
+        if key and self.encrypt:
+            from kdn import _core
+
+            key = _core.blake3(b"kdn/sealed\0" + key, 32)
+        return key
+
     def lossy_codecs(self) -> tuple:
         """The lossy codec specs whose chunks this process reads: its tiers' own, then ``accept_codecs``."""
         from kdn import codecs

@@ -61,7 +61,7 @@ class Engine:
         self.chunks = ChunkIO(tiers if tiers is not None else TierManager(config))
         self.delivery = Deliverer(self.chunks, config)
         self.sessions = Sessions(config.chunk_size, min(config.probe_step, config.chunk_size),
-                                 on_new=self.chunks.load_calibration, namespace=config.namespace, key=config.mac_key())
+                                 on_new=self.chunks.load_calibration, namespace=config.namespace, key=config.tenant_key())
 
     def session(self, model, namespace: str | None = None) -> ModelSession:
         """The engine's view of a live model: KV layout, fingerprint, prefix and segment keys, in the
@@ -72,7 +72,7 @@ class Engine:
         """The session of a model known by its checkpoint's ``fingerprint``
         (:func:`kdn.keys.checkpoint_fingerprint`; a vLLM scheduler has no weights), in the config's tenant."""
         config = self.config
-        return ModelSession(layout, tenant_fingerprint(fingerprint, config.namespace, config.mac_key()),
+        return ModelSession(layout, tenant_fingerprint(fingerprint, config.namespace, config.tenant_key()),
                             config.chunk_size, min(config.probe_step, config.chunk_size))
 
     def lookup(self, session: ModelSession, tokens, limit: int) -> int:

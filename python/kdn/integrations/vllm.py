@@ -159,7 +159,7 @@ def _store_for(config: KDNConfig, vllm_config) -> tuple[Engine, ModelSession, st
     """This process' engine and session for (config, model), and the lookup socket both of vLLM's
     processes derive for them (the engine id names one vLLM engine)."""
     model = vllm_config.model_config
-    key = (repr(config), config.mac_key(), str(model.model), str(model.dtype))  # repr hides the secret
+    key = (repr(config), config.tenant_key(), str(model.model), str(model.dtype))  # repr hides the secret
     with _stores_lock:
         if key not in _stores:
             engine = Engine(config)
