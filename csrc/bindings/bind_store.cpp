@@ -72,6 +72,15 @@ void bind_store(py::module_& m) {
   py::class_<Buffer, BufferPtr>(m, "Buffer", py::buffer_protocol(),
                                 "Immutable reference-counted bytes (a blob); supports memoryview().")
       .def(py::init([](py::handle data) { return buffer_from_object(data); }), py::arg("data"))
+      .def_static(
+          "empty",
+          [](size_t size) {
+            KDN_CHECK_INPUT(size <= (size_t(1) << 40), "Buffer.empty: size " + std::to_string(size) + " is too large");
+            return std::make_shared<Buffer>(size, /*writable=*/true);
+          },
+          py::arg("size"),
+          "A writable Buffer of size bytes (uninitialised) for a producer to fill in place; freeze() it when filled.")
+      .def("freeze", &Buffer::freeze, "Read-only from now on (a filled Buffer that becomes a blob).")
       .def("__len__", &Buffer::size)
       .def("tobytes", [](const Buffer& b) { return py::bytes(reinterpret_cast<const char*>(b.data()), b.size()); })
       .def_property_readonly("writable", &Buffer::writable)

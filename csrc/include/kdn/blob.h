@@ -87,6 +87,7 @@ class Buffer {
   const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
   bool writable() const { return writable_; }  // blobs are not; host arrays for tensors are
+  void freeze() { writable_ = false; }  // filled in place (e.g. decrypted into): read-only from now on
   // A blob whose checksum kdn has computed (sealed) or checked since its bytes last changed; its
   // readers may skip re-hashing it. Bytes that arrive from Python or a file start unverified.
   bool verified() const { return verified_.load(std::memory_order_acquire); }

@@ -572,8 +572,15 @@ class _Sealer:
         view = memoryview(data).cast("B")
         if len(view) <= self.NONCE + 16:
             return None
+        cipher, nonce, sealed, aad = self._cipher(key), view[:self.NONCE], view[self.NONCE:], name.encode()
         try:
-            return self._cipher(key).decrypt(view[:self.NONCE], view[self.NONCE:], name.encode())
+            if not hasattr(cipher, "decrypt_into"):  # cryptography < 44
+                return cipher.decrypt(nonce, sealed, aad)
+            out = _core.Buffer.empty(len(sealed) - 16)  # the plaintext straight into a Buffer: no copy
+            with memoryview(out) as target:
+                cipher.decrypt_into(nonce, sealed, aad, target)
+            out.freeze()
+            return out
         except InvalidTag:
             return None
 
