@@ -4,7 +4,7 @@ It speaks enough RESP for kdn's clients (PING, CLIENT, SET, EXISTS, DEL, PTTL, G
 holds values in a dict; ``mode`` says how it misbehaves on GET and GETRANGE:
 
 * ``"honest"``: answers as Redis would;
-* ``"trickle"``: sends the right reply one byte every ``delay`` seconds;
+* ``"trickle"``: sends the right reply one byte every ``delay`` seconds (EXISTS and SET too);
 * ``"long-line"``: sends ``line_bytes`` bytes with no CRLF;
 * ``"huge-bulk"``: announces a bulk string far longer than was asked, then sends its bytes;
 * ``"extra-reply"``: sends every reply twice (the second is a reply nobody asked for).
@@ -86,6 +86,12 @@ class HostileRedis:
         conn.sendall(data)
         self.sent += len(data)
 
+    def _trickle(self, conn: socket.socket, reply: bytes) -> None:
+        for i in range(len(reply)):
+            if self._stop.wait(self.delay):
+                return
+            self._send(conn, reply[i:i + 1])
+
     def _answer(self, conn: socket.socket, args: list[bytes]) -> None:
         name = args[0].upper()
         if name in (b"PING",):
@@ -94,9 +100,10 @@ class HostileRedis:
             return self._send(conn, b"+OK\r\n")
         if name == b"SET":
             self.values[args[1]] = args[2]
-            return self._send(conn, b"+OK\r\n")
+            return self._trickle(conn, b"+OK\r\n") if self.mode == "trickle" else self._send(conn, b"+OK\r\n")
         if name in (b"EXISTS", b"DEL"):
-            return self._send(conn, b":%d\r\n" % sum(a in self.values for a in args[1:]))
+            reply = b":%d\r\n" % sum(a in self.values for a in args[1:])
+            return self._trickle(conn, reply) if self.mode == "trickle" else self._send(conn, reply)
         if name == b"PTTL":
             return self._send(conn, b":%d\r\n" % (-1 if args[1] in self.values else -2))
         if name not in (b"GET", b"GETRANGE"):
@@ -106,10 +113,7 @@ class HostileRedis:
             value = (value or b"")[int(args[2]):int(args[3]) + 1]
         reply = _bulk(value)
         if self.mode == "trickle":
-            for i in range(len(reply)):
-                if self._stop.wait(self.delay):
-                    return
-                self._send(conn, reply[i:i + 1])
+            self._trickle(conn, reply)
         elif self.mode == "long-line":
             block = b"A" * (1 << 20)
             for _ in range(self.line_bytes >> 20):

@@ -60,6 +60,24 @@ def test_a_trickling_server_is_cut_off_at_the_calls_deadline():
         assert time.monotonic() - start < TIMEOUT * 1.1 and tier.stats()["state"] == "down"
 
 
+def test_lookups_and_claims_on_a_trickling_server_end_at_the_deadline_too():
+    """EXISTS (every lookup) and claims go through the same client as reads: a server that starts
+    trickling after start-up costs a lookup or a claim the timeout, not the trickle."""
+    with HostileRedis("honest", delay=0.2) as server:
+        tier = RemoteTier(server.url, timeout=TIMEOUT)
+        assert tier.stats()["state"] == "ok"
+        server.mode = "trickle"
+        start = time.monotonic()
+        assert tier.present([key(1), key(2), key(3)]) == [False] * 3
+        assert time.monotonic() - start < TIMEOUT * 1.1 and tier.stats()["state"] == "down"
+    with HostileRedis("honest", delay=0.2) as server:
+        tier = RemoteTier(server.url, timeout=TIMEOUT)
+        server.mode = "trickle"
+        start = time.monotonic()
+        assert tier.claim(key(1), "engine-a", ttl=5) is None
+        assert time.monotonic() - start < TIMEOUT * 1.1
+
+
 def test_a_reply_line_without_an_end_is_cut_off_in_bounded_memory():
     with HostileRedis("long-line", line_bytes=256 * MiB) as server:
         conn = _core.RespConnection("127.0.0.1", server.port, timeout=5.0)

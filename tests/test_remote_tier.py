@@ -35,9 +35,11 @@ def count_round_trips(tier, monkeypatch) -> list:
         return pipe
 
     monkeypatch.setattr(tier.transport.client, "pipeline", pipeline)
-    if tier.transport.direct:  # reads straight into Buffers, outside redis-py: one round trip too
-        get = tier.transport.get
-        monkeypatch.setattr(tier.transport, "get", lambda names: (calls.append("pipeline"), get(names))[1])
+    if tier.transport.direct:  # reads and lookups on kdn's RESP client, outside redis-py: one round trip each
+        for method in ("get", "exists"):
+            call = getattr(tier.transport, method)
+            monkeypatch.setattr(tier.transport, method,
+                                lambda names, call=call: (calls.append("pipeline"), call(names))[1])
     return calls
 
 

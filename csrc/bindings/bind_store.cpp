@@ -157,6 +157,26 @@ void bind_store(py::module_& m) {
           py::arg("items"), py::arg("ttl_ms") = 0,
           "SET of every (name, value) in one round trip, PX ttl_ms when > 0; values (bytes-like, "
           "contiguous) are sent from their own memory.")
+      .def(
+          "commands",
+          [](RespConnection& self, const std::vector<std::vector<std::string>>& cmds) {
+            std::vector<RespConnection::Reply> replies;
+            {
+              py::gil_scoped_release release;
+              replies = self.commands(cmds);
+            }
+            py::list out;
+            for (const auto& r : replies) {
+              if (r.kind == RespConnection::Reply::kInteger) out.append(py::int_(r.integer));
+              else if (r.kind == RespConnection::Reply::kStatus) out.append(py::str(r.text));
+              else if (r.kind == RespConnection::Reply::kBulk) out.append(py::bytes(r.text));
+              else out.append(py::none());
+            }
+            return out;
+          },
+          py::arg("commands"),
+          "Small commands (lists of arguments) in one round trip under the call's deadline: an int, a "
+          "status str, bytes (at most 64 KiB) or None per command.")
       .def_property_readonly("open", &RespConnection::open)
       .def_property_readonly("in_step", &RespConnection::in_step,
                              "Open with nothing unread (no reply nobody asked for): safe to reuse.");

@@ -324,4 +324,45 @@ void RespConnection::set_many(const std::vector<Value>& items, int64_t ttl_ms) {
   if (!error.empty()) throw RespError(error);
 }
 
+std::vector<RespConnection::Reply> RespConnection::commands(const std::vector<std::vector<std::string>>& cmds) {
+  std::string request;
+  for (const auto& c : cmds) append_command(request, c);
+  start_call();
+  send_all(request);
+  std::vector<Reply> out;
+  out.reserve(cmds.size());
+  std::string error;
+  for (size_t i = 0; i < cmds.size(); ++i) {
+    const std::string line = read_line();
+    if (line.empty()) fail("empty reply line");
+    Reply r{Reply::kNil};
+    if (line[0] == '-') {  // read every reply before reporting, so the stream stays in step
+      if (error.empty()) error = line.substr(1);
+    } else if (line[0] == ':' || line[0] == '$') {
+      char* end = nullptr;
+      const long long n = std::strtoll(line.c_str() + 1, &end, 10);
+      if (end == line.c_str() + 1 || *end != '\0') fail("bad reply: " + line.substr(0, 80));
+      if (line[0] == ':') {
+        r = Reply{Reply::kInteger, n};
+      } else if (n >= 0) {
+        if (n > kMaxSmallBulk) fail("a reply of " + std::to_string(n) + " bytes to a small command");
+        while (tail_ - head_ < static_cast<size_t>(n) + 2) fill();
+        if (buf_[head_ + n] != '\r' || buf_[head_ + n + 1] != '\n') fail("bulk string not followed by CRLF");
+        r = Reply{Reply::kBulk, 0, std::string(reinterpret_cast<const char*>(buf_.data() + head_), n)};
+        head_ += static_cast<size_t>(n) + 2;
+      } else if (n != -1) {
+        fail("bad bulk length: " + line.substr(0, 80));
+      }
+    } else if (line[0] == '+') {
+      r = Reply{Reply::kStatus, 0, line.substr(1)};
+    } else {
+      fail("unexpected reply: " + line.substr(0, 80));
+    }
+    out.push_back(std::move(r));
+  }
+  if (head_ != tail_) fail("more replies than requests (the server's replies are out of step)");
+  if (!error.empty()) throw RespError(error);
+  return out;
+}
+
 }  // namespace kdn

@@ -67,6 +67,16 @@ class RespConnection {
     size_t size;
   };
   void set_many(const std::vector<Value>& items, int64_t ttl_ms);
+  // Any small commands (EXISTS, SET NX PX, PTTL, DEL, PING) in one round trip, under the same
+  // deadline and bounds: a Reply per command (an integer, a status line, a bulk string of at most
+  // kMaxSmallBulk bytes, or nil). The first error reply is thrown (RespError) after every reply is read.
+  static constexpr int64_t kMaxSmallBulk = 1 << 16;
+  struct Reply {
+    enum Kind { kInteger, kStatus, kBulk, kNil } kind;
+    int64_t integer = 0;
+    std::string text;  // a status line's text, or a bulk string's bytes
+  };
+  std::vector<Reply> commands(const std::vector<std::vector<std::string>>& commands);
   bool open() const { return fd_ >= 0; }
   // Open, with nothing unread: no byte in the buffer or waiting on the socket (a pooled connection
   // that is not in step is dropped before use).

@@ -17,10 +17,11 @@ class RedisTransport(RemoteTransport):
     """``redis://[user:password@]host:port[/db]``, ``rediss://`` for TLS, ``redis+cluster://host:port``
     (any node of the cluster; ``rediss+cluster://`` with TLS), ``unix:///path/to/socket``.
 
-    Lookups, claims and scans go through redis-py (pooled connections, the hiredis parser when
-    installed); ``get``, ``get_ranges`` and ``put`` of plain ``redis://`` and ``unix://`` URLs through
-    :class:`kdn._core.RespConnection` (``direct=False``: through redis-py too; TLS and cluster URLs
-    always are).
+    Plain ``redis://`` and ``unix://`` URLs go through :class:`kdn._core.RespConnection` (each call
+    under one deadline, replies bounded, a stream out of step refused): reads, writes, lookups,
+    claims, expiries, deletes and pings; scans and compare-and-set repairs through redis-py
+    (pooled connections, the hiredis parser when installed). ``direct=False``: everything through
+    redis-py (its timeout bounds each receive); TLS and cluster URLs always are.
     """
 
     schemes = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
@@ -56,9 +57,14 @@ class RedisTransport(RemoteTransport):
         return pipe.execute()
 
     def ping(self) -> None:
+        if self._direct is not None:
+            self._direct.call("commands", [["PING"]])
+            return
         self.client.ping()
 
     def exists(self, names: list[str]) -> list[bool]:
+        if self._direct is not None:
+            return [bool(x) for x in self._direct.call("commands", [["EXISTS", n] for n in names])]
         return [bool(x) for x in self._pipeline("exists", [(n,) for n in names])]
 
     def get(self, names: list[str]) -> list:
@@ -86,6 +92,9 @@ class RedisTransport(RemoteTransport):
         pipe.execute()
 
     def put_if_absent(self, name: str, value, ttl_ms: int) -> bool:
+        if self._direct is not None:
+            reply = self._direct.call("commands", [["SET", name, bytes(value), "NX", "PX", str(ttl_ms)]])
+            return reply[0] == "OK"
         return bool(self.client.set(name, value, nx=True, px=ttl_ms))
 
     def put_if_unchanged(self, name: str, digest: bytes, value, ttl_ms: int | None) -> bool:
@@ -107,10 +116,16 @@ class RedisTransport(RemoteTransport):
                 return False
 
     def expiry(self, names: list[str]) -> list:
+        if self._direct is not None:
+            return [int(x) for x in self._direct.call("commands", [["PTTL", n] for n in names])]
         return [int(x) for x in self._pipeline("pttl", [(n,) for n in names])]
 
     def delete(self, names: list[str]) -> int:
-        return sum(self._pipeline("delete", [(n,) for n in names])) if names else 0
+        if not names:
+            return 0
+        if self._direct is not None:
+            return sum(self._direct.call("commands", [["DEL", n] for n in names]))
+        return sum(self._pipeline("delete", [(n,) for n in names]))
 
     def scan(self, pattern: str):
         for name in self.client.scan_iter(match=pattern, count=1000):
