@@ -61,7 +61,8 @@ class Engine:
         self.chunks = ChunkIO(tiers if tiers is not None else TierManager(config))
         self.delivery = Deliverer(self.chunks, config)
         self.sessions = Sessions(config.chunk_size, min(config.probe_step, config.chunk_size),
-                                 on_new=self.chunks.load_calibration, namespace=config.namespace, key=config.tenant_key())
+                                 on_new=self.chunks.load_calibration, namespace=config.namespace,
+                                 key=config.tenant_key())
 
     def session(self, model, namespace: str | None = None) -> ModelSession:
         """The engine's view of a live model: KV layout, fingerprint, prefix and segment keys, in the
