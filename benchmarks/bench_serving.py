@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -283,13 +284,14 @@ def main() -> None:
 
                             chaos = Chaos(redis, events)
                             chaos.start()
-                        before = kdn_counters(servers)
+                        before, load_before = kdn_counters(servers), os.getloadavg()[0]
                         result = drive(python, job)
-                        after = kdn_counters(servers)
+                        after, load_after = kdn_counters(servers), os.getloadavg()[0]
                         records[(config, workload, n, c)] = result
                         row = {"config": config, "workload": workload, "n": n, "concurrency": c,
                                **summarise(result, args.tokens, docs_of, chunk),
-                               "kdn": {k: after[k] - before.get(k, 0.0) for k in after}}
+                               "kdn": {k: after[k] - before.get(k, 0.0) for k in after},
+                               "load_before": load_before, "load_after": load_after}
                         if chaos is not None:
                             row["chaos"] = judged(chaos, result, records.get(("vllm", workload, n, c)), args)
                         rows.append(row)

@@ -176,7 +176,7 @@ void bind_store(py::module_& m) {
           },
           py::arg("commands"),
           "Small commands (lists of arguments) in one round trip under the call's deadline: an int, a "
-          "status str, bytes (at most 64 KiB) or None per command.")
+          "status str, bytes (at most 4 KiB) or None per command.")
       .def_property_readonly("open", &RespConnection::open)
       .def_property_readonly("in_step", &RespConnection::in_step,
                              "Open with nothing unread (no reply nobody asked for): safe to reuse.");

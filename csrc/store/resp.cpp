@@ -222,9 +222,19 @@ BufferPtr RespConnection::read_bulk(int64_t max_bytes) {
   if (line.empty()) fail("empty reply line");
   if (line[0] == '-') throw RespError(line.substr(1));
   if (line[0] != '$') fail("expected a bulk string, got: " + line.substr(0, 80));
+  return bulk_after(line, max_bytes);
+}
+
+int64_t RespConnection::reply_number(const std::string& line) {
   char* end = nullptr;
   const long long n = std::strtoll(line.c_str() + 1, &end, 10);
-  if (end == line.c_str() + 1 || *end != '\0' || n < -1) fail("bad bulk length: " + line.substr(0, 80));
+  if (end == line.c_str() + 1 || *end != '\0') fail("bad reply: " + line.substr(0, 80));
+  return n;
+}
+
+BufferPtr RespConnection::bulk_after(const std::string& line, int64_t max_bytes) {
+  const int64_t n = reply_number(line);
+  if (n < -1) fail("bad bulk length: " + line.substr(0, 80));
   if (n > max_bytes) fail("a reply of " + std::to_string(n) + " bytes to a request for at most " + std::to_string(max_bytes));
   if (n == -1) return nullptr;
   auto out = std::make_shared<Buffer>(static_cast<size_t>(n));
@@ -338,21 +348,11 @@ std::vector<RespConnection::Reply> RespConnection::commands(const std::vector<st
     Reply r{Reply::kNil};
     if (line[0] == '-') {  // read every reply before reporting, so the stream stays in step
       if (error.empty()) error = line.substr(1);
-    } else if (line[0] == ':' || line[0] == '$') {
-      char* end = nullptr;
-      const long long n = std::strtoll(line.c_str() + 1, &end, 10);
-      if (end == line.c_str() + 1 || *end != '\0') fail("bad reply: " + line.substr(0, 80));
-      if (line[0] == ':') {
-        r = Reply{Reply::kInteger, n};
-      } else if (n >= 0) {
-        if (n > kMaxSmallBulk) fail("a reply of " + std::to_string(n) + " bytes to a small command");
-        while (tail_ - head_ < static_cast<size_t>(n) + 2) fill();
-        if (buf_[head_ + n] != '\r' || buf_[head_ + n + 1] != '\n') fail("bulk string not followed by CRLF");
-        r = Reply{Reply::kBulk, 0, std::string(reinterpret_cast<const char*>(buf_.data() + head_), n)};
-        head_ += static_cast<size_t>(n) + 2;
-      } else if (n != -1) {
-        fail("bad bulk length: " + line.substr(0, 80));
-      }
+    } else if (line[0] == ':') {
+      r = Reply{Reply::kInteger, reply_number(line)};
+    } else if (line[0] == '$') {
+      if (BufferPtr bulk = bulk_after(line, kMaxSmallBulk))
+        r = Reply{Reply::kBulk, 0, std::string(reinterpret_cast<const char*>(bulk->data()), bulk->size())};
     } else if (line[0] == '+') {
       r = Reply{Reply::kStatus, 0, line.substr(1)};
     } else {

@@ -70,7 +70,7 @@ class RespConnection {
   // Any small commands (EXISTS, SET NX PX, PTTL, DEL, PING) in one round trip, under the same
   // deadline and bounds: a Reply per command (an integer, a status line, a bulk string of at most
   // kMaxSmallBulk bytes, or nil). The first error reply is thrown (RespError) after every reply is read.
-  static constexpr int64_t kMaxSmallBulk = 1 << 16;
+  static constexpr int64_t kMaxSmallBulk = kMaxLine;
   struct Reply {
     enum Kind { kInteger, kStatus, kBulk, kNil } kind;
     int64_t integer = 0;
@@ -90,6 +90,8 @@ class RespConnection {
   void fill();                              // at least one more byte into the read buffer
   std::string read_line();                  // up to CRLF, without it
   BufferPtr read_bulk(int64_t max_bytes);   // one reply: a bulk string (at most max_bytes), nil, or an error
+  BufferPtr bulk_after(const std::string& line, int64_t max_bytes);  // the body of a "$n" reply line (nil: nullptr)
+  int64_t reply_number(const std::string& line);  // the number after a reply line's type byte
   // send, read every bulk reply (each at most max_bytes), then check nothing more came
   std::vector<BufferPtr> pipelined(const std::string& request, size_t replies, int64_t max_bytes);
   void expect_ok();

@@ -7,15 +7,15 @@ import collections
 import hashlib
 import hmac
 import logging
-import os
 import re
 import struct
 import threading
-import time
 
 from kdn import _core, codecs
 from kdn._core import BlobError, InvalidInputError
 from kdn.storage.base import Tier, at_exit
+from kdn.storage.breaker import Breaker
+from kdn.storage.sealing import Sealer
 from kdn.storage.transport import RemoteTransport, open_transport
 from kdn.urls import redact
 
@@ -32,49 +32,6 @@ MAX_VALUE_BYTES = 1 << 30  # no chunk kdn stores is larger: a manifest declaring
 CLAIM_MAX_TTL_S = 60.0
 _OWNER = re.compile(rb"[\x21-\x7e]{1,200}")
 _BAD_NAMES = 4096  # unverifiable values remembered for repair (their names and a digest)
-
-
-class _Breaker:
-    """Circuit breaker: after a failure every call is skipped (no caller waits on a store that is
-    down) while a background thread probes the store every ``retry_seconds``; the first probe that
-    succeeds closes it. So an outage costs the callers one timeout, not one per ``retry_seconds``."""
-
-    def __init__(self, url: str, retry_seconds: float, probe):
-        self.url, self.retry_seconds, self._probe = url, retry_seconds, probe
-        self.down_since = None
-        self._lock = threading.Lock()
-
-    def allow(self) -> bool:
-        return self.down_since is None
-
-    def failure(self, error: Exception) -> None:
-        with self._lock:
-            if self.down_since is not None:
-                return
-            self.down_since = time.monotonic()
-        log.warning("kdn remote tier %s unreachable (%s: %s); lookups miss and stores are dropped, "
-                    "probing every %.0f s", redact(self.url), type(error).__name__, error, self.retry_seconds)
-        threading.Thread(target=self._probe_until_back, name="kdn-remote-probe", daemon=True).start()
-
-    def _probe_until_back(self) -> None:
-        while True:
-            time.sleep(self.retry_seconds)
-            try:
-                self._probe()
-            except Exception:  # still down (or refusing): probe again later
-                continue
-            self.success()
-            return
-
-    def success(self) -> None:
-        with self._lock:
-            since, self.down_since = self.down_since, None
-        if since is not None:
-            log.warning("kdn remote tier %s is back after %.1f s", redact(self.url), time.monotonic() - since)
-
-    @property
-    def state(self) -> str:
-        return "ok" if self.down_since is None else "down"
 
 
 class RemoteTier(Tier):
@@ -125,12 +82,12 @@ class RemoteTier(Tier):
         if mac_key and len(mac_key) != 32:
             raise InvalidInputError("remote tier: mac_key must be 32 bytes")
         self._mac_key = bytes(mac_key)
-        self._sealer = _Sealer(self._mac_key) if encrypt else None
+        self._sealer = Sealer(self._mac_key) if encrypt else None
         self.url, self.ttl, self.part_bytes, self.queue_bytes = url, ttl, part_bytes, queue_bytes
         self.transport = transport if transport is not None else open_transport(url, timeout)
         self.cluster = self.transport.cluster
         self.transport.max_value_bytes = part_bytes  # no value this tier writes is larger (part of the protocol)
-        self._breaker = _Breaker(url, retry_seconds, self.transport.ping)
+        self._breaker = Breaker(url, retry_seconds, self.transport.ping)
         self._stats = collections.Counter()
         self._queue: collections.deque = collections.deque()
         self._queued_bytes, self._sending = 0, False
@@ -539,50 +496,6 @@ class RemoteTier(Tier):
                 "replaced": self._stats["replaced"], "bad_claims": self._stats["bad_claims"],
                 "queued_entries": queued, "queued_bytes": queued_bytes, "state": self._breaker.state,
                 "url": redact(self.url), "cluster": self.cluster}
-
-
-class _Sealer:
-    """AES-256-GCM for values at rest: a key per chunk (BLAKE3 keyed by the secret's key over the
-    chunk's key), a random 96-bit nonce per value (stored before the ciphertext), the value's name as
-    associated data. Nothing of the key is ever logged."""
-
-    NONCE = 12
-
-    def __init__(self, mac_key: bytes):
-        try:
-            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-        except ImportError:
-            raise InvalidInputError("encrypt=True needs the cryptography package: pip install 'kdn[crypto]'") from None
-        if not mac_key:
-            raise InvalidInputError("encrypt=True needs a secret (its keys derive from it)")
-        self._aead, self._master = AESGCM, _core.blake3(b"kdn/encrypt\0" + mac_key, 32)
-
-    def _cipher(self, key: bytes):
-        return self._aead(_core.blake3(key, 32, key=self._master))
-
-    def seal(self, key: bytes, name: str, data) -> bytes:
-        nonce = os.urandom(self.NONCE)
-        return nonce + self._cipher(key).encrypt(nonce, data, name.encode())
-
-    def open(self, key: bytes, name: str, value):
-        """The plaintext of a sealed ``value`` (bytes, or the list of its parts), or None."""
-        from cryptography.exceptions import InvalidTag
-
-        data = _core.buffer_join(value) if isinstance(value, list) else value
-        view = memoryview(data).cast("B")
-        if len(view) <= self.NONCE + 16:
-            return None
-        cipher, nonce, sealed, aad = self._cipher(key), view[:self.NONCE], view[self.NONCE:], name.encode()
-        try:
-            if not hasattr(cipher, "decrypt_into"):  # cryptography < 44
-                return cipher.decrypt(nonce, sealed, aad)
-            out = _core.Buffer.empty(len(sealed) - 16)  # the plaintext straight into a Buffer: no copy
-            with memoryview(out) as target:
-                cipher.decrypt_into(nonce, sealed, aad, target)
-            out.freeze()
-            return out
-        except InvalidTag:
-            return None
 
 
 def _part_names(name: str, parts: int) -> list[str]:
