@@ -345,11 +345,11 @@ std::vector<RespConnection::Reply> RespConnection::commands(const std::vector<st
   for (size_t i = 0; i < cmds.size(); ++i) {
     const std::string line = read_line();
     if (line.empty()) fail("empty reply line");
-    Reply r{Reply::kNil};
+    Reply r{Reply::kNil, 0, {}};
     if (line[0] == '-') {  // read every reply before reporting, so the stream stays in step
       if (error.empty()) error = line.substr(1);
     } else if (line[0] == ':') {
-      r = Reply{Reply::kInteger, reply_number(line)};
+      r = Reply{Reply::kInteger, reply_number(line), {}};
     } else if (line[0] == '$') {
       if (BufferPtr bulk = bulk_after(line, kMaxSmallBulk))
         r = Reply{Reply::kBulk, 0, std::string(reinterpret_cast<const char*>(bulk->data()), bulk->size())};
