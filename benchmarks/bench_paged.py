@@ -1,7 +1,9 @@
 """Laying a stored prefix into vLLM's paged CPU KV blocks (kdn/paged.h) against laying it into HF's
 per-layer tensors, for SmolLM2-135M-shaped fp32 KV (30 layers, 3 KV heads, head dim 64), and into
 and out of every other engine layout kdn describes by strides (kdn.engine.paged: vLLM's GPU packed
-layout in both stride orders, the two older shapes; CPU tensors here); and the model fingerprint
+layout in both stride orders, the two older shapes; CPU tensors here); a prompt's chunks sealed for
+storing out of the blocks, gathered into one tensor then packed (the vLLM connector before issue 50)
+against packed straight from the blocks (after), wall and CPU seconds; and the model fingerprint
 from a checkpoint's files against the loaded model's.
 
     python benchmarks/bench_paged.py --out benchmarks/results/paged
@@ -11,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 
 import numpy as np
 import torch
 
 from kdn import KDN, KDNConfig, _core
-from kdn.engine.paged import PagedLayout
+from kdn.engine.paged import PagedLayout, vllm_layout
+from kdn.engine.targets import PagedBlocks
 from kdn.keys import checkpoint_fingerprint, model_fingerprint
 from kdn.models.tiny import tiny_model
 from timing import save_result, timed
@@ -42,6 +46,17 @@ def main() -> None:
     paged_s = timed(lambda: _core.unpack_chunks_paged(blobs, blocks, block_ids, 0, n), args.repeats)
     out = torch.empty(30, 2, n, 3, 64)
     gather_s = timed(lambda: _core.gather_paged(blocks, block_ids, out), args.repeats)
+    source = PagedBlocks(blocks, vllm_layout(blocks[0], "vec"), block_ids)
+    chunks = [(start, min(256, n - start), key) for start, key in zip(range(0, n, 256), session.prefix_keys(tokens))]
+
+    def gather_then_pack():
+        _, kv = source.emit(0, n)
+        return [_core.pack_chunk(kv, start, count, session.fingerprint, key) for start, count, key in chunks]
+
+    stores = {name: {"wall_ms": 1e3 * timed(fn, args.repeats),
+                     "cpu_ms": 1e3 * timed(fn, args.repeats, clock=time.process_time)}
+              for name, fn in (("gather then pack", gather_then_pack),
+                               ("pack from the blocks", lambda: source.pack(chunks, session.fingerprint)))}
     layouts = {}
     pool = -(-n // 128) + 8
     for name, layers, describe in (
@@ -66,11 +81,14 @@ def main() -> None:
           f"{paged_s * 1e3:.1f} ms, out of them {gather_s * 1e3:.1f} ms")
     for name, t in layouts.items():
         print(f"  layout {name}: in {t['unpack_ms']:.1f} ms, out {t['gather_ms']:.1f} ms")
+    for name, t in stores.items():
+        print(f"  its chunks sealed for a store, {name}: {t['wall_ms']:.1f} ms ({t['cpu_ms']:.1f} ms of CPU)")
     print(f"fingerprint of a {sum(p.numel() for p in model.parameters()) * 4 / 2**20:.0f} MiB model: from its "
           f"checkpoint files {files_s * 1e3:.0f} ms, from the loaded model {loaded_s * 1e3:.0f} ms")
     print("saved", save_result(f"{args.out}/bench_paged.json", {
         "tokens": n, "kv_mib": mib, "unpack_hf_ms": hf_s * 1e3, "unpack_paged_ms": paged_s * 1e3,
-        "gather_paged_ms": gather_s * 1e3, "layouts": layouts, "fingerprint_files_ms": files_s * 1e3,
+        "gather_paged_ms": gather_s * 1e3, "layouts": layouts, "store_packing": stores,
+        "fingerprint_files_ms": files_s * 1e3,
         "fingerprint_loaded_ms": loaded_s * 1e3}))
 
 

@@ -18,12 +18,20 @@ Configurations (one server each, serving every run in turn; two for kdn-redis):
   kdn-redis      two engines sharing one redis-server (request i to engine i % 2: about half the
                  hits cross engines), the same memory tier each
 
+A configuration name may end in ``+lpT``: its server runs with vLLM's ``--long-prefill-token-threshold
+T`` (a prefill takes at most T tokens of a step while other requests wait, so a hit's question is not
+queued behind a whole document's prefill); each kdn row's miss bound uses the vLLM-alone row of the
+same suffix when the run has one.
+
 The engine's KV space (--kv-cache-memory-bytes) holds --kv-docs documents: N > --kv-docs exceeds it.
 kdn runs with vLLM's prefix cache off (every hit is kdn's). Reported per run: TTFT p50/p90/p99,
 request throughput, hit rate (cached / prompt tokens, from the servers' usage), kdn's served
 chunks per tier (its /metrics), documents prefilled (requests whose document was not served), and
 for kdn the bound its own misses set (throughput if every hit were free: vLLM alone's throughput x
-requests / misses). Needs the vLLM venv (.ci/vllm-env) and redis-server.
+requests / misses). Where the time went (benchmarks/serving_costs.py): vLLM's per-request queue,
+prefill and decode sums, kdn's stage seconds (lookup, load, gather, store), the CPU seconds of each
+thread of the servers' processes, and TTFT of the requests kdn served (hits) apart from those it
+missed. Needs the vLLM venv (.ci/vllm-env) and redis-server.
 
     python benchmarks/bench_serving.py --docs 2,8,32 --concurrency 4 --out benchmarks/results/serving
     python benchmarks/bench_serving.py --docs 8 --concurrency 1,4,16 --workloads docqa
@@ -50,6 +58,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import serving_costs
 from timing import save_result
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,17 +130,23 @@ def drive(python: str, job: dict) -> dict:
     return json.loads(lines[-1].removeprefix("KDN-RESULT "))
 
 
-def kdn_counters(servers: list) -> dict:
-    total: dict = {}
+def costs(servers: list) -> dict:
+    """The servers' counters now: kdn's (``kdn``), vLLM's request phase sums (``phases``) and the
+    CPU seconds of each thread of their processes (``cpu``)."""
+    metrics: dict = {}
     for server in servers:
         try:
-            metrics = server.metrics("vllm:kdn_")
+            for name, value in server.metrics("vllm:").items():
+                metrics[name] = metrics.get(name, 0.0) + value
         except OSError:  # a server that died mid-run: its requests are the row's errors
             continue
-        for name, value in metrics.items():
-            key = name.removeprefix("vllm:kdn_").removesuffix("_total")
-            total[key] = total.get(key, 0.0) + value
-    return total
+    cpu: dict = {}
+    for server in servers:
+        for name, seconds in serving_costs.thread_cpu(server.proc.pid).items():
+            cpu[name] = cpu.get(name, 0.0) + seconds
+    kdn = {k.removeprefix("vllm:kdn_").removesuffix("_total"): v for k, v in metrics.items()
+           if k.startswith("vllm:kdn_") and k.endswith("_total")}
+    return {"kdn": kdn, "phases": serving_costs.phases(metrics), "cpu": cpu}
 
 
 def summarise(out: dict, doc_tokens: int, docs_of: list | None, chunk: int) -> dict:
@@ -158,30 +173,37 @@ def summarise(out: dict, doc_tokens: int, docs_of: list | None, chunk: int) -> d
     return row
 
 
+def variant(config: str) -> tuple[str, list[str]]:
+    """A configuration's base name and the extra ``vllm serve`` flags its suffix asks for."""
+    base, _, threshold = config.partition("+lp")
+    return base, (["--long-prefill-token-threshold", threshold] if threshold else [])
+
+
 def start(config: str, python: str, model: str, tmp: Path, args, kv_bytes: int, kdn_bytes: int, redis_url: str):
     from vllm_servers import VLLMServer
 
+    name, (config, flags) = config, variant(config)
     longest = max(args.tokens + 64, args.chat_tokens + 16 + args.rounds * (32 + args.max_tokens))
-    common = {"kv_bytes": kv_bytes, "max_model_len": longest + 128}
+    common = {"kv_bytes": kv_bytes, "max_model_len": longest + 128, "args": flags, "dtype": args.dtype}
     if config in ("vllm", "vllm-prefix"):
-        return [VLLMServer(python, model, tmp / f"{config}.log", prefix_caching=config == "vllm-prefix", **common)]
+        return [VLLMServer(python, model, tmp / f"{name}.log", prefix_caching=config == "vllm-prefix", **common)]
     kdn = {"memory_bytes": kdn_bytes}
     if config.startswith("kdn-disk"):
-        kdn["disk_dir"] = str(tmp / f"kv-{config}")  # its own: configurations serve the same documents
+        kdn["disk_dir"] = str(tmp / f"kv-{name}")  # its own: configurations serve the same documents
     if config.endswith("-s3fifo"):
         kdn["memory_policy"] = "s3fifo"
     if config == "kdn-redis":
         kdn["remote_url"] = redis_url
         kdn["remote_timeout"] = args.remote_timeout
-        return [VLLMServer(python, model, tmp / f"{config}-{i}.log", kdn=kdn, **common) for i in range(2)]
-    return [VLLMServer(python, model, tmp / f"{config}.log", kdn=kdn, **common)]
+        return [VLLMServer(python, model, tmp / f"{name}-{i}.log", kdn=kdn, **common) for i in range(2)]
+    return [VLLMServer(python, model, tmp / f"{name}.log", kdn=kdn, **common)]
 
 
-def kv_bytes_per_token(model: str) -> int:
+def kv_bytes_per_token(model: str, dtype: str) -> int:
     config = json.loads((Path(model) / "config.json").read_text())
     heads = config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
-    return config["num_hidden_layers"] * 2 * heads * head_dim * 4  # fp32 K and V
+    return config["num_hidden_layers"] * 2 * heads * head_dim * (4 if dtype == "float32" else 2)  # K and V
 
 
 def model_dir(name: str) -> str:
@@ -211,6 +233,8 @@ def main() -> None:
     parser.add_argument("--vllm-sample", type=int, default=16, help="requests of each docqa run vLLM alone serves")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "qwen2.5-coder-0.5b"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="every engine's dtype (kdn stores the engine's: bf16 halves the bytes a store moves)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_out/serving")
     parser.add_argument("--chaos", default="", help="a chaos schedule for the kdn-redis runs (see above)")
@@ -218,7 +242,7 @@ def main() -> None:
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="only redraw the table and plot of earlier "
                                                                    "runs' bench_serving.json files, into --out")
     args = parser.parse_args()
-    unknown = set(args.configs.split(",")) - set(CONFIGS + EXTRA_CONFIGS)
+    unknown = {variant(c)[0] for c in args.configs.split(",")} - set(CONFIGS + EXTRA_CONFIGS)
     if unknown:
         parser.error(f"unknown configuration(s) {sorted(unknown)}; known: {', '.join(CONFIGS + EXTRA_CONFIGS)}")
     if args.chaos:
@@ -243,7 +267,7 @@ def main() -> None:
     python, model = vllm_python(), model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     text = (Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()
-    per_token = kv_bytes_per_token(model)
+    per_token = kv_bytes_per_token(model, args.dtype)
     kv_bytes = int(args.kv_docs * args.tokens * per_token)
     kdn_bytes = int(args.kdn_docs * args.tokens * per_token)
     chunk = kdn.KDNConfig().chunk_size
@@ -272,7 +296,7 @@ def main() -> None:
                         docs_of = None
                         if workload == "docqa":
                             prompts, docs_of = work.docqa(n, args.questions, args.tokens, args.zipf)
-                            if config == "vllm" and not args.chaos:  # chaos: every reply compared
+                            if variant(config)[0] == "vllm" and not args.chaos:  # chaos: every reply compared
                                 prompts, docs_of = prompts[: args.vllm_sample], docs_of[: args.vllm_sample]
                             job["prompts"] = prompts
                         else:
@@ -284,18 +308,21 @@ def main() -> None:
 
                             chaos = Chaos(redis, events)
                             chaos.start()
-                        before, load_before = kdn_counters(servers), os.getloadavg()[0]
+                        before, load_before = costs(servers), os.getloadavg()[0]
                         result = drive(python, job)
-                        after, load_after = kdn_counters(servers), os.getloadavg()[0]
+                        after, load_after = costs(servers), os.getloadavg()[0]
                         records[(config, workload, n, c)] = result
                         row = {"config": config, "workload": workload, "n": n, "concurrency": c,
                                **summarise(result, args.tokens, docs_of, chunk),
-                               "kdn": {k: after[k] - before.get(k, 0.0) for k in after},
+                               **{k: serving_costs.difference(after[k], before[k]) for k in after},
                                "load_before": load_before, "load_after": load_after}
+                        if docs_of is not None:
+                            row["served"] = serving_costs.by_served(result["records"], args.tokens, chunk, percentile)
                         if chaos is not None:
                             row["chaos"] = judged(chaos, result, records.get(("vllm", workload, n, c)), args)
                         rows.append(row)
                         print(line(row), flush=True)
+                        print(serving_costs.breakdown_line(bound(list(rows))[-1]), flush=True)
                         save_result(out_dir / "bench_serving.json", {"args": vars(args), "rows": bound(rows)})
                 finally:
                     for s in servers:
@@ -337,7 +364,9 @@ def bound(rows: list[dict]) -> list[dict]:
                      and r["n"] == row["n"] and r["concurrency"] == row["concurrency"]), None)
 
     for row in rows:
-        alone, prefix = find("vllm", row), find("vllm-prefix", row)
+        suffix = row["config"][len(variant(row["config"])[0]):]
+        alone = find("vllm" + suffix, row) or find("vllm", row)
+        prefix = find("vllm-prefix" + suffix, row) or find("vllm-prefix", row)
         if row["config"].startswith("kdn") and alone and row.get("docs_prefilled"):
             row["miss_bound_rps"] = alone["throughput_rps"] * row["requests"] / row["docs_prefilled"]
             row["of_miss_bound"] = row["throughput_rps"] / row["miss_bound_rps"]

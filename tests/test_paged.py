@@ -239,3 +239,29 @@ def test_the_bound_paged_copy_is_the_unpack_and_gather_the_connector_uses(kind):
     assert all(torch.equal(a, b) for a, b in zip(by_unpack, by_copy))
     with pytest.raises(ValueError, match="CUDA tensors"):
         _core.paged_copy_cuda(by_copy, ids, codecs.decode(blob).contiguous(), 0, 0, 64, False, layout=layout)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_sealed_straight_from_the_blocks_are_the_bytes_packed_from_the_model_kv(kind, dtype):
+    """What the vLLM connector stores (pack_chunks_paged: one copy, blocks -> blob) is byte for byte
+    what pack_chunk makes of the HF tensors the engine computed; the blocks are only read."""
+    from kdn.engine.targets import PagedBlocks
+
+    layers, heads, dim, block_size, num_blocks = 3, 2, 16, 16, 11
+    kv = [torch.randn(1, heads, 80, dim).to(dtype) for _ in range(2 * layers)]
+    block_ids = [7, 2, 9, 0, 4, 10]
+    paged = engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype)
+    layout = describe_layout(kind, paged[0])
+    _core.unpack_chunks_paged([_core.pack_chunk(kv, 0, 80, FP, bytes(16))], paged, torch.tensor(block_ids).numpy(),
+                              0, 80, layout=layout.as_dict())
+    before = [t.clone() for t in paged]
+    chunks = [(0, 32, bytes([1]) * 16), (32, 32, bytes([2]) * 16), (64, 13, bytes([3]) * 16)]  # a partial tail
+    blobs = PagedBlocks(paged, layout, block_ids).pack(chunks, FP)
+    for blob, (start, count, key) in zip(blobs, chunks):
+        assert bytes(blob) == bytes(_core.pack_chunk(kv, start, count, FP, key))
+    assert all(torch.equal(a, b) for a, b in zip(before, paged))
+    assert PagedBlocks(paged, layout, block_ids).pack([], FP) == []
+    with pytest.raises(ValueError, match="block"):  # positions beyond the request's blocks
+        _core.pack_chunks_paged(paged, torch.tensor(block_ids).numpy(), [(80, 32, bytes(16))], FP,
+                                layout=layout.as_dict())

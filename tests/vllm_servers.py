@@ -20,19 +20,21 @@ def kdn_transfer(extra: dict) -> dict:
 
 
 class VLLMServer:
-    """``python -m vllm.entrypoints.openai.api_server`` for ``model`` (fp32, eager). ``kdn``: kdn's
+    """``python -m vllm.entrypoints.openai.api_server`` for ``model`` (``dtype``, eager). ``kdn``: kdn's
     settings (None: no connector); ``prefix_caching``: vLLM's own prefix cache; ``kv_bytes``: the
-    engine's KV space (None: VLLM_CPU_KVCACHE_SPACE=1 GiB). Output goes to ``log``."""
+    engine's KV space (None: VLLM_CPU_KVCACHE_SPACE=1 GiB); ``args``: more of ``vllm serve``'s flags.
+Output goes to ``log``."""
 
     def __init__(self, python: str, model: str, log: Path, kdn: dict | None = None, prefix_caching: bool = False,
-                 kv_bytes: int | None = None, max_model_len: int = 4096, timeout: float = 600):
+                 kv_bytes: int | None = None, max_model_len: int = 4096, timeout: float = 600,
+                 args: list[str] | None = None, dtype: str = "float32"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(log)
         # `vllm serve` itself: vllm-cpu's `vllm` command looks up the version of a distribution named
         # "vllm" (it is "vllm-cpu") and exits, so the server module is started directly
         command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-                   "--port", str(self.port), "--dtype", "float32", "--enforce-eager", "--max-model-len",
+                   "--port", str(self.port), "--dtype", dtype, "--enforce-eager", "--max-model-len",
                    str(max_model_len), "--enable-prompt-tokens-details",
                    "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
         env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -43,6 +45,7 @@ class VLLMServer:
             command += ["--kv-cache-memory-bytes", str(int(kv_bytes))]
         if kdn is not None:
             command += ["--kv-transfer-config", json.dumps(kdn_transfer(kdn))]
+        command += list(args or [])
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout

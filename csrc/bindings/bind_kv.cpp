@@ -3,6 +3,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <tuple>
+
 #include "kdn/blob.h"
 #include "kdn/chunk.h"
 #include "kdn/kv_copy.h"
@@ -221,6 +223,32 @@ void bind_kv(py::module_& m) {
       py::arg("layers"), py::arg("block_ids"), py::arg("out"), py::arg("layout") = py::none(),
       "Copy a request's first out.shape[2] tokens out of an engine's paged CPU KV blocks (`layout` as in\n"
       "unpack_chunks_paged) into a canonical chunk `out`.");
+
+  m.def(
+      "pack_chunks_paged",
+      [](const py::sequence& layers, py::array_t<int64_t, py::array::c_style> block_ids, const py::list& chunks,
+         py::handle fingerprint, const py::object& layout) {
+        PagedLayers paged = paged_layers(layers, layout);
+        KDN_CHECK_INPUT(block_ids.ndim() == 1, "pack_chunks_paged: block_ids must be 1-D");
+        const Key128 fp = key_arg(fingerprint, "fingerprint");
+        std::vector<std::tuple<int64_t, int64_t, Key128>> todo;
+        for (const py::handle item : chunks) {
+          const auto t = item.cast<py::tuple>();
+          KDN_CHECK_INPUT(t.size() == 3, "pack_chunks_paged: each chunk is (start, count, key)");
+          todo.emplace_back(t[0].cast<int64_t>(), t[1].cast<int64_t>(), key_arg(t[2], "key"));
+        }
+        std::vector<BufferPtr> out;
+        {
+          py::gil_scoped_release release;
+          for (const auto& [start, count, key] : todo)
+            out.push_back(pack_chunk_paged(paged.layout, paged.ptrs.data(), block_ids.data(), block_ids.shape(0),
+                                           paged.dtype, start, count, fp, key, default_num_threads()));
+        }
+        return out;
+      },
+      py::arg("layers"), py::arg("block_ids"), py::arg("chunks"), py::arg("fingerprint"), py::arg("layout") = py::none(),
+      "Sealed raw blobs of `chunks` ((start, count, key) each: sequence positions [start, start + count)) gathered\n"
+      "straight out of an engine's paged CPU KV blocks (`layout` as in unpack_chunks_paged): one copy per chunk.");
 
   m.def(
       "decode_chunks",

@@ -11,31 +11,58 @@
 
 namespace kdn {
 
-BufferPtr pack_chunk(const KvShape& shape, const KvTable& table, DType dtype, int64_t start, int64_t count,
-                     const Key128& fingerprint, const Key128& key, int threads) {
-  KDN_CHECK_INPUT(start >= 0 && count > 0 && start + count <= shape.tokens,
-                  "pack_chunk: tokens [" + std::to_string(start) + ", " + std::to_string(start + count) +
-                      ") are outside the cache (" + std::to_string(shape.tokens) + " tokens)");
+namespace {
+
+// An unsealed raw chunk blob for tokens [start, start + count) of a model's KV: its header written,
+// its payload (canonical [layers, 2, count, kv_heads, head_dim]) for the caller to fill.
+BufferPtr new_chunk_blob(int64_t layers, int64_t kv_heads, int64_t head_dim, DType dtype, int64_t start,
+                         int64_t count, const Key128& fingerprint, const Key128& key) {
   BlobHeader h;
   h.dtype = dtype;
-  h.layers = static_cast<uint32_t>(shape.layers);
-  h.kv_heads = static_cast<uint32_t>(shape.kv_heads);
-  h.head_dim = static_cast<uint32_t>(shape.head_dim);
+  h.layers = static_cast<uint32_t>(layers);
+  h.kv_heads = static_cast<uint32_t>(kv_heads);
+  h.head_dim = static_cast<uint32_t>(head_dim);
   h.tokens = static_cast<uint32_t>(count);
   h.position = static_cast<uint32_t>(start);
   h.fingerprint = fingerprint;
   h.key = key;
   h.payload_bytes = raw_payload_bytes(h);
   KDN_CHECK_INPUT(h.payload_bytes > 0, "pack_chunk: dimensions out of range");
-  const size_t size = blob_total_bytes(h);
-  auto blob = std::make_shared<Buffer>(size);
+  auto blob = std::make_shared<Buffer>(blob_total_bytes(h));
   blob_write_header(h, blob->data());
+  return blob;
+}
+
+BufferPtr sealed(BufferPtr blob) {
+  blob_seal(blob->data(), blob->size());
+  blob->mark_verified();
+  return blob;
+}
+
+}  // namespace
+
+BufferPtr pack_chunk(const KvShape& shape, const KvTable& table, DType dtype, int64_t start, int64_t count,
+                     const Key128& fingerprint, const Key128& key, int threads) {
+  KDN_CHECK_INPUT(start >= 0 && count > 0 && start + count <= shape.tokens,
+                  "pack_chunk: tokens [" + std::to_string(start) + ", " + std::to_string(start + count) +
+                      ") are outside the cache (" + std::to_string(shape.tokens) + " tokens)");
+  BufferPtr blob = new_chunk_blob(shape.layers, shape.kv_heads, shape.head_dim, dtype, start, count, fingerprint, key);
   const KvShape chunk{shape.layers, count, shape.kv_heads, shape.head_dim};
   kv_copy_cpu(chunk, table, blob->data() + kBlobHeaderBytes, dtype_size(dtype), start, count,
               CopyDirection::kCacheToChunk, threads);
-  blob_seal(blob->data(), size);
-  blob->mark_verified();
-  return blob;
+  return sealed(std::move(blob));
+}
+
+BufferPtr pack_chunk_paged(const PagedLayout& paged, void* const* layers, const int64_t* block_ids,
+                           int64_t num_block_ids, DType dtype, int64_t start, int64_t count, const Key128& fingerprint,
+                           const Key128& key, int threads) {
+  KDN_CHECK_INPUT(start >= 0 && count > 0, "pack_chunk_paged: tokens [" + std::to_string(start) + ", " +
+                                               std::to_string(start + count) + ") is not a range of positions");
+  BufferPtr blob = new_chunk_blob(paged.layers, paged.kv_heads, paged.head_dim, dtype, start, count, fingerprint, key);
+  const KvShape chunk{paged.layers, count, paged.kv_heads, paged.head_dim};
+  paged_copy_cpu(chunk, paged, layers, block_ids, num_block_ids, blob->data() + kBlobHeaderBytes, dtype_size(dtype),
+                 0, start, count, CopyDirection::kCacheToChunk, threads);
+  return sealed(std::move(blob));
 }
 
 Status check_chunk_header(const BlobHeader& h, const ChunkExpect& e, const Key128& key, uint32_t position,

@@ -5,6 +5,7 @@
 #include "kdn/hash.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -414,6 +415,9 @@ bool DiskStore::put_async(const Key128& given_key, const BufferPtr& blob) {
 }
 
 void DiskStore::writer_loop() {
+#ifdef __linux__
+  pthread_setname_np(pthread_self(), "kdn-disk-write");  // top -H, /proc/<pid>/task/<tid>/comm
+#endif
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
     queue_cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });

@@ -32,6 +32,13 @@ struct ChunkBytes {
 BufferPtr pack_chunk(const KvShape& shape, const KvTable& table, DType dtype, int64_t start, int64_t count,
                      const Key128& fingerprint, const Key128& key, int threads);
 
+// The same, gathered straight out of an engine's paged KV blocks (kdn/paged.h): sequence positions
+// [start, start + count) of the request whose blocks are `block_ids`. One copy, no intermediate
+// tensor. Throws InputError when a position's block is outside block_ids.
+BufferPtr pack_chunk_paged(const PagedLayout& paged, void* const* layers, const int64_t* block_ids,
+                           int64_t num_block_ids, DType dtype, int64_t start, int64_t count, const Key128& fingerprint,
+                           const Key128& key, int threads);
+
 // OK if a parsed header is a KV chunk of `tokens` tokens at `position` of the expected model under `key`.
 Status check_chunk_header(const BlobHeader& h, const ChunkExpect& e, const Key128& key, uint32_t position,
                           uint32_t tokens);

@@ -35,6 +35,15 @@ class Prefix:
     last_tokens: int = 0
 
 
+@dataclasses.dataclass
+class Packed:
+    """A store's chunks, sealed (:meth:`ChunkIO.pack`): ``keys`` of every chunk it files, in order, and
+    ``blobs[i]`` for chunk i when no local tier held it at packing time."""
+
+    keys: list
+    blobs: dict
+
+
 class ChunkIO:
     """Reads and writes a model's chunks through a :class:`~kdn.storage.TierManager`.
 
@@ -222,11 +231,11 @@ class ChunkIO:
             return i
         return len(blobs)
 
-    def save(self, session: ModelSession, tokens: np.ndarray, kv: list[torch.Tensor], served: Served) -> int:
-        """Store the KV a model computed for ``tokens`` in a request that kdn served ``served``: the
-        one place the fidelity rule is applied (:mod:`kdn.engine.served`). KV computed over lossy,
-        suspect or never-loaded KV is refused (returns 0, logged at debug level); otherwise as
-        :meth:`write`."""
+    def save(self, session: ModelSession, tokens: np.ndarray, kv, served: Served) -> int:
+        """Store the KV a model computed for ``tokens`` (per-layer CPU tensors, or what :meth:`pack`
+        made of it) in a request that kdn served ``served``: the one place the fidelity rule is
+        applied (:mod:`kdn.engine.served`). KV computed over lossy, suspect or never-loaded KV is
+        refused (returns 0, logged at debug level); otherwise as :meth:`write`."""
         why = served.unstorable()
         if why is not None:
             self.refused_stores += 1
@@ -234,21 +243,37 @@ class ChunkIO:
             return 0
         return self.write(session, tokens, kv)
 
-    def write(self, session: ModelSession, tokens: np.ndarray, kv: list[torch.Tensor]) -> int:
-        """Store the KV of ``tokens`` from ``kv`` (CPU per-layer tensors holding at least
-        ``len(tokens)`` tokens): its full chunks, a trailing partial chunk of at least
-        ``probe_step`` tokens, and their pointers; chunks already held are skipped. Returns the
-        leading tokens a :meth:`read` can now serve, with one warning when that is fewer than given."""
+    def pack(self, session: ModelSession, tokens: np.ndarray, source) -> Packed:
+        """The chunks a store of ``tokens`` files (its full chunks and a trailing partial chunk of at
+        least ``probe_step`` tokens), sealed from ``source`` (per-layer CPU tensors holding at least
+        ``len(tokens)`` tokens, or a source with ``pack(chunks, fingerprint)`` such as an engine's
+        paged blocks, :class:`kdn.engine.targets.PagedBlocks`) except those a local tier holds
+        already: the part of a store that reads the KV (an engine packs before its blocks are reused)."""
         chunk = session.chunk_size
         keys = session.prefix_keys(tokens, include_partial=session.probe_step > 0)
         if len(tokens) % chunk and len(tokens) % chunk < session.probe_step:
             keys = keys[:-1]  # too short a tail for a probe to find
+        todo = [(i * chunk, min(chunk, len(tokens) - i * chunk), key) for i, key in enumerate(keys)
+                if not self.tiers.contains_local(key)]
+        if isinstance(source, (list, tuple)):
+            blobs = [_core.pack_chunk(source, start, count, session.fingerprint, key) for start, count, key in todo]
+        else:
+            blobs = source.pack(todo, session.fingerprint)
+        return Packed(keys, {start // chunk: blob for (start, _, _), blob in zip(todo, blobs)})
+
+    def write(self, session: ModelSession, tokens: np.ndarray, kv) -> int:
+        """Store the KV of ``tokens`` from ``kv`` (per-layer CPU tensors holding at least
+        ``len(tokens)`` tokens, or what :meth:`pack` made of them): its chunks and their pointers;
+        chunks already held are skipped. Returns the leading tokens a :meth:`read` can now serve,
+        with one warning when that is fewer than given."""
+        packed = kv if isinstance(kv, Packed) else self.pack(session, tokens, kv)
+        chunk, keys = session.chunk_size, packed.keys
         written, pointers = 0, []
         for i, key in enumerate(keys):
             start = i * chunk
             count = min(chunk, len(tokens) - start)
-            if not self.tiers.contains_local(key):
-                blob = _core.pack_chunk(kv, start, count, session.fingerprint, key)
+            blob = packed.blobs.get(i)
+            if blob is not None:
                 if not self.tiers.put(key, blob):
                     log.warning("kdn: chunk of %d bytes fits no tier (pinned entries hold the space?); not stored",
                                 len(blob))

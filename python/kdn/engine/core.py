@@ -25,7 +25,7 @@ import dataclasses
 from collections.abc import Callable
 
 from kdn.delivery.stream import Deliverer, LayerStream
-from kdn.engine.chunks import ChunkIO
+from kdn.engine.chunks import ChunkIO, Packed
 from kdn.engine.served import Served
 from kdn.engine.session import ModelSession, Sessions
 from kdn.engine.targets import Target
@@ -115,9 +115,17 @@ class Engine:
         if self.chunks.remote is not None:
             self.chunks.remote.renew(keys, owner, ttl)
 
-    def save(self, session: ModelSession, tokens, kv: list, served: Served | None = None) -> int:
-        """Store the KV of ``tokens`` (HF per-layer CPU tensors) unless what ``served`` says forbids it
-        (:mod:`kdn.engine.served`); the leading tokens a load can now serve (0 when refused)."""
+    def pack(self, session: ModelSession, tokens, source) -> Packed:
+        """The part of a save that reads the KV: the chunks of ``tokens`` no local tier holds, sealed
+        from ``source`` (HF per-layer CPU tensors, or an engine's :class:`kdn.engine.targets.PagedBlocks`,
+        gathered straight into the blobs), for :meth:`save` to file later (an engine packs before
+        it reuses its blocks, and stores from another thread)."""
+        return self.chunks.pack(session, tokens, source)
+
+    def save(self, session: ModelSession, tokens, kv, served: Served | None = None) -> int:
+        """Store the KV of ``tokens`` (HF per-layer CPU tensors, or what :meth:`pack` made of them)
+        unless what ``served`` says forbids it (:mod:`kdn.engine.served`); the leading tokens a load
+        can now serve (0 when refused)."""
         return self.chunks.save(session, tokens, kv, served if served is not None else Served())
 
     def flush(self) -> None:

@@ -12,8 +12,9 @@ Contract of a target (what :class:`kdn.engine.ChunkIO` and :mod:`kdn.delivery` c
   of the blobs' ``layers`` only (layer-wise delivery: groups arrive while the model computes).
 
 A source (the save side) adds ``emit(start, end) -> (first, kv)``: the KV of tokens ``[first, end)``
-(``first`` = ``start`` rounded down to what the layout can give) as HF per-layer tensors, which
-:meth:`kdn.engine.ChunkIO.save` stores under the one rule of :mod:`kdn.engine.served`.
+(``first`` = ``start`` rounded down to what the layout can give) as HF per-layer tensors; and
+``pack(chunks, fingerprint)``: sealed raw blobs of ``chunks`` (``(start, count, key)`` each), what
+:meth:`kdn.engine.ChunkIO.pack` files (then stored under the one rule of :mod:`kdn.engine.served`).
 """
 
 from __future__ import annotations
@@ -193,6 +194,18 @@ class PagedBlocks:
                     _core.paged_copy_cuda(self.layers[first:end], self.block_ids, chunk[first:end], lo - pos, lo,
                                           hi - lo, False, layout=layout, stream=stream)
                 pos += tokens
+
+    def pack(self, chunks: list, fingerprint: bytes) -> list:
+        """Sealed raw blobs of ``chunks`` (``(start, count, key)``: sequence positions [start, start +
+        count)): on the CPU gathered straight from the blocks into each blob (one copy); on a GPU
+        gathered to pinned host memory first (:meth:`emit`)."""
+        if not chunks:
+            return []
+        if self.device.type == "cpu":
+            return _core.pack_chunks_paged(self.layers, self.block_ids, chunks, fingerprint,
+                                           layout=self.layout.as_dict())
+        first, kv = self.emit(0, max(start + count for start, count, _ in chunks))
+        return [_core.pack_chunk(kv, start - first, count, fingerprint, key) for start, count, key in chunks]
 
     def emit(self, start: int, end: int) -> tuple[int, list[torch.Tensor]]:
         """``(first, kv)``: tokens ``[first, end)`` (``first``: ``start`` rounded down to a block) as HF

@@ -235,12 +235,14 @@ class KDNConnector(KVConnectorBase_V1):
         tokens = np.asarray(request.prompt_token_ids or [], dtype=np.uint32)
         salt = self._salts[request.request_id] = getattr(request, "cache_salt", None) or None
         session = self.session.within(salt)  # vLLM's cache_salt: tenants never share KV
+        began = time.perf_counter()
         hit = None  # the last token is computed: limit len - 1
         if not self._worker_here():  # ask the worker's process: its memory tier is its own
             hit = self._lookups.lookup(tokens, len(tokens) - 1, salt)
         if hit is None:
             hit = self.engine.lookup(session, tokens, len(tokens) - 1)
             metrics.count(lookups=1)
+        metrics.count(lookup_seconds=time.perf_counter() - began)
         if self._prefilled_elsewhere(request.request_id, tokens, hit, session):
             return None, False  # vLLM skips the request this step and asks again
         span = self.engine.chunks.verifier.sample(hit - num_computed_tokens)  # verified: vLLM computes the last ones
@@ -497,12 +499,17 @@ class KDNConnector(KVConnectorBase_V1):
                     self.engine.save(session, np.asarray(spec.tokens, dtype=np.uint32), [], served)  # refused
                     metrics.count(refused_stores=1)
                 continue  # else kdn served this prompt: it holds its KV already
-            # a copy: the blocks are vLLM's to reuse once this returns
+            # copies: the blocks are vLLM's to reuse once this returns. The chunks to store are sealed
+            # straight from the blocks (those a local tier holds already are skipped); the store
+            # thread files them
+            began = time.perf_counter()
+            tokens = np.asarray(spec.tokens, dtype=np.uint32)
             blocks = PagedBlocks(self._blocks, self._layout, spec.block_ids)
-            first, kv = blocks.emit(0, n) if store else blocks.emit(*check)
+            packed = self.engine.pack(session, tokens, blocks) if store else None
+            first, kv = blocks.emit(*check) if check is not None else (0, None)
+            metrics.count(gather_seconds=time.perf_counter() - began)
             self._start_saver()
-            self._saves.put((session, np.asarray(spec.tokens, dtype=np.uint32), first, kv, dataclasses.replace(served),
-                             check, store))
+            self._saves.put((session, tokens, first, kv, dataclasses.replace(served), check, packed))
         for served in self._served.values():
             served.failed = False  # vLLM recomputes what failed: the recomputed prefill is stored
 
@@ -512,21 +519,25 @@ class KDNConnector(KVConnectorBase_V1):
             self._saver.start()
 
     def _save_loop(self) -> None:
+        _name_thread("kdn-store")
         while True:
             item = self._saves.get()
             if item is None:
                 return
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), time.thread_time()
             try:
-                session, tokens, first, kv, served, check, store = item
+                session, tokens, first, kv, served, check, packed = item
                 if check is not None:
                     served.suspect = not self._verify(session, tokens, first, kv, check, served)
-                if not store:
+                if packed is None:
                     continue
-                stored = self.engine.save(session, tokens, kv, served)
+                stored = self.engine.save(session, tokens, packed, served)
+                flushing = time.perf_counter()
                 self.engine.flush()
                 if served.unstorable() is None:
-                    metrics.count(stores=1, stored_tokens=stored, store_seconds=time.perf_counter() - began)
+                    done = time.perf_counter()
+                    metrics.count(stores=1, stored_tokens=stored, store_seconds=done - began,
+                                  flush_seconds=done - flushing, store_cpu_seconds=time.thread_time() - cpu)
                 else:
                     metrics.count(refused_stores=1)
             except Exception as exc:  # storing is best effort; the request is answered already
@@ -601,6 +612,14 @@ def _cpu_attention_isa(vllm_config, layout: ModelLayout) -> str:
         return "unknown (not vLLM's CPU backend)"
     return _get_attn_isa(vllm_config.model_config.dtype, vllm_config.cache_config.block_size, layout.head_dim,
                          vllm_config.cache_config.cache_dtype)
+
+
+def _name_thread(name: str) -> None:
+    """Name the calling thread for the OS (``top -H``, /proc/<pid>/task/<tid>/comm: who paid for what)."""
+    try:
+        Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_text(name[:15])
+    except OSError:  # not Linux
+        pass
 
 
 def _layer_index(name: str) -> int:

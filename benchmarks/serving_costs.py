@@ -1,0 +1,108 @@
+"""Where a serving run's time goes (bench_serving.py): CPU seconds per thread of a vLLM server's
+processes (from /proc: which thread paid), vLLM's own per-request phase sums (queue, prefill, decode
+from its /metrics histograms), and TTFT split between the requests kdn served and those it missed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+# vLLM's request histograms (seconds, summed over the run's requests): _sum and _count on /metrics
+PHASES = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds",
+          "decode": "vllm:request_decode_time_seconds", "ttft": "vllm:time_to_first_token_seconds"}
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (vLLM's engine core runs in a child of the API server)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def _cpu(stat: Path) -> tuple[str, float]:
+    """(name, user + system CPU seconds) of a /proc stat file."""
+    text = stat.read_text()
+    name = text[text.index("(") + 1: text.rindex(")")]
+    fields = text.rsplit(")", 1)[1].split()
+    return name, (int(fields[11]) + int(fields[12])) / TICK
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far per thread name in the process tree of ``pid`` (kdn names its threads
+    ``kdn-store`` and ``kdn-disk-write``; vLLM's engine core's compute threads are its OpenMP
+    threads); ``exited`` is what threads that ended already used (short-lived copy helpers)."""
+    out: dict[str, float] = {}
+    for p in _descendants(pid):
+        try:
+            process, total = _cpu(Path(f"/proc/{p}/stat"))
+            live = 0.0
+            for task in Path(f"/proc/{p}/task").iterdir():
+                name, seconds = _cpu(task / "stat")
+                key = f"{process}/{name}"
+                out[key] = out.get(key, 0.0) + seconds
+                live += seconds
+        except OSError:  # ended meanwhile
+            continue
+        out[f"{process}/exited"] = out.get(f"{process}/exited", 0.0) + max(0.0, total - live)
+    return out
+
+
+def phases(metrics: dict[str, float]) -> dict[str, float]:
+    """vLLM's per-request phase sums (seconds) and the request count, from a server's /metrics."""
+    out = {name: metrics.get(f"{prefix}_sum", 0.0) for name, prefix in PHASES.items()}
+    out["requests"] = metrics.get(f"{PHASES['ttft']}_count", 0.0)
+    return out
+
+
+def difference(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 1e-9}
+
+
+def by_served(records: list[dict], doc_tokens: int, chunk: int, percentile) -> dict:
+    """TTFT p50 / p99 of the requests whose document was served (hits) and of those prefilled (misses)."""
+    out = {}
+    for name, hit in (("hits", True), ("misses", False)):
+        ttfts = [r["ttft"] for r in records if r.get("ttft") is not None
+                 and (r["cached_tokens"] >= doc_tokens - chunk) == hit]
+        out[name] = {"count": len(ttfts), "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99)}
+    return out
+
+
+def breakdown_line(row: dict) -> str:
+    """One line: per-request phase means, kdn's stage seconds, the threads that used the CPU."""
+    parts = []
+    ph = row.get("phases") or {}
+    if ph.get("requests"):
+        n = ph["requests"]
+        parts.append("per request: " + ", ".join(f"{k} {ph[k] / n * 1e3:.0f} ms"
+                                                 for k in ("queue", "prefill", "decode")))
+    kdn = row.get("kdn") or {}
+    stages = [(k.removesuffix("_seconds"), v) for k, v in kdn.items() if k.endswith("_seconds") and v]
+    if stages:
+        parts.append("kdn " + ", ".join(f"{k} {v:.1f} s" for k, v in stages))
+    cpu = row.get("cpu") or {}
+    if cpu:
+        top = sorted(cpu.items(), key=lambda kv: -kv[1])[:6]
+        parts.append(f"CPU {sum(cpu.values()):.0f} s of {row['wall_s'] * (os.cpu_count() or 1):.0f}: "
+                     + ", ".join(f"{k} {v:.0f}" for k, v in top))
+    served = row.get("served")
+    if served:
+        def ttft(kind):
+            s = served[kind]
+            return f"{s['ttft_p50_s'] * 1e3:.0f}/{s['ttft_p99_s'] * 1e3:.0f} ms ({s['count']})"
+
+        parts.append(f"TTFT p50/p99 hits {ttft('hits')}, misses {ttft('misses')}")
+    if "of_miss_bound" in row:
+        parts.append(f"{row['of_miss_bound']:.0%} of the miss bound ({row['miss_bound_rps']:.3f} req/s)")
+    return "    " + "; ".join(parts)
