@@ -164,7 +164,8 @@ def summarise(out: dict, doc_tokens: int, docs_of: list | None, chunk: int) -> d
         row["docs"] = len(set(docs_of))
         # per request, in order sent: which document, which server, when, and what was served (to
         # trace a document prefilled twice)
-        row["requests_log"] = [{"doc": d, **{k: r.get(k) for k in ("server", "start", "ttft", "cached_tokens")}}
+        row["requests_log"] = [{"doc": d, **{k: r[k] for k in ("server", "start", "ttft", "cached_tokens", "queue_s",
+                                                               "scheduled_to_first_token_s", "decode_s") if k in r}}
                                for d, r in zip(docs_of, out["records"])]
     returning = [r for r in records if r.get("round", 0) > 0]
     if returning:
@@ -184,7 +185,8 @@ def start(config: str, python: str, model: str, tmp: Path, args, kv_bytes: int, 
 
     name, (config, flags) = config, variant(config)
     longest = max(args.tokens + 64, args.chat_tokens + 16 + args.rounds * (32 + args.max_tokens))
-    common = {"kv_bytes": kv_bytes, "max_model_len": longest + 128, "args": flags, "dtype": args.dtype}
+    common = {"kv_bytes": kv_bytes, "max_model_len": longest + 128, "dtype": args.dtype,
+              "args": flags + ["--enable-per-request-metrics"]}  # each request's queue wait, prefill, decode
     if config in ("vllm", "vllm-prefix"):
         return [VLLMServer(python, model, tmp / f"{name}.log", prefix_caching=config == "vllm-prefix", **common)]
     kdn = {"memory_bytes": kdn_bytes}

@@ -19,10 +19,25 @@ import sys
 import time
 
 
+def _engine_times(chunk) -> dict:
+    """The engine's own times of a request (vLLM's ``--enable-per-request-metrics``: on the final usage
+    chunk): queue wait (arrival to first scheduled, where a request kdn holds back waits), scheduled to
+    first token (its prefill, or the load and its question) and first to last token, in seconds."""
+    metrics = getattr(chunk, "metrics", None) or (chunk.model_extra or {}).get("metrics")
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        metrics = metrics.model_dump() if hasattr(metrics, "model_dump") else dict(metrics)
+    names = {"queue_time_ms": "queue_s", "time_to_first_token_ms": "scheduled_to_first_token_s",
+             "generation_time_ms": "decode_s"}
+    return {ours: metrics[theirs] / 1e3 for theirs, ours in names.items() if metrics.get(theirs) is not None}
+
+
 async def complete(client, model: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed request: TTFT (first chunk), latency, prompt and cached tokens, reply ids."""
+    """One streamed request: TTFT (first chunk), latency, prompt and cached tokens, reply ids, and the
+    engine's own times when it reports them."""
     t0 = time.perf_counter()
-    ttft, reply, usage = None, [], None
+    ttft, reply, usage, engine = None, [], None, {}
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                              stream=True, stream_options={"include_usage": True},
                                              extra_body={"return_token_ids": True})
@@ -33,10 +48,11 @@ async def complete(client, model: str, prompt: list[int], max_tokens: int) -> di
             reply += getattr(chunk.choices[0], "token_ids", None) or []
         if chunk.usage is not None:
             usage = chunk.usage
+            engine = _engine_times(chunk)
     details = getattr(usage, "prompt_tokens_details", None)
     return {"ttft": ttft, "latency": time.perf_counter() - t0, "prompt_tokens": usage.prompt_tokens,
             "cached_tokens": (details.cached_tokens or 0) if details is not None else 0, "reply": reply,
-            "start": t0}
+            "start": t0, **engine}
 
 
 async def run_all(clients: list, job: dict, prompts: list[list[int]]) -> list[dict]:

@@ -70,12 +70,18 @@ def difference(after: dict, before: dict) -> dict:
 
 
 def by_served(records: list[dict], doc_tokens: int, chunk: int, percentile) -> dict:
-    """TTFT p50 / p99 of the requests whose document was served (hits) and of those prefilled (misses)."""
+    """The requests whose document was served (hits) apart from those prefilled (misses): TTFT p50 /
+    p99 and, where the engine reported them per request, the mean and p99 of its queue wait,
+    scheduled-to-first-token and decode seconds."""
     out = {}
     for name, hit in (("hits", True), ("misses", False)):
-        ttfts = [r["ttft"] for r in records if r.get("ttft") is not None
-                 and (r["cached_tokens"] >= doc_tokens - chunk) == hit]
+        mine = [r for r in records if r.get("ttft") is not None and (r["cached_tokens"] >= doc_tokens - chunk) == hit]
+        ttfts = [r["ttft"] for r in mine]
         out[name] = {"count": len(ttfts), "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99)}
+        for phase in ("queue_s", "scheduled_to_first_token_s", "decode_s"):
+            values = [r[phase] for r in mine if phase in r]
+            if values:
+                out[name][phase] = {"mean": sum(values) / len(values), "p99": percentile(values, 0.99)}
     return out
 
 
@@ -100,7 +106,9 @@ def breakdown_line(row: dict) -> str:
     if served:
         def ttft(kind):
             s = served[kind]
-            return f"{s['ttft_p50_s'] * 1e3:.0f}/{s['ttft_p99_s'] * 1e3:.0f} ms ({s['count']})"
+            phases = "".join(f", {p.removesuffix('_s').replace('_', ' ')} {s[p]['mean'] * 1e3:.0f}"
+                             for p in ("queue_s", "scheduled_to_first_token_s") if p in s)
+            return f"{s['ttft_p50_s'] * 1e3:.0f}/{s['ttft_p99_s'] * 1e3:.0f} ms ({s['count']}{phases})"
 
         parts.append(f"TTFT p50/p99 hits {ttft('hits')}, misses {ttft('misses')}")
     if "of_miss_bound" in row:

@@ -1,4 +1,4 @@
-"""The scheduler-to-worker lookup channel (kdn.integrations.lookups): answers come from the worker's
+"""The scheduler-to-worker lookup channel (kdn.integrations.vllm.lookups): answers come from the worker's
 lookup, a dead or failing worker is "no answer" (the scheduler then asks its own tiers), and the
 socket lives in a folder only its user can open."""
 
@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from kdn.integrations import lookups
-from kdn.integrations.lookups import LookupClient, LookupServer, socket_path
+from kdn.integrations.vllm import lookups
+from kdn.integrations.vllm.lookups import LookupClient, LookupServer, socket_path
 
 
 def test_the_worker_answers_and_a_gone_or_failing_worker_is_no_answer(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ scenario. Run in the vLLM venv by tests/test_vllm.py:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 
@@ -91,6 +92,7 @@ class Harness:
         assert self.worker.engine is not None, self.worker.reason
         self.io, self.session = self.worker.engine.chunks, self.worker.session
         self.connector = connector
+        self.scheduler_module = importlib.import_module("kdn.integrations.vllm.scheduler")  # its waits and leases
 
     def request(self, req_id: str, tokens: list, max_tokens: int = 4, cache_salt: str | None = None):
         from vllm import SamplingParams
@@ -369,7 +371,7 @@ def claimed_elsewhere(model: str, url: str) -> dict:
         a.step({"a": truth})
     a.io.flush()
     b_after, _ = b.step({"b": truth2})
-    return {"a_first": a_first.fresh, "claimed_by_a": owner is not None and owner == a.worker._owner,
+    return {"a_first": a_first.fresh, "claimed_by_a": owner is not None and owner == a.worker.owner,
             "b_waiting": b_waiting.fresh, "b_after": b_after.fresh,
             "b_loads": [[s.req_id, s.start, s.end] for s in b_after.loads],
             **_exact(b, doc + _tokens(20, 25), truth2)}
@@ -381,7 +383,7 @@ def in_flight_slow_step(model: str) -> dict:
     then loads what was stored (it did not: the grace ran from when the step was scheduled, and a
     document was prefilled twice under load)."""
     h = Harness(model, chunk_size=256)
-    h.connector.STORE_GRACE_S = 0.0
+    h.scheduler_module.STORE_GRACE_S = 0.0
     doc = _tokens(600, 31)
     truth = _random_kv(h, 620, 32)
     truth2 = [torch.cat([t[:, :, :600], _random_kv(h, 620, 33)[i][:, :, 600:]], dim=2) for i, t in enumerate(truth)]
@@ -393,7 +395,7 @@ def in_flight_slow_step(model: str) -> dict:
     gate.set()
     h.connector.drain()
     three, _ = h.step({"a": truth, "b": truth2})
-    h.connector.STORE_GRACE_S = 10.0
+    h.scheduler_module.STORE_GRACE_S = 10.0
     return {"first_step": one.fresh, "second_step": two.fresh, "third_step": three.fresh,
             "third_loads": [[s.req_id, s.start, s.end] for s in three.loads],
             **_exact(h, doc + _tokens(20, 35), truth2)}
@@ -414,7 +416,7 @@ def claimed_partly_stored(model: str, url: str) -> dict:
     a.step({"a": truth}, drain=False)  # computed (claimed) in one step; its store is held
     tokens = np.asarray(doc, dtype=np.uint32)
     keys = a.worker.engine.computing_keys(a.session, tokens, 0)
-    claimed = [a.io.remote.claimant(k) == a.worker._owner for k in keys]  # (a lease A would renew as it steps)
+    claimed = [a.io.remote.claimant(k) == a.worker.owner for k in keys]  # (a lease A would renew as it steps)
     from kdn import _core
 
     # A's first chunk lands before the rest
@@ -465,7 +467,7 @@ def forged_claim(model: str, url: str) -> dict:
     h.request("a", doc)
     first, _ = h.step({"a": truth})
     return {"first_step": first.fresh, "bad_claims": h.io.remote.stats()["bad_claims"],
-            "claimed_by": h.io.remote.claimant(key), "owner": h.worker._owner, **_exact(h, doc, truth)}
+            "claimed_by": h.io.remote.claimant(key), "owner": h.worker.owner, **_exact(h, doc, truth)}
 
 
 def claim_lease(model: str, url: str) -> dict:
@@ -477,8 +479,8 @@ def claim_lease(model: str, url: str) -> dict:
     a = Harness(model, chunk_size=256, remote_url=url, batch=256)
     b = Harness(model, chunk_size=256, remote_url=url)
     a.io.remote.clear()
-    lease = a.connector.CLAIM_LEASE_S
-    a.connector.CLAIM_LEASE_S = 0.6
+    lease = a.scheduler_module.CLAIM_LEASE_S
+    a.scheduler_module.CLAIM_LEASE_S = 0.6
     try:
         doc = _tokens(600, 71)
         truth = _random_kv(a, 620, 72)
@@ -508,7 +510,7 @@ def claim_lease(model: str, url: str) -> dict:
         lapsed = b.step({"b2": _random_kv(b, 620, 80)})[0].fresh
         return {**renewed, "b2_while_claim_live": held, "b2_after_lease": lapsed}
     finally:
-        a.connector.CLAIM_LEASE_S = lease
+        a.scheduler_module.CLAIM_LEASE_S = lease
 
 
 def salted(model: str) -> dict:

@@ -1,0 +1,162 @@
+"""The vLLM connector class vLLM instantiates once per role: it checks that kdn can serve the model,
+then hands every call to its scheduler half (:mod:`.scheduler`) or worker half (:mod:`.worker`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kdn._core import InvalidInputError
+from kdn.config import KDNConfig
+from kdn.integrations.vllm import metrics, process
+from kdn.integrations.vllm.lookups import LookupClient
+from kdn.integrations.vllm.scheduler import SchedulerSide, claim_owner
+from kdn.integrations.vllm.specs import KDNConnectorMetadata
+from kdn.integrations.vllm.worker import WorkerSide, cpu_attention_isa
+
+log = logging.getLogger("kdn")
+
+
+def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
+    """Why kdn cannot serve this engine's model, or None."""
+    model = vllm_config.model_config
+    hf = model.hf_text_config
+    if getattr(model, "use_mla", False):
+        return "MLA attention (latent KV) is not supported"
+    if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
+        return "sliding-window attention is not supported (its KV is not a plain prefix)"
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        return "hybrid models (several KV cache groups: mamba or mixed attention) are not supported"
+    if groups and type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec":
+        return f"{type(groups[0].kv_cache_spec).__name__} layers are not supported (full attention only)"
+    folder = Path(model.model)
+    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
+        return f"{model.model} is not a local HF checkpoint folder (kdn fingerprints the checkpoint's files)"
+    return None
+
+
+class KDNConnector(KVConnectorBase_V1):
+    """vLLM's ``KVConnectorBase_V1`` served by kdn (see :mod:`kdn.integrations.vllm`). ``engine`` and
+    ``session`` are None, and ``reason`` says why, when kdn serves this engine nothing."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.config = KDNConfig(**extra)  # an unknown setting: InvalidInputError with "did you mean"
+        self.block_size = vllm_config.cache_config.block_size
+        self.reason = unsupported_reason(vllm_config, kv_cache_config)
+        self.engine = self.session = None  # one Engine per config and model in this process (both roles)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None  # made when vLLM registers its KV blocks
+        engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None) or f"kdn-{id(self)}"
+        self.owner = claim_owner(str(engine_id))  # how this engine's claims are named in a shared remote store
+        if self.reason:
+            if role == KVConnectorRole.SCHEDULER:
+                log.warning("kdn: not serving %s: %s; requests run without kdn", vllm_config.model_config.model,
+                            self.reason)
+            return
+        self.engine, self.session, lookups = process.store_for(self.config, vllm_config)
+        if role == KVConnectorRole.WORKER:
+            process.serve_lookups(lookups, self.engine, self.session)
+            return
+        self._scheduler = SchedulerSide(self.engine, self.session, self.block_size, LookupClient(lookups), self.owner)
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if policy != "recompute":
+            log.warning("kdn: kv_load_failure_policy=%r: a chunk evicted or damaged between lookup and load "
+                        "fails its request; set kv_load_failure_policy='recompute' so that vLLM recomputes it", policy)
+
+    # -- scheduler side: see SchedulerSide ------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._scheduler is None:
+            return 0, False
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        if self._scheduler is None:
+            return KDNConnectorMetadata()
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is None:
+            return False, None
+        return self._scheduler.request_finished(request, block_ids)
+
+    # -- worker side: see WorkerSide ------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.engine is None:
+            return
+        try:
+            self._worker = WorkerSide(self.engine, self.session, self.block_size, kv_caches, self.attention_kernel)
+        except InvalidInputError as e:
+            self.reason = f"vLLM's KV layout is not one kdn reads: {e}"
+            log.warning("kdn: not serving this engine: %s", self.reason)
+            self.engine = None
+            return
+        process.add_worker(self._worker)
+
+    def attention_kernel(self, layer: torch.Tensor) -> str:
+        """Whose blocks ``layer`` is: the CPU kernel vLLM picked (``"vec"``, ``"vec16"``, ``"amx"``, ...)
+        or ``"gpu"`` for a CUDA tensor (every GPU backend hands connectors the same views)."""
+        if layer.device.type == "cpu":
+            return cpu_attention_isa(self._vllm_config, self.session.layout)
+        return "gpu" if layer.is_cuda else layer.device.type
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            self._worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # wait_for_save copies finished prompts out after the forward
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            self._worker.wait_for_save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is not None:
+            self._worker.get_finished(finished_req_ids)
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        """Finish queued stores (they are on disk / sent when this returns)."""
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # -- metrics ----------------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        # both halves report (vLLM sums them): under `vllm serve` the scheduler's counts (its own
+        # lookups, in-flight waits) live in another process than the worker's; in one process the
+        # first caller takes the increments and the other finds none
+        tiers = process.tier_stats()
+        delta = metrics.increments({f"{tier}_chunks": sum(t.get(tier, {}).get("served", 0) for t in tiers)
+                                    for tier in ("memory", "disk", "remote")})
+        return metrics.KDNStats(data=delta) if any(delta.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> KVConnectorStats | None:
+        return metrics.KDNStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return metrics.KDNPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

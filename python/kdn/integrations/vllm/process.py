@@ -1,0 +1,73 @@
+"""What the vLLM connectors of one process share: one kdn engine per (config, model), the lookup
+server of its worker, and the worker halves (to drain their stores and read their counters)."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+from kdn.config import KDNConfig
+from kdn.engine import Engine, ModelSession
+from kdn.integrations.vllm import metrics
+from kdn.integrations.vllm.lookups import LookupServer, socket_path
+from kdn.keys import checkpoint_fingerprint
+from kdn.layout import ModelLayout
+
+# one store per (config, model) in a process: the scheduler's lookups see the worker's stores
+_stores: dict[tuple, tuple[Engine, ModelSession]] = {}
+_lookup_servers: dict[str, LookupServer] = {}  # socket path -> the server of this process' worker
+_lock = threading.Lock()
+_workers: weakref.WeakSet = weakref.WeakSet()  # this process' worker halves
+
+
+def store_for(config: KDNConfig, vllm_config) -> tuple[Engine, ModelSession, str]:
+    """This process' engine and session for (config, model), and the lookup socket both of vLLM's
+    processes derive for them (the engine id names one vLLM engine)."""
+    model = vllm_config.model_config
+    key = (repr(config), config.tenant_key(), str(model.model), str(model.dtype))  # repr hides the secret
+    with _lock:
+        if key not in _stores:
+            engine = Engine(config)
+            layout = ModelLayout.from_config(model.hf_config, model.dtype)
+            _stores[key] = (engine, engine.checkpoint_session(layout, checkpoint_fingerprint(model.model, model.dtype)))
+        engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None) or ""
+        return (*_stores[key], socket_path(f"{engine_id}|{key}"))
+
+
+def serve_lookups(path: str, engine: Engine, session: ModelSession) -> None:
+    """Start this process' lookup server for its worker's store (once per socket)."""
+    with _lock:
+        if path not in _lookup_servers:
+            def lookup(tokens, limit, namespace):  # counted here: this process' counters reach vLLM's /metrics
+                metrics.count(lookups=1)
+                return engine.lookup(session.within(namespace), tokens, limit)
+
+            _lookup_servers[path] = LookupServer(path, lookup)
+
+
+def add_worker(worker) -> None:
+    _workers.add(worker)
+
+
+def worker_here(engine: Engine) -> bool:
+    """Whether a worker half of this process holds ``engine`` (then its tiers are the scheduler's)."""
+    return any(w.engine is engine for w in list(_workers))
+
+
+def tier_stats() -> list[dict]:
+    """The tiers' own counters of every engine of this process."""
+    with _lock:
+        return [engine.chunks.stats() for engine, _ in _stores.values()]
+
+
+def drain() -> None:
+    """Wait until every connector of this process has stored what it queued (tests, benchmarks)."""
+    for worker in list(_workers):
+        worker.drain()
+
+
+def stats() -> dict:
+    """This process' connector counters (lookups, hit/loaded/stored tokens, load errors, seconds)
+    and the tiers' own counters: ``{"connector": {...}, "memory": {...}, "disk": {...}, ...}``."""
+    tiers = {name: s for t in tier_stats() for name, s in t.items()}
+    return {"connector": metrics.totals(), **tiers}

@@ -1,0 +1,207 @@
+"""The vLLM connector's scheduler half: how many prompt tokens kdn holds, which requests wait for a
+document another request is prefilling (in this engine, or claimed in a shared remote store), and
+what the worker loads and stores each step (:mod:`kdn.integrations.vllm`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import time
+from typing import Any
+
+import numpy as np
+
+from kdn.engine import Engine, ModelSession
+from kdn.integrations.vllm import metrics, process
+from kdn.integrations.vllm.lookups import LookupClient
+from kdn.integrations.vllm.specs import KDNConnectorMetadata, LoadSpec, SaveSpec
+
+log = logging.getLogger("kdn")
+
+# a request whose next chunk another request is prefilling (in this engine, or claimed in the remote
+# store by another) waits for it (asked again each step) at most this long; a prefill that completed
+# (its last step executed, not scheduled: a step may take longer than this on a loaded host) is
+# waited on this long more, while its store lands. A claim in the remote store is a lease of
+# CLAIM_LEASE_S that its engine renews while the prefill runs: a claim whose engine died, or that
+# nobody renews, stops holding anyone within seconds; a store that cannot be used holds no one.
+IN_FLIGHT_WAIT_S, STORE_GRACE_S, CLAIM_LEASE_S = 120.0, 10.0, 5.0
+_COMPLETING = float("inf")  # an admitted request whose prefill's last step is scheduled, not yet run
+
+
+@dataclasses.dataclass
+class _Request:
+    tokens: list
+    block_ids: list
+    check: tuple | None = None  # (start, end): hit tokens held back to be verified
+    namespace: str | None = None  # its cache_salt: a tenant shares KV only within it
+
+
+def claim_owner(engine_id: str) -> str:
+    """How an engine's claims are named in a shared remote store: its vLLM engine id, printable ASCII."""
+    return re.sub(r"[^\x21-\x7e]", "_", engine_id)[:200]
+
+
+class SchedulerSide:
+    """The scheduler's half of :class:`kdn.integrations.vllm.KDNConnector` for one engine and model:
+    ``lookups`` asks the worker's process (its memory tier is its own), ``owner`` names this engine's
+    claims in a shared remote store (:func:`claim_owner`)."""
+
+    def __init__(self, engine: Engine, session: ModelSession, block_size: int, lookups: LookupClient, owner: str):
+        self.engine, self.session, self.block_size, self._lookups = engine, session, block_size, lookups
+        self.owner = owner
+        self._pending: dict[str, int] = {}  # req_id -> external tokens to load
+        self._checks: dict[str, tuple] = {}  # req_id -> (start, end) of a hit held back for verification
+        self._waiting: dict[str, float] = {}  # req_id -> since when it waits for another's prefill
+        # req_id -> [prompt tokens, prefill completed at (None: running, _COMPLETING), claimed keys, salt];
+        # kept STORE_GRACE_S past its request's end, while its store lands
+        self._admitted: dict[str, list] = {}
+        self._claims: dict[str, list[bytes]] = {}  # req_id -> the chunks it will compute (claimed)
+        self._salts: dict[str, str | None] = {}  # req_id -> its cache_salt (its tenant)
+        self._renewed = 0.0  # when the claims of running prefills were last renewed
+        self._requests: dict[str, _Request] = {}
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        tokens = np.asarray(request.prompt_token_ids or [], dtype=np.uint32)
+        salt = self._salts[request.request_id] = getattr(request, "cache_salt", None) or None
+        session = self.session.within(salt)  # vLLM's cache_salt: tenants never share KV
+        began = time.perf_counter()
+        hit = None  # the last token is computed: limit len - 1
+        if not process.worker_here(self.engine):  # ask the worker's process: its memory tier is its own
+            hit = self._lookups.lookup(tokens, len(tokens) - 1, salt)
+        if hit is None:
+            hit = self.engine.lookup(session, tokens, len(tokens) - 1)
+            metrics.count(lookups=1)
+        metrics.count(lookup_seconds=time.perf_counter() - began)
+        if self._prefilled_elsewhere(request.request_id, tokens, hit, session):
+            return None, False  # vLLM skips the request this step and asks again
+        span = self.engine.chunks.verifier.sample(hit - num_computed_tokens)  # verified: vLLM computes the last ones
+        if span:
+            self._checks[request.request_id] = (hit - span, hit)
+        else:
+            self._checks.pop(request.request_id, None)
+        return max(0, hit - span - num_computed_tokens), False
+
+    def _prefilled_elsewhere(self, req_id: str, tokens: np.ndarray, hit: int, session: ModelSession) -> bool:
+        """Whether another request is computing at least one more chunk of this prompt than kdn
+        holds (two questions of one document arriving together): one admitted in this engine, or,
+        with a remote store, one another engine claimed there. Then this request waits for that KV
+        to be stored, so the document is prefilled once (at most ``IN_FLIGHT_WAIT_S``); otherwise
+        it has claimed the chunk it will compute (until ``STORE_GRACE_S`` after it finishes: its
+        stores to a remote tier are queued, and a claim dropped at once let another engine miss)."""
+        need = hit + session.chunk_size
+        now = time.monotonic()
+        for done in [r for r, (_, at, _, _) in self._admitted.items() if at is not None and now - at > STORE_GRACE_S]:
+            del self._admitted[done]  # prefilled and stored (or refused) already: nothing to wait for
+        busy, keys = False, []
+        salt = self._salts.get(req_id)
+        if need < len(tokens):
+            for other_id, (other, _, _, other_salt) in self._admitted.items():
+                if (other_id != req_id and other_salt == salt and len(other) >= need
+                        and np.array_equal(other[:need], tokens[:need])):
+                    busy = True
+                    break
+            keys = self.engine.computing_keys(session, tokens, hit)
+            if not busy and keys:  # claimed now, at lookup: of two engines asked at once, one computes
+                # False: another engine's live claim; None (the store cannot tell): computes now
+                busy = self.engine.claim(keys, self.owner, CLAIM_LEASE_S) is False
+        if busy:
+            first = self._waiting.setdefault(req_id, now)
+            if now - first < IN_FLIGHT_WAIT_S:
+                return True
+            keys = []  # waited long enough: computes it too, without a claim
+        self._claims[req_id] = keys
+        if self._waiting.pop(req_id, None) is not None:
+            metrics.count(in_flight_waits=1)
+        return False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        # admitted: the next request's lookup in this very step sees that this one prefills its prompt
+        keys = self._claims.pop(request.request_id, [])  # claimed at its lookup: renewed when it finishes
+        self._admitted[request.request_id] = [np.asarray(request.prompt_token_ids or [], dtype=np.uint32), None, keys,
+                                              self._salts.get(request.request_id)]
+        if num_external_tokens > 0:
+            self._pending[request.request_id] = num_external_tokens
+
+    def build_connector_meta(self, scheduler_output) -> KDNConnectorMetadata:
+        meta = KDNConnectorMetadata()
+        self._renew_claims()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            req = self._requests[new.req_id] = _Request(list(new.prompt_token_ids or []), list(new.block_ids[0]),
+                                                        self._checks.pop(new.req_id, None),
+                                                        self._salts.get(new.req_id))
+            meta.fresh.append(new.req_id)
+            external = self._pending.pop(new.req_id, 0)
+            if external:
+                start = new.num_computed_tokens - external
+                meta.loads.append(LoadSpec(new.req_id, req.tokens[:new.num_computed_tokens], start,
+                                           new.num_computed_tokens, req.block_ids, req.namespace))
+            self._maybe_save(meta, new.req_id, new.num_computed_tokens, scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            req = self._requests.get(req_id)
+            if req is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            resumed = req_id in cached.resumed_req_ids
+            if new_blocks is not None:
+                req.block_ids = list(new_blocks[0]) if resumed else req.block_ids + list(new_blocks[0])
+            admitted = self._admitted.get(req_id)
+            if admitted is not None and admitted[1] == _COMPLETING and cached.num_computed_tokens[i] >= len(req.tokens):
+                admitted[1] = time.monotonic()  # the step that completed its prefill has run
+            if resumed:  # preempted, now recomputed (and perhaps loaded) from scratch
+                meta.fresh.append(req_id)
+                req.check = self._checks.pop(req_id, None)
+            external = self._pending.pop(req_id, 0)
+            if external:  # resumed after preemption with a fresh load
+                done = cached.num_computed_tokens[i]
+                meta.loads.append(LoadSpec(req_id, req.tokens[:done], done - external, done, req.block_ids,
+                                           req.namespace))
+            self._maybe_save(meta, req_id, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
+        return meta
+
+    def _renew_claims(self) -> None:
+        """Renew the leases of the chunks this engine's prefills claimed, while they run and for
+        ``STORE_GRACE_S`` after (their stores land), every third of a lease in one round trip: engines
+        waiting on them keep waiting only while this engine is alive and on its way to storing them."""
+        now = time.monotonic()
+        if now - self._renewed < CLAIM_LEASE_S / 3:
+            return
+        self._renewed = now
+        keys = [k for _, at, claimed, _ in self._admitted.values() if at is None or now - at < STORE_GRACE_S
+                for k in claimed]
+        if keys:
+            self.engine.renew_claims(keys, self.owner, CLAIM_LEASE_S)
+
+    def _maybe_save(self, meta: KDNConnectorMetadata, req_id: str, computed: int, scheduled: int) -> None:
+        """A step that completes a prompt's prefill (``computed`` tokens before it, ``scheduled`` in
+        it) stores it; the worker refuses it if a load of that step failed or lossy KV was served
+        (:mod:`kdn.engine.served`). A prefill recomputed after a failed load, or after preemption,
+        completes again, and is stored then."""
+        req = self._requests[req_id]
+        n = len(req.tokens)
+        if not computed < n <= computed + scheduled:
+            return
+        check = req.check if req.check is not None and computed <= req.check[0] else None
+        if req_id in self._admitted:
+            self._admitted[req_id][1] = _COMPLETING
+        meta.saves.append(SaveSpec(req_id, req.tokens, req.block_ids[: -(-n // self.block_size)], check,
+                                   req.namespace))
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        self._salts.pop(request.request_id, None)
+        self._pending.pop(request.request_id, None)
+        self._checks.pop(request.request_id, None)
+        self._waiting.pop(request.request_id, None)
+        admitted = self._admitted.get(request.request_id)
+        keys = self._claims.pop(request.request_id, None) or (admitted[2] if admitted is not None else [])
+        if admitted is not None:
+            if admitted[1] is None:  # ended before its prefill completed: nothing of it is on its way
+                del self._admitted[request.request_id]
+            else:  # its store may still be on its way: others wait STORE_GRACE_S more for it
+                admitted[1] = min(admitted[1], time.monotonic())
+        if keys:  # kept STORE_GRACE_S more, not dropped: its KV may still be on its way to the store
+            self.engine.claim(keys, self.owner, STORE_GRACE_S)
+        return False, None  # the KV was copied out in the step that finished the prefill

@@ -1,0 +1,39 @@
+"""What the vLLM connector's scheduler half tells its worker half each step (the connector metadata)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclasses.dataclass
+class LoadSpec:
+    """Load tokens [start, end) of ``tokens`` from kdn into ``block_ids`` (the request's tenant:
+    its ``cache_salt``, None for none)."""
+
+    req_id: str
+    tokens: list
+    start: int
+    end: int
+    block_ids: list
+    namespace: str | None = None
+
+
+@dataclasses.dataclass
+class SaveSpec:
+    """Store the KV of ``tokens`` (a prefill this step completed), held in ``block_ids``; with
+    ``check = (start, end)``, first compare the rows [start, end) vLLM computed with kdn's."""
+
+    req_id: str
+    tokens: list
+    block_ids: list
+    check: tuple | None = None
+    namespace: str | None = None
+
+
+@dataclasses.dataclass
+class KDNConnectorMetadata(KVConnectorMetadata):
+    loads: list = dataclasses.field(default_factory=list)
+    saves: list = dataclasses.field(default_factory=list)
+    fresh: list = dataclasses.field(default_factory=list)  # requests (re)started from scratch this step

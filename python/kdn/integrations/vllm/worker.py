@@ -1,0 +1,250 @@
+"""The vLLM connector's worker half: loads chunks into vLLM's paged blocks before the forward that
+needs them (whole or layer by layer), reports what could not be loaded, and stores finished prompts:
+sealed straight from the blocks before they are reused, filed from a background thread
+(:mod:`kdn.integrations.vllm`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kdn._core import InvalidInputError
+from kdn.delivery import DeliveryError
+from kdn.engine import Engine, HFTarget, ModelSession
+from kdn.engine.paged import PagedLayout, vllm_layout
+from kdn.engine.served import Served
+from kdn.engine.targets import PagedBlocks
+from kdn.engine.verify import plane_error
+from kdn.integrations.vllm import metrics
+from kdn.integrations.vllm.specs import KDNConnectorMetadata, LoadSpec
+from kdn.layout import ModelLayout
+
+log = logging.getLogger("kdn")
+
+
+class WorkerSide:
+    """The worker's half of :class:`kdn.integrations.vllm.KDNConnector` over the KV blocks vLLM
+    registered (``kv_caches``: one tensor per layer, read and written by the strides of the layout
+    ``kernel(layer)`` names, :func:`kdn.engine.paged.vllm_layout`). Raises InvalidInputError when
+    the blocks are not laid out as kdn can read (then the connector serves nothing)."""
+
+    def __init__(self, engine: Engine, session: ModelSession, block_size: int, kv_caches: dict[str, torch.Tensor],
+                 kernel: Callable[[torch.Tensor], str]):
+        self.engine, self.session, self.block_size, self._kernel = engine, session, block_size, kernel
+        ordered = sorted(kv_caches.items(), key=lambda item: layer_index(item[0]))
+        self._layout: PagedLayout = self._describe([t for _, t in ordered])
+        # kdn's C++ core copies chunks in and out of the blocks by the strides that describe them
+        # (kdn.engine.paged, kdn/paged.h); on a GPU with the CUDA twin, on vLLM's current stream
+        self._blocks = [t for _, t in ordered]
+        self._errors: set[int] = set()
+        self._served: dict[str, Served] = {}  # what kdn served each running request
+        self._streams: list = []  # (load spec, LayerStream) of this step's layer-wise loads
+        self._saves: queue.Queue = queue.Queue(maxsize=8)
+        self._saver: threading.Thread | None = None
+
+    def _describe(self, layers: list[torch.Tensor]) -> PagedLayout:
+        """One layout for every layer's tensor, checked against the model and vLLM's block size."""
+        model = self.session.layout
+        if len(layers) != model.layers:
+            raise InvalidInputError(f"{len(layers)} KV tensors for a model of {model.layers} layers")
+        first = layers[0]
+        layout = vllm_layout(first, self._kernel(first))
+        found = (layout.kv_heads, layout.head_dim, layout.block_size)
+        if found != (model.kv_heads, model.head_dim, self.block_size):
+            raise InvalidInputError(f"{tuple(first.shape)} holds {found[0]} heads x {found[1]} dims in blocks of "
+                                    f"{found[2]}; the model has {model.kv_heads} x {model.head_dim}, vLLM's blocks "
+                                    f"are {self.block_size} tokens")
+        odd = [i for i, t in enumerate(layers) if (t.shape, t.stride(), t.dtype, t.device)
+               != (first.shape, first.stride(), first.dtype, first.device)]
+        if odd:
+            raise InvalidInputError(f"layer {odd[0]}'s tensor {tuple(layers[odd[0]].shape)} is not laid out "
+                                    f"like layer 0's {tuple(first.shape)}")
+        return layout
+
+    def start_load_kv(self, meta: KDNConnectorMetadata) -> None:
+        for req_id in meta.fresh:
+            self._served[req_id] = Served()
+        for spec in meta.loads:
+            began = time.perf_counter()
+            served = self._served.setdefault(spec.req_id, Served())
+            tokens = np.asarray(spec.tokens, dtype=np.uint32)
+            blocks = PagedBlocks(self._blocks, self._layout, spec.block_ids, spec.start)
+            # layer-wise when the engine streams: layers arrive while the model computes the ones before
+            load = self.engine.load(self.session.within(spec.namespace), tokens, spec.end, blocks,
+                                    lambda _, blocks=blocks: blocks, began)
+            hit = load.hit
+            served.lossy |= load.lossy  # a stream's is known when it ends (_finish_streams)
+            if load.stream is not None:
+                self._streams.append((spec, load.stream))
+            upto = min(hit, spec.end)
+            served.tokens = max(served.tokens, upto)
+            if upto < spec.end:  # evicted or unusable since the lookup: vLLM recomputes these blocks
+                self._load_failed(spec, max(upto, spec.start), "evicted or damaged since the lookup")
+            metrics.count(loads=1, loaded_tokens=max(0, upto - spec.start), hit_tokens=max(0, upto - spec.start),
+                   load_seconds=time.perf_counter() - began)
+
+    def _load_failed(self, spec: LoadSpec, start: int, why: str) -> None:
+        """Tokens [start, spec.end) of a request were not loaded: vLLM recomputes their blocks."""
+        first = start // self.block_size
+        self._errors.update(spec.block_ids[first: -(-spec.end // self.block_size)])
+        self._served.setdefault(spec.req_id, Served()).failed = True  # nothing of it is stored this step
+        log.warning("kdn: %d of %d tokens could not be loaded (%s); vLLM recomputes them", spec.end - start,
+                    spec.end - spec.start, why)
+        metrics.count(load_errors=1)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._streams:
+            return  # loaded whole by start_load_kv
+        layer = layer_index(layer_name)
+        for spec, stream in self._streams:
+            try:
+                stream.wait(layer)
+            except DeliveryError as e:  # reported after the forward; vLLM recomputes the request's blocks
+                log.debug("kdn: layer %d of request %s not delivered: %s", layer, spec.req_id, e)
+
+    def _finish_streams(self) -> None:
+        """After the forward: every stream of this step has ended; a failed one's blocks are reported."""
+        streams, self._streams = self._streams, []
+        for spec, stream in streams:
+            try:
+                stream.wait_all()
+            except DeliveryError as e:
+                self._load_failed(spec, spec.start, f"delivery failed: {e}")
+            if stream.stats.get("lossy", False):  # known once its last group arrived
+                self._served.setdefault(spec.req_id, Served()).lossy = True
+
+    def wait_for_save(self, meta: KDNConnectorMetadata) -> None:
+        self._finish_streams()  # every load of this step has ended: the rule below sees its failures
+        for spec in meta.saves:
+            n = len(spec.tokens)
+            session = self.session.within(spec.namespace)
+            served = self._served.get(spec.req_id) or Served()
+            if spec.check is not None:
+                served.checked = spec.check[1] - spec.check[0]
+            store = served.unstorable() is None and not served.covers(n, self.session.probe_step)
+            check = spec.check if not served.failed else None  # a failed step's blocks are stale: no check
+            if not store and check is None:
+                if served.unstorable() is not None:
+                    self.engine.save(session, np.asarray(spec.tokens, dtype=np.uint32), [], served)  # refused
+                    metrics.count(refused_stores=1)
+                continue  # else kdn served this prompt: it holds its KV already
+            # copies: the blocks are vLLM's to reuse once this returns. The chunks to store are sealed
+            # straight from the blocks (those a local tier holds already are skipped); the store
+            # thread files them
+            began = time.perf_counter()
+            tokens = np.asarray(spec.tokens, dtype=np.uint32)
+            blocks = PagedBlocks(self._blocks, self._layout, spec.block_ids)
+            packed = self.engine.pack(session, tokens, blocks) if store else None
+            first, kv = blocks.emit(*check) if check is not None else (0, None)
+            metrics.count(gather_seconds=time.perf_counter() - began)
+            self._start_saver()
+            self._saves.put((session, tokens, first, kv, dataclasses.replace(served), check, packed))
+        for served in self._served.values():
+            served.failed = False  # vLLM recomputes what failed: the recomputed prefill is stored
+
+    def _start_saver(self) -> None:
+        if self._saver is None:
+            self._saver = threading.Thread(target=self._save_loop, name="kdn-vllm-store", daemon=True)
+            self._saver.start()
+
+    def _save_loop(self) -> None:
+        _name_thread("kdn-store")
+        while True:
+            item = self._saves.get()
+            if item is None:
+                return
+            began, cpu = time.perf_counter(), time.thread_time()
+            try:
+                session, tokens, first, kv, served, check, packed = item
+                if check is not None:
+                    served.suspect = not self._verify(session, tokens, first, kv, check, served)
+                if packed is None:
+                    continue
+                stored = self.engine.save(session, tokens, packed, served)
+                flushing = time.perf_counter()
+                self.engine.flush()
+                if served.unstorable() is None:
+                    done = time.perf_counter()
+                    metrics.count(stores=1, stored_tokens=stored, store_seconds=done - began,
+                                  flush_seconds=done - flushing, store_cpu_seconds=time.thread_time() - cpu)
+                else:
+                    metrics.count(refused_stores=1)
+            except Exception as exc:  # storing is best effort; the request is answered already
+                log.warning("kdn: storing a prompt's KV failed (%s)", exc)
+            finally:
+                self._saves.task_done()
+
+    def _verify(self, session: ModelSession, tokens: np.ndarray, first: int, kv: list, check: tuple,
+                served: Served) -> bool:
+        """Compare the rows [start, end) vLLM computed (``kv`` holds tokens from ``first``) with the
+        KV kdn stores for them; on a mismatch drop every chunk of the hit (vLLM cannot recompute the
+        prefix on the side to tell which one is wrong; the next request recomputes and stores it)."""
+        start, end = check
+        load = self.engine.load(session, tokens[:end], end, HFTarget())
+        stored, hit = load.result, load.hit
+        verifier = self.engine.chunks.verifier
+        tolerance = verifier.tolerance(self.session.layout.torch_dtype, served.lossy or load.lossy)
+        if hit < end or tolerance is None:
+            return True  # evicted since, or not judged
+        error = plane_error([t[:, :, start:end] for t in stored], [t[:, :, start - first:end - first] for t in kv])
+        ok = verifier.judge(error, tolerance)
+        metrics.count(verify_checks=1, verify_mismatches=0 if ok else 1)
+        if not ok:
+            found = self.engine.chunks.find(session, tokens[:end], end)
+            keys = self.engine.chunks.drop_chunks(session, tokens, found, list(range(len(found.keys))))
+            verifier.dropped(keys, f"vLLM's KV of tokens [{start}, {end}) differs from kdn's by {error:.3g} "
+                                   f"(tolerance {tolerance:.3g})")
+        return ok
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        for req_id in finished_req_ids:
+            self._served.pop(req_id, None)
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        """Finish queued stores (they are on disk / sent when this returns)."""
+        if self._saver is not None:
+            self._saves.join()
+            self._saves.put(None)
+            self._saver.join(timeout=30)
+            self._saver = None
+
+    def drain(self) -> None:
+        """Wait until every store queued so far is filed."""
+        self._saves.join()
+
+
+def cpu_attention_isa(vllm_config, layout: ModelLayout) -> str:
+    """The CPU attention kernel vLLM picks for this engine ('vec', 'vec16', 'amx', 'neon', ...)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:  # not vLLM's CPU build
+        return "unknown (not vLLM's CPU backend)"
+    return _get_attn_isa(vllm_config.model_config.dtype, vllm_config.cache_config.block_size, layout.head_dim,
+                         vllm_config.cache_config.cache_dtype)
+
+
+def _name_thread(name: str) -> None:
+    """Name the calling thread for the OS (``top -H``, /proc/<pid>/task/<tid>/comm: who paid for what)."""
+    try:
+        Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_text(name[:15])
+    except OSError:  # not Linux
+        pass
+
+
+def layer_index(name: str) -> int:
+    match = re.search(r"layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else 0
