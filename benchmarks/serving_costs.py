@@ -113,4 +113,7 @@ def breakdown_line(row: dict) -> str:
         parts.append(f"TTFT p50/p99 hits {ttft('hits')}, misses {ttft('misses')}")
     if "of_miss_bound" in row:
         parts.append(f"{row['of_miss_bound']:.0%} of the miss bound ({row['miss_bound_rps']:.3f} req/s)")
+    if "of_hit_aware_bound" in row:
+        parts.append(f"hits alone {row['replay']['throughput_rps']:.3f} req/s: {row['of_hit_aware_bound']:.0%} of the "
+                     f"hit-aware bound ({row['hit_aware_bound_rps']:.3f} req/s)")
     return "    " + "; ".join(parts)

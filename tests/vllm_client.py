@@ -49,10 +49,12 @@ def main() -> None:
     # two questions about a new document at once: the second waits for the first's prefill (counted
     # by the scheduler's process, reported on /metrics with the worker's counters). The pair must
     # reach the engine before the first's KV is stored (else the second is a plain hit, also right):
-    # the document is the whole text rotated (a new chain, a long prefill), a fresh rotation per try
+    # the document is the whole text rotated, twice over (a new chain, a prefill longer than one
+    # step's 2,048 tokens, so that the second arrives while the first is still prefilling; kdn files
+    # a finished prefill's chunks within milliseconds), a fresh rotation per try
     for attempt in range(3):
         shift = len(document) * (attempt + 1) // 4
-        other = document[shift:] + document[:shift] + "\nQuestion: "
+        other = (document[shift:] + document[:shift]) * 2 + "\nQuestion: "
         with ThreadPoolExecutor(2) as pool:
             together = list(pool.map(lambda q, other=other: client.completions.create(
                 model=args.model, prompt=other + q, max_tokens=4, temperature=0).choices[0].text,
