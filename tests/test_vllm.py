@@ -290,62 +290,99 @@ def test_models_kdn_cannot_serve_are_named_and_served_nothing(setup):
     assert "SlidingWindowSpec" in why["swa_group"] and "not a local HF checkpoint" in why["hub_name"]
 
 
-def test_the_connector_under_vllms_real_scheduler(setup, redis_server):
-    """Issue 27, scenario 3: vLLM's Scheduler in-process with both connector halves (the worker's
-    blocks filled by the script): a chunk evicted between lookup and load (whole and layer-wise)
-    stores nothing in the failed step and the recomputed prompt after it, exactly; a prefill aborted
-    half-way stores nothing; a verified hit holds its last 16 tokens back, passes when honest, and a
-    planted chunk fails, is dropped with the hit, and nothing computed over it is stored; two
-    questions of one new document arriving together prefill it once (the second waits, then loads
-    exactly what the first stored), in one engine and across two sharing Redis (a claim there), also
-    when the step completing the first prefill outlasts the store grace and when the other engine
-    finds the first chunk stored and the rest still on their way. Issue 24: the worker half over
-    blocks in each of vLLM's GPU layouts (packed HND / NHD, the two older shapes; CPU tensors) loads
-    a stored document where vLLM's own indexing reads it and stores hits and misses exactly."""
+@pytest.fixture(scope="module")
+def scheduled(setup, redis_server) -> dict:
+    """Issues 24, 27 and 46: vLLM's Scheduler in-process with both connector halves, the worker's
+    blocks filled by the script (tests/vllm_scheduler.py), every scenario run once; each test below
+    judges one."""
     python, folder, _ = setup
-    out = run(python, "vllm_scheduler.py", "--model", folder, "--redis", redis_server.url)
-    for delivery in ("whole", "layerwise"):
-        r = out[f"load_error_{delivery}"]
-        assert r["loads"] == 1 and r["load_errors"] > 0 and r["first_saves"] == 1
-        assert r["after_failed_step"] == 256  # only the chunk that loaded: nothing of the failed step
-        assert r["second_saves"] == 1 and r["computed"] == 740  # recomputed, then stored
-        assert r["stored_tokens"] == 740 and r["equal_to_truth"]
-    assert out["aborted_prefill"] == {"saves": 0, "stored_tokens": 0}
-    v = out["verified_hit"]
+    return run(python, "vllm_scheduler.py", "--model", folder, "--redis", redis_server.url)
+
+
+@pytest.mark.parametrize("delivery", ["whole", "layerwise"])
+def test_a_chunk_evicted_between_lookup_and_load_stores_nothing_of_that_step(scheduled, delivery):
+    """The step whose load failed stores nothing; the recomputed prompt is stored after it, exactly."""
+    r = scheduled[f"load_error_{delivery}"]
+    assert r["loads"] == 1 and r["load_errors"] > 0 and r["first_saves"] == 1
+    assert r["after_failed_step"] == 256  # only the chunk that loaded: nothing of the failed step
+    assert r["second_saves"] == 1 and r["computed"] == 740  # recomputed, then stored
+    assert r["stored_tokens"] == 740 and r["equal_to_truth"]
+
+
+def test_a_prefill_aborted_half_way_stores_nothing(scheduled):
+    assert scheduled["aborted_prefill"] == {"saves": 0, "stored_tokens": 0}
+
+
+def test_a_verified_hit_holds_its_last_tokens_back_and_a_planted_chunk_is_dropped(scheduled):
+    """An honest hit passes; a planted chunk fails, is dropped with the hit, nothing computed over it is stored."""
+    v = scheduled["verified_hit"]
     assert v["loaded_to"] == 584 and v["check"] == [584, 600]
     assert v["honest_checks"] == 1 and v["honest_mismatches"] == 0
     assert v["planted_mismatches"] == 1 and v["stored_after"] == 0 and v["refused_stores"] == 1
-    f = out["in_flight"]  # two questions of one new document: prefilled once, the second loads it
+
+
+def test_two_questions_of_a_new_document_prefill_it_once(scheduled):
+    """The second waits for the first's prefill, then loads exactly what the first stored."""
+    f = scheduled["in_flight"]
     assert f["first_step"] == ["a"] and f["second_step"] == ["b"] and f["waits"] == 1
     assert f["second_loads"] == [["b", 0, 600]] and f["stored_tokens"] == 620 and f["equal_to_truth"]
-    c = out["claimed_elsewhere"]  # the same across two engines sharing Redis, through a claim there
+
+
+def test_two_engines_sharing_redis_prefill_a_document_once_through_a_claim(scheduled):
+    c = scheduled["claimed_elsewhere"]
     assert c["a_first"] == ["a"] and c["claimed_by_a"] and c["b_waiting"] == [] and c["b_after"] == ["b"]
     assert c["b_loads"] == [["b", 0, 600]] and c["stored_tokens"] == 620 and c["equal_to_truth"]
-    s = out["in_flight_slow_step"]  # the step completing a's prefill outlasted the grace, its store held
+
+
+def test_a_step_completing_the_prefill_that_outlasts_the_grace_still_holds_the_second(scheduled):
+    s = scheduled["in_flight_slow_step"]
     assert s["first_step"] == ["a"] and s["second_step"] == [] and s["third_step"] == ["b"]
     assert s["third_loads"] == [["b", 0, 600]] and s["stored_tokens"] == 620 and s["equal_to_truth"]
-    p = out["claimed_partly_stored"]  # B's lookup finds A's first chunk stored, the rest on their way
+
+
+def test_an_engine_finding_the_first_chunk_stored_and_the_rest_claimed_waits_for_them(scheduled):
+    p = scheduled["claimed_partly_stored"]
     assert p["b_hit_while_storing"] == 256 and all(p["claimed_by_a"])
     assert p["b_waiting"] == [] and p["b_after"] == ["b"]
     assert p["b_loads"] == [["b", 0, 600]] and p["stored_tokens"] == 620 and p["equal_to_truth"]
-    d = out["store_down"]  # issue 46: a store that cannot be used holds no request ("cannot tell": compute)
+
+
+def test_a_store_that_cannot_be_used_holds_no_request(scheduled):
+    """Issue 46: "cannot tell" computes at once, and the prompt is stored exactly in the other tiers."""
+    d = scheduled["store_down"]
     assert d["first_step"] == ["a"] and d["seconds"] < 5 and d["remote_state"] == "down"
     assert d["stored_tokens"] == 620 and d["equal_to_truth"]
-    f = out["forged_claim"]  # a claim kdn would not write (no TTL) is removed: the request computes
+
+
+def test_a_forged_claim_is_removed_and_holds_no_request(scheduled):
+    f = scheduled["forged_claim"]  # a claim kdn would not write (no TTL)
     assert f["first_step"] == ["a"] and f["bad_claims"] == 1 and f["claimed_by"] in (None, f["owner"])
     assert f["stored_tokens"] == 620 and f["equal_to_truth"]
-    lease = out["claim_lease"]  # a lease renewed while its prefill runs, lapsed when its engine stops
+
+
+def test_a_claim_is_a_lease_renewed_while_its_prefill_runs_and_lapsing_when_its_engine_stops(scheduled):
+    lease = scheduled["claim_lease"]
     assert lease["b_while_a_runs"] == [[], []] and lease["b_after"] == ["b"] and lease["b_loads"] == [["b", 0, 600]]
     assert lease["stored_tokens"] == 620 and lease["equal_to_truth"]
     assert lease["b2_while_claim_live"] == [] and lease["b2_after_lease"] == ["b2"]
-    t = out["salted"]  # issue 46: cache_salt is a tenant: other salts (and none) compute, the same loads
+
+
+def test_a_cache_salt_is_a_tenant(scheduled):
+    """Issue 46: other salts (and none) compute; the same salt loads."""
+    t = scheduled["salted"]
     assert t["first"] == ["a"] and t["others"] == ["b", "n"] and t["others_loads"] == 0
     assert t["same_loads"] == [["c", 0, 600]] and t["held"] == {"tenant-a": 600, "tenant-b": 600, "none": 600}
-    for shape, g in out["gpu_layouts"].items():  # the worker half over vLLM's GPU layouts (CPU tensors)
-        assert g["layout"] == ("packed" if shape in ("HND", "NHD") else shape), (shape, g)
-        assert g["loads"] == [[0, 600]] and g["load_errors"] == 0 and g["blocks_equal_to_truth"], (shape, g)
-        assert g["stored_tokens"] == 620 and g["equal_to_truth"], (shape, g)
-        assert g["missed"] == {"stored_tokens": 300, "equal_to_truth": True}, (shape, g)
+
+
+@pytest.mark.parametrize("shape", ["HND", "NHD", "kv-first", "blocks-first"])
+def test_the_worker_half_over_each_vllm_gpu_layout_loads_and_stores_exactly(scheduled, shape):
+    """Issue 24: blocks in each of vLLM's GPU layouts (CPU tensors told they are a GPU backend's): a
+    stored document lands where vLLM's own indexing reads it; hits and misses are stored exactly."""
+    g = scheduled["gpu_layouts"][shape]
+    assert g["layout"] == ("packed" if shape in ("HND", "NHD") else shape), g
+    assert g["loads"] == [[0, 600]] and g["load_errors"] == 0 and g["blocks_equal_to_truth"], g
+    assert g["stored_tokens"] == 620 and g["equal_to_truth"], g
+    assert g["missed"] == {"stored_tokens": 300, "equal_to_truth": True}, g
 
 
 def test_a_bf16_engine_stores_and_a_new_engine_process_hits(setup, tmp_path):
