@@ -85,6 +85,24 @@ def by_served(records: list[dict], doc_tokens: int, chunk: int, percentile) -> d
     return out
 
 
+def held_hits(log: list[dict], doc_tokens: int, chunk: int, slow: float = 5.0) -> dict:
+    """From a docqa row's per-request log: the hits (served >= doc_tokens - chunk tokens), those held
+    for a prefill in flight (started while a miss of their document had not yet answered), how many
+    of each took over ``slow`` seconds to their first token, and the longest TTFT of the others."""
+    def hit(r):
+        return r["cached_tokens"] >= doc_tokens - chunk
+
+    def held(r):
+        return any(m["doc"] == r["doc"] and not hit(m) and m["start"] < r["start"] < m["start"] + m["ttft"] + 2
+                   for m in log if m.get("ttft") is not None)
+
+    hits = [r for r in log if r.get("ttft") is not None and hit(r)]
+    others = [r["ttft"] for r in hits if not held(r)]
+    return {"hits": len(hits), "held": sum(held(r) for r in hits), "slow": sum(r["ttft"] > slow for r in hits),
+            "slow_held": sum(r["ttft"] > slow and held(r) for r in hits),
+            "longest_not_held_s": max(others, default=0.0)}
+
+
 def breakdown_line(row: dict) -> str:
     """One line: per-request phase means, kdn's stage seconds, the threads that used the CPU."""
     parts = []
@@ -117,3 +135,15 @@ def breakdown_line(row: dict) -> str:
         parts.append(f"hits alone {row['replay']['throughput_rps']:.3f} req/s: {row['of_hit_aware_bound']:.0%} of the "
                      f"hit-aware bound ({row['hit_aware_bound_rps']:.3f} req/s)")
     return "    " + "; ".join(parts)
+
+
+if __name__ == "__main__":  # the hits held for a prefill in flight, per kdn docqa row of a record
+    import json
+    import sys
+
+    from kdn import KDNConfig
+
+    record = json.loads(Path(sys.argv[1]).read_text())
+    for row in record["rows"]:
+        if row["config"].startswith("kdn") and "requests_log" in row:
+            print(row["config"], held_hits(row["requests_log"], record["args"]["tokens"], KDNConfig().chunk_size))
