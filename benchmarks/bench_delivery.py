@@ -67,7 +67,7 @@ class Bench:
         else:  # a fixed level: the remote copy in that codec, streamed layer-wise
             config = KDNConfig(remote_codec=method, **base)
         kdn = KDN(config)
-        kdn.delivery.estimates = self.estimates_for(method)
+        kdn.engine.estimates = self.estimates_for(method)
         return kdn
 
     def request(self, method: str, ids: torch.Tensor, ref, continuation, deadline=None) -> dict:
@@ -107,7 +107,7 @@ def stages(bench, ids: torch.Tensor) -> dict:
 
     kdn = bench.reader("whole", None)
     session = kdn.session(bench.model)
-    found = kdn.chunks.find(session, session.tokens(ids), ids.shape[1] - 1)
+    found = kdn.engine.find(session, session.tokens(ids), ids.shape[1] - 1)
     t0 = time.perf_counter()
     blobs = kdn.remote.get_many(found.keys)
     t1 = time.perf_counter()

@@ -87,20 +87,20 @@ def copy_into(src: KDN, dst: KDN, model, context: list[int], specs: list[str]) -
     addresses = list(every)
     if len(every) > len(full):
         probes = session.probe_keys(full[-1] if full else ROOT, tokens[len(full) * session.chunk_size:])
-        addresses += [p for p, held in zip(probes, src.chunks.tiers.held(probes)) if held]
+        addresses += [p for p, held in zip(probes, src.engine.tiers.held(probes)) if held]
     for spec in specs:
         edit = parse(spec)
         for key in full:
-            payload = src.chunks.read_sidecar(session, edit.address(key))
+            payload = src.engine.sidecars.read(session, edit.address(key))
             addresses += [edit.address(key), kvzip.rows_address(edit.address(key), payload)]
     for address in addresses:
-        blobs, _ = src.chunks.tiers.fetch([address], exact=True)
+        blobs, _ = src.engine.tiers.fetch([address], exact=True)
         assert blobs, "a deposited blob is missing"
-        dst.chunks.tiers.put(address, bytes(blobs[0]))
+        dst.engine.tiers.put(address, bytes(blobs[0]))
 
 
 def exact_bytes(cache: KDN, model, context: list[int]) -> int:
-    return sum(cache.chunks.stored_bytes(key) for key in cache.chunk_keys(model, context))
+    return sum(cache.engine.stored_bytes(key) for key in cache.chunk_keys(model, context))
 
 
 def main() -> None:

@@ -51,10 +51,10 @@ def main() -> None:
             session = kdn.session(model)
             tokens = session.tokens(ids)
             def host_then_copy():
-                return [t.to("cuda") for t in kdn.chunks.read(session, tokens, n, HFTarget("cpu"))[0]]
+                return [t.to("cuda") for t in kdn.engine.load(session, tokens, n, HFTarget("cpu")).result]
 
             host = timed(synced(host_then_copy), args.repeats)
-            device = timed(synced(lambda: kdn.chunks.read(session, tokens, n, HFTarget("cuda"))), args.repeats)
+            device = timed(synced(lambda: kdn.engine.load(session, tokens, n, HFTarget("cuda")).result), args.repeats)
             kv_mb = session.layout.bytes_per_token() * n / 2**20
             rows.append({"tokens": n, "codec": spec, "kv_MiB": round(kv_mb, 1), "prefill_ms": prefill_s * 1e3,
                          "host_then_copy_ms": host * 1e3, "on_device_ms": device * 1e3,

@@ -37,7 +37,7 @@ def main() -> None:
     kdn = KDN(KDNConfig(chunk_size=256))
     session = kdn.session(model)
     tokens = session.tokens(torch.randint(3, 512, (1, n)))
-    kdn.chunks.write(session, tokens, [torch.randn(1, 3, n, 64) for _ in range(60)])
+    kdn.engine.save(session, tokens, [torch.randn(1, 3, n, 64) for _ in range(60)])
     blobs = [kdn.memory.get(key) for key in session.prefix_keys(tokens)]
     hf = [torch.empty(1, 3, n, 64) for _ in range(60)]
     blocks = [torch.zeros(-(-n // 128) + 8, 3, 128, 128) for _ in range(30)]

@@ -10,8 +10,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from conftest import full_prefill
 from kdn import KDN, InvalidInputError, KDNConfig, _core
 from kdn.blend import UnsupportedModelError
-from kdn.blend.rope import inv_freq
 from kdn.models.tiny import tiny_model
+from kdn.rope import inv_freq
 
 ARCHS = ["llama", "mistral", "qwen2"]
 # fp32: HF computes the reference angles in fp32 (at position ~1000 they are off by ~1e-4 rad)

@@ -38,3 +38,92 @@ def test_the_rule_catches_a_forward_without_it():
     tree = ast.parse("out = model(ids, use_cache=True)\nok = model(ids, logits_to_keep=1)\n")
     calls = list(_forward_calls(tree))
     assert [any(k.arg == "logits_to_keep" for k in c.keywords) for c in calls] == [False, True]
+
+
+# -- the engine is closed: faces, tests and benchmarks drive kdn through kdn.engine.Engine ----------
+ROOT = PACKAGE.parent.parent
+ENGINE_PARTS = ("chunks",)  # an Engine's chunk reader/writer: engine/ only
+DOOR = ROOT / "tests" / "forge.py"  # the named helper tests that forge stored blobs go through
+
+
+def _reads_of_parts(tree: ast.AST) -> list[int]:
+    """Lines that read an engine's parts: ``x.chunks``, or import :class:`ChunkIO`."""
+    lines = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in ENGINE_PARTS]
+    lines += [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+              and any(a.name == "ChunkIO" for a in n.names)]
+    return lines
+
+
+def _outside_the_engine():
+    yield from (p for p in PACKAGE.rglob("*.py") if "engine" not in p.relative_to(PACKAGE).parts)
+    yield from (p for p in (ROOT / "tests").glob("*.py") if p != DOOR)
+    yield from (ROOT / "benchmarks").rglob("*.py")
+
+
+def test_no_module_outside_the_engine_reads_its_parts():
+    found = [f"{path.relative_to(ROOT)}:{line}" for path in sorted(_outside_the_engine())
+             for line in _reads_of_parts(ast.parse(path.read_text(), str(path)))]
+    assert not found, f"engine parts read outside kdn/engine (use the Engine's API, or tests/forge.py): {found}"
+
+
+def test_the_engine_rule_catches_a_side_door():
+    tree = ast.parse("kv = cache.engine.chunks.read(s, t, 4)\n"
+                     "from kdn.engine.chunks import ChunkIO\nok = engine.load(s)\n")
+    assert _reads_of_parts(tree) == [1, 2]
+
+
+def _unit(module: str) -> str:
+    """The layer a module belongs to: kdn's top-level module or subpackage (``kdn`` for the package's face)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "kdn"
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Which of kdn's top-level units each unit imports (lazy imports in functions included)."""
+    units = {_unit(m) for m in sources} | {"_core"}
+    edges: dict[str, set[str]] = {}
+    for module, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "kdn":
+                named = [a.name for a in node.names] if node.module == "kdn" else [_unit(node.module)]
+                edges.setdefault(_unit(module), set()).update(n if n in units else "kdn" for n in named)
+    for unit, targets in edges.items():
+        targets.discard(unit)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in edges.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    return sorted({tuple(sorted((a, b))) for a, targets in edges.items() for b in targets if a in reach(b)})
+
+
+def _package_sources() -> dict[str, str]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path.read_text()
+    return out
+
+
+def test_no_import_runs_back_up_a_layer():
+    assert cycles(import_graph(_package_sources())) == []
+
+
+def test_the_layer_rule_catches_a_cycle():
+    sources = {"kdn.engine.core": "from kdn.delivery import stream", "kdn.delivery.stream": "from kdn.engine import x",
+               "kdn.storage": "from kdn import _core"}
+    assert cycles(import_graph(sources)) == [("delivery", "engine")]
+
+
+def test_no_file_in_the_package_is_over_400_lines():
+    lines = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    long = {name: n for name, n in lines.items() if n > 400}
+    assert not long, f"split these (a file has one job): {long}"

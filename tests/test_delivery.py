@@ -10,8 +10,9 @@ from kdn._core import BlobError, InvalidInputError
 
 from conftest import full_prefill, random_ids
 from kdn import KDN, KDNConfig, _core, codecs
-from kdn.delivery import Estimates, layer_groups, plan
-from kdn.delivery.stream import Deliverer
+from kdn.delivery import Estimates, layer_groups
+from kdn.engine import plan
+from kdn.engine.stream import Deliverer
 from kdn.models.tiny import tiny_model
 from shaped_link import ShapedRedis, require_link
 
@@ -212,8 +213,8 @@ def test_a_slow_link_gets_smaller_levels_and_lossy_kv_is_never_stored_as_exact(m
     link.set_rate(0.02)  # 2.5 MB/s: the exact KV (800 KB) would take 0.3 s
     reader = KDN(KDNConfig(chunk_size=CHUNK, remote_url=link.url, layer_group=1, delivery_levels=LEVELS,
                            ttft_deadline=0.15))
-    reader.delivery.estimates.observe_prefill(reader.session(model4).fingerprint, 200, 2.0)  # "prefill is slow"
-    reader.delivery.estimates.observe_transfer(2_500_000, 1.0)
+    reader.engine.estimates.observe_prefill(reader.session(model4).fingerprint, 200, 2.0)  # "prefill is slow"
+    reader.engine.estimates.observe_transfer(2_500_000, 1.0)
     out = reader.generate(model4, ids, max_new_tokens=1, do_sample=False)
     stats = reader.last_generate["delivery"]
     assert stats["streamed_chunks"] == 6 and stats["lossy"]
@@ -225,7 +226,7 @@ def test_a_slow_link_gets_smaller_levels_and_lossy_kv_is_never_stored_as_exact(m
     link.set_rate(10.0)  # a fast link: the exact KV, and the logits of a full prefill
     fast = KDN(KDNConfig(chunk_size=CHUNK, remote_url=link.url, layer_group=1, delivery_levels=LEVELS,
                          ttft_deadline=5.0))
-    fast.delivery.estimates.observe_transfer(100_000_000, 0.1)
+    fast.engine.estimates.observe_transfer(100_000_000, 0.1)
     got, hit = fast.retrieve(model4, ids, limit=199)
     with torch.inference_mode():
         logits = model4(ids[:, hit:], past_key_values=got).logits[0, -1]
@@ -237,8 +238,8 @@ def test_a_link_too_slow_for_any_level_is_recomputed_instead(model4, link):
     ids = random_ids(model4, 200, seed=5)
     store_remote(model4, ids, link.url, delivery_levels=LEVELS)
     reader = KDN(KDNConfig(chunk_size=CHUNK, remote_url=link.url, delivery_levels=LEVELS, ttft_deadline=0.05))
-    reader.delivery.estimates.observe_prefill(reader.session(model4).fingerprint, 200, 0.02)  # prefill: 20 ms
-    reader.delivery.estimates.observe_transfer(10_000, 1.0)  # 10 KB/s
+    reader.engine.estimates.observe_prefill(reader.session(model4).fingerprint, 200, 0.02)  # prefill: 20 ms
+    reader.engine.estimates.observe_transfer(10_000, 1.0)  # 10 KB/s
     out = reader.generate(model4, ids, max_new_tokens=3, do_sample=False)
     assert torch.equal(out, greedy(model4, ids, 3))
     assert reader.last_generate["hit_tokens"] == 0 and reader.stats()["delivery"]["recomputed_chunks"] == 6

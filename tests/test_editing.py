@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kdn import KDN, InvalidInputError, KDNConfig, _core
-from kdn.blend.rope import inv_freq
 from kdn.edits import kvzip, parse, steer, stored
 from kdn.layout import cache_to_kv_list, kv_list_to_cache
+from kdn.rope import inv_freq
 
 CHUNK = 128
 
@@ -163,11 +163,11 @@ def test_rows_are_only_read_with_their_own_mask(case):
     edit = parse("kvzip:keep=0.5")
     session = kdn.session(model)
     keys = kdn.chunk_keys(model, doc)
-    before = kdn.chunks.read_sidecar(session, edit.address(keys[0]))
+    before = kdn.engine.sidecars.read(session, edit.address(keys[0]))
     kdn.deposit(model, other, edits=["kvzip:keep=0.5"])
-    assert kdn.chunks.read_sidecar(session, edit.address(keys[0])) != before  # other rows chosen
+    assert kdn.engine.sidecars.read(session, edit.address(keys[0])) != before  # other rows chosen
     layers, heads = session.layout.layers, session.layout.kv_heads
-    mask = torch.cat([kvzip.unpack_mask(kdn.chunks.read_sidecar(session, edit.address(k)), layers, heads, CHUNK)
+    mask = torch.cat([kvzip.unpack_mask(kdn.engine.sidecars.read(session, edit.address(k)), layers, heads, CHUNK)
                       for k in keys], dim=2)
     cache, hit = kdn.retrieve(model, ids[0], edits="kvzip:keep=0.5")
     assert_served_as_masked_exact(model, kdn, doc, ids, cache, hit, mask)
@@ -279,7 +279,7 @@ def test_kdn_deposit_refuses_bad_arguments_before_loading_a_model(tmp_path, caps
 def test_pooled_keys_sit_at_their_slot_rows(case):
     """kvzip.turn moves keys as the model's RoPE does (blending's tested shift_keys): a pooled key is
     the key its token would have at the slot's row, which a codec undoing RoPE by row expects."""
-    from kdn.blend.rope import inv_freq, shift_keys
+    from kdn.rope import inv_freq, shift_keys
 
     model, doc, _ = case
     with torch.inference_mode():
@@ -326,7 +326,8 @@ def test_a_kvtc_tier_files_masked_chunks_read_back_exact_where_stored_raw(case, 
         kdn.flush()
         session, edit = kdn.session(model), parse(spec)
         layers, heads = session.layout.layers, session.layout.kv_heads
-        payloads = [kdn.chunks.read_sidecar(session, edit.address(k)) for k in session.prefix_keys(session.tokens(doc))]
+        payloads = [kdn.engine.sidecars.read(session, edit.address(k))
+                    for k in session.prefix_keys(session.tokens(doc))]
         masks = [kvzip.unpack_mask(p, layers, heads, CHUNK) for p in payloads]
         assert all(kvzip.is_masked(p, m) for p, m in zip(payloads, masks))
         mask = torch.cat(masks, -1)
@@ -357,7 +358,7 @@ def test_a_missing_rows_blob_ends_the_edited_hit_there(case):
     edit, session = parse("kvzip:keep=0.5"), kdn.session(model)
     keys = kdn.chunk_keys(model, doc)
     whole = stored.stored_bytes(kdn.engine, model, doc, edit.spec)
-    payload = kdn.chunks.read_sidecar(session, edit.address(keys[1]))
+    payload = kdn.engine.sidecars.read(session, edit.address(keys[1]))
     assert kdn.memory.remove(kvzip.rows_address(edit.address(keys[1]), payload))
     assert 0 < stored.stored_bytes(kdn.engine, model, doc, edit.spec) < whole / 2
     coded = KDN(KDNConfig(chunk_size=CHUNK, memory_codec="int4"))  # counted as stored: coded
@@ -367,7 +368,7 @@ def test_a_missing_rows_blob_ends_the_edited_hit_there(case):
     assert hit == len(doc) and kdn.last_retrieve["edit"] == edit.spec
     assert cache_to_kv_list(cache)[0].shape[2] < CHUNK + (len(doc) - CHUNK) * 0.99  # the first chunk pruned
     layers, heads = session.layout.layers, session.layout.kv_heads
-    mask = kvzip.unpack_mask(kdn.chunks.read_sidecar(session, edit.address(keys[0])), layers, heads, CHUNK)
+    mask = kvzip.unpack_mask(kdn.engine.sidecars.read(session, edit.address(keys[0])), layers, heads, CHUNK)
     assert_served_as_masked_exact(model, kdn, doc, ids, cache, hit, mask)
 
 
@@ -382,15 +383,15 @@ def test_an_edited_hit_reads_its_masks_then_its_rows_in_one_round_trip_each(case
     layers, heads = session.layout.layers, session.layout.kv_heads
     parts = []
     for key in kdn.chunk_keys(model, doc):
-        payload = kdn.chunks.read_sidecar(session, edit.address(key))
+        payload = kdn.engine.sidecars.read(session, edit.address(key))
         mask = kvzip.unpack_mask(payload, layers, heads, CHUNK)
-        rows = kdn.chunks.read_segment(session, kvzip.rows_address(edit.address(key), payload), 0,
+        rows = kdn.engine.segments.read(session, kvzip.rows_address(edit.address(key), payload), 0,
                                        kvzip.pooled_rows(mask))
         parts.append((mask, rows))
     one_by_one, _ = kvzip.unpool(parts, inv_freq(model))
     fetched = []
-    fetch = kdn.chunks.tiers.fetch
-    monkeypatch.setattr(kdn.chunks.tiers, "fetch", lambda keys, **kw: fetched.append(len(keys)) or fetch(keys, **kw))
+    fetch = kdn.engine.tiers.fetch
+    monkeypatch.setattr(kdn.engine.tiers, "fetch", lambda keys, **kw: fetched.append(len(keys)) or fetch(keys, **kw))
     cache, hit, spec, _ = stored.read(kdn.engine, model, session.tokens(ids[0]), ids.shape[1], [edit.spec])
     assert hit == len(doc) and spec == edit.spec and fetched == [3, 3, 1, 1]
     for a, b in zip(cache_to_kv_list(cache), one_by_one):

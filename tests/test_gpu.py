@@ -22,6 +22,11 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 CODECS = ["raw", "lossless", "int4", "int8:group=64", "cachegen:level=3", "cachegen:level=1,anchor=1"]
 
 
+def _read(provider: KDN, session, tokens, limit: int, device: str):
+    load = provider.engine.load(session, tokens, limit, HFTarget(device))
+    return load.result, load.hit
+
+
 def _provider(codec: str) -> KDN:
     lossy = codecs.parse(codec).lossy
     return KDN(KDNConfig(chunk_size=32, memory_codec=codec, accept_codecs=(codec,) if lossy else ()))
@@ -40,8 +45,8 @@ def test_chunks_laid_out_on_the_device_equal_the_cpu_layout(codec, dtype):
     session = provider.session(model)
     tokens = session.tokens(ids)
     for limit in (96, 75, 120):  # whole chunks, a hit that ends inside one, a stored partial chunk
-        cpu, hit = provider.chunks.read(session, tokens, limit, HFTarget("cpu"))
-        gpu, hit_gpu = provider.chunks.read(session, tokens, limit, HFTarget("cuda"))
+        cpu, hit = _read(provider, session, tokens, limit, "cpu")
+        gpu, hit_gpu = _read(provider, session, tokens, limit, "cuda")
         assert hit == hit_gpu == limit
         for got, want in zip(gpu, cpu):
             assert got.is_cuda and got.shape == want.shape

@@ -74,7 +74,7 @@ def test_lookups_and_claims_on_a_trickling_server_end_at_the_deadline_too():
         tier = RemoteTier(server.url, timeout=TIMEOUT)
         server.mode = "trickle"
         start = time.monotonic()
-        assert tier.claim(key(1), "engine-a", ttl=5) is None
+        assert tier.claims.claim(key(1), "engine-a", ttl=5) is None
         assert time.monotonic() - start < TIMEOUT * 1.1
 
 
@@ -126,16 +126,16 @@ def test_an_outage_makes_a_claim_unknown_never_held(tmp_path):
     server = RedisServer(tmp_path / "redis")
     try:
         tier = RemoteTier(server.url, timeout=0.3, retry_seconds=30)
-        assert tier.claim(key(1), "engine-a", ttl=5) is True
-        assert tier.claim(key(1), "engine-b", ttl=5) is False
+        assert tier.claims.claim(key(1), "engine-a", ttl=5) is True
+        assert tier.claims.claim(key(1), "engine-b", ttl=5) is False
         os.kill(server.proc.pid, signal.SIGSTOP)
         try:
             start = time.monotonic()
-            assert tier.claim(key(1), "engine-b", ttl=5) is None
+            assert tier.claims.claim(key(1), "engine-b", ttl=5) is None
             assert time.monotonic() - start < 0.3 * 1.1 + 0.1
             start = time.monotonic()
-            assert tier.claim(key(2), "engine-b", ttl=5) is None and time.monotonic() - start < 0.05
-            assert tier.stats()["state"] == "down" and tier.claimant(key(1)) is None
+            assert tier.claims.claim(key(2), "engine-b", ttl=5) is None and time.monotonic() - start < 0.05
+            assert tier.stats()["state"] == "down" and tier.claims.claimant(key(1)) is None
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
     finally:
@@ -175,12 +175,12 @@ def test_an_outage_costs_the_callers_one_timeout_and_a_probe_finds_the_store_bac
 @pytest.mark.parametrize("forge", ["no ttl", "a day", "not utf-8", "too long an owner"])
 def test_a_claim_kdn_would_not_write_holds_no_one(redis_server, forge):
     tier = fresh_tier(redis_server.url)
-    name = tier.claim_name(key(1))
+    name = tier.claims.name(key(1))
     value, ttl = {"no ttl": (b"intruder", None), "a day": (b"intruder", 86_400_000),
                   "not utf-8": (b"\xff\xfe\xfd", 5000), "too long an owner": (b"x" * 300, 5000)}[forge]
     tier.transport.client.set(name, value, px=ttl)
     start = time.monotonic()
-    assert tier.claim(key(1), "engine-a", ttl=5) is True and tier.claimant(key(1)) == "engine-a"
+    assert tier.claims.claim(key(1), "engine-a", ttl=5) is True and tier.claims.claimant(key(1)) == "engine-a"
     assert time.monotonic() - start < TIMEOUT
     stats = tier.stats()
     assert stats["bad_claims"] == 1 and stats["state"] == "ok" and stats["errors"] == 0

@@ -218,7 +218,7 @@ def test_missing_calibration_is_a_miss_and_the_calibration_travels_through_the_t
     # the calibration gone from the tiers and from the process: the chunks are a miss, never wrong KV
     _core.kvtc_unload_all()
     fresh = KDN(KDNConfig(chunk_size=256, disk_dir=str(tmp_path), disk_codec="kvtc:ratio=6"))
-    fresh.chunks.drop([kvtc.calibration_key(fresh.session(model).fingerprint)])  # every tier
+    fresh.engine.calibrations.drop(fresh.session(model))  # every tier
     _core.kvtc_unload_all()
     assert fresh.retrieve(model, ctx)[1] == 0
     assert all(fresh.disk.contains(codecs.address(k, "kvtc:ratio=6")) for k in fresh.chunk_keys(model, ctx))

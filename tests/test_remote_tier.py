@@ -293,28 +293,28 @@ def test_claims_name_one_owner_expire_and_are_released_only_by_it(redis_server):
     """The in-flight hints engines share: a live claim of one owner refuses another's, is renewed by
     its own, is released only by it, and expires by itself (an engine that died holds nothing)."""
     tier = fresh_tier(redis_server.url)
-    assert tier.claimant(key(1)) is None
-    assert tier.claim(key(1), "engine-a", ttl=30) and not tier.claim(key(1), "engine-b", ttl=30)
-    assert tier.claim(key(1), "engine-a", ttl=30) and tier.claimant(key(1)) == "engine-a"
-    tier.release(key(1), "engine-b")
-    assert tier.claimant(key(1)) == "engine-a"
-    tier.release(key(1), "engine-a")
-    assert tier.claimant(key(1)) is None and tier.claim(key(1), "engine-b", ttl=0.2)
+    assert tier.claims.claimant(key(1)) is None
+    assert tier.claims.claim(key(1), "engine-a", ttl=30) and not tier.claims.claim(key(1), "engine-b", ttl=30)
+    assert tier.claims.claim(key(1), "engine-a", ttl=30) and tier.claims.claimant(key(1)) == "engine-a"
+    tier.claims.release(key(1), "engine-b")
+    assert tier.claims.claimant(key(1)) == "engine-a"
+    tier.claims.release(key(1), "engine-a")
+    assert tier.claims.claimant(key(1)) is None and tier.claims.claim(key(1), "engine-b", ttl=0.2)
     time.sleep(0.4)
-    assert tier.claimant(key(1)) is None and tier.count_prefix([key(1)]) == 0  # a claim is not a chunk
+    assert tier.claims.claimant(key(1)) is None and tier.count_prefix([key(1)]) == 0  # a claim is not a chunk
 
 
 def test_a_won_claim_covers_the_chunks_its_owner_computes_after_it(redis_server):
     """``also``: the chunks after the first are claimed with it when it wins (an engine that finds
     the first stored and the rest on their way sees them claimed), and not when it loses."""
     tier = fresh_tier(redis_server.url)
-    assert tier.claim(key(11), "engine-a", ttl=30, also=[key(12), key(13)])
-    assert [tier.claimant(key(i)) for i in (11, 12, 13)] == ["engine-a"] * 3
-    assert not tier.claim(key(12), "engine-b", ttl=30, also=[key(13)])
-    assert not tier.claim(key(11), "engine-b", ttl=30, also=[key(14)]) and tier.claimant(key(14)) is None
-    assert tier.claim(key(11), "engine-a", ttl=0.2, also=[key(12), key(13)])  # renewed, shorter
+    assert tier.claims.claim(key(11), "engine-a", ttl=30, also=[key(12), key(13)])
+    assert [tier.claims.claimant(key(i)) for i in (11, 12, 13)] == ["engine-a"] * 3
+    assert not tier.claims.claim(key(12), "engine-b", ttl=30, also=[key(13)])
+    assert not tier.claims.claim(key(11), "engine-b", ttl=30, also=[key(14)]) and tier.claims.claimant(key(14)) is None
+    assert tier.claims.claim(key(11), "engine-a", ttl=0.2, also=[key(12), key(13)])  # renewed, shorter
     time.sleep(0.4)
-    assert [tier.claimant(key(i)) for i in (11, 12, 13)] == [None] * 3
+    assert [tier.claims.claimant(key(i)) for i in (11, 12, 13)] == [None] * 3
 
 
 def test_of_owners_claiming_at_once_exactly_one_wins(redis_server):
@@ -328,7 +328,7 @@ def test_of_owners_claiming_at_once_exactly_one_wins(redis_server):
 
         def claim(owner, start=start, won=won, chunk=chunk):
             start.wait()
-            if tier.claim(chunk, owner, ttl=30):
+            if tier.claims.claim(chunk, owner, ttl=30):
                 won.append(owner)
 
         threads = [threading.Thread(target=claim, args=(f"engine-{i}",)) for i in range(8)]
@@ -336,4 +336,4 @@ def test_of_owners_claiming_at_once_exactly_one_wins(redis_server):
             t.start()
         for t in threads:
             t.join()
-        assert len(won) == 1 and tier.claimant(key(100 + round_)) == won[0]
+        assert len(won) == 1 and tier.claims.claimant(key(100 + round_)) == won[0]

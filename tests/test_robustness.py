@@ -141,7 +141,7 @@ def test_store_failure_never_escapes_generate(tiny_llama, monkeypatch, caplog):
     def broken_store(*args, **kwargs):
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(kdn.chunks, "write", broken_store)  # generate stores through the chunk writer
+    monkeypatch.setattr(kdn.engine, "save", broken_store)  # generate stores through the engine
     with caplog.at_level(logging.WARNING, logger="kdn"):
         out = kdn.generate(tiny_llama, ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(out, tiny_llama.generate(ids, max_new_tokens=4, do_sample=False))

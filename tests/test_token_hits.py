@@ -85,11 +85,11 @@ def test_a_forged_pointer_is_never_followed(tiny_llama, caplog):
     keys = session.prefix_keys(ta)
     probe = session.probe_keys(keys[0], tb[32:48])[0]  # where a reader of b looks for chunk 1
     forged = _core.pack_pointer(session.fingerprint, probe, keys[1], 32, tb[32:64])  # a's chunk, b's tokens
-    kdn.engine.chunks.tiers.put(probe, forged)
+    kdn.engine.tiers.put(probe, forged)
     with caplog.at_level(logging.WARNING, logger="kdn"):
         check_served(tiny_llama, kdn, b, 32)
     assert sum("unusable stored pointer" in r.getMessage() for r in caplog.records) == 1
-    assert not kdn.engine.chunks.tiers.held([probe])[0]  # dropped
+    assert not kdn.engine.tiers.held([probe])[0]  # dropped
     assert session.probe_keys(ROOT, ta[:16]) != session.probe_keys(keys[0], ta[32:48])  # probes depend on the parent
 
 

@@ -60,11 +60,13 @@ class DictTransport(RemoteTransport):
         return [n for n in list(self.values) if n.replace("{", "").startswith(prefix)]
 
 
-def test_the_scheme_is_known_to_the_config_once_registered():
+def test_the_scheme_is_known_where_tiers_are_built_once_registered():
     assert "kdntest" in transport.schemes() and "redis" in transport.schemes()
-    assert KDNConfig(remote_url="kdntest://a").remote_url == "kdntest://a"
+    assert KDN(KDNConfig(remote_url="kdntest://a")).remote is not None
     with pytest.raises(InvalidInputError, match="kdntest"):  # the message lists every registered scheme
-        KDNConfig(remote_url="nosuch://a")
+        KDN(KDNConfig(remote_url="nosuch://a"))
+    with pytest.raises(InvalidInputError, match="remote_url"):
+        KDNConfig(remote_url="127.0.0.1:6379")
 
 
 @pytest.mark.parametrize("ranges", [True, False])

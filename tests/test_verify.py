@@ -23,14 +23,14 @@ def _plant(kdn: KDN, model, victim: torch.Tensor, donor: torch.Tensor, chunk_ind
     kv = cache_to_kv_list(full_prefill(model, donor)[1])
     chunk = session.chunk_size
     blob = _core.pack_chunk(kv, chunk_index * chunk, chunk, session.fingerprint, key)
-    for address in kdn.engine.chunks.tiers.addresses(key):
-        kdn.engine.chunks.tiers.drop(address)
-    assert kdn.engine.chunks.tiers.put(key, blob)
+    for address in kdn.engine.tiers.addresses(key):
+        kdn.engine.tiers.drop(address)
+    assert kdn.engine.tiers.put(key, blob)
     return key
 
 
 def _held(kdn: KDN, key: bytes) -> bool:
-    return kdn.engine.chunks.tiers.held([key])[0]
+    return kdn.engine.tiers.held([key])[0]
 
 
 @pytest.mark.parametrize("tier", ["memory", "disk"])
@@ -142,10 +142,10 @@ def test_the_chunk_writer_refuses_what_the_rule_refuses(stories):
     kv = [t.cpu() for t in cache_to_kv_list(full_prefill(model, ids)[1])]
     session = kdn.session(model)
     tokens = session.tokens(ids[0])
-    assert kdn.chunks.save(session, tokens, kv, Served(tokens=32, failed=True)) == 0
-    assert kdn.chunks.save(session, tokens, kv, Served(tokens=32, lossy=True)) == 0
+    assert kdn.engine.save(session, tokens, kv, Served(tokens=32, failed=True)) == 0
+    assert kdn.engine.save(session, tokens, kv, Served(tokens=32, lossy=True)) == 0
     assert kdn.lookup(model, ids) == 0 and kdn.stats()["integrity"]["refused_stores"] == 2
-    assert kdn.chunks.save(session, tokens, kv, Served()) == 64
+    assert kdn.engine.save(session, tokens, kv, Served()) == 64
     assert np.array_equal(tokens, session.tokens(ids))
 
 
@@ -221,7 +221,7 @@ def test_a_forged_pointer_is_never_followed(stories, forgery):
     reader = torch.cat([stored[:, :52], random_ids(model, 30, seed=41)], dim=1)
     tokens = session.tokens(reader[0])
     probe = session.probe_keys(keys[0], tokens[32:64])[0]  # its first probe: the 16 shared tokens
-    assert kdn.engine.chunks.tiers.held([probe])[0] and kdn.lookup(model, reader) == 52
+    assert kdn.engine.tiers.held([probe])[0] and kdn.lookup(model, reader) == 52
     chunk_tokens = session.tokens(stored[0])[32:64].copy()
     if forgery == "edited_tokens":  # claims the reader's own tokens: 32 shared instead of 20
         chunk_tokens[:] = tokens[32:64]
@@ -229,10 +229,10 @@ def test_a_forged_pointer_is_never_followed(stories, forgery):
     else:  # the true tokens, but another stored chunk's key
         target = keys[2]
     forged = _core.pack_pointer(session.fingerprint, probe, target, 32, chunk_tokens)
-    kdn.engine.chunks.tiers.drop(probe)
-    assert kdn.engine.chunks.tiers.put(probe, forged)
+    kdn.engine.tiers.drop(probe)
+    assert kdn.engine.tiers.put(probe, forged)
     assert kdn.lookup(model, reader) == 32  # the pointer is dropped: whole chunks only
-    assert not kdn.engine.chunks.tiers.held([probe])[0]
+    assert not kdn.engine.tiers.held([probe])[0]
     cache, hit = kdn.retrieve(model, reader, limit=reader.shape[1] - 1)
     assert hit == 32
     with torch.inference_mode():

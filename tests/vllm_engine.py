@@ -50,13 +50,14 @@ def main() -> None:
         def lookup_then_drop(self, request, num_computed_tokens):
             found = lookup(self, request, num_computed_tokens)
             if self.engine is not None:
-                self.engine.chunks.clear()
+                self.engine.clear()
             return found
 
         connector.KDNConnector.get_num_new_matched_tokens = lookup_then_drop
     if args.drop_chunk_at_lookup:
         import numpy as np
 
+        import forge
         from kdn.integrations import vllm as connector
 
         at, index = (int(x) for x in args.drop_chunk_at_lookup.split(":"))
@@ -67,8 +68,7 @@ def main() -> None:
             calls.append(request.request_id)
             if len(calls) == at and self.engine is not None:
                 tokens = np.asarray(request.prompt_token_ids, dtype=np.uint32)
-                prefix = self.engine.chunks.find(self.session, tokens, len(tokens) - 1)
-                self.engine.chunks.drop_chunks(self.session, tokens, prefix, [index])
+                forge.drop_chunk(self.engine, self.session, tokens, index, len(tokens) - 1)
             return found
 
         connector.KDNConnector.get_num_new_matched_tokens = lookup_then_drop_one

@@ -16,6 +16,7 @@ import os
 import numpy as np
 import torch
 
+import forge
 from kdn.engine.paged import vllm_layout
 
 BLOCK = 32  # the CPU "vec" kernel (a block size not a multiple of 32 selects "vec16")
@@ -90,7 +91,7 @@ class Harness:
         self.worker.register_kv_caches(self.caches)
         self.layout = vllm_layout(self.caches[names[0]], "vec" if gpu_shape is None else "gpu")
         assert self.worker.engine is not None, self.worker.reason
-        self.io, self.session = self.worker.engine.chunks, self.worker.session
+        self.io, self.session = forge.chunk_io(self.worker.engine), self.worker.session
         self.connector = connector
         self.scheduler_module = importlib.import_module("kdn.integrations.vllm.scheduler")  # its waits and leases
 
@@ -364,7 +365,7 @@ def claimed_elsewhere(model: str, url: str) -> dict:
     a.request("a", doc + _tokens(20, 24))
     a_first, _ = a.step({"a": truth})  # 256 of 620 prompt tokens: the claim is live, nothing stored yet
     key = a.worker.engine.computing_keys(a.session, np.asarray(doc, dtype=np.uint32), 0)[0]
-    owner = a.io.remote.claimant(key)
+    owner = a.io.remote.claims.claimant(key)
     b.request("b", doc + _tokens(20, 25))
     b_waiting, _ = b.step({"b": truth2})
     while a.scheduler.requests["a"].num_computed_tokens < 620:
@@ -416,7 +417,7 @@ def claimed_partly_stored(model: str, url: str) -> dict:
     a.step({"a": truth}, drain=False)  # computed (claimed) in one step; its store is held
     tokens = np.asarray(doc, dtype=np.uint32)
     keys = a.worker.engine.computing_keys(a.session, tokens, 0)
-    claimed = [a.io.remote.claimant(k) == a.worker.owner for k in keys]  # (a lease A would renew as it steps)
+    claimed = [a.io.remote.claims.claimant(k) == a.worker.owner for k in keys]  # (a lease A would renew as it steps)
     from kdn import _core
 
     # A's first chunk lands before the rest
@@ -463,11 +464,11 @@ def forged_claim(model: str, url: str) -> dict:
     doc = _tokens(600, 61) + _tokens(20, 62)
     truth = _random_kv(h, 620, 63)
     key = h.worker.engine.computing_keys(h.session, np.asarray(doc, dtype=np.uint32), 0)[0]
-    h.io.remote.transport.client.set(h.io.remote.claim_name(key), b"intruder")  # forever
+    h.io.remote.transport.client.set(h.io.remote.claims.name(key), b"intruder")  # forever
     h.request("a", doc)
     first, _ = h.step({"a": truth})
     return {"first_step": first.fresh, "bad_claims": h.io.remote.stats()["bad_claims"],
-            "claimed_by": h.io.remote.claimant(key), "owner": h.worker.owner, **_exact(h, doc, truth)}
+            "claimed_by": h.io.remote.claims.claimant(key), "owner": h.worker.owner, **_exact(h, doc, truth)}
 
 
 def claim_lease(model: str, url: str) -> dict:

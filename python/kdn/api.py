@@ -12,6 +12,7 @@ import torch
 from kdn import _core
 from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
+from kdn.delivery import load_cache
 from kdn.engine import Engine, ModelSession
 from kdn.integrations import hf
 from kdn.layout import cache_arg, cache_to_kv_list, check_kv_matches
@@ -55,16 +56,6 @@ class KDN:
         tenant ``namespace`` within ``config.namespace``, when given)."""
         return self.engine.session(model, namespace)
 
-    @property
-    def chunks(self):
-        """The engine's chunk reader/writer (:class:`kdn.engine.ChunkIO`)."""
-        return self.engine.chunks
-
-    @property
-    def delivery(self):
-        """The engine's layer-wise deliverer (:class:`kdn.delivery.Deliverer`)."""
-        return self.engine.delivery
-
     def calibrate(self, model, contexts, **options) -> bytes:
         """Fit the ``kvtc`` codec's calibration of ``model`` on ``contexts`` (token id lists; see
         :func:`kdn.kvtc.calibrate` for ``options``), store it in every tier (other processes and
@@ -76,22 +67,22 @@ class KDN:
         """
         from kdn import kvtc
 
-        return self.chunks.store_calibration(self.session(model), kvtc.calibrate(model, contexts, **options))
+        return self.engine.calibrations.store(self.session(model), kvtc.calibrate(model, contexts, **options))
 
     @property
     def memory(self):
         """The memory tier (:class:`kdn.storage.MemoryTier`)."""
-        return self.chunks.tiers.memory
+        return self.engine.tiers.memory
 
     @property
     def disk(self):
         """The disk tier (:class:`kdn.storage.DiskTier`), or None."""
-        return self.chunks.tiers.disk
+        return self.engine.tiers.disk
 
     @property
     def remote(self):
         """The remote tier (:class:`kdn.storage.remote.RemoteTier`), or None."""
-        return self.chunks.tiers.remote
+        return self.engine.tiers.remote
 
     # -- public API -------------------------------------------------------------------------
     def lookup(self, model, token_ids, limit: int | None = None, namespace: str | None = None) -> int:
@@ -154,7 +145,7 @@ class KDN:
         started = time.perf_counter()
         session = self.session(model, namespace)
         tokens = session.tokens(token_ids)
-        cache, load = hf.load_cache(self.engine, model, tokens, _limit(limit, len(tokens), "retrieve"), edits, started,
+        cache, load = load_cache(self.engine, model, tokens, _limit(limit, len(tokens), "retrieve"), edits, started,
                                     namespace)
         self._local.last_retrieve = {"hit_tokens": load.hit, "stream": load.stream, "lossy": load.lossy,
                                      "edit": load.edit, "bias": load.bias}
@@ -286,11 +277,7 @@ class KDN:
                                     f"got {ttl!r}")
         session = self.session(model)
         keys = self._prompt_keys(session, prompt, tokenizer)
-        tiers = self.chunks.tiers
-        tiers.get_many(keys)  # promote into memory
-        n = 0
-        while n < len(keys) and tiers.pin(keys[n], ttl or 0.0):
-            n += 1
+        n = self.engine.pin(keys, ttl)
         if n == 0:
             log.warning("kdn: pin: no chunk of this prompt is stored, nothing was pinned (store it first: "
                         "generate() or store(); whole chunks of %d tokens are pinned)", self.config.chunk_size)
@@ -298,12 +285,12 @@ class KDN:
 
     def unpin(self, model, prompt, tokenizer=None) -> int:
         """Make the chunks of ``prompt`` evictable again; returns the number of chunks unpinned."""
-        return sum(self.chunks.tiers.unpin(k) for k in self.chunk_keys(model, prompt, tokenizer))
+        return self.engine.unpin(self.chunk_keys(model, prompt, tokenizer))
 
     def evict(self, model, prompt, tokenizer=None) -> int:
         """Remove the chunks of ``prompt`` from every tier (the remote store too); returns how many were held."""
         session = self.session(model)
-        return self.chunks.remove(session, self._prompt_tokens(session, prompt, tokenizer))
+        return self.engine.evict(session, self._prompt_tokens(session, prompt, tokenizer))
 
     def flush(self) -> None:
         """Wait until queued disk writes are on disk and queued remote stores are sent."""
@@ -320,7 +307,7 @@ class KDN:
     def clear(self) -> None:
         """Drop every stored chunk from every tier (the disk tier's files included) and hand the
         process's idle pooled buffers back to the system allocator."""
-        self.chunks.clear()
+        self.engine.clear()
         _core.buffer_pool_trim()
 
 

@@ -213,7 +213,6 @@ def run_verify_command(args) -> int:
 
     from kdn import KDN
     from kdn._core import KDNError
-    from kdn.engine.audit import audit
 
     def fail(message: str) -> int:
         print(f"kdn verify: {message}", file=sys.stderr)
@@ -240,10 +239,10 @@ def run_verify_command(args) -> int:
     except KDNError as e:
         return fail(str(e))
     session = cache.session(model)
-    report = audit(cache.chunks, session, model, keys, args.sample, args.drop, args.seed,
+    report = cache.engine.audit(session, model, keys, args.sample, args.drop, args.seed,
                    progress=lambda it: tqdm(it, desc="recomputing stored prompts", unit="prompt"))
     print(f"{report.entries} entries, {report.prompts} stored prompts rebuilt from their pointers, "
-          f"{report.checked} recomputed, {report.chunks} chunks compared: {len(report.mismatches)} differ "
+          f"{report.checked} recomputed, {report.compared} chunks compared: {len(report.mismatches)} differ "
           f"(largest honest difference {report.worst:.2g}); {report.unreached} chunks no pointer reaches, "
           "not checked")
     for key in report.mismatches:

@@ -3,46 +3,32 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import os
-import re
-import warnings
 from pathlib import Path
 
+from kdn import config_sources as sources
 from kdn._core import InvalidInputError
-from kdn.storage import transport
+from kdn.config_sources import (  # noqa: F401 - the names users import from kdn.config
+    INT_FIELDS,
+    OPTIONAL_SECONDS,
+    SECONDS_FIELDS,
+    SIZE_FIELDS,
+    GiB,
+    KiB,
+    MiB,
+    TiB,
+    parse_bytes,
+)
 from kdn.urls import redact
 
-KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": KiB, "m": 1000**2, "mb": 1000**2, "mib": MiB,
-          "g": 1000**3, "gb": 1000**3, "gib": GiB, "t": 1000**4, "tb": 1000**4, "tib": TiB}
 WRITE_POLICIES = ("memory-only", "write-through", "write-back")
 EVICTION_POLICIES = ("lru", "s3fifo")
-_SIZE_FIELDS = ("memory_bytes", "disk_bytes", "disk_queue_bytes", "remote_part_bytes", "remote_queue_bytes")
-_INT_FIELDS = ("chunk_size", "disk_read_threads", "layer_group")
-_SECONDS_FIELDS = ("remote_timeout", "remote_ttl", "remote_retry_seconds", "ttft_deadline")
-_OPTIONAL_SECONDS = ("remote_ttl", "ttft_deadline")
 DELIVERY_MODES = ("layerwise", "whole")
 MAX_BYTES = 1 << 60  # 1 EiB: larger sizes are typos, and overflow the C++ stores' arithmetic
 MAX_READ_THREADS = 64
 MAX_LAYER_GROUP = 1 << 16  # more layers than any model has: larger values are typos
 # KDN_* variables that are not settings (read by the build, the tests, CI and data lookup).
-_OTHER_ENV = {"KDN_CONFIG", "KDN_SHARED", "KDN_DATA", "KDN_CUDA", "KDN_BUFFER_POOL_BYTES", "KDN_REQUIRE_SERVERS",
-              "KDN_REQUIRE_DATA", "KDN_REQUIRE_VLLM", "KDN_REQUIRE_QWEN", "KDN_VLLM_PYTHON", "KDN_VLLM_VENV",
-              "KDN_APT_PACKAGES", "KDN_BENCH_DIR"}
-_warned_env: set[str] = set()
-
-
-def parse_bytes(value, name: str = "size") -> int:
-    """A byte count from an int or a string such as ``"512MiB"``, ``"4 GB"`` or ``"1_000"``."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
-        if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1).replace("_", "")) * _UNITS[m.group(2).lower()])
-    raise InvalidInputError(f"{name}={value!r} is not a byte size (examples: 1048576, '512MiB', '4GB')")
 
 
 def default_cache_dir() -> Path:
@@ -194,13 +180,13 @@ class KDNConfig:
     encrypt: bool = False
 
     def __post_init__(self):
-        for name in _SIZE_FIELDS:
+        for name in SIZE_FIELDS:
             object.__setattr__(self, name, parse_bytes(getattr(self, name), f"KDNConfig.{name}"))
-        for name in _SIZE_FIELDS + _INT_FIELDS:
+        for name in SIZE_FIELDS + INT_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidInputError(f"KDNConfig.{name} must be a positive integer, got {value!r}")
-            if name in _SIZE_FIELDS and value > MAX_BYTES:
+            if name in SIZE_FIELDS and value > MAX_BYTES:
                 raise InvalidInputError(f"KDNConfig.{name}={value} is larger than 1 EiB; is it a typo?")
         if self.disk_read_threads > MAX_READ_THREADS:
             raise InvalidInputError(f"KDNConfig.disk_read_threads={self.disk_read_threads}: at most "
@@ -235,9 +221,9 @@ class KDNConfig:
             check_namespace(self.namespace, "KDNConfig.namespace")
         if self.secret is not None and (not isinstance(self.secret, (str, bytes)) or len(self.secret) < 8):
             raise InvalidInputError("KDNConfig.secret must be a string or bytes of at least 8 characters (or None)")
-        for name in _SECONDS_FIELDS:
+        for name in SECONDS_FIELDS:
             value = getattr(self, name)
-            if value is None and name in _OPTIONAL_SECONDS:
+            if value is None and name in OPTIONAL_SECONDS:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise InvalidInputError(f"KDNConfig.{name} must be a positive number of seconds, got {value!r}")
@@ -257,8 +243,9 @@ class KDNConfig:
             if not codecs.parse(spec).lossy:
                 raise InvalidInputError(f"KDNConfig.delivery_levels: {spec!r} is exact; the exact level (remote_codec) "
                                         "is always first, list the lossy levels after it")
-        if self.remote_url is not None:
-            transport.check_url(self.remote_url, "KDNConfig.remote_url")
+        if self.remote_url is not None and (not isinstance(self.remote_url, str) or "://" not in self.remote_url):
+            raise InvalidInputError("KDNConfig.remote_url must be a URL such as redis://127.0.0.1:6379/0 (its scheme "
+                                    f"is checked when the tiers are built), got {redact(str(self.remote_url))!r}")
         if self.disk_dir is not None:
             if not isinstance(self.disk_dir, (str, os.PathLike)) or str(self.disk_dir) == "":
                 raise InvalidInputError(f"KDNConfig.disk_dir must be a path, 'auto' or None, got {self.disk_dir!r}")
@@ -274,19 +261,19 @@ class KDNConfig:
     @classmethod
     def from_env(cls, **overrides) -> KDNConfig:
         """Defaults, then ``KDN_<FIELD>`` environment variables, then keyword overrides."""
-        return cls(**{**_env_values(), **overrides})
+        return cls(**{**sources.env_values(_field_names()), **overrides})
 
     @classmethod
     def from_yaml(cls, path, **overrides) -> KDNConfig:
         """Defaults, then the mapping in a YAML file (flat, or under a top-level ``kdn:``), then overrides."""
-        return cls(**{**_yaml_values(path), **overrides})
+        return cls(**{**sources.yaml_values(path, _field_names()), **overrides})
 
     @classmethod
     def load(cls, path=None, **overrides) -> KDNConfig:
         """Defaults < YAML file (``path`` or ``$KDN_CONFIG``, if any) < ``KDN_*`` variables < overrides."""
         path = path if path is not None else os.environ.get("KDN_CONFIG")
-        values = _yaml_values(path) if path else {}
-        return cls(**{**values, **_env_values(), **overrides})
+        values = sources.yaml_values(path, _field_names()) if path else {}
+        return cls(**{**values, **sources.env_values(_field_names()), **overrides})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -352,7 +339,7 @@ def _checked_init(init):
     def __init__(self, *args, **kwargs):
         for name in kwargs:
             if name not in _field_names():
-                raise _unknown(name, "KDNConfig(...)")
+                raise sources.unknown(name, "KDNConfig(...)", _field_names())
         if len(args) > len(_field_names()):
             raise InvalidInputError(f"KDNConfig takes at most {len(_field_names())} settings, got {len(args)}")
         init(self, *args, **kwargs)
@@ -361,77 +348,3 @@ def _checked_init(init):
 
 
 KDNConfig.__init__ = _checked_init(KDNConfig.__init__)
-
-
-def _unknown(name: str, where: str) -> InvalidInputError:
-    close = difflib.get_close_matches(name, _field_names(), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; known settings: {', '.join(_field_names())}"
-    return InvalidInputError(f"unknown kdn setting {name!r} in {where}{hint}")
-
-
-def _env_values() -> dict:
-    for var in os.environ:
-        if var.startswith("KDN_") and var not in _OTHER_ENV and var[4:].lower() not in _field_names() \
-                and var not in _warned_env:
-            _warned_env.add(var)
-            close = difflib.get_close_matches(var[4:].lower(), _field_names(), n=1)
-            hint = f"; did you mean KDN_{close[0].upper()}?" if close else ""
-            warnings.warn(f"kdn: ignoring the unknown environment variable {var}{hint}", UserWarning, stacklevel=3)
-    values = {}
-    for name in _field_names():
-        raw = os.environ.get(f"KDN_{name.upper()}")
-        if raw is not None:
-            values[name] = _from_text(name, raw, f"KDN_{name.upper()}")
-    return values
-
-
-def _from_text(name: str, raw: str, where: str):
-    if name in _INT_FIELDS:
-        try:
-            return int(raw)
-        except ValueError:
-            raise InvalidInputError(f"{where}={raw!r} is not an integer") from None
-    if name in _SIZE_FIELDS:
-        return parse_bytes(raw, where)
-    if name in ("disk_fsync", "disk_shared"):
-        lowered = raw.strip().lower()
-        if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-            raise InvalidInputError(f"{where}={raw!r} is not a boolean (true/false)")
-        return lowered in ("1", "true", "yes", "on")
-    if name == "verify_fraction":
-        try:
-            return float(raw)
-        except ValueError:
-            raise InvalidInputError(f"{where}={raw!r} is not a number in [0, 1]") from None
-    if name in _SECONDS_FIELDS:
-        if name in _OPTIONAL_SECONDS and raw.strip().lower() in ("", "none", "off"):
-            return None
-        try:
-            return float(raw)
-        except ValueError:
-            raise InvalidInputError(f"{where}={raw!r} is not a number of seconds") from None
-    if name in ("disk_dir", "remote_url") and raw.strip().lower() in ("", "none", "off"):
-        return None
-    return raw
-
-
-def _yaml_values(path) -> dict:
-    import yaml
-
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise InvalidInputError(f"cannot read kdn config file {path}: {e.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise InvalidInputError(f"kdn config file {path} is not valid YAML: {e}") from None
-    data = data or {}
-    if isinstance(data, dict) and set(data) == {"kdn"}:
-        data = data["kdn"] or {}
-    if not isinstance(data, dict):
-        raise InvalidInputError(f"kdn config file {path} must hold a mapping of settings, got {type(data).__name__}")
-    for name in data:
-        if name not in _field_names():
-            raise _unknown(str(name), str(path))
-    return dict(data)

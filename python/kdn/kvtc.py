@@ -67,8 +67,8 @@ def calibrate(model, contexts, prerope: bool = True, key_weight: float = KEY_WEI
     """Fit a calibration of ``model`` on ``contexts`` (lists of token ids; a few thousand tokens in
     all is enough for PCA over a plane's channels). Returns its bytes (see :func:`load`).
     ``per_head``: one basis per KV head (see :func:`fit`), what pruned (``kvzip``) deposits need."""
-    from kdn.blend.rope import inv_freq as model_inv_freq
     from kdn.layout import ModelLayout, cache_to_kv_list, prefill_cache
+    from kdn.rope import inv_freq as model_inv_freq
 
     contexts = [list(map(int, c)) for c in contexts]
     if not contexts or any(len(c) <= SINK for c in contexts):

@@ -19,9 +19,9 @@ import torch
 
 from kdn._core import InvalidInputError
 from kdn.blend.recompute import SELECTIONS, check_supported, selective_prefill
-from kdn.blend.rope import UnsupportedModelError, shift_keys
 from kdn.engine import HFTarget
 from kdn.layout import cache_to_kv_list, kv_list_to_cache, prefill_cache
+from kdn.rope import UnsupportedModelError, shift_keys
 
 MODES = ("full", "prefix", "naive", "blend")
 
@@ -44,13 +44,13 @@ def segment_kv(kdn, model, session, prefix: list[int], segment: list[int]) -> tu
     was_stored)."""
     device = next(model.parameters()).device
     key = session.segment_key(session.tokens(prefix), session.tokens(segment))
-    kv = kdn.chunks.read_segment(session, key, len(prefix), len(segment), HFTarget(device))
+    kv = kdn.segments.read(session, key, len(prefix), len(segment), HFTarget(device))
     if kv is not None:
         return kv, True
     ids = torch.tensor([prefix + segment], device=device)
     with torch.inference_mode():
         kv_full = cache_to_kv_list(prefill_cache(model, ids))
-    kdn.chunks.write_segment(session, key, [t.cpu() for t in kv_full], len(prefix), len(segment))
+    kdn.segments.write(session, key, [t.cpu() for t in kv_full], len(prefix), len(segment))
     return [t[:, :, len(prefix):].contiguous() for t in kv_full], False
 
 
@@ -98,7 +98,7 @@ def blend(kdn, model, segments, query, prefix=None, recompute_ratio: float = 0.1
     if mode == "full":
         return None, {**stats, "tokens": 0, "segment_hits": 0, "blend_s": 0.0}
     if mode == "prefix":
-        from kdn.integrations.hf import load_cache
+        from kdn.delivery import load_cache
 
         cache, load = load_cache(kdn, model, session.tokens(ids), len(ids) - 1)
         return cache, {**stats, "tokens": load.hit, "segment_hits": 0, "blend_s": time.perf_counter() - t0}

@@ -28,7 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kdn.blend.rope import UnsupportedModelError, inv_freq
+from kdn.rope import UnsupportedModelError, inv_freq
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SELECTIONS = ("kv", "v", "gradual", "first-k")

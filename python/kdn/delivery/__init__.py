@@ -1,8 +1,9 @@
-"""Delivery: layer-wise pipelined loading of stored KV (transfer, decode and compute overlap) and
-bandwidth-adaptive streaming from the remote tier with a text fallback (:mod:`kdn.delivery.plan`)."""
+"""Delivery to HF models: caches over the engine's loads (:mod:`kdn.delivery.cache`), and the
+engine's layer-wise streaming (:mod:`kdn.engine.stream`, :mod:`kdn.engine.plan`) under the names
+users import."""
 
-from kdn.delivery.cache import streamed_cache
-from kdn.delivery.plan import Estimates, layer_groups
-from kdn.delivery.stream import Deliverer, DeliveryError, LayerStream
+from kdn.delivery.cache import load_cache, streamed_cache
+from kdn.engine.plan import Estimates, layer_groups
+from kdn.engine.stream import DeliveryError, LayerStream
 
-__all__ = ["Deliverer", "DeliveryError", "Estimates", "LayerStream", "layer_groups", "streamed_cache"]
+__all__ = ["DeliveryError", "Estimates", "LayerStream", "layer_groups", "load_cache", "streamed_cache"]

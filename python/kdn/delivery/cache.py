@@ -1,9 +1,12 @@
-"""A transformers cache over a layer-wise stream: layer i's attention waits for layer i alone."""
+"""HF caches over the engine's loads: :func:`load_cache` (a whole read, a layer-wise stream, or a stored
+edit) and :func:`streamed_cache` (layer i's attention waits for layer i alone), for every HF-side face."""
 
 from __future__ import annotations
 
 from transformers.cache_utils import DynamicLayer
 
+from kdn._core import InvalidInputError
+from kdn.engine import Engine, HFLayers, HFTarget, Load
 from kdn.layout import kv_list_to_cache
 
 
@@ -72,3 +75,37 @@ def _plain(model, layers: int) -> bool:
 
     cache = DynamicCache(config=model.config)
     return len(cache.layers) == layers and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def load_cache(engine: Engine, model, tokens, limit: int, edits=None, started: float | None = None,
+               namespace: str | None = None):
+    """``(cache, load)``: the stored prefix of ``tokens`` (at most ``limit``) as an HF cache on the
+    model's device (None on a miss) and what :meth:`kdn.engine.Engine.load` served. With ``edits``,
+    the first edit stored for the prompt's leading chunks (a :class:`kdn.edits.stored.PrunedCache`);
+    on the CPU a layer-wise stream when the engine delivers layer-wise (the cache's layer i waits
+    for layer i); else a whole read. ``namespace``: the tenant read (:meth:`kdn.engine.Engine.session`)."""
+    session = engine.session(model, namespace)
+    device = next(model.parameters()).device
+    if edits and namespace is not None:
+        raise InvalidInputError("edits are not served within a per-call namespace yet; set KDNConfig.namespace")
+    if edits:
+        from kdn.edits import parse_many, stored
+
+        for edit in parse_many(edits):  # the first edit stored for the prompt is served
+            if edit.name == "steer":  # the exact KV, read whole, and the sidecars' biases
+                found = stored.steering(engine, model, tokens, limit, edit)
+                load = engine.load(session, tokens, limit, HFTarget(device)) if found else Load()
+                if load.hit:
+                    return kv_list_to_cache(model, load.result), Load(load.hit, lossy=True, edit=edit.spec,
+                                                                      bias=found[0])
+                continue
+            cache, hit, spec, bias = stored.read(engine, model, tokens, limit, [edit])
+            if hit:
+                return cache, Load(hit, lossy=True, edit=spec, bias=bias)
+    layers = (lambda n: HFLayers(session, n)) if device.type == "cpu" else None
+    load = engine.load(session, tokens, limit, HFTarget(device), layers, started)
+    if not load.hit:
+        return None, load
+    if load.stream is not None:
+        return streamed_cache(model, load.stream), load
+    return kv_list_to_cache(model, load.result), load

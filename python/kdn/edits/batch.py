@@ -50,7 +50,7 @@ def stored(kdn, model, ids: list[int], edits) -> bool:
     if kdn.lookup(model, ids, limit=len(ids)) < len(ids):
         return False
     keys = kdn.chunk_keys(model, ids)
-    return not keys or all(kdn.chunks.holds(edit.address(keys[-1])) for edit in edits)
+    return not keys or all(kdn.engine.holds(edit.address(keys[-1])) for edit in edits)
 
 
 def deposit_many(kdn, model, tokenizer, docs: list[tuple], edits=(), progress=None) -> dict:

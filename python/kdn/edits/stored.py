@@ -104,11 +104,11 @@ def deposit(kdn, model, prompt, edits=(), tokenizer=None, emphasize=None) -> dic
             nbytes = sum(tokens * sum(t[0, :, 0].nbytes for t in rows) for _, rows, _, tokens in chunks) \
                 + sum(len(p) for _, p in masks)
         report[edit.spec] = {"chunks": len(keys), "bytes": nbytes, "seconds": time.perf_counter() - t0}
-    exact = kdn.chunks.write(session, tokens, [t.cpu() for t in kv])
+    exact = kdn.save(session, tokens, [t.cpu() for t in kv])
     for address, rows, position, count in planned:  # rows before the masks that lead readers to them
-        kdn.chunks.write_segment(session, address, rows, position, count)
+        kdn.segments.write(session, address, rows, position, count)
     for address, payload in sidecars:
-        kdn.chunks.store_sidecar(session, address, payload)
+        kdn.sidecars.write(session, address, payload)
     out = {"tokens": len(ids), "exact_tokens": exact, "prefill_seconds": prefill_s, "edits": report}
     return {**out, "auto_spans": found} if found else out
 
@@ -117,7 +117,7 @@ def _rope(model) -> torch.Tensor | None:
     """The model's RoPE frequencies (pooled keys are moved to their rows, :func:`kdn.edits.kvzip.pool`),
     or None for a model whose RoPE kdn does not move (its keys are pooled unmoved; writer and reader
     decide alike)."""
-    from kdn.blend.rope import UnsupportedModelError, inv_freq
+    from kdn.rope import UnsupportedModelError, inv_freq
 
     try:
         return inv_freq(model)
@@ -130,7 +130,7 @@ def head_profile(kdn, model, tokenizer=None) -> list | None:
     computed (needs ``tokenizer``; once per model) and stored; None without either."""
     session = kdn.session(model)
     key = steer.profile_key(session.fingerprint)
-    payload = kdn.chunks.read_sidecar(session, key)
+    payload = kdn.sidecars.read(session, key)
     if payload is not None:
         return steer.unpack_profile(payload)
     if tokenizer is None:
@@ -138,7 +138,7 @@ def head_profile(kdn, model, tokenizer=None) -> list | None:
     from kdn.data import velmora
 
     ranked = steer.profile(model, tokenizer, velmora())
-    kdn.chunks.store_sidecar(session, key, steer.pack_profile(ranked))
+    kdn.sidecars.write(session, key, steer.pack_profile(ranked))
     return ranked
 
 
@@ -153,7 +153,7 @@ def _masked_layout(kdn, session) -> bool:
     if not kvtc_tiers:
         return False
     calibration = _core.kvtc_model_calibration(session.fingerprint)
-    if calibration is None and kdn.chunks.load_calibration(session):
+    if calibration is None and kdn.calibrations.load(session):
         calibration = _core.kvtc_model_calibration(session.fingerprint)
     if calibration is None or not calibration["per_head"]:
         raise InvalidInputError(f"deposit: kvzip with {', '.join(kvtc_tiers)} needs the model's kvtc calibration "
@@ -193,7 +193,7 @@ def steering(kdn, model, tokens, limit: int, edit: Edit) -> tuple[dict, int] | N
     tokens they cover; None when the first chunk has none or the model has no stored profile."""
     session = kdn.session(model)
     keys = session.prefix_keys(tokens)[: limit // session.chunk_size]
-    flags = [steer.unpack_flags(p) for p in kdn.chunks.read_sidecars(session, [edit.address(k) for k in keys])]
+    flags = [steer.unpack_flags(p) for p in kdn.sidecars.read_many(session, [edit.address(k) for k in keys])]
     ranked = head_profile(kdn, model) if flags else None
     if not ranked:
         return None
@@ -221,7 +221,7 @@ def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int
             continue
         addresses = [edit.address(key) for key in keys]
         rows, masks = [], []  # masks first, then every chunk's rows: two round trips for the whole hit
-        for address, payload in zip(addresses, kdn.chunks.read_sidecars(session, addresses)):
+        for address, payload in zip(addresses, kdn.sidecars.read_many(session, addresses)):
             mask = kvzip.unpack_mask(payload, layers, heads, session.chunk_size)
             if mask is None:
                 break
@@ -229,7 +229,7 @@ def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int
             rows.append((kvzip.rows_address(address, payload), len(rows) * session.chunk_size if masked else 0,
                          kvzip.stored_rows(payload, mask)))
             masks.append((mask, masked))
-        got = kdn.chunks.read_segments(session, rows, target)
+        got = kdn.segments.read_many(session, rows, target)
         parts = [(mask, chunk_rows, layout) for (mask, layout), chunk_rows in zip(masks, got)]
         if parts:
             kv, held = kvzip.unpool(parts, _rope(model))
@@ -252,14 +252,14 @@ def exact_rest(kdn, session, tokens, limit: int, chunks: int, target) -> tuple[l
     recomputed they kept answers closer to a full prefill's (results README, "Edited hits serve
     the deposit's partial last chunk")."""
     chunk = session.chunk_size
-    found = kdn.chunks.find(session, tokens, limit)
+    found = kdn.find(session, tokens, limit)
     if found.tokens <= chunks * chunk:
         return [], 0
     keys = found.keys[chunks:]
     sizes = [chunk] * len(keys)
     if found.last_tokens:
         sizes[-1] = found.last_tokens
-    got = kdn.chunks.read_segments(session, [(key, (chunks + i) * chunk, size)
+    got = kdn.segments.read_many(session, [(key, (chunks + i) * chunk, size)
                                              for i, (key, size) in enumerate(zip(keys, sizes))], target,
                                    exact=True)
     if not got:
@@ -276,9 +276,9 @@ def stored_bytes(kdn, model, tokens, edit) -> int:
     total = 0
     for key in session.prefix_keys(session.tokens(tokens)):
         address = edit.address(key)
-        payload = kdn.chunks.read_sidecar(session, address)
-        rows = kdn.chunks.stored_bytes(kvzip.rows_address(address, payload)) if payload is not None else 0
+        payload = kdn.sidecars.read(session, address)
+        rows = kdn.stored_bytes(kvzip.rows_address(address, payload)) if payload is not None else 0
         if not rows:
             break
-        total += kdn.chunks.stored_bytes(address) + rows
+        total += kdn.stored_bytes(address) + rows
     return total

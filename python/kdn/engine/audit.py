@@ -27,8 +27,8 @@ from kdn.layout import cache_to_kv_list, prefill_cache
 
 @dataclasses.dataclass
 class AuditReport:
-    """What :func:`audit` found: ``prompts`` rebuilt (``checked`` of them recomputed), ``chunks``
-    compared, ``mismatches`` (keys of chunks that differ from the recomputation), ``dropped`` (keys
+    """What :func:`audit` found: ``prompts`` rebuilt (``checked`` of them recomputed), ``compared``
+    chunks, ``mismatches`` (keys of chunks that differ from the recomputation), ``dropped`` (keys
     removed, with ``drop``), ``worst`` (the largest plane error of an honest chunk), ``unreached``
     (this model's chunks that no rebuilt prompt reaches: a chunk whose tokens leave an earlier stored
     chunk's only in its last ``probe_step`` tokens has no pointer of its own, and is not checked)."""
@@ -37,7 +37,7 @@ class AuditReport:
     unreached: int = 0
     prompts: int = 0
     checked: int = 0
-    chunks: int = 0
+    compared: int = 0
     mismatches: list = dataclasses.field(default_factory=list)
     dropped: list = dataclasses.field(default_factory=list)
     worst: float = 0.0
@@ -109,7 +109,7 @@ def audit(io: ChunkIO, session: ModelSession, model, keys, sample: int | None = 
         for i in range(len(found.keys)):
             rows = slice(i * size, min((i + 1) * size, hit))
             error = plane_error([t[:, :, rows] for t in stored], [t[:, :, rows] for t in reference])
-            report.chunks += 1
+            report.compared += 1
             if error > tolerance:
                 differ.append(i)
                 report.mismatches.append(found.keys[i])

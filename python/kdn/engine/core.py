@@ -22,14 +22,18 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 
-from kdn.delivery.stream import Deliverer, LayerStream
-from kdn.engine.chunks import ChunkIO, Packed
+from kdn.engine import audit as audits
+from kdn.engine.chunks import ChunkIO, Packed, Prefix
+from kdn.engine.parts import Calibrations, Segments, Sidecars
 from kdn.engine.served import Served
 from kdn.engine.session import ModelSession, Sessions
-from kdn.engine.targets import Target
-from kdn.keys import tenant_fingerprint
+from kdn.engine.stream import Deliverer, DeliveryError, LayerStream
+from kdn.engine.targets import HFTarget, Target
+from kdn.engine.verify import plane_error
+from kdn.keys import checkpoint_fingerprint, tenant_fingerprint
 from kdn.storage import TierManager
 
 
@@ -48,13 +52,33 @@ class Load:
     result: object = None
     edit: str | None = None
     bias: dict | None = None
+    _deliverer: Deliverer | None = dataclasses.field(default=None, repr=False)
+
+    def finish(self) -> Served:
+        """What this load served, once it has ended: a layer-wise stream is waited for (its final
+        ``lossy`` flag is known then; ``failed`` when it ended before delivering every layer, so the
+        KV computed over it is not the prompt's and is never stored)."""
+        lossy, failed = self.lossy, False
+        if self.stream is not None:
+            try:
+                self.stream.wait_all()
+            except DeliveryError:
+                failed = not self.stream.delivered_all()
+                if self._deliverer is not None:
+                    self._deliverer.failed()
+            lossy = lossy or self.stream.stats.get("lossy", False)
+        return Served(tokens=self.hit, lossy=lossy, failed=failed)
 
 
 class Engine:
-    """kdn's engine for one :class:`kdn.KDNConfig`: its tiers (:class:`kdn.storage.TierManager`), the
-    chunk reader/writer (:attr:`chunks`), the layer-wise deliverer (:attr:`delivery`) and the model
-    sessions (:meth:`session` for a live model; faces that know a model by its checkpoint build a
-    :class:`ModelSession` themselves)."""
+    """kdn's engine for one :class:`kdn.KDNConfig`: its tiers (:attr:`tiers`, a
+    :class:`kdn.storage.TierManager`), the model sessions (:meth:`session` for a live model,
+    :meth:`checkpoint_session` / :meth:`for_checkpoint` for a model known by its checkpoint), and
+    what faces file beside prefixes: :attr:`segments`, :attr:`sidecars`, :attr:`calibrations`
+    (:mod:`kdn.engine.parts`). Its chunk reader/writer and deliverer are its own (``engine/`` only)."""
+
+    _registry: list = []  # (config, folder, dtype, engine, session): one engine per checkpoint per process
+    _registry_lock = threading.Lock()
 
     def __init__(self, config, tiers: TierManager | None = None):
         self.config = config
@@ -63,6 +87,51 @@ class Engine:
         self.sessions = Sessions(config.chunk_size, min(config.probe_step, config.chunk_size),
                                  on_new=self.chunks.load_calibration, namespace=config.namespace,
                                  key=config.tenant_key())
+        self.segments, self.sidecars = Segments(self.chunks), Sidecars(self.chunks)
+        self.calibrations = Calibrations(self.chunks)
+
+    @classmethod
+    def for_checkpoint(cls, config, folder, dtype, hf_config=None) -> tuple[Engine, ModelSession]:
+        """This process' engine and session for the checkpoint in ``folder`` run in ``dtype`` under
+        ``config`` (one per equal config, the ``secret`` included, so every face of a process that
+        serves the model shares its tiers): what a serving engine without the model's weights uses.
+        ``hf_config``: the model's transformers config (read from ``folder`` when None)."""
+        from kdn.layout import ModelLayout
+
+        with cls._registry_lock:
+            for known, known_folder, known_dtype, engine, session in cls._registry:
+                if (known_folder, known_dtype) == (str(folder), str(dtype)) and known == config:
+                    return engine, session
+            if hf_config is None:
+                from transformers import AutoConfig
+
+                hf_config = AutoConfig.from_pretrained(folder)
+            engine = cls(config)
+            session = engine.checkpoint_session(ModelLayout.from_config(hf_config, dtype),
+                                                checkpoint_fingerprint(folder, dtype))
+            cls._registry.append((config, str(folder), str(dtype), engine, session))
+            return engine, session
+
+    @classmethod
+    def checkpoint_engines(cls) -> list[Engine]:
+        """The engines :meth:`for_checkpoint` made in this process."""
+        with cls._registry_lock:
+            return [entry[3] for entry in cls._registry]
+
+    @property
+    def tiers(self) -> TierManager:
+        """The tiers (memory, disk, remote) the engine reads and writes."""
+        return self.chunks.tiers
+
+    @property
+    def estimates(self):
+        """What layer-wise delivery knows of the link and the model's prefill speed
+        (:class:`kdn.engine.plan.Estimates`); faces feed it the prefills they time."""
+        return self.delivery.estimates
+
+    @estimates.setter
+    def estimates(self, value) -> None:
+        self.delivery.estimates = value
 
     def session(self, model, namespace: str | None = None) -> ModelSession:
         """The engine's view of a live model: KV layout, fingerprint, prefix and segment keys, in the
@@ -90,10 +159,64 @@ class Engine:
             opened = self.delivery.open(session, tokens, limit, started, layers)
             if opened is not None:  # else not streamable (e.g. a keyed remote tier): read whole
                 stream, hit = opened
-                return Load(hit, stream=stream) if hit else Load()
+                return Load(hit, stream=stream, _deliverer=self.delivery) if hit else Load()
         info: dict = {}
         result, hit = self.chunks.read(session, tokens, limit, target, info)
         return Load(hit, info.get("lossy", False), result=result) if hit else Load()
+
+    def find(self, session: ModelSession, tokens, limit: int) -> Prefix:
+        """The stored chunks that serve the longest prefix of ``tokens`` (at most ``limit``): their
+        keys, in order, and the tokens they cover (only pointers are read)."""
+        return self.chunks.find(session, tokens, limit)
+
+    # -- verification: a sampled hit's last tokens recomputed and compared (kdn.engine.verify) ----
+    def sample_check(self, hit: int, lossy: bool = False) -> int:
+        """How many of a hit's last tokens to recompute and compare with what was served (0: this
+        hit is not checked: not sampled, or lossy, which one tolerance cannot judge yet)."""
+        span = self.chunks.verifier.sample(hit)
+        if span and lossy and self.chunks.verifier.tolerance(None, True) is None:
+            return 0
+        return span
+
+    def verify(self, session: ModelSession, tokens, check: tuple[int, int], computed: list, lossy: bool = False,
+               served: list | None = None, reference: Callable[[], list] | None = None) -> bool | None:
+        """Judge a sampled hit: the rows ``check = (start, end)`` a model computed over the served
+        prefix (``computed``: per-layer tensors of those rows) against what kdn served (``served``:
+        per-layer tensors from token 0; None: read from the tiers now). On a mismatch the chunks of
+        the hit that differ from ``reference()`` (a full recompute's per-layer KV of ``[0, end)``) are
+        dropped from every tier with their pointers, or every chunk of the hit without one. True when
+        it passed, False when it failed, None when it could not be judged (evicted since, or lossy)."""
+        start, end = check
+        verifier = self.chunks.verifier
+        if served is None:
+            load = self.load(session, tokens[:end], end, HFTarget())
+            if load.hit < end:
+                return None
+            served, lossy = load.result, lossy or load.lossy
+        tolerance = verifier.tolerance(session.layout.torch_dtype, lossy)
+        if tolerance is None:
+            return None
+        error = plane_error([t[:, :, start:end] for t in served], computed)
+        if verifier.judge(error, tolerance):
+            return True
+        found = self.chunks.find(session, tokens, end)
+        if reference is None:
+            differ = list(range(len(found.keys)))
+            why = f"the KV of tokens [{start}, {end}) differs from kdn's by {error:.3g} (tolerance {tolerance:.3g})"
+        else:  # the first chunk that differs is wrong; later ones may be right yet computed over it
+            full, size = reference(), session.chunk_size
+            rows = [(i * size, min((i + 1) * size, end)) for i in range(len(found.keys))]
+            differ = [i for i, (a, b) in enumerate(rows) if plane_error([t[:, :, a:b] for t in served],
+                                                                          [t[:, :, a:b] for t in full]) > tolerance]
+            why = f"{len(differ)} of {len(found.keys)} chunks of a {end}-token hit differ from a full recompute"
+        verifier.dropped(self.chunks.drop_chunks(session, tokens, found, differ), why)
+        return False
+
+    def audit(self, session: ModelSession, model, keys, sample: int | None = None, drop: bool = False,
+              seed: int = 0, progress=None) -> audits.AuditReport:
+        """Recompute stored prompts among ``keys`` with ``model`` and compare their chunks with the
+        store (:func:`kdn.engine.audit.audit`)."""
+        return audits.audit(self.chunks, session, model, keys, sample, drop, seed, progress)
 
     # -- claims: engines sharing a remote store tell each other which chunk each is computing ----
     def computing_keys(self, session: ModelSession, tokens, hit: int) -> list[bytes]:
@@ -108,12 +231,12 @@ class Engine:
         a lease of ``ttl`` seconds (the first decides: True if ``owner`` holds it, False if another
         owner's claim on it is live, None when the store cannot tell: compute then, never wait;
         :meth:`kdn.storage.remote.RemoteTier.claim`)."""
-        return self.chunks.remote.claim(keys[0], owner, ttl, also=keys[1:])
+        return self.chunks.remote.claims.claim(keys[0], owner, ttl, also=keys[1:])
 
     def renew_claims(self, keys: list[bytes], owner: str, ttl: float) -> None:
         """Extend ``owner``'s leases on ``keys`` (claimed with :meth:`claim`) by ``ttl`` seconds."""
         if self.chunks.remote is not None:
-            self.chunks.remote.renew(keys, owner, ttl)
+            self.chunks.remote.claims.renew(keys, owner, ttl)
 
     def pack(self, session: ModelSession, tokens, source) -> Packed:
         """The part of a save that reads the KV: the chunks of ``tokens`` no local tier holds, sealed
@@ -128,8 +251,41 @@ class Engine:
         can now serve (0 when refused)."""
         return self.chunks.save(session, tokens, kv, served if served is not None else Served())
 
+    # -- what is kept ---------------------------------------------------------------------------
+    def holds(self, key: bytes) -> bool:
+        """Whether some tier holds the blob filed under ``key`` (in any coding); reads no KV."""
+        return self.chunks.holds(key)
+
+    def stored_bytes(self, key: bytes) -> int:
+        """Size of the blob filed under ``key`` as the first tier holding it stores it, or 0."""
+        return self.chunks.stored_bytes(key)
+
+    def pin(self, keys: list[bytes], ttl: float | None = None) -> int:
+        """Promote the chunks ``keys`` into memory and keep them from eviction (``ttl`` seconds, or
+        until unpinned); how many leading ones were pinned (a missing chunk ends the run)."""
+        self.tiers.get_many(keys)
+        n = 0
+        while n < len(keys) and self.tiers.pin(keys[n], ttl or 0.0):
+            n += 1
+        return n
+
+    def unpin(self, keys: list[bytes]) -> int:
+        """Make the chunks ``keys`` evictable again; how many were pinned."""
+        return sum(self.tiers.unpin(k) for k in keys)
+
+    def evict(self, session: ModelSession, tokens) -> int:
+        """Remove the chunks of ``tokens`` and their pointers from every tier (the remote store
+        too); how many chunks were held."""
+        return self.chunks.remove(session, tokens)
+
+    def clear(self) -> None:
+        """Drop every stored chunk and pointer from every tier."""
+        self.chunks.clear()
+
     def flush(self) -> None:
+        """Wait until queued disk writes are on disk and queued remote stores are sent."""
         self.chunks.flush()
 
     def stats(self) -> dict:
+        """Per-tier counters, ``"integrity"`` (verification, refused stores) and ``"delivery"``."""
         return {**self.chunks.stats(), "delivery": self.delivery.stats()}

@@ -9,10 +9,8 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from kdn._core import InvalidInputError
-from kdn.delivery import DeliveryError, streamed_cache
-from kdn.engine import Engine, HFLayers, HFTarget, Load
-from kdn.engine.served import Served
-from kdn.engine.verify import plane_error
+from kdn.delivery import DeliveryError, load_cache
+from kdn.engine import Engine, Load
 from kdn.layout import CACHE_ARG, cache_arg, cache_to_kv_list, kv_list_to_cache, output_cache, prefill_cache
 
 log = logging.getLogger("kdn")
@@ -67,40 +65,6 @@ def _rows_per_prompt(model, generate_kwargs) -> int:
             raise InvalidInputError(f"generate: {name} must be a positive integer, got {value!r}")
         rows.append(value)
     return max(rows)
-
-
-def load_cache(engine: Engine, model, tokens, limit: int, edits=None, started: float | None = None,
-               namespace: str | None = None):
-    """``(cache, load)``: the stored prefix of ``tokens`` (at most ``limit``) as an HF cache on the
-    model's device (None on a miss) and what :meth:`kdn.engine.Engine.load` served. With ``edits``,
-    the first edit stored for the prompt's leading chunks (a :class:`kdn.edits.stored.PrunedCache`);
-    on the CPU a layer-wise stream when the engine delivers layer-wise (the cache's layer i waits
-    for layer i); else a whole read. ``namespace``: the tenant read (:meth:`kdn.engine.Engine.session`)."""
-    session = engine.session(model, namespace)
-    device = next(model.parameters()).device
-    if edits and namespace is not None:
-        raise InvalidInputError("edits are not served within a per-call namespace yet; set KDNConfig.namespace")
-    if edits:
-        from kdn.edits import parse_many, stored
-
-        for edit in parse_many(edits):  # the first edit stored for the prompt is served
-            if edit.name == "steer":  # the exact KV, read whole, and the sidecars' biases
-                found = stored.steering(engine, model, tokens, limit, edit)
-                load = engine.load(session, tokens, limit, HFTarget(device)) if found else Load()
-                if load.hit:
-                    return kv_list_to_cache(model, load.result), Load(load.hit, lossy=True, edit=edit.spec,
-                                                                      bias=found[0])
-                continue
-            cache, hit, spec, bias = stored.read(engine, model, tokens, limit, [edit])
-            if hit:
-                return cache, Load(hit, lossy=True, edit=spec, bias=bias)
-    layers = (lambda n: HFLayers(session, n)) if device.type == "cpu" else None
-    load = engine.load(session, tokens, limit, HFTarget(device), layers, started)
-    if not load.hit:
-        return None, load
-    if load.stream is not None:
-        return streamed_cache(model, load.stream), load
-    return kv_list_to_cache(model, load.result), load
 
 
 def generate(engine: Engine, model, input_ids, **generate_kwargs):
@@ -166,9 +130,9 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
             out = model.generate(ids, return_dict_in_generate=True, use_cache=True, **generate_kwargs)
     except DeliveryError as exc:  # the link failed mid-stream: recompute, the answer is not lost
         log.warning("kdn: delivering the stored KV failed (%s); the prompt is recomputed", exc)
-        engine.delivery.failed()
+        load.finish()
         generate_kwargs.pop(CACHE_ARG, None)
-        hit, stream, first_forward[:] = 0, None, []
+        hit, stream, load, first_forward[:] = 0, None, Load(), []
         started = time.perf_counter()
         out = model.generate(ids, return_dict_in_generate=True, use_cache=True, **generate_kwargs)
     finally:
@@ -179,20 +143,15 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
     if first_forward:
         stats["ttft_seconds"] = first_forward[0] - started
         if stream is None:  # a plain prefill of the rest: it teaches delivery this model's speed
-            engine.delivery.estimates.observe_prefill(session.fingerprint, int(ids.shape[1]) - hit,
-                                                      first_forward[0] - started)
+            engine.estimates.observe_prefill(session.fingerprint, int(ids.shape[1]) - hit, first_forward[0] - started)
+    record = load.finish()  # every layer the forward waited for arrived: not failed
     if stream is not None:
-        try:
-            stream.wait_all()  # its layers are all in; its last bookkeeping (promotion, totals) ends
-        except DeliveryError:
-            pass  # a failure after the last layer arrived (keeping chunks whole) costs nothing served
         stats["delivery"] = stream.stats
-    lossy = stream.stats.get("lossy", False) if stream is not None else load.lossy
-    record = Served(tokens=hit, lossy=lossy)
     try:
         final = output_cache(out)
         if final is not None and rows == 1 and hit:
-            record.suspect = not _verify_hit(engine, session, model, ids, hit, cache_to_kv_list(final), lossy)
+            verdict = _verify_hit(engine, session, model, ids, hit, cache_to_kv_list(final), record.lossy)
+            record.suspect = verdict is False
         if final is not None and rows == 1:
             n_kv = final.get_seq_length()
             engine.save(session, session.tokens(out.sequences[0, :n_kv]), [t.cpu() for t in cache_to_kv_list(final)],
@@ -209,34 +168,17 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
 
 @torch.inference_mode()
 def _verify_hit(engine: Engine, session, model, ids: torch.Tensor, hit: int, kv: list[torch.Tensor],
-                lossy: bool) -> bool:
+                lossy: bool) -> bool | None:
     """If this hit is sampled (``KDNConfig.verify_fraction``), recompute its last tokens over the
-    served prefix and compare them with the served rows (``kv``: the generated cache, whose first
-    ``hit`` tokens are what kdn served). On a mismatch, the whole prefix is recomputed to find the
-    chunks that differ, and those are dropped from every tier. False when the hit failed."""
-    verifier = engine.chunks.verifier
-    span = verifier.sample(hit)
+    served prefix and let the engine judge them against the served rows (``kv``: the generated
+    cache, whose first ``hit`` tokens are what kdn served); on a mismatch the engine drops the
+    chunks that differ from a full recompute. False when the hit failed, None when not checked."""
+    span = engine.sample_check(hit, lossy)
     if not span:
-        return True
-    tolerance = verifier.tolerance(session.layout.torch_dtype, lossy)
-    if tolerance is None:
-        return True
+        return None
     start = hit - span
     prefix = kv_list_to_cache(model, [t[:, :, :start] for t in kv]) if start else None
     out = model(ids[:, start:hit], **cache_arg(prefix), use_cache=True, logits_to_keep=1)
     recomputed = [t[:, :, start:hit] for t in cache_to_kv_list(output_cache(out))]
-    if verifier.judge(plane_error([t[:, :, start:hit] for t in kv], recomputed), tolerance):
-        return True
-    # find the chunks that differ from a full recompute (the first one that differs is wrong; later
-    # ones may be right yet computed over it, so each is judged on its own rows)
-    reference = cache_to_kv_list(prefill_cache(model, ids[:, :hit]))
-    tokens = session.tokens(ids[0])
-    found = engine.chunks.find(session, tokens, hit)
-    chunk = session.chunk_size
-    differ = [i for i in range(len(found.keys))
-              if plane_error([t[:, :, i * chunk:min((i + 1) * chunk, hit)] for t in kv],
-                             [t[:, :, i * chunk:min((i + 1) * chunk, hit)] for t in reference]) > tolerance]
-    bad = engine.chunks.drop_chunks(session, tokens, found, differ)
-    verifier.dropped(bad, f"{len(bad)} of {len(found.keys)} chunks of a {hit}-token hit differ "
-                                     "from a full recompute")
-    return False
+    return engine.verify(session, session.tokens(ids[0]), (start, hit), recomputed, lossy, served=kv,
+                         reference=lambda: cache_to_kv_list(prefill_cache(model, ids[:, :hit])))

@@ -5,32 +5,23 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import hmac
 import logging
-import re
-import struct
 import threading
 
 from kdn import _core, codecs
 from kdn._core import BlobError, InvalidInputError
 from kdn.storage.base import Tier, at_exit
 from kdn.storage.breaker import Breaker
+from kdn.storage.claims import Claims
 from kdn.storage.sealing import Sealer
 from kdn.storage.transport import RemoteTransport, open_transport
+from kdn.storage.values import MANIFEST_MAGIC, Values, part_names
 from kdn.urls import redact
 
 log = logging.getLogger("kdn")
 
 FORMAT = 2  # bump when the key or value layout changes: old values become invisible, not misread
 # (2: names carry the chunk key alone; it derives from the model fingerprint, and blobs name both)
-_MANIFEST = struct.Struct("<4sIIQ")  # magic, format, parts, total bytes (the blob inside has its own checksum)
-_MANIFEST_MAGIC = b"KDNM"
-_TAG_BYTES = 32  # keyed mode: a BLAKE3 tag of the blob follows it in the value
-MAX_VALUE_BYTES = 1 << 30  # no chunk kdn stores is larger: a manifest declaring more is not one it wrote
-# claims are hints with a short lease their owner renews; a claim set to live longer than this (or
-# forever), or whose owner is not a short printable name, was not written by kdn: ignored and removed
-CLAIM_MAX_TTL_S = 60.0
-_OWNER = re.compile(rb"[\x21-\x7e]{1,200}")
 _BAD_NAMES = 4096  # unverifiable values remembered for repair (their names and a digest)
 
 
@@ -82,7 +73,7 @@ class RemoteTier(Tier):
         if mac_key and len(mac_key) != 32:
             raise InvalidInputError("remote tier: mac_key must be 32 bytes")
         self._mac_key = bytes(mac_key)
-        self._sealer = Sealer(self._mac_key) if encrypt else None
+        self._values = Values(FORMAT, part_bytes, self._mac_key, Sealer(self._mac_key) if encrypt else None)
         self.url, self.ttl, self.part_bytes, self.queue_bytes = url, ttl, part_bytes, queue_bytes
         self.transport = transport if transport is not None else open_transport(url, timeout)
         self.cluster = self.transport.cluster
@@ -93,6 +84,7 @@ class RemoteTier(Tier):
         self._queued_bytes, self._sending = 0, False
         self._cv = threading.Condition()
         self._bad: dict[str, bytes] = {}  # name -> digest of an unverifiable value read there (to repair)
+        self.claims = Claims(self.transport, f"kdn:{FORMAT}:", self._call)  # which engine computes a chunk
         self._check_connection()
         self._writer = threading.Thread(target=self._write_loop, name="kdn-remote-writer", daemon=True)
         self._writer.start()
@@ -110,46 +102,12 @@ class RemoteTier(Tier):
     def redis_key(key: bytes) -> str:
         return f"kdn:{FORMAT}:{{{key.hex()}}}"
 
-    def _encode(self, blob, key: bytes, name: str) -> list:
-        """[value] or [manifest, part1, ...] for one blob filed under ``key`` as ``name``, as views of
-        its bytes (no copies; one copy in keyed mode, where the blob's tag is appended, or sealed)."""
-        data = memoryview(blob).cast("B")
-        if self._sealer is not None:
-            data = memoryview(self._sealer.seal(key, name, data))
-        elif self._mac_key:
-            data = memoryview(bytes(data) + _core.blake3(data, _TAG_BYTES, key=self._mac_key))
-        if len(data) <= self.part_bytes:
-            return [data]
-        parts = [data[i:i + self.part_bytes] for i in range(0, len(data), self.part_bytes)]
-        return [_MANIFEST.pack(_MANIFEST_MAGIC, FORMAT, len(parts), len(data))] + parts
-
     def _decode(self, key: bytes, value):
         """A verified Buffer from a stored value (bytes, or the list of its parts), or None (counted as corrupt)."""
-        if not isinstance(value, list) and len(value) > self.part_bytes:
-            return self._corrupt(key, f"a value of {len(value)} bytes, more than this tier writes ({self.part_bytes})")
-        if self._sealer is not None:
-            value = self._sealer.open(key, self.redis_key(key), value)
-            if value is None:
-                return self._corrupt(key, "does not decrypt (written without the secret, under another name, "
-                                          "or altered)")
-        elif self._mac_key:
-            value = b"".join(value) if isinstance(value, list) else bytes(value)
-            body, tag = value[:-_TAG_BYTES], value[-_TAG_BYTES:]
-            if len(value) <= _TAG_BYTES or not hmac.compare_digest(tag, _core.blake3(body, _TAG_BYTES,
-                                                                                      key=self._mac_key)):
-                return self._corrupt(key, "keyed tag mismatch (written without the secret, or altered)")
-            value = body
         try:
-            if isinstance(value, list):
-                blob = _core.buffer_join(value)
-            else:  # a direct read is a Buffer already
-                blob = value if isinstance(value, _core.Buffer) else _core.Buffer(value)
-            header = _core.blob_parse(blob)  # checksum; marks the Buffer verified
+            return self._values.open(key, self.redis_key(key), value)
         except BlobError as e:
             return self._corrupt(key, str(e))
-        if header["key"] != key:
-            return self._corrupt(key, "value belongs to another key")
-        return blob
 
     def _corrupt(self, key: bytes, why: str):
         self._stats["corrupt"] += 1
@@ -214,18 +172,18 @@ class RemoteTier(Tier):
             raw = list(values)  # as stored under each name: what a repair compares against
             split = {}
             for i, v in enumerate(values):
-                if v is not None and bytes(memoryview(v)[:4]) == _MANIFEST_MAGIC:
-                    parts = self._manifest(v)
+                if v is not None and bytes(memoryview(v)[:4]) == MANIFEST_MAGIC:
+                    parts = self._values.manifest(v)
                     if parts is None:
                         values[i] = b""  # not a manifest this tier writes: a corrupt miss, nothing more is read
                     else:
                         split[i] = parts
             if split:  # every part of every split value in one more round trip
-                part_names = {i: _part_names(names[i], n) for i, (n, _) in split.items()}
-                parts = iter(self.transport.get([p for ps in part_names.values() for p in ps]))
+                parts_of = {i: part_names(names[i], n) for i, (n, _) in split.items()}
+                parts = iter(self.transport.get([p for ps in parts_of.values() for p in ps]))
                 broken = []
-                for i, ps in part_names.items():
-                    values[i] = self._join(split[i][1], [next(parts) for _ in ps])
+                for i, ps in parts_of.items():
+                    values[i] = self._values.join(split[i][1], [next(parts) for _ in ps])
                     if values[i] is None:  # a part was evicted: drop the value so the next store rewrites it
                         broken += [names[i], *ps]
                 if broken:
@@ -244,23 +202,6 @@ class RemoteTier(Tier):
             self._stats["hits" if blob is not None else "misses"] += 1
             blobs.append(blob)
         return blobs
-
-    def _manifest(self, value) -> tuple[int, int] | None:
-        """(parts, total bytes) of a split value's manifest, or None unless it is one this tier
-        writes: its exact size, this format, a total no chunk exceeds, and exactly the parts that
-        total splits into at ``part_bytes`` (so a planted manifest costs no memory and no time)."""
-        if len(value) != _MANIFEST.size:
-            return None
-        magic, fmt, parts, total = _MANIFEST.unpack(bytes(value))
-        if magic != _MANIFEST_MAGIC or fmt != FORMAT or not self.part_bytes < total <= MAX_VALUE_BYTES:
-            return None
-        return (parts, total) if parts == -(-total // self.part_bytes) else None
-
-    def _join(self, total: int, parts: list):
-        """The parts of a split value (joined later, in one copy), None if incomplete, b"" if bad."""
-        if any(p is None for p in parts):
-            return None  # incomplete (expired or evicted parts): a plain miss
-        return parts if sum(len(p) for p in parts) == total else b""
 
     def _remember_bad(self, name: str, value) -> None:
         """Remember an unverifiable value under ``name`` (a digest of it), so that this process'
@@ -306,8 +247,8 @@ class RemoteTier(Tier):
                 coded = None if there and not repair else self._coded(blob, codec)  # only what the store lacks
                 if coded is None:
                     continue
-                values = self._encode(coded, key, name)
-                items += list(zip(_part_names(name, len(values) - 1), values[1:]))  # parts before their manifest
+                values = self._values.seal(coded, key, name)
+                items += list(zip(part_names(name, len(values) - 1), values[1:]))  # parts before their manifest
                 if repair:  # replaces the unverifiable value only if it is still the one read
                     repairs.append((name, bad[name], values[0]))
                 else:
@@ -330,7 +271,7 @@ class RemoteTier(Tier):
     def range_readable(self) -> bool:
         """Whether values can be read in byte ranges (the transport can, and not in keyed mode: a
         tag covers a whole value)."""
-        return self.transport.supports_ranges and not self._mac_key and self._sealer is None
+        return self.transport.supports_ranges and not self._values.keyed
 
     def read_ranges(self, requests: list) -> list | None:
         """Byte ranges of stored values in one pipelined round trip: ``(key, start, end)`` per range,
@@ -347,7 +288,7 @@ class RemoteTier(Tier):
     def whole_value(prefix: bytes) -> bool:
         """Whether a value whose first bytes :meth:`read_ranges` returned as ``prefix`` is one blob
         (ranges of it are ranges of the blob), not the manifest of a value split into parts."""
-        return prefix[:4] != _MANIFEST_MAGIC
+        return prefix[:4] != MANIFEST_MAGIC
 
     def count_streamed(self, hits: int) -> None:
         """Counts chunks a delivery stream read in ranges (:meth:`read_ranges`) as hits."""
@@ -396,9 +337,9 @@ class RemoteTier(Tier):
         def run():
             manifest = self.transport.get([name])[0]
             names = [name]
-            split = self._manifest(manifest) if manifest is not None else None
+            split = self._values.manifest(manifest) if manifest is not None else None
             if split is not None:
-                names += _part_names(name, split[0])
+                names += part_names(name, split[0])
             return self.transport.delete(names) > 0
 
         return bool(self._call(run, False))
@@ -413,79 +354,6 @@ class RemoteTier(Tier):
 
         self._call(run, None)
 
-    # -- claims: which engine is computing a chunk (hints the engines sharing this store read) ----
-    @staticmethod
-    def claim_name(key: bytes) -> str:
-        return f"kdn:{FORMAT}:claim:{key.hex()}"
-
-    def claim(self, key: bytes, owner: str, ttl: float, also=()) -> bool | None:
-        """Record for ``ttl`` seconds (a lease its owner renews, :meth:`renew`) that ``owner`` is
-        computing chunk ``key``, unless another owner's claim is live. True: ``owner`` holds it;
-        False: another owner does; **None: cannot tell** (the store cannot be used now): the caller
-        computes, as without claims — an outage never makes anyone wait. Atomic where the
-        transport ``supports_put_if_absent`` (of two owners claiming at once, one wins); else a
-        hint two racing owners may both win. A claim kdn would not write (no TTL, a TTL above
-        ``CLAIM_MAX_TTL_S``, an owner that is not a short printable name) is removed and ignored.
-        ``also``: the chunks the owner computes after ``key``, claimed with it when it wins (an
-        engine whose lookup sees the first of them stored while the rest are on their way then
-        waits for the rest instead of computing them again)."""
-        if not _OWNER.fullmatch(owner.encode()) or not 0 < ttl <= CLAIM_MAX_TTL_S:
-            raise InvalidInputError(f"claim: owner must be 1-200 printable ASCII characters and ttl in "
-                                    f"(0, {CLAIM_MAX_TTL_S:g}] s, got {owner!r}, {ttl!r}")
-        name = self.claim_name(key)
-        ttl_ms = max(1, round(ttl * 1000))
-
-        def run():
-            won = self.transport.supports_put_if_absent and self.transport.put_if_absent(name, owner.encode(), ttl_ms)
-            if not won:
-                held = self._live_claim(name)
-                if held is not None and held != owner:
-                    return False
-            rest = [] if won else [name]  # renewed by its owner (or a plain write)
-            if rest or also:
-                self.transport.put([(n, owner.encode()) for n in rest + [self.claim_name(k) for k in also]], ttl_ms)
-            return True
-
-        return self._call(run, None)
-
-    def _live_claim(self, name: str) -> str | None:
-        """The owner of the claim under ``name`` if it is one kdn honours, else None (a claim kdn
-        would not write is deleted, counted as ``bad_claims``)."""
-        held = self.transport.get([name])[0]
-        if held is None:
-            return None
-        held = bytes(memoryview(held))
-        left = self.transport.expiry([name])[0]
-        if left == -2:  # expired since it was read
-            return None
-        if _OWNER.fullmatch(held) and (left is None or 0 < left <= CLAIM_MAX_TTL_S * 1000):
-            return held.decode()
-        self._stats["bad_claims"] += 1
-        if self._stats["bad_claims"] == 1:
-            log.warning("kdn remote tier: removed a claim kdn would not write (%s, %s ms to live); claims are "
-                        "leases of at most %g s",
-                        "a printable owner" if _OWNER.fullmatch(held) else "an unreadable owner", left, CLAIM_MAX_TTL_S)
-        self.transport.delete([name])
-        return None
-
-    def renew(self, keys: list[bytes], owner: str, ttl: float) -> bool:
-        """Extend ``owner``'s claims on ``keys`` by ``ttl`` seconds, in one round trip (a plain
-        write: claims are hints); False when the store cannot be used."""
-        if not keys:
-            return True
-        value, ttl_ms = owner.encode(), max(1, round(min(ttl, CLAIM_MAX_TTL_S) * 1000))
-        return bool(self._call(lambda: self.transport.put([(self.claim_name(k), value) for k in keys], ttl_ms)
-                               or True, False))
-
-    def claimant(self, key: bytes) -> str | None:
-        """The owner of a live claim on chunk ``key``, or None (none, one kdn ignores, or the store is down)."""
-        return self._call(lambda: self._live_claim(self.claim_name(key)), None)
-
-    def release(self, key: bytes, owner: str) -> None:
-        """Drop ``owner``'s claim on ``key`` (another owner's is left alone)."""
-        if self.claimant(key) == owner:
-            self._call(lambda: self.transport.delete([self.claim_name(key)]), None)
-
     def stats(self) -> dict:
         with self._cv:
             queued, queued_bytes = len(self._queue), self._queued_bytes
@@ -493,11 +361,7 @@ class RemoteTier(Tier):
                 "dropped": self._stats["dropped"], "errors": self._stats["errors"],
                 "corrupt": self._stats["corrupt"], "skipped": self._stats["skipped"],
                 "refused": self._stats["refused"], "repaired": self._stats["repaired"],
-                "replaced": self._stats["replaced"], "bad_claims": self._stats["bad_claims"],
+                "replaced": self._stats["replaced"], "bad_claims": self.claims.bad,
                 "queued_entries": queued, "queued_bytes": queued_bytes, "state": self._breaker.state,
                 "url": redact(self.url), "cluster": self.cluster}
 
-
-def _part_names(name: str, parts: int) -> list[str]:
-    """The names of a split value's parts (under the value's hash tag: one cluster slot)."""
-    return [f"{name}:p{j}" for j in range(1, parts + 1)]

@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import kdn  # noqa: E402
 from bench_editing import line_records, shared_context  # noqa: E402
 from kdn import KDN, KDNConfig, _core, codecs, kvtc  # noqa: E402
-from kdn.blend.rope import inv_freq as model_inv_freq  # noqa: E402
 from kdn.demo import prompt_ids  # noqa: E402
 from kdn.edits import kvzip  # noqa: E402
 from kdn.eval.stats import bootstrap_ci, paired_difference  # noqa: E402
 from kdn.layout import cache_to_kv_list  # noqa: E402
+from kdn.rope import inv_freq as model_inv_freq  # noqa: E402
 
 SINK = kvtc.SINK
 
@@ -194,7 +194,7 @@ def main() -> None:
                       tokenizer=tokenizer)
         real = KDN(KDNConfig(memory_bytes=8 << 30, memory_codec=f"kvtc:ratio={ratios[0]}")) if ratios else None
         for key in cache.chunk_keys(model, context) if ratios else []:  # the exact chunks, coded by kvtc on put
-            real.chunks.tiers.put(key, bytes(cache.chunks.tiers.fetch([key], exact=True)[0][0]))
+            real.engine.tiers.put(key, bytes(cache.engine.tiers.fetch([key], exact=True)[0][0]))
         layout = cache.session(model).layout
         for name, ratio, keep, joint in named:
             row = rows[name]
@@ -208,7 +208,7 @@ def main() -> None:
                 row["correct"][f"{n}.{q}"] = float(gold in text)
                 hit = reader.last_generate["hit_tokens"]
                 if q == 0 and name.startswith("real"):
-                    row["bits"] += 8 * sum(real.chunks.stored_bytes(k) for k in real.chunk_keys(model, context))
+                    row["bits"] += 8 * sum(real.engine.stored_bytes(k) for k in real.chunk_keys(model, context))
                 elif q == 0 and sim.ratio is not None:  # the stored document's bits: counted once per record
                     row["bits"] += sim.bits + hit * layout.layers * layout.kv_heads  # + the mask
                     row.setdefault("errors", []).append([float(np.mean(sim.errors[k])) for k in (True, False)])

@@ -112,7 +112,7 @@ def main() -> None:
         rows = cache_to_kv_list(got_cache)
         session, edit = cache.session(model), parse(spec)
         layers, heads = session.layout.layers, session.layout.kv_heads
-        masks = torch.cat([kvzip.unpack_mask(cache.chunks.read_sidecar(session, edit.address(k)), layers, heads,
+        masks = torch.cat([kvzip.unpack_mask(cache.engine.sidecars.read(session, edit.address(k)), layers, heads,
                                              session.chunk_size) for k in cache.chunk_keys(model, ids)], 2)
         if variant == "subset":  # the same kept triples, read from the unpruned coded cache
             cache.store(model, ids, past)

@@ -10,11 +10,7 @@ from kdn.config import KDNConfig
 from kdn.engine import Engine, ModelSession
 from kdn.integrations.vllm import metrics
 from kdn.integrations.vllm.lookups import LookupServer, socket_path
-from kdn.keys import checkpoint_fingerprint
-from kdn.layout import ModelLayout
 
-# one store per (config, model) in a process: the scheduler's lookups see the worker's stores
-_stores: dict[tuple, tuple[Engine, ModelSession]] = {}
 _lookup_servers: dict[str, LookupServer] = {}  # socket path -> the server of this process' worker
 _lock = threading.Lock()
 _workers: weakref.WeakSet = weakref.WeakSet()  # this process' worker halves
@@ -24,14 +20,11 @@ def store_for(config: KDNConfig, vllm_config) -> tuple[Engine, ModelSession, str
     """This process' engine and session for (config, model), and the lookup socket both of vLLM's
     processes derive for them (the engine id names one vLLM engine)."""
     model = vllm_config.model_config
+    # one engine per (config, model) in a process: the scheduler's lookups see the worker's stores
+    engine, session = Engine.for_checkpoint(config, model.model, model.dtype, model.hf_config)
     key = (repr(config), config.tenant_key(), str(model.model), str(model.dtype))  # repr hides the secret
-    with _lock:
-        if key not in _stores:
-            engine = Engine(config)
-            layout = ModelLayout.from_config(model.hf_config, model.dtype)
-            _stores[key] = (engine, engine.checkpoint_session(layout, checkpoint_fingerprint(model.model, model.dtype)))
-        engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None) or ""
-        return (*_stores[key], socket_path(f"{engine_id}|{key}"))
+    engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None) or ""
+    return engine, session, socket_path(f"{engine_id}|{key}")
 
 
 def serve_lookups(path: str, engine: Engine, session: ModelSession) -> None:
@@ -56,8 +49,7 @@ def worker_here(engine: Engine) -> bool:
 
 def tier_stats() -> list[dict]:
     """The tiers' own counters of every engine of this process."""
-    with _lock:
-        return [engine.chunks.stats() for engine, _ in _stores.values()]
+    return [engine.stats() for engine in Engine.checkpoint_engines()]
 
 
 def drain() -> None:

@@ -75,7 +75,7 @@ class SchedulerSide:
         metrics.count(lookup_seconds=time.perf_counter() - began)
         if self._prefilled_elsewhere(request.request_id, tokens, hit, session):
             return None, False  # vLLM skips the request this step and asks again
-        span = self.engine.chunks.verifier.sample(hit - num_computed_tokens)  # verified: vLLM computes the last ones
+        span = self.engine.sample_check(hit - num_computed_tokens)  # verified: vLLM computes the last ones
         if span:
             self._checks[request.request_id] = (hit - span, hit)
         else:

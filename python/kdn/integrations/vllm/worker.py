@@ -18,12 +18,11 @@ import numpy as np
 import torch
 
 from kdn._core import InvalidInputError
-from kdn.delivery import DeliveryError
-from kdn.engine import Engine, HFTarget, ModelSession
+from kdn.engine import Engine, ModelSession
 from kdn.engine.paged import PagedLayout, vllm_layout
 from kdn.engine.served import Served
+from kdn.engine.stream import DeliveryError
 from kdn.engine.targets import PagedBlocks
-from kdn.engine.verify import plane_error
 from kdn.integrations.vllm import metrics
 from kdn.integrations.vllm.specs import KDNConnectorMetadata, LoadSpec
 from kdn.layout import ModelLayout
@@ -84,7 +83,7 @@ class WorkerSide:
             hit = load.hit
             served.lossy |= load.lossy  # a stream's is known when it ends (_finish_streams)
             if load.stream is not None:
-                self._streams.append((spec, load.stream))
+                self._streams.append((spec, load))
             upto = min(hit, spec.end)
             served.tokens = max(served.tokens, upto)
             if upto < spec.end:  # evicted or unusable since the lookup: vLLM recomputes these blocks
@@ -105,21 +104,20 @@ class WorkerSide:
         if not self._streams:
             return  # loaded whole by start_load_kv
         layer = layer_index(layer_name)
-        for spec, stream in self._streams:
+        for spec, load in self._streams:
             try:
-                stream.wait(layer)
+                load.stream.wait(layer)
             except DeliveryError as e:  # reported after the forward; vLLM recomputes the request's blocks
                 log.debug("kdn: layer %d of request %s not delivered: %s", layer, spec.req_id, e)
 
     def _finish_streams(self) -> None:
         """After the forward: every stream of this step has ended; a failed one's blocks are reported."""
         streams, self._streams = self._streams, []
-        for spec, stream in streams:
-            try:
-                stream.wait_all()
-            except DeliveryError as e:
-                self._load_failed(spec, spec.start, f"delivery failed: {e}")
-            if stream.stats.get("lossy", False):  # known once its last group arrived
+        for spec, load in streams:
+            ended = load.finish()
+            if ended.failed:
+                self._load_failed(spec, spec.start, "delivery failed before its last layer")
+            if ended.lossy:  # known once its last group arrived
                 self._served.setdefault(spec.req_id, Served()).lossy = True
 
     def wait_for_save(self, meta: KDNConnectorMetadata) -> None:
@@ -166,7 +164,11 @@ class WorkerSide:
             try:
                 session, tokens, first, kv, served, check, packed = item
                 if check is not None:
-                    served.suspect = not self._verify(session, tokens, first, kv, check, served)
+                    verdict = self.engine.verify(session, tokens, check, [t[:, :, check[0] - first:check[1] - first]
+                                                                        for t in kv], served.lossy)
+                    served.suspect = verdict is False
+                    if verdict is not None:
+                        metrics.count(verify_checks=1, verify_mismatches=0 if verdict else 1)
                 if packed is None:
                     continue
                 stored = self.engine.save(session, tokens, packed, served)
@@ -182,28 +184,6 @@ class WorkerSide:
                 log.warning("kdn: storing a prompt's KV failed (%s)", exc)
             finally:
                 self._saves.task_done()
-
-    def _verify(self, session: ModelSession, tokens: np.ndarray, first: int, kv: list, check: tuple,
-                served: Served) -> bool:
-        """Compare the rows [start, end) vLLM computed (``kv`` holds tokens from ``first``) with the
-        KV kdn stores for them; on a mismatch drop every chunk of the hit (vLLM cannot recompute the
-        prefix on the side to tell which one is wrong; the next request recomputes and stores it)."""
-        start, end = check
-        load = self.engine.load(session, tokens[:end], end, HFTarget())
-        stored, hit = load.result, load.hit
-        verifier = self.engine.chunks.verifier
-        tolerance = verifier.tolerance(self.session.layout.torch_dtype, served.lossy or load.lossy)
-        if hit < end or tolerance is None:
-            return True  # evicted since, or not judged
-        error = plane_error([t[:, :, start:end] for t in stored], [t[:, :, start - first:end - first] for t in kv])
-        ok = verifier.judge(error, tolerance)
-        metrics.count(verify_checks=1, verify_mismatches=0 if ok else 1)
-        if not ok:
-            found = self.engine.chunks.find(session, tokens[:end], end)
-            keys = self.engine.chunks.drop_chunks(session, tokens, found, list(range(len(found.keys))))
-            verifier.dropped(keys, f"vLLM's KV of tokens [{start}, {end}) differs from kdn's by {error:.3g} "
-                                   f"(tolerance {tolerance:.3g})")
-        return ok
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         for req_id in finished_req_ids:

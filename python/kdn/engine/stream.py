@@ -13,7 +13,7 @@ import numpy as np
 
 from kdn import _core, codecs
 from kdn._core import BlobError, KDNError
-from kdn.delivery import plan
+from kdn.engine import plan
 from kdn.engine.chunks import ChunkIO
 from kdn.engine.session import ModelSession
 from kdn.engine.targets import HFLayers
@@ -114,6 +114,10 @@ class LayerStream:
     def failed(self) -> bool:
         return self._error is not None
 
+    def delivered_all(self) -> bool:
+        """Whether every layer group arrived (a failure after the last one served nothing wrong)."""
+        return self.stats.get("groups_delivered", 0) >= len(self.groups)
+
 
 class Deliverer:
     """Opens layer-wise streams of stored prefixes for one KDN (:class:`kdn.KDN` makes one).
@@ -125,7 +129,7 @@ class Deliverer:
     (blob format 2) and decoded by the C++ core (GIL released) into the cache tensors while the
     model computes the groups before it. With ``KDNConfig.ttft_deadline`` the level of each group
     is chosen from the bandwidth measured so far, and chunks that could not arrive in time are
-    left to be recomputed from their tokens (:mod:`kdn.delivery.plan`).
+    left to be recomputed from their tokens (:mod:`kdn.engine.plan`).
     """
 
     def __init__(self, chunks: ChunkIO, config):

@@ -1,0 +1,109 @@
+"""Where kdn's settings come from besides code: byte sizes written as text, ``KDN_*`` environment
+variables and YAML files, each value parsed and each unknown name refused with a "did you mean"."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import warnings
+from pathlib import Path
+
+from kdn._core import InvalidInputError
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": KiB, "m": 1000**2, "mb": 1000**2, "mib": MiB,
+          "g": 1000**3, "gb": 1000**3, "gib": GiB, "t": 1000**4, "tb": 1000**4, "tib": TiB}
+SIZE_FIELDS = ("memory_bytes", "disk_bytes", "disk_queue_bytes", "remote_part_bytes", "remote_queue_bytes")
+INT_FIELDS = ("chunk_size", "disk_read_threads", "layer_group")
+SECONDS_FIELDS = ("remote_timeout", "remote_ttl", "remote_retry_seconds", "ttft_deadline")
+OPTIONAL_SECONDS = ("remote_ttl", "ttft_deadline")
+_OTHER_ENV = {"KDN_CONFIG", "KDN_SHARED", "KDN_DATA", "KDN_CUDA", "KDN_BUFFER_POOL_BYTES", "KDN_REQUIRE_SERVERS",
+              "KDN_REQUIRE_DATA", "KDN_REQUIRE_VLLM", "KDN_REQUIRE_QWEN", "KDN_VLLM_PYTHON", "KDN_VLLM_VENV",
+              "KDN_APT_PACKAGES", "KDN_BENCH_DIR"}
+_warned_env: set[str] = set()
+
+
+def parse_bytes(value, name: str = "size") -> int:
+    """A byte count from an int or a string such as ``"512MiB"``, ``"4 GB"`` or ``"1_000"``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1).replace("_", "")) * _UNITS[m.group(2).lower()])
+    raise InvalidInputError(f"{name}={value!r} is not a byte size (examples: 1048576, '512MiB', '4GB')")
+
+
+def unknown(name: str, where: str, fields: list[str]) -> InvalidInputError:
+    close = difflib.get_close_matches(name, fields, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known settings: {', '.join(fields)}"
+    return InvalidInputError(f"unknown kdn setting {name!r} in {where}{hint}")
+
+
+def env_values(fields: list[str]) -> dict:
+    for var in os.environ:
+        if var.startswith("KDN_") and var not in _OTHER_ENV and var[4:].lower() not in fields \
+                and var not in _warned_env:
+            _warned_env.add(var)
+            close = difflib.get_close_matches(var[4:].lower(), fields, n=1)
+            hint = f"; did you mean KDN_{close[0].upper()}?" if close else ""
+            warnings.warn(f"kdn: ignoring the unknown environment variable {var}{hint}", UserWarning, stacklevel=3)
+    values = {}
+    for name in fields:
+        raw = os.environ.get(f"KDN_{name.upper()}")
+        if raw is not None:
+            values[name] = from_text(name, raw, f"KDN_{name.upper()}")
+    return values
+
+
+def from_text(name: str, raw: str, where: str):
+    if name in INT_FIELDS:
+        try:
+            return int(raw)
+        except ValueError:
+            raise InvalidInputError(f"{where}={raw!r} is not an integer") from None
+    if name in SIZE_FIELDS:
+        return parse_bytes(raw, where)
+    if name in ("disk_fsync", "disk_shared"):
+        lowered = raw.strip().lower()
+        if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+            raise InvalidInputError(f"{where}={raw!r} is not a boolean (true/false)")
+        return lowered in ("1", "true", "yes", "on")
+    if name == "verify_fraction":
+        try:
+            return float(raw)
+        except ValueError:
+            raise InvalidInputError(f"{where}={raw!r} is not a number in [0, 1]") from None
+    if name in SECONDS_FIELDS:
+        if name in OPTIONAL_SECONDS and raw.strip().lower() in ("", "none", "off"):
+            return None
+        try:
+            return float(raw)
+        except ValueError:
+            raise InvalidInputError(f"{where}={raw!r} is not a number of seconds") from None
+    if name in ("disk_dir", "remote_url") and raw.strip().lower() in ("", "none", "off"):
+        return None
+    return raw
+
+
+def yaml_values(path, fields: list[str]) -> dict:
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise InvalidInputError(f"cannot read kdn config file {path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise InvalidInputError(f"kdn config file {path} is not valid YAML: {e}") from None
+    data = data or {}
+    if isinstance(data, dict) and set(data) == {"kdn"}:
+        data = data["kdn"] or {}
+    if not isinstance(data, dict):
+        raise InvalidInputError(f"kdn config file {path} must hold a mapping of settings, got {type(data).__name__}")
+    for name in data:
+        if name not in fields:
+            raise unknown(str(name), str(path), fields)
+    return dict(data)
