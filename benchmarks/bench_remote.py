@@ -1,9 +1,13 @@
-"""Remote tier on Redis: get/put throughput vs raw redis-py pipelines of the same values, and
-time-to-first-token from a remote hit vs a full prefill on SmolLM2-135M.
+"""Remote tier on Redis and on Mooncake Store: get/put throughput vs raw redis-py pipelines of the
+same values, the tier's own throughput on each store, and time-to-first-token from a remote hit on
+each store vs a full prefill on SmolLM2-135M, all in one run.
 
-Usage: python benchmarks/bench_remote.py [--url redis://127.0.0.1:6379/0] [--lengths 1024,4096] [--repeats 5]
-Without --url it starts a private redis-server on a free loopback port (needs redis-server installed)
-and stops it at the end. Prints three tables with ratios and writes bench_out/bench_remote.json.
+Usage: python benchmarks/bench_remote.py [--url redis://127.0.0.1:6379/0] [--stores redis,mooncake]
+       [--lengths 1024,4096] [--repeats 5]
+Without --url it starts a private redis-server on a free loopback port (needs redis-server installed);
+``mooncake`` starts a private mooncake_master and a mooncake_client lending 2 GB (pip install
+'kdn[mooncake]'); both are stopped at the end. Prints four tables with ratios and writes
+bench_out/bench_remote.json.
 """
 
 from __future__ import annotations
@@ -47,11 +51,64 @@ def private_redis():
             proc.wait()
 
 
+@contextlib.contextmanager
+def private_mooncake():
+    """A mooncake_master (with its HTTP metadata server) and a mooncake_client lending 2 GB, on loopback."""
+    ports = []
+    for _ in range(4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    rpc, http, metrics, client = ports
+    metadata = f"http://127.0.0.1:{http}/metadata"
+    procs = [subprocess.Popen(["mooncake_master", f"--rpc_port={rpc}", f"--metrics_port={metrics}",
+                               "--enable_http_metadata_server=true", f"--http_metadata_server_port={http}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        time.sleep(1.5)
+        procs.append(subprocess.Popen(["mooncake_client", f"--master_server_address=127.0.0.1:{rpc}",
+                                       f"--metadata_server={metadata}", "--host=127.0.0.1", f"--port={client}",
+                                       "--global_segment_size=2GB"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(1.5)
+        yield f"mooncake://127.0.0.1:{rpc}", {"metadata_server": metadata}
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def bench_tier(stores, kv, fingerprint, repeats):
+    """The remote tier's own put (sent, waited for) and get (verified blobs) on each store, same values."""
+    rows = []
+    for chunk, count in ((64, 16), (256, 8)):
+        keys = [(1000 + i).to_bytes(16, "little") for i in range(count)]
+        blobs = [_core.pack_chunk(kv, (i * chunk) % (kv[0].shape[2] - chunk), chunk, fingerprint, k)
+                 for i, k in enumerate(keys)]
+        total = sum(len(b) for b in blobs) / 1e6
+        row = {"chunk_tokens": chunk, "value_mb": len(blobs[0]) / 1e6, "values": count}
+        for name, (url, options) in stores.items():
+            tier = RemoteTier(url, options=options)
+
+            def put(tier=tier):
+                for k, b in zip(keys, blobs):
+                    tier.put(k, b)
+                assert tier.flush(30)
+
+            row[f"{name}_put_mbs"] = total / timed(put, repeats)
+            row[f"{name}_get_mbs"] = total / timed(lambda tier=tier: tier.get_many(keys), repeats)
+            assert all(b is not None for b in tier.get_many(keys))
+            for k in keys:
+                tier.remove(k)
+        rows.append(row)
+    return rows
+
+
 def bench_throughput(url, kv, fingerprint, repeats):
     raw = redis.Redis.from_url(url)
     tier = RemoteTier(url)
     # the read path before kdn's RESP reader
-    through_redis_py = RemoteTier(url, transport=RedisTransport(url, 1.0, direct=False))
+    through_redis_py = RemoteTier(url, transport=RedisTransport(url, 1.0, RedisTransport.Options(direct=False)))
     rows = []
     for chunk, count in ((16, 64), (64, 16), (256, 8)):
         keys = [i.to_bytes(16, "little") for i in range(count)]
@@ -104,7 +161,7 @@ def bench_throughput(url, kv, fingerprint, repeats):
     return rows
 
 
-def bench_ttft(model, tokenizer, url, lengths, repeats):
+def bench_ttft(model, tokenizer, stores, lengths, repeats):
     text = kdn.demo.document()
     ids_all = tokenizer(text, return_tensors="pt").input_ids
     while ids_all.shape[1] < max(lengths) + 1:
@@ -112,33 +169,37 @@ def bench_ttft(model, tokenizer, url, lengths, repeats):
     rows = []
     for n in lengths:
         ids = ids_all[:, : n + 1]  # n cached tokens + 1 prefilled
-        cache = KDN(KDNConfig(remote_url=url))
-        cache.clear()
         with torch.inference_mode():
-            t0 = time.perf_counter()
+            full = timed(lambda: model(ids, use_cache=True), repeats)
             out = model(ids, use_cache=True)
-            full = time.perf_counter() - t0
-        cache.store(model, ids, out.past_key_values)
-        cache.flush()
+        row = {"tokens": n, "full_prefill_s": full}
+        for name, (url, options) in stores.items():
+            cache = KDN(KDNConfig(remote_url=url, remote_options=options))
+            cache.clear()
+            cache.store(model, ids, out.past_key_values)
+            cache.flush()
 
-        def hit():
-            kv, got = cache.retrieve(model, ids, limit=n)
-            assert got == n
-            with torch.inference_mode():
-                return model(ids[:, got:], past_key_values=kv).logits[0, -1]
+            def hit(cache=cache):
+                kv, got = cache.retrieve(model, ids, limit=n)
+                assert got == n
+                with torch.inference_mode():
+                    return model(ids[:, got:], past_key_values=kv).logits[0, -1]
 
-        t_hit = timed(hit, repeats, setup=cache.memory.clear)  # every time from Redis, not memory
-        cache.memory.clear()
-        diff = (hit() - out.logits[0, -1]).abs().max().item()
-        rows.append({"tokens": n, "full_prefill_s": full, "remote_hit_s": t_hit, "speedup": full / t_hit,
-                     "max_logit_diff": diff})
-        cache.clear()
+            t_hit = timed(hit, repeats, setup=cache.memory.clear)  # every time from the store, not memory
+            cache.memory.clear()
+            served = cache.stats()["remote"]["hits"]
+            row.update({f"{name}_hit_s": t_hit, f"{name}_speedup": full / t_hit,
+                        f"{name}_max_logit_diff": (hit() - out.logits[0, -1]).abs().max().item()})
+            assert cache.stats()["remote"]["hits"] > served, f"the {name} hit was not served by the store"
+            cache.clear()
+        rows.append(row)
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--url")
+    parser.add_argument("--stores", default="redis,mooncake", help="remote stores to time: redis, mooncake")
     parser.add_argument("--lengths", default="1024,4096")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="bench_out")
@@ -148,6 +209,9 @@ def main() -> None:
     model, tokenizer = kdn.models.load("smollm2-135m")
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(private_redis())
+        stores = {"redis": (url, None)}
+        if "mooncake" in args.stores.split(","):
+            stores["mooncake"] = stack.enter_context(private_mooncake())
         ids = tokenizer(kdn.demo.document(), return_tensors="pt").input_ids[:, :1024]
         with torch.inference_mode():
             kv = kdn.layout.cache_to_kv_list(model(ids, use_cache=True).past_key_values)
@@ -168,16 +232,25 @@ def main() -> None:
         for r in thr:
             print(f"| {r['chunk_tokens']} tok | {r['value_mb']:.1f} MB | {r['values']} | {r['kdn_put_mbs']:.0f} | "
                   f"{r['kdn_put_redis_py_mbs']:.0f} | {r['put_cpu_ms']:.1f} ms | {r['put_cpu_redis_py_ms']:.1f} ms |")
-        ttft = bench_ttft(model, tokenizer, url, [int(x) for x in args.lengths.split(",")], args.repeats)
-        print("\ntime to first token: remote hit (memory cleared before each) vs full prefill")
-        print("| context | full prefill | remote hit | speedup | max logit diff |")
-        print("|---:|---:|---:|---:|---:|")
+        tier = bench_tier(stores, kv, fingerprint, args.repeats)
+        print("\nthe remote tier on each store (put: sent and acknowledged; get: verified blobs), same values")
+        print("| chunk | value | values | " + " | ".join(f"{s} put MB/s | {s} get MB/s" for s in stores) + " |")
+        print("|---:|---:|---:|" + "---:|---:|" * len(stores))
+        for r in tier:
+            print(f"| {r['chunk_tokens']} tok | {r['value_mb']:.1f} MB | {r['values']} | "
+                  + " | ".join(f"{r[s + '_put_mbs']:.0f} | {r[s + '_get_mbs']:.0f}" for s in stores) + " |")
+        ttft = bench_ttft(model, tokenizer, stores, [int(x) for x in args.lengths.split(",")], args.repeats)
+        print("\ntime to first token: a hit from each store (memory cleared before each) vs full prefill, "
+              f"medians of {args.repeats}")
+        print("| context | full prefill | " + " | ".join(f"{s} hit | speedup | max logit diff" for s in stores) + " |")
+        print("|---:|---:|" + "---:|---:|---:|" * len(stores))
         for r in ttft:
-            print(f"| {r['tokens']:,} | {r['full_prefill_s'] * 1e3:.0f} ms | {r['remote_hit_s'] * 1e3:.0f} ms | "
-                  f"{r['speedup']:.1f}x | {r['max_logit_diff']:.1e} |")
+            print(f"| {r['tokens']:,} | {r['full_prefill_s'] * 1e3:.0f} ms | " + " | ".join(
+                f"{r[s + '_hit_s'] * 1e3:.0f} ms | {r[s + '_speedup']:.1f}x | {r[s + '_max_logit_diff']:.1e}"
+                for s in stores) + " |")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_result(out_dir / "bench_remote.json", {"throughput": thr, "ttft": ttft})
+    save_result(out_dir / "bench_remote.json", {"throughput": thr, "tier": tier, "ttft": ttft})
     print(f"\nwrote {out_dir / 'bench_remote.json'}")
 
 

@@ -1,11 +1,12 @@
 """The one engine every face holds (kdn.engine.Engine): load whole or layer by layer gives a full
 prefill's KV, and save applies the fidelity rule for every face alike."""
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import full_prefill, random_ids
-from kdn import KDNConfig
+from kdn import KDN, KDNConfig
 from kdn.engine import Engine, HFLayers, HFTarget
 from kdn.engine.served import Served
 from kdn.layout import cache_to_kv_list
@@ -74,5 +75,27 @@ def test_a_prompt_is_hashed_once_per_session_and_its_keys_are_the_chained_keys(s
     assert engine.load(session, tokens, 299, HFTarget("cpu")).hit == 299
     assert len(calls) == 1
     other = tokens.copy()
-    other[-1] = (int(other[-1]) + 1) % model.config.vocab_size  # one token apart: its own keys
-    assert session.prefix_keys(other, True)[-1] != session.prefix_keys(tokens, True)[-1] and len(calls) == 2
+    other[-1] = (int(other[-1]) + 1) % model.config.vocab_size  # one token apart: its own last key
+    hashed = session.recent.hashed
+    assert session.prefix_keys(other, True)[-1] != session.prefix_keys(tokens, True)[-1]
+    assert session.recent.hashed - hashed == 1  # only the chunk that differs (keys are chained)
+    for n in (64, 100, 299, 400):  # a prefix (a load), an extension (prompt + generated): the chained keys
+        grown = np.concatenate([tokens, tokens])[:n]
+        assert session.prefix_keys(grown, True) == prefix_keys(session.fingerprint, grown, 64, True), n
+
+
+def test_a_generate_hashes_each_chunk_of_its_request_once(tiny_llama):
+    """One request through the real HF ``generate``: its lookup hashes the prompt, its save (the
+    prompt and what was generated) hashes only the chunks past the prompt's full ones; a repeat
+    hashes nothing."""
+    kdn = KDN(KDNConfig(chunk_size=8))
+    session = kdn.session(tiny_llama)
+    ids = random_ids(tiny_llama, 45, seed=3)
+    before = session.recent.hashed
+    kdn.generate(tiny_llama, ids, max_new_tokens=12, do_sample=False)
+    stored = 45 + 12 - 1  # the last generated token's KV is not computed
+    assert session.recent.hashed - before == -(-stored // 8) + 1  # 7 chunks, the prompt's partial one twice
+    assert kdn.lookup(tiny_llama, ids) == 40  # whole chunks of 8 (probes every 8 tokens: none inside one)
+    before = session.recent.hashed
+    kdn.generate(tiny_llama, ids, max_new_tokens=12, do_sample=False)
+    assert kdn.last_generate["hit_tokens"] == 40 and session.recent.hashed == before

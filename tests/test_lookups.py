@@ -10,8 +10,18 @@ import time
 import numpy as np
 import pytest
 
+from kdn.engine import Prefix
 from kdn.integrations.vllm import lookups
 from kdn.integrations.vllm.lookups import LookupClient, LookupServer, socket_path
+
+
+def held(n: int, last_tokens: int = 0) -> Prefix:
+    """What a worker's lookup finds: n tokens in chunks of 16, each key naming its chunk."""
+    return Prefix([bytes([i]) * 16 for i in range(-(-n // 16))], n, last_tokens)
+
+
+def tokens_of(found) -> int | None:
+    return None if found is None else found.tokens
 
 
 def test_the_worker_answers_and_a_gone_or_failing_worker_is_no_answer(tmp_path, monkeypatch):
@@ -23,24 +33,27 @@ def test_the_worker_answers_and_a_gone_or_failing_worker_is_no_answer(tmp_path, 
     def lookup(tokens, limit, namespace):
         seen.append((tokens.tolist(), limit))
         if namespace is not None:
-            return len(namespace)
+            return held(len(namespace))
         if limit == 13:
             raise RuntimeError("the worker's tiers failed")
-        return min(limit, 16 * (len(tokens) // 16))
+        if limit == 36:
+            return held(36, last_tokens=20)  # the last chunk shared in part, through a pointer
+        return held(min(limit, 16 * (len(tokens) // 16)))
 
     client = LookupClient(path, timeout=1.0)
     assert client.lookup(np.arange(40), 39) is None  # no worker yet
     server = LookupServer(path, lookup)
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
-    assert client.lookup(np.arange(40), 39) == 32 and client.lookup(np.arange(5), 4) == 0
+    assert client.lookup(np.arange(40), 39) == held(32) and tokens_of(client.lookup(np.arange(5), 4)) == 0
+    assert client.lookup(np.arange(40), 36) == held(36, last_tokens=20)  # the keys travel: the load reads them
     assert seen[0] == (list(range(40)), 39)
-    assert client.lookup(np.arange(40), 39, "tenant-b") == 8  # the request's tenant reaches the worker
+    assert tokens_of(client.lookup(np.arange(40), 39, "tenant-b")) == 8  # the request's tenant reaches the worker
     assert client.lookup(np.arange(40), 13) is None  # the worker's lookup raised: no answer
-    assert client.lookup(np.arange(100), 99) == 96  # and it keeps serving
+    assert tokens_of(client.lookup(np.arange(100), 99)) == 96  # and it keeps serving
     server.close()
     assert client.lookup(np.arange(40), 39) is None
     restarted = LookupServer(path, lookup)  # a restarted worker: the client reconnects
-    assert client.lookup(np.arange(70), 69) == 64
+    assert tokens_of(client.lookup(np.arange(70), 69)) == 64
     client.close()
     restarted.close()
 
@@ -71,16 +84,23 @@ def test_an_answer_beyond_the_limit_is_clamped_and_a_silent_connection_dropped(t
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setattr(lookups, "IDLE_S", 0.3)
     path = socket_path("engine-a|store")
-    server = LookupServer(path, lambda tokens, limit, namespace: 4096)  # a server that claims more than it was asked
+    server = LookupServer(path, lambda tokens, limit, namespace: held(5))
     client = LookupClient(path, timeout=1.0)
-    assert client.lookup(np.arange(6), 5) == 5
+    assert tokens_of(client.lookup(np.arange(6), 5)) == 5
+    clamped = LookupServer(socket_path("engine-b|store"), lambda tokens, limit, namespace: Prefix([b"k" * 16], 4096))
+    flood = LookupServer(socket_path("engine-c|store"), lambda tokens, limit, namespace: held(4096))
+    asking = [LookupClient(socket_path(f"engine-{name}|store"), timeout=1.0) for name in "bc"]
+    assert tokens_of(asking[0].lookup(np.arange(6), 5)) == 5  # more than it was asked: clamped
+    assert asking[1].lookup(np.arange(6), 5) is None  # 256 keys for 5 tokens: not a reply of kdn's
+    for closing in (*asking, clamped, flood):
+        closing.close()
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     silent.settimeout(5)
     silent.connect(path)
     start = time.monotonic()
     assert silent.recv(1) == b"" and time.monotonic() - start < 2  # dropped by the server
     time.sleep(0.5)  # the client's kept connection went idle too: it reconnects, one answer
-    assert client.lookup(np.arange(6), 5) == 5
+    assert tokens_of(client.lookup(np.arange(6), 5)) == 5
     silent.close()
     client.close()
     server.close()

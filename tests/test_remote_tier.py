@@ -233,7 +233,8 @@ def test_byte_ranges_through_kdns_reader_equal_redis_pys(redis_server):
     redis-py reads: from the start, from the end, past the end, and empty for a missing value."""
     from kdn.storage.redis_transport import RedisTransport
 
-    direct, plain = RedisTransport(redis_server.url, 1.0), RedisTransport(redis_server.url, 1.0, direct=False)
+    plain = RedisTransport(redis_server.url, 1.0, RedisTransport.Options(direct=False))
+    direct = RedisTransport(redis_server.url, 1.0)
     assert direct.direct and not plain.direct
     value = bytes(range(256)) * 40
     direct.put([("kdn:test:ranges", value)], None)
@@ -251,7 +252,8 @@ def test_writes_leave_from_the_values_memory_and_read_back_as_written(redis_serv
     bytes written, with the TTL asked (none: none); a value that is not contiguous is refused."""
     from kdn.storage.redis_transport import RedisTransport
 
-    direct, plain = RedisTransport(redis_server.url, 1.0), RedisTransport(redis_server.url, 1.0, direct=False)
+    plain = RedisTransport(redis_server.url, 1.0, RedisTransport.Options(direct=False))
+    direct = RedisTransport(redis_server.url, 1.0)
     big = bytes(range(256)) * (24 << 12)  # 24 MiB
     values = [blob_for(1), b"", memoryview(big)[7:], *[bytes([i % 256]) * (i + 1) for i in range(500)]]
     names = [f"kdn:test:w{i}" for i in range(len(values))]

@@ -334,6 +334,13 @@ def test_two_engines_sharing_redis_prefill_a_document_once_through_a_claim(sched
     assert c["b_loads"] == [["b", 0, 600]] and c["stored_tokens"] == 620 and c["equal_to_truth"]
 
 
+def test_the_worker_loads_what_the_scheduler_found_without_looking_again(scheduled):
+    c = scheduled["carried_lookup"]  # 600 tokens stored elsewhere (in Redis), asked with 20 more
+    assert c["loads"] == [[0, 600]] and c["load_errors"] == 0 and c["stored_tokens"] == 620 and c["equal_to_truth"]
+    assert c["lookups_while_loading"] == 0 and c["reads_while_loading"] >= 1  # it read the chunks, never looked
+    assert c["chunks_hashed"] <= 3 + 1  # 620 tokens: 2 full chunks and a partial one, each hashed once (+1)
+
+
 def test_a_step_completing_the_prefill_that_outlasts_the_grace_still_holds_the_second(scheduled):
     s = scheduled["in_flight_slow_step"]
     assert s["first_step"] == ["a"] and s["second_step"] == [] and s["third_step"] == ["b"]

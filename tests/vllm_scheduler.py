@@ -42,6 +42,7 @@ def main() -> None:
         results["claimed_partly_stored"] = claimed_partly_stored(args.model, args.redis)
         results["forged_claim"] = forged_claim(args.model, args.redis)
         results["claim_lease"] = claim_lease(args.model, args.redis)
+        results["carried_lookup"] = carried_lookup(args.model, args.redis)
     results["store_down"] = store_down(args.model)
     results["salted"] = salted(args.model)
     print("KDN-RESULT " + json.dumps(results), flush=True)
@@ -376,6 +377,52 @@ def claimed_elsewhere(model: str, url: str) -> dict:
             "b_waiting": b_waiting.fresh, "b_after": b_after.fresh,
             "b_loads": [[s.req_id, s.start, s.end] for s in b_after.loads],
             **_exact(b, doc + _tokens(20, 25), truth2)}
+
+
+def carried_lookup(model: str, url: str) -> dict:
+    """A document another engine stored in Redis (this engine's memory holds none of it): the worker
+    loads the chunks the scheduler's lookup found, with no lookup round trip of its own, and the
+    request hashes each of its chunks once."""
+    from kdn import KDNConfig
+    from kdn.engine import Engine
+
+    h = Harness(model, chunk_size=256, remote_url=url)
+    doc, question = _tokens(600, 81), _tokens(20, 82)
+    truth = _random_kv(h, 620, 83)
+    writer = Engine(KDNConfig(chunk_size=256, remote_url=url))  # another engine: its own memory
+    writer.save(h.session, np.asarray(doc, dtype=np.uint32), [t[:, :, :600] for t in truth])
+    writer.flush()
+    calls, loading = [], [False]
+    for name in ("exists", "get", "get_ranges"):
+        _count_calls(h.io.remote.transport, name, calls, loading)
+    start_load = h.worker.start_load_kv
+
+    def load(*args):
+        loading[0] = True
+        try:
+            return start_load(*args)
+        finally:
+            loading[0] = False
+
+    h.worker.start_load_kv = load
+    hashed = h.session.recent.hashed
+    h.request("c", doc + question)
+    meta, errors = h.step({"c": truth})
+    return {"loads": [[s.start, s.end] for s in meta.loads], "load_errors": len(errors),
+            "lookups_while_loading": sum(1 for n, during in calls if during and n == "exists"),
+            "reads_while_loading": sum(1 for n, during in calls if during and n != "exists"),
+            "chunks_hashed": h.session.recent.hashed - hashed, **_exact(h, doc + question, truth)}
+
+
+def _count_calls(transport, name: str, calls: list, loading: list) -> None:
+    """Record each ``transport.<name>`` call and whether the worker was loading then."""
+    call = getattr(transport, name)
+
+    def counted(*args):
+        calls.append((name, loading[0]))
+        return call(*args)
+
+    setattr(transport, name, counted)
 
 
 def in_flight_slow_step(model: str) -> dict:

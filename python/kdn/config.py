@@ -71,6 +71,12 @@ class KDNConfig:
             ``redis+cluster://host:port`` (any node of a Redis Cluster), ``unix:///path``.
             Looked up after memory and disk; hits are promoted to the local tiers; stores are
             sent asynchronously (write-through).
+            Another store's transport by its scheme: ``mooncake://master-host:rpc-port`` (Mooncake Store,
+            :mod:`kdn.storage.mooncake_transport`).
+        remote_options: settings of the remote store's transport (a mapping, or JSON text in
+            ``KDN_REMOTE_OPTIONS``; kept as sorted ``(name, value)`` pairs), e.g. Mooncake's
+            ``{"metadata_server": "http://host:8080/metadata"}``; checked against the transport's
+            ``Options`` when the tiers are built.
         remote_timeout: seconds allowed for any call to the remote store (default 1.0).
         remote_ttl: seconds before the store expires a value; None (default) keeps it.
         remote_part_bytes: values above this are split into parts (default 16 MiB).
@@ -178,6 +184,7 @@ class KDNConfig:
     secret: str | None = dataclasses.field(default=None, repr=False)
     namespace: str | None = None
     encrypt: bool = False
+    remote_options: tuple = ()
 
     def __post_init__(self):
         for name in SIZE_FIELDS:
@@ -243,6 +250,7 @@ class KDNConfig:
             if not codecs.parse(spec).lossy:
                 raise InvalidInputError(f"KDNConfig.delivery_levels: {spec!r} is exact; the exact level (remote_codec) "
                                         "is always first, list the lossy levels after it")
+        object.__setattr__(self, "remote_options", _options(self.remote_options))
         if self.remote_url is not None and (not isinstance(self.remote_url, str) or "://" not in self.remote_url):
             raise InvalidInputError("KDNConfig.remote_url must be a URL such as redis://127.0.0.1:6379/0 (its scheme "
                                     f"is checked when the tiers are built), got {redact(str(self.remote_url))!r}")
@@ -312,6 +320,20 @@ def check_namespace(namespace, what: str = "namespace") -> str:
         raise InvalidInputError(f"{what} must be a non-empty string of at most 1024 characters (or None), "
                                 f"got {namespace!r}")
     return namespace
+
+
+def _options(value) -> tuple:
+    """Sorted ``(name, value)`` pairs from a mapping (or pairs): a config stays hashable."""
+    if value is None:
+        return ()
+    try:
+        pairs = sorted(dict(value).items())
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"KDNConfig.remote_options must be a mapping of option names to values, "
+                                f"got {value!r}") from None
+    if not all(isinstance(name, str) for name, _ in pairs):
+        raise InvalidInputError(f"KDNConfig.remote_options: option names are strings, got {[n for n, _ in pairs]}")
+    return tuple(pairs)
 
 
 def _codec_list(name: str, value) -> tuple:

@@ -4,6 +4,7 @@ variables and YAML files, each value parsed and each unknown name refused with a
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import warnings
@@ -58,6 +59,11 @@ def env_values(fields: list[str]) -> dict:
 
 
 def from_text(name: str, raw: str, where: str):
+    if name == "remote_options":
+        try:
+            return json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            raise InvalidInputError(f"{where}={raw!r} is not a JSON object of options") from None
     if name in INT_FIELDS:
         try:
             return int(raw)

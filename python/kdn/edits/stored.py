@@ -211,7 +211,7 @@ def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int
     :class:`PrunedCache` on the model's device, and the attention bias that hides its padding rows
     (run the model under :func:`kdn.edits.steer.applied`; None when no head was padded);
     ``(None, 0, None, None)`` when none has. A chunk whose mask or rows are missing or unusable
-    ends the edited run there (an unusable blob is dropped: :meth:`kdn.engine.ChunkIO.read_segment`)."""
+    ends the edited run there (an unusable blob is dropped: :meth:`kdn.engine.parts.Segments.read`)."""
     session = kdn.session(model)
     keys = session.prefix_keys(tokens)[: limit // session.chunk_size]
     target = HFTarget(next(model.parameters()).device)

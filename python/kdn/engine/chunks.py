@@ -11,10 +11,9 @@ import dataclasses
 import logging
 
 import numpy as np
-import torch
 
 from kdn import _core, kvtc
-from kdn._core import BlobError, InvalidInputError
+from kdn._core import BlobError
 from kdn.engine.served import Served
 from kdn.engine.session import ROOT, ModelSession
 from kdn.engine.targets import HFTarget
@@ -33,6 +32,13 @@ class Prefix:
     keys: list
     tokens: int
     last_tokens: int = 0
+
+    def clip(self, limit: int, chunk: int) -> Prefix:
+        """The part of this prefix that serves at most ``limit`` tokens (chunks of ``chunk`` tokens)."""
+        if limit >= self.tokens:
+            return self
+        n = -(-max(0, limit) // chunk)
+        return Prefix(self.keys[:n], max(0, limit), self.last_tokens if n == len(self.keys) else 0)
 
 
 @dataclasses.dataclass
@@ -122,13 +128,14 @@ class ChunkIO:
         return Prefix(full.keys + [target], start + shared, len(chunk_tokens))
 
     def read(self, session: ModelSession, tokens: np.ndarray, limit: int, target: HFTarget | None = None,
-             info: dict | None = None):
+             info: dict | None = None, found: Prefix | None = None):
         """``(kv, hit)``: the KV of the longest stored prefix of ``tokens``, at most ``limit`` tokens,
         as ``target.receive`` lays it out (default :class:`HFTarget`: HF per-layer tensors on the CPU;
         vLLM's connector passes its paged blocks); ``(None, 0)`` on a miss. ``info["lossy"]`` says
-        whether a lossy coding was served (KV computed on top of it must not be stored as exact)."""
+        whether a lossy coding was served (KV computed on top of it must not be stored as exact).
+        ``found``: what a lookup of these tokens found (:meth:`find`), read without looking again."""
         chunk = session.chunk_size
-        found = self.find(session, tokens, limit)
+        found = self.find(session, tokens, limit) if found is None else found.clip(limit, chunk)
         blobs, addresses, n_ok = self.fetch_verified(session, found)
         hit = found.tokens if n_ok == len(found.keys) else min(n_ok * chunk, found.tokens)
         if info is not None:
@@ -184,32 +191,6 @@ class ChunkIO:
             log.warning("kdn: the kvtc calibration (%d bytes) fits no tier; it is loaded in this process only",
                         len(blob))
         return kvtc.load(calibration)
-
-    # -- sidecars (bytes an edit keeps beside the KV: kdn.edits) -----------------------------------
-    def store_sidecar(self, session: ModelSession, address: bytes, payload: bytes) -> bool:
-        """File ``payload`` under ``address`` (an edit's address) for the session's model; True if
-        some tier holds it."""
-        return self.tiers.put(address, _core.sidecar_pack(session.fingerprint, address, payload))
-
-    def read_sidecar(self, session: ModelSession, address: bytes) -> bytes | None:
-        """The sidecar filed under ``address`` for the session's model, or None (an unusable one is
-        dropped and logged)."""
-        found = self.read_sidecars(session, [address])
-        return found[0] if found else None
-
-    def read_sidecars(self, session: ModelSession, addresses: list[bytes]) -> list[bytes]:
-        """The sidecars of the leading ``addresses`` that are stored and usable, read together (one
-        round trip per tier); stops at the first missing or unusable one (which is dropped and logged)."""
-        blobs, _ = self.tiers.fetch(addresses, exact=True)
-        out = []
-        for blob, address in zip(blobs, addresses):
-            try:
-                out.append(_core.sidecar_read(blob, session.fingerprint, address))
-            except BlobError as e:
-                log.warning("kdn: dropping an unusable stored sidecar (treated as a miss): %s", e)
-                self.tiers.drop(address)
-                break
-        return out
 
     def _calibrated(self, session: ModelSession, blobs: list) -> int:
         """How many leading ``blobs`` can be decoded: a ``kvtc`` chunk needs its calibration loaded
@@ -351,35 +332,6 @@ class ChunkIO:
                 self.tiers.drop(probe)
         return held
 
-    # -- segments (blending) --------------------------------------------------------------------
-    def read_segment(self, session: ModelSession, key: bytes, position: int, tokens: int,
-                     target: HFTarget | None = None):
-        """The stored KV of a segment (``tokens`` long, computed at ``position``) in ``target``'s
-        layout (default CPU per-layer tensors), or None (a miss; an unusable blob is dropped and logged)."""
-        found = self.read_segments(session, [(key, position, tokens)], target)
-        return found[0] if found else None
-
-    def read_segments(self, session: ModelSession, segments: list[tuple[bytes, int, int]],
-                      target: HFTarget | None = None, exact: bool = False) -> list:
-        """The KV of the leading stored ``(key, position, tokens)`` segments (see :meth:`read_segment`),
-        each on its own, read together (one round trip per tier); stops at the first missing or
-        unusable one (which is dropped and logged). ``exact``: only as stored exactly (a lossy
-        coding of a segment is a miss)."""
-        blobs, addresses = self.tiers.fetch([key for key, _, _ in segments], exact=exact)
-        out = []
-        for blob, address, (_, position, tokens) in zip(blobs, addresses, segments):
-            try:
-                h = _core.blob_parse(blob, verify_checksum=not getattr(blob, "verified", False))
-                if (h["fingerprint"], h["key"], h["tokens"], h["position"]) != (session.fingerprint, address,
-                                                                                tokens, position):
-                    raise BlobError("segment blob header does not match the request")
-                out.append((target or HFTarget()).receive(session, [blob], tokens))
-            except (BlobError, InvalidInputError) as e:
-                self.tiers.drop(address)
-                log.warning("kdn: dropping an unusable stored segment (a miss): %s", e)
-                break
-        return out
-
     def stored_bytes(self, key: bytes) -> int:
         """Size of the blob filed under ``key`` (in any coding) as the first tier holding it stores it, or 0."""
         blobs, _ = self.tiers.fetch([key])
@@ -389,8 +341,3 @@ class ChunkIO:
         """Whether some tier holds the blob filed under ``key`` (in any coding it may be read in);
         reads no KV."""
         return self.tiers.count_prefix([key]) == 1
-
-    def write_segment(self, session: ModelSession, key: bytes, kv: list[torch.Tensor], position: int,
-                      tokens: int) -> bool:
-        """Store a segment's KV: ``kv`` holds ``position + tokens`` tokens (its prefix, then it)."""
-        return self.tiers.put(key, _core.pack_chunk(kv, position, tokens, session.fingerprint, key))

@@ -87,7 +87,7 @@ class Engine:
         self.sessions = Sessions(config.chunk_size, min(config.probe_step, config.chunk_size),
                                  on_new=self.chunks.load_calibration, namespace=config.namespace,
                                  key=config.tenant_key())
-        self.segments, self.sidecars = Segments(self.chunks), Sidecars(self.chunks)
+        self.segments, self.sidecars = Segments(self.chunks.tiers), Sidecars(self.chunks.tiers)
         self.calibrations = Calibrations(self.chunks)
 
     @classmethod
@@ -150,18 +150,20 @@ class Engine:
         return self.chunks.available(session, tokens, limit)
 
     def load(self, session: ModelSession, tokens, limit: int, target: Target,
-             layers: Callable[[int], Target] | None = None, started: float | None = None) -> Load:
+             layers: Callable[[int], Target] | None = None, started: float | None = None,
+             found: Prefix | None = None) -> Load:
         """The stored prefix of ``tokens`` (at most ``limit`` tokens) into ``target``; with ``layers``
         (a target for a hit of n tokens: ``layers(n)``) and ``config.delivery == "layerwise"``, as a
         layer-wise stream when the prefix can be streamed, else whole. A chunk that fails
-        verification ends the hit before it (dropped, logged); a miss is ``Load()``."""
+        verification ends the hit before it (dropped, logged); a miss is ``Load()``. ``found``: what
+        :meth:`find` answered for these tokens (a scheduler's lookup): loaded without looking again."""
         if layers is not None and self.config.delivery == "layerwise":
-            opened = self.delivery.open(session, tokens, limit, started, layers)
+            opened = self.delivery.open(session, tokens, limit, started, layers, found)
             if opened is not None:  # else not streamable (e.g. a keyed remote tier): read whole
                 stream, hit = opened
                 return Load(hit, stream=stream, _deliverer=self.delivery) if hit else Load()
         info: dict = {}
-        result, hit = self.chunks.read(session, tokens, limit, target, info)
+        result, hit = self.chunks.read(session, tokens, limit, target, info, found)
         return Load(hit, info.get("lossy", False), result=result) if hit else Load()
 
     def find(self, session: ModelSession, tokens, limit: int) -> Prefix:

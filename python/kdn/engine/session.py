@@ -18,22 +18,45 @@ ROOT = bytes(16)  # the parent key of a prompt's first chunk
 
 
 class RecentKeys:
-    """The chained keys of the last ``size`` prompts a session hashed, by their exact token bytes: a
-    request's lookups (asked again each step while it waits), its load and its save hash it once."""
+    """The chained keys of the last ``size`` prompts a session hashed: a request hashes each of its
+    chunks once. Its lookups (asked again each step while it waits) find its exact tokens; its load
+    (a prefix of them) and its save (the prompt and what was generated: more chunks) reuse the keys
+    of the leading chunks they share with a prompt hashed before, and hash only the rest (keys are
+    chained, so a shared chunk-aligned prefix has the same keys). ``hashed``: chunks hashed so far."""
 
     def __init__(self, size: int = 64):
         self.size, self._lru, self._lock = size, collections.OrderedDict(), threading.Lock()
+        self.hashed = 0
 
-    def keys(self, tokens: np.ndarray, compute) -> list[bytes]:
-        data = np.ascontiguousarray(tokens, dtype=np.uint32).tobytes()
+    def keys(self, tokens: np.ndarray, fingerprint: bytes, chunk: int) -> list[bytes]:
+        """Keys of the full chunks of ``tokens`` and of a trailing partial chunk."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
+        data = tokens.tobytes()
         with self._lock:
-            keys = self._lru.get(data)
-            if keys is not None:
+            known = self._lru.get(data)
+            if known is not None:
                 self._lru.move_to_end(data)
-                return keys
-        keys = compute()
+                return known[1]
+            shared, reuse = 0, []
+            for other, keys in self._lru.values():  # the longest chunk-aligned prefix hashed before
+                span = min(len(other), len(tokens)) // chunk * chunk
+                if span <= shared * chunk:
+                    continue
+                differ = np.flatnonzero(other[:span] != tokens[:span])
+                full = (int(differ[0]) if differ.size else span) // chunk
+                if full > shared:
+                    shared, reuse = full, keys
+        keys = list(reuse[:shared])
+        if shared:
+            parent = keys[-1]
+            for start in range(shared * chunk, len(tokens), chunk):
+                parent = _core.chunk_key(fingerprint, parent, tokens[start:start + chunk])
+                keys.append(parent)
+        else:
+            keys = prefix_keys(fingerprint, tokens, chunk, True)
         with self._lock:
-            self._lru[data] = keys
+            self.hashed += len(keys) - shared
+            self._lru[data] = (tokens, keys)
             while len(self._lru) > self.size:
                 self._lru.popitem(last=False)
         return keys
@@ -87,7 +110,7 @@ class ModelSession:
     def prefix_keys(self, tokens: np.ndarray, include_partial: bool = False) -> list[bytes]:
         """Chained keys of the full chunks of ``tokens`` (from :meth:`tokens`), and of a trailing
         partial chunk with ``include_partial``; each prompt hashed once, :class:`RecentKeys`)."""
-        keys = self.recent.keys(tokens, lambda: prefix_keys(self.fingerprint, tokens, self.chunk_size, True))
+        keys = self.recent.keys(tokens, self.fingerprint, self.chunk_size)
         return list(keys if include_partial else keys[: len(tokens) // self.chunk_size])
 
     def chunk_key(self, parent: bytes, tokens: np.ndarray) -> bytes:

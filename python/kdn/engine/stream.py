@@ -147,13 +147,14 @@ class Deliverer:
                       if self.config.ttft_deadline is not None else [])
 
     def open(self, session: ModelSession, tokens: np.ndarray, limit: int, started: float | None = None,
-             target=None):
+             target=None, found=None):
         """``(stream, hit)`` for the longest stored prefix of ``tokens`` (at most ``limit``), or
         ``(None, 0)`` on a miss; ``None`` alone when this prefix cannot be streamed (the caller
         reads it whole): a remote value split into parts, a keyed remote tier, version-1 blobs.
-        ``target(hit)`` makes where the layers go (default :class:`HFLayers`)."""
+        ``target(hit)`` makes where the layers go (default :class:`HFLayers`); ``found``: what a
+        lookup found (:meth:`kdn.engine.chunks.ChunkIO.find`), streamed without looking again."""
         started = time.perf_counter() if started is None else started
-        found = self.chunks.find(session, tokens, limit)
+        found = self.chunks.find(session, tokens, limit) if found is None else found.clip(limit, session.chunk_size)
         if found.tokens == 0:
             return None, 0
         chunk = session.chunk_size

@@ -33,7 +33,8 @@ class Claims:
         """Record for ``ttl`` seconds (a lease its owner renews, :meth:`renew`) that ``owner`` is
         computing chunk ``key``, unless another owner's claim is live. True: ``owner`` holds it;
         False: another owner does; **None: cannot tell** (the store cannot be used now): the caller
-        computes, as without claims — an outage never makes anyone wait. Atomic where the
+        computes, as without claims — an outage never makes anyone wait; always None on a store whose
+        values cannot expire (``supports_ttl``). Atomic where the
         transport ``supports_put_if_absent`` (of two owners claiming at once, one wins); else a
         hint two racing owners may both win. A claim kdn would not write (no TTL, a TTL above
         ``CLAIM_MAX_TTL_S``, an owner that is not a short printable name) is removed and ignored.
@@ -43,6 +44,8 @@ class Claims:
         if not _OWNER.fullmatch(owner.encode()) or not 0 < ttl <= CLAIM_MAX_TTL_S:
             raise InvalidInputError(f"claim: owner must be 1-200 printable ASCII characters and ttl in "
                                     f"(0, {CLAIM_MAX_TTL_S:g}] s, got {owner!r}, {ttl!r}")
+        if not self.transport.supports_ttl:  # a lease that cannot expire would outlive a crashed owner
+            return None
         name = self.name(key)
         ttl_ms = max(1, round(ttl * 1000))
 
@@ -82,8 +85,8 @@ class Claims:
     def renew(self, keys: list[bytes], owner: str, ttl: float) -> bool:
         """Extend ``owner``'s claims on ``keys`` by ``ttl`` seconds, in one round trip (a plain
         write: claims are hints); False when the store cannot be used."""
-        if not keys:
-            return True
+        if not keys or not self.transport.supports_ttl:
+            return True  # nothing claimed on a store whose values cannot expire
         value, ttl_ms = owner.encode(), max(1, round(min(ttl, CLAIM_MAX_TTL_S) * 1000))
         return bool(self._call(lambda: self.transport.put([(self.name(k), value) for k in keys], ttl_ms)
                                or True, False))

@@ -28,7 +28,8 @@ def build_tiers(config: KDNConfig) -> list[Tier]:
 
         tiers.append(RemoteTier(config.remote_url, config.remote_timeout, config.remote_ttl, config.remote_part_bytes,
                                 config.remote_queue_bytes, config.remote_retry_seconds, config.remote_codec,
-                                config.mac_key(), config.delivery_levels, encrypt=config.encrypt))
+                                config.mac_key(), config.delivery_levels, encrypt=config.encrypt,
+                                options=dict(config.remote_options)))
     return tiers
 
 

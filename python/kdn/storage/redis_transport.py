@@ -4,6 +4,7 @@ kdn's RESP client."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import urllib.parse
 
@@ -20,16 +21,22 @@ class RedisTransport(RemoteTransport):
     Plain ``redis://`` and ``unix://`` URLs go through :class:`kdn._core.RespConnection` (each call
     under one deadline, replies bounded, a stream out of step refused): reads, writes, lookups,
     claims, expiries, deletes and pings; scans and compare-and-set repairs through redis-py
-    (pooled connections, the hiredis parser when installed). ``direct=False``: everything through
-    redis-py (its timeout bounds each receive); TLS and cluster URLs always are.
+    (pooled connections, the hiredis parser when installed). ``Options(direct=False)``: everything
+    through redis-py (its timeout bounds each receive); TLS and cluster URLs always are.
     """
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        direct: bool = True  # plain redis:// and unix:// through kdn's RESP client (False: redis-py)
 
     schemes = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
     supports_ranges = True
     supports_put_if_absent = True
     supports_compare_and_set = True
+    supports_ttl = True
 
-    def __init__(self, url: str, timeout: float, direct: bool = True):
+    def __init__(self, url: str, timeout: float, options: Options | None = None):
+        direct = (options or self.Options()).direct
         try:
             import redis
             from redis.cluster import RedisCluster

@@ -67,7 +67,8 @@ class RemoteTier(Tier):
 
     def __init__(self, url: str, timeout: float = 1.0, ttl: float | None = None, part_bytes: int = 16 << 20,
                  queue_bytes: int = 256 << 20, retry_seconds: float = 5.0, codec: str = "raw", mac_key: bytes = b"",
-                 levels: tuple = (), transport: RemoteTransport | None = None, encrypt: bool = False):
+                 levels: tuple = (), transport: RemoteTransport | None = None, encrypt: bool = False,
+                 options: dict | None = None):
         self.codec = codecs.parse(codec).spec
         self.levels = tuple(s for s in dict.fromkeys(codecs.parse(c).spec for c in levels) if s != self.codec)
         if mac_key and len(mac_key) != 32:
@@ -75,7 +76,10 @@ class RemoteTier(Tier):
         self._mac_key = bytes(mac_key)
         self._values = Values(FORMAT, part_bytes, self._mac_key, Sealer(self._mac_key) if encrypt else None)
         self.url, self.ttl, self.part_bytes, self.queue_bytes = url, ttl, part_bytes, queue_bytes
-        self.transport = transport if transport is not None else open_transport(url, timeout)
+        self.transport = transport if transport is not None else open_transport(url, timeout, options)
+        if ttl is not None and not self.transport.supports_ttl:
+            raise InvalidInputError(f"remote_ttl={ttl!r}: the {redact(url).split('://')[0]}:// store does not expire "
+                                    "values (it evicts them itself); leave remote_ttl None")
         self.cluster = self.transport.cluster
         self.transport.max_value_bytes = part_bytes  # no value this tier writes is larger (part of the protocol)
         self._breaker = Breaker(url, retry_seconds, self.transport.ping)
@@ -92,7 +96,11 @@ class RemoteTier(Tier):
 
     # -- keys and values ------------------------------------------------------------------------
     def keys(self):
-        """Every key this format files in the store (SCAN, for offline audits; raises on a failure)."""
+        """Every key this format files in the store (SCAN, for offline audits; raises on a failure,
+        and InvalidInputError for a store that cannot list its names)."""
+        if not self.transport.supports_scan:
+            raise InvalidInputError(f"the {redact(self.url).split('://')[0]}:// store cannot list its keys "
+                                    "(audit a disk tier, or a Redis store)")
         for name in self.transport.scan(f"kdn:{FORMAT}:{{*}}"):
             inner = name[name.index("{") + 1:name.index("}")]
             if len(inner) == 32:
@@ -347,12 +355,7 @@ class RemoteTier(Tier):
     def clear(self) -> None:
         """Delete every kdn value of this format from the store (all nodes of a cluster)."""
 
-        def run():
-            names = list(self.transport.scan(f"kdn:{FORMAT}:*"))
-            for i in range(0, len(names), 500):
-                self.transport.delete(names[i:i + 500])
-
-        self._call(run, None)
+        self._call(lambda: self.transport.delete_matching(f"kdn:{FORMAT}:*"), None)
 
     def stats(self) -> dict:
         with self._cv:

@@ -21,7 +21,8 @@ from kdn.storage.remote import RemoteTier  # noqa: E402
 torch.manual_seed(0)
 kv = [torch.randn(1, 3, 1024, 64) for _ in range(60)]  # SmolLM2's KV shape: 30 layers x (K, V), 3 heads x 64
 with private_redis() as url:
-    for name, tier in (("through redis-py", RemoteTier(url, transport=RedisTransport(url, 1.0, direct=False))),
+    plain = RedisTransport(url, 1.0, RedisTransport.Options(direct=False))
+    for name, tier in (("through redis-py", RemoteTier(url, transport=plain)),
                        ("kdn's RESP client", RemoteTier(url))):
         blobs = [_core.pack_chunk(kv, i * 64, 256, b"\x01" * 16, i.to_bytes(16, "little")) for i in range(8)]
         profile = cProfile.Profile()

@@ -29,12 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
+from kdn.engine import Prefix
+
 log = logging.getLogger("kdn")
 
 _REQUEST = struct.Struct("<III")
 _NO_NAMESPACE = 0xFFFFFFFF
 MAX_NAMESPACE_BYTES = 4096
-_REPLY = struct.Struct("<q")
+_REPLY = struct.Struct("<qII")  # hit (-1: could not look up), the last chunk's tokens, keys that follow
 MAX_TOKENS = 1 << 24  # a request asking about more tokens is not a prompt: the connection is dropped
 MAX_CONNECTIONS = 64  # a vLLM scheduler keeps one
 IDLE_S = 600.0  # a connection silent this long is dropped (its client reconnects)
@@ -90,7 +92,7 @@ def _read_exactly(conn: socket.socket, n: int) -> bytes:
 class LookupServer:
     """Answers lookups with ``lookup(tokens, limit, namespace) -> int`` from a thread per connection."""
 
-    def __init__(self, path: str, lookup: Callable[[np.ndarray, int, str | None], int]):
+    def __init__(self, path: str, lookup: Callable[[np.ndarray, int, str | None], Prefix]):
         self.path, self._lookup = path, lookup
         if os.path.exists(path):
             os.unlink(path)  # a socket left by an engine that died: nobody listens on it
@@ -130,12 +132,13 @@ class LookupServer:
             except (OSError, ConnectionError, UnicodeDecodeError):
                 return
             try:
-                hit = int(self._lookup(tokens, limit, namespace))
+                found = self._lookup(tokens, limit, namespace)
+                reply = _REPLY.pack(found.tokens, found.last_tokens, len(found.keys)) + b"".join(found.keys)
             except Exception as e:  # a failed lookup is a miss for the asker, never a dead server
                 log.warning("kdn: a lookup for the scheduler failed (%s: %s)", type(e).__name__, e)
-                hit = -1
+                reply = _REPLY.pack(-1, 0, 0)
             try:
-                conn.sendall(_REPLY.pack(hit))
+                conn.sendall(reply)
             except OSError:
                 return
 
@@ -163,9 +166,10 @@ class LookupClient:
         self._lock = threading.Lock()
         self._warned = False
 
-    def lookup(self, tokens: np.ndarray, limit: int, namespace: str | None = None) -> int | None:
-        """Leading tokens the worker holds in ``namespace`` (clamped to ``limit``), or None when no
-        worker answers."""
+    def lookup(self, tokens: np.ndarray, limit: int, namespace: str | None = None) -> Prefix | None:
+        """What the worker holds of ``tokens`` in ``namespace`` (at most ``limit`` tokens: the keys
+        of the chunks that serve them, which its load reads without looking again), or None when no
+        worker answers or it could not look up."""
         tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
         limit = max(0, min(int(limit), len(tokens)))
         name = b"" if namespace is None else namespace.encode()
@@ -190,7 +194,10 @@ class LookupClient:
                 self._conn.settimeout(self.timeout)
                 self._conn.connect(self.path)
             self._conn.sendall(request)
-            hit = _REPLY.unpack(_read_exactly(self._conn, _REPLY.size))[0]
+            hit, last_tokens, n = _REPLY.unpack(_read_exactly(self._conn, _REPLY.size))
+            if n > limit + 1:  # every key serves at least one token: not a reply of kdn's server
+                raise ConnectionError(f"a lookup reply of {n} keys for at most {limit} tokens")
+            keys = _read_exactly(self._conn, 16 * n)
         except (OSError, ConnectionError) as e:
             if self._conn is not None:
                 self._conn.close()
@@ -200,7 +207,9 @@ class LookupClient:
                 log.warning("kdn: the worker's lookup server at %s did not answer (%s); the scheduler "
                             "asks its own tiers (a memory tier private to the worker is not seen)", self.path, e)
             return _FAILED
-        return min(hit, limit) if hit >= 0 else None
+        if hit < 0:
+            return None
+        return Prefix([keys[16 * i:16 * i + 16] for i in range(n)], min(hit, limit), last_tokens)
 
     def close(self) -> None:
         with self._lock:

@@ -33,7 +33,7 @@ def serve_lookups(path: str, engine: Engine, session: ModelSession) -> None:
         if path not in _lookup_servers:
             def lookup(tokens, limit, namespace):  # counted here: this process' counters reach vLLM's /metrics
                 metrics.count(lookups=1)
-                return engine.lookup(session.within(namespace), tokens, limit)
+                return engine.find(session.within(namespace), tokens, limit)
 
             _lookup_servers[path] = LookupServer(path, lookup)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kdn.engine import Engine, ModelSession
+from kdn.engine import Engine, ModelSession, Prefix
 from kdn.integrations.vllm import metrics, process
 from kdn.integrations.vllm.lookups import LookupClient
 from kdn.integrations.vllm.specs import KDNConnectorMetadata, LoadSpec, SaveSpec
@@ -52,6 +52,7 @@ class SchedulerSide:
         self.owner = owner
         self._pending: dict[str, int] = {}  # req_id -> external tokens to load
         self._checks: dict[str, tuple] = {}  # req_id -> (start, end) of a hit held back for verification
+        self._found: dict[str, Prefix] = {}  # req_id -> what its last lookup found
         self._waiting: dict[str, float] = {}  # req_id -> since when it waits for another's prefill
         # req_id -> [prompt tokens, prefill completed at (None: running, _COMPLETING), claimed keys, salt];
         # kept STORE_GRACE_S past its request's end, while its store lands
@@ -66,13 +67,15 @@ class SchedulerSide:
         salt = self._salts[request.request_id] = getattr(request, "cache_salt", None) or None
         session = self.session.within(salt)  # vLLM's cache_salt: tenants never share KV
         began = time.perf_counter()
-        hit = None  # the last token is computed: limit len - 1
+        found = None  # the last token is computed: limit len - 1
         if not process.worker_here(self.engine):  # ask the worker's process: its memory tier is its own
-            hit = self._lookups.lookup(tokens, len(tokens) - 1, salt)
-        if hit is None:
-            hit = self.engine.lookup(session, tokens, len(tokens) - 1)
+            found = self._lookups.lookup(tokens, len(tokens) - 1, salt)
+        if found is None:
+            found = self.engine.find(session, tokens, len(tokens) - 1)
             metrics.count(lookups=1)
         metrics.count(lookup_seconds=time.perf_counter() - began)
+        hit = found.tokens
+        self._found[request.request_id] = found  # the worker's load reads these chunks, without a second lookup
         if self._prefilled_elsewhere(request.request_id, tokens, hit, session):
             return None, False  # vLLM skips the request this step and asks again
         span = self.engine.sample_check(hit - num_computed_tokens)  # verified: vLLM computes the last ones
@@ -136,7 +139,8 @@ class SchedulerSide:
             if external:
                 start = new.num_computed_tokens - external
                 meta.loads.append(LoadSpec(new.req_id, req.tokens[:new.num_computed_tokens], start,
-                                           new.num_computed_tokens, req.block_ids, req.namespace))
+                                           new.num_computed_tokens, req.block_ids, req.namespace,
+                                           self._found.pop(new.req_id, None)))
             self._maybe_save(meta, new.req_id, new.num_computed_tokens, scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -157,7 +161,7 @@ class SchedulerSide:
             if external:  # resumed after preemption with a fresh load
                 done = cached.num_computed_tokens[i]
                 meta.loads.append(LoadSpec(req_id, req.tokens[:done], done - external, done, req.block_ids,
-                                           req.namespace))
+                                           req.namespace, self._found.pop(req_id, None)))
             self._maybe_save(meta, req_id, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
         return meta
 
@@ -194,6 +198,7 @@ class SchedulerSide:
         self._salts.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
         self._checks.pop(request.request_id, None)
+        self._found.pop(request.request_id, None)
         self._waiting.pop(request.request_id, None)
         admitted = self._admitted.get(request.request_id)
         keys = self._claims.pop(request.request_id, None) or (admitted[2] if admitted is not None else [])

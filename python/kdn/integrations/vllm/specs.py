@@ -18,6 +18,7 @@ class LoadSpec:
     end: int
     block_ids: list
     namespace: str | None = None
+    found: object = None  # what the scheduler's lookup found (a kdn.engine.Prefix): loaded without a second lookup
 
 
 @dataclasses.dataclass

@@ -79,7 +79,7 @@ class WorkerSide:
             blocks = PagedBlocks(self._blocks, self._layout, spec.block_ids, spec.start)
             # layer-wise when the engine streams: layers arrive while the model computes the ones before
             load = self.engine.load(self.session.within(spec.namespace), tokens, spec.end, blocks,
-                                    lambda _, blocks=blocks: blocks, began)
+                                    lambda _, blocks=blocks: blocks, began, spec.found)
             hit = load.hit
             served.lossy |= load.lossy  # a stream's is known when it ends (_finish_streams)
             if load.stream is not None:
