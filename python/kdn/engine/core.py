@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from kdn.engine import audit as audits
 from kdn.engine.chunks import ChunkIO, Packed, Prefix
+from kdn.engine.pages import Pages
 from kdn.engine.parts import Calibrations, Segments, Sidecars
 from kdn.engine.served import Served
 from kdn.engine.session import ModelSession, Sessions
@@ -117,6 +118,13 @@ class Engine:
         """The engines :meth:`for_checkpoint` made in this process."""
         with cls._registry_lock:
             return [entry[3] for entry in cls._registry]
+
+    def pages(self, fingerprint: bytes) -> Pages:
+        """Pages a serving engine addresses by its own keys (SGLang HiCache's page hashes), for the
+        model (and shard) whose identity is ``fingerprint`` (16 bytes), in the config's tenant
+        (:class:`kdn.engine.pages.Pages`: ``lookup``, ``load``, ``save``)."""
+        config = self.config
+        return Pages(self.chunks.tiers, tenant_fingerprint(fingerprint, config.namespace, config.tenant_key()))
 
     @property
     def tiers(self) -> TierManager:

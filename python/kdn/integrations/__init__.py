@@ -1,1 +1,1 @@
-"""Adapters that plug kdn into model runtimes (HF transformers today)."""
+"""Adapters that plug kdn into model runtimes: HF transformers (hf), vLLM (vllm/), SGLang HiCache (sglang)."""
