@@ -374,8 +374,8 @@ def test_a_missing_rows_blob_ends_the_edited_hit_there(case):
 
 def test_an_edited_hit_reads_its_masks_then_its_rows_in_one_round_trip_each(case, monkeypatch):
     """Every chunk's mask in one fetch, then every chunk's rows in one: two round trips to a
-    remote tier for the edited chunks, not two per chunk, then the exact rest (the pointer to the
-    deposit's partial last chunk, that chunk); the cache equals the chunks read one by one."""
+    remote tier for the edited chunks, not two per chunk, then the exact rest (the deposit's record of
+    its partial last chunk, that chunk by its key); the cache equals the chunks read one by one."""
     model, doc, ids = case
     kdn = KDN(KDNConfig(chunk_size=CHUNK))
     kdn.deposit(model, doc, edits=["kvzip:keep=0.5"])
@@ -396,3 +396,46 @@ def test_an_edited_hit_reads_its_masks_then_its_rows_in_one_round_trip_each(case
     assert hit == len(doc) and spec == edit.spec and fetched == [3, 3, 1, 1]
     for a, b in zip(cache_to_kv_list(cache), one_by_one):
         assert torch.equal(a[:, :, :b.shape[2]], b)
+
+
+def test_a_deposit_without_the_exact_kv_serves_the_same_edited_cache_in_less_space(case, tmp_path):
+    """keep_exact=False stores the edited chunks and the partial last chunk alone: an edited reader
+    is served exactly what a full deposit serves it (rows, bias, hit), an exact reader misses the
+    document, and the store holds fewer bytes."""
+    model, doc, ids = case
+    spec = "kvzip:keep=0.3"
+    full = KDN(KDNConfig(chunk_size=CHUNK, disk_dir=str(tmp_path / "full"), write_policy="write-through"))
+    edited = KDN(KDNConfig(chunk_size=CHUNK, disk_dir=str(tmp_path / "edited"), write_policy="write-through"))
+    assert full.deposit(model, doc, edits=[spec])["exact_tokens"] == len(doc)
+    assert edited.deposit(model, doc, edits=[spec], keep_exact=False)["exact_tokens"] == len(doc)  # via the edit
+    full.flush()
+    edited.flush()
+    readers = [KDN(KDNConfig(chunk_size=CHUNK, disk_dir=str(tmp_path / name))) for name in ("full", "edited")]
+    served = [reader.retrieve(model, ids[0], edits=spec) for reader in readers]
+    assert served[0][1] == served[1][1] == len(doc)
+    for a, b in zip(cache_to_kv_list(served[0][0]), cache_to_kv_list(served[1][0])):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(readers[0].last_retrieve["bias"].values(),
+                                                  readers[1].last_retrieve["bias"].values()))
+    assert readers[1].lookup(model, ids[0]) == 0 and readers[0].lookup(model, ids[0]) == len(doc)
+    on_disk = [sum(f.stat().st_size for f in (tmp_path / name).rglob("*") if f.is_file())
+               for name in ("full", "edited")]
+    assert on_disk[1] < 0.5 * on_disk[0], on_disk
+    with pytest.raises(InvalidInputError, match="keep_exact"):
+        edited.deposit(model, doc, edits=["steer:alpha=0.01"], keep_exact=False)
+
+
+def test_an_edited_reader_is_served_exact_kv_only_up_to_the_end_of_the_deposit(case):
+    """An exact reader stores the document and its question after the deposit: the KV of the
+    question (computed over the whole document) is never served after the edited chunks; the
+    edited hit ends where the deposit did."""
+    model, doc, ids = case
+    spec = "kvzip:keep=0.5"
+    kdn = KDN(KDNConfig(chunk_size=CHUNK))
+    kdn.deposit(model, doc, edits=[spec])
+    kdn.generate(model, ids, max_new_tokens=2, do_sample=False)  # an exact reader: doc + question stored
+    assert kdn.lookup(model, ids[0]) == ids.shape[1] - 1
+    cache, hit = kdn.retrieve(model, ids[0], edits=spec)
+    assert hit == len(doc) and kdn.last_retrieve["edit"] == parse(spec).spec
+    other = torch.tensor([doc[:-1] + [doc[-1] + 1] + ids[0, len(doc):].tolist()])  # the deposit's tail differs
+    assert kdn.retrieve(model, other[0], edits=spec)[1] == 3 * CHUNK  # its tail is not the deposit's

@@ -175,7 +175,7 @@ class KDN:
         return out
 
     # -- editing at deposit ----------------------------------------------------------------------
-    def deposit(self, model, prompt, edits=(), tokenizer=None, emphasize=None) -> dict:
+    def deposit(self, model, prompt, edits=(), tokenizer=None, emphasize=None, keep_exact: bool = True) -> dict:
         """Store ``prompt``'s KV (text with ``tokenizer``, or token ids) exactly and, for each of
         ``edits`` (e.g. ``["kvzip:keep=0.3"]``, :mod:`kdn.edits`), an edited form under that edit's
         own addresses, which only readers naming the edit are served (``generate(..., edits=...)``).
@@ -183,7 +183,9 @@ class KDN:
         of a text prompt, tokens of ids), or ``"auto"``: the sentences the model names when asked
         for the text's most important facts (AutoPASTA at deposit, :mod:`kdn.edits.autospans`;
         a model that names none is an InvalidInputError). Every edit is computed before anything
-        is stored: an edit that fails stores nothing.
+        is stored: an edit that fails stores nothing. ``keep_exact=False`` stores only the edited
+        form (``kvzip`` edits) and the partial last chunk served with it: less space, and exact
+        readers miss the prompt.
         Returns ``{"tokens", "exact_tokens", "prefill_seconds", "edits": {spec: {"chunks", "bytes",
         "seconds"}}}``, and with ``"auto"`` ``"auto_spans": {"spans", "answer", "seconds"}``.
 
@@ -199,7 +201,7 @@ class KDN:
         """
         from kdn.edits import stored
 
-        return stored.deposit(self.engine, model, prompt, edits, tokenizer, emphasize)
+        return stored.deposit(self.engine, model, prompt, edits, tokenizer, emphasize, keep_exact)
 
     # -- blending ---------------------------------------------------------------------------
     def store_segments(self, model, segments, prefix=None) -> dict:

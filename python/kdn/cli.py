@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     dep.add_argument("--emphasize", choices=["auto"], default=None,
                      help="for --edit steer: documents without their own spans emphasize the sentences the "
                           "model names as the most important (AutoPASTA at deposit)")
+    dep.add_argument("--edited-only", action="store_true",
+                     help="store only the --edit kvzip forms (and each document's partial last chunk): less space; "
+                          "exact readers miss the documents")
     dep.add_argument("--chunk-size", type=int, default=256)
     dep.add_argument("--dtype", default=None, choices=[None, "float32", "float16", "bfloat16"])
     args = parser.parse_args(argv)
@@ -182,7 +185,8 @@ def run_deposit_command(args) -> int:
     model, tokenizer = load_any_model(args.model, dtype=args.dtype)
     try:
         report = deposit_many(cache, model, tokenizer, docs, edits,
-                              progress=lambda it: tqdm(it, desc="depositing", unit="doc"))
+                              progress=lambda it: tqdm(it, desc="depositing", unit="doc"),
+                              keep_exact=not args.edited_only)
     except KDNError as e:  # a document the edits refuse (the ones before it are stored: rerun resumes)
         cache.flush()
         return fail(str(e))

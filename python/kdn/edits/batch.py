@@ -45,16 +45,18 @@ def documents(source: str | Path) -> list[tuple[str, str, list | None]]:
     return docs
 
 
-def stored(kdn, model, ids: list[int], edits) -> bool:
-    """Whether the exact KV of ``ids`` and each edit's chunks (its last full chunk) are stored."""
-    if kdn.lookup(model, ids, limit=len(ids)) < len(ids):
+def stored(kdn, model, ids: list[int], edits, keep_exact: bool = True) -> bool:
+    """Whether the exact KV of ``ids`` (with ``keep_exact``) and each edit's chunks (its last full
+    chunk) are stored."""
+    if keep_exact and kdn.lookup(model, ids, limit=len(ids)) < len(ids):
         return False
     keys = kdn.chunk_keys(model, ids)
     return not keys or all(kdn.engine.holds(edit.address(keys[-1])) for edit in edits)
 
 
-def deposit_many(kdn, model, tokenizer, docs: list[tuple], edits=(), progress=None) -> dict:
-    """Deposit each document not stored yet; returns counts, tokens, seconds and tokens/s."""
+def deposit_many(kdn, model, tokenizer, docs: list[tuple], edits=(), progress=None, keep_exact: bool = True) -> dict:
+    """Deposit each document not stored yet (``keep_exact``: as :meth:`kdn.KDN.deposit`); returns
+    counts, tokens, seconds and tokens/s."""
     edits = parse_many(edits)
     done = skipped = tokens = 0
     per_edit: dict = {}
@@ -62,11 +64,12 @@ def deposit_many(kdn, model, tokenizer, docs: list[tuple], edits=(), progress=No
     bar = progress(docs) if progress else docs
     for name, text, emphasize in bar:
         ids = list(tokenizer(text)["input_ids"])
-        if stored(kdn, model, ids, edits):
+        if stored(kdn, model, ids, edits, keep_exact):
             skipped += 1
             continue
         try:
-            report = kdn.deposit(model, text, edits=edits, tokenizer=tokenizer, emphasize=emphasize)
+            report = kdn.deposit(model, text, edits=edits, tokenizer=tokenizer, emphasize=emphasize,
+                                 keep_exact=keep_exact)
         except InvalidInputError as e:
             raise InvalidInputError(f"document {name}: {e}") from None
         done += 1

@@ -4,6 +4,7 @@ sidecars), the readers that serve them, and the HF cache that keeps a pruned cac
 
 from __future__ import annotations
 
+import struct
 import time
 
 import numpy as np
@@ -46,14 +47,28 @@ def _prompt_ids(prompt, tokenizer) -> list[int]:
     return [int(t) for t in torch.as_tensor(prompt).reshape(-1).tolist()]
 
 
+_TAIL = struct.Struct("<I")  # a deposit's record of its partial last chunk: how many tokens it holds
+
+
+def tail_address(edit: Edit, last_key: bytes) -> bytes:
+    """Where a deposit of ``edit`` records the partial chunk it stored after its last full chunk
+    (``last_key``): an edited reader serves exact KV up to there, never KV stored past it."""
+    return _core.blake3(b"kdn/deposit-tail\0" + edit.address(last_key), 16)
+
+
 @torch.inference_mode()
-def deposit(kdn, model, prompt, edits=(), tokenizer=None, emphasize=None) -> dict:
+def deposit(kdn, model, prompt, edits=(), tokenizer=None, emphasize=None, keep_exact: bool = True) -> dict:
     """Prefill ``prompt`` (text with ``tokenizer``, or token ids), store its exact KV and, for each
     edit, its edited chunks (``kvzip``) or sidecars (``steer``: the ``emphasize`` spans, character
     ranges of a text or token ranges of ids, or ``"auto"``: the sentences the model itself names,
     :mod:`kdn.edits.autospans`) under the edit's addresses. Every edit is computed before anything
-    is stored, so an edit that fails stores nothing for this prompt."""
+    is stored, so an edit that fails stores nothing for this prompt. ``keep_exact=False``: only the
+    edited form and the partial last chunk it is served with (exact readers then miss the prompt;
+    a ``steer`` edit serves the exact KV, so it needs it)."""
     edits = parse_many(edits)
+    if not keep_exact and (not edits or any(e.name == "steer" for e in edits)):
+        raise InvalidInputError("deposit: keep_exact=False stores only pruned (kvzip) edits; a steer edit serves the "
+                                "exact KV, and no edit leaves nothing to store")
     session = kdn.session(model)
     ids = _prompt_ids(prompt, tokenizer)
     emphasized = offsets = None
@@ -104,7 +119,17 @@ def deposit(kdn, model, prompt, edits=(), tokenizer=None, emphasize=None) -> dic
             nbytes = sum(tokens * sum(t[0, :, 0].nbytes for t in rows) for _, rows, _, tokens in chunks) \
                 + sum(len(p) for _, p in masks)
         report[edit.spec] = {"chunks": len(keys), "bytes": nbytes, "seconds": time.perf_counter() - t0}
-    exact = kdn.save(session, tokens, [t.cpu() for t in kv])
+    kv = [t.cpu() for t in kv]
+    full, tail = len(keys) * chunk, len(ids) - len(keys) * chunk
+    if keep_exact:
+        exact = kdn.save(session, tokens, kv)
+    else:  # the partial last chunk alone, as an exact store files it: what edited readers serve after
+        exact = 0
+        if tail and keys:
+            tail_key = session.prefix_keys(tokens, include_partial=True)[-1]
+            exact = full + tail if kdn.segments.write(session, tail_key, kv, full, tail) else 0
+    if tail and keys:
+        sidecars += [(tail_address(e, keys[-1]), _TAIL.pack(tail)) for e in edits if e.name == "kvzip"]
     for address, rows, position, count in planned:  # rows before the masks that lead readers to them
         kdn.segments.write(session, address, rows, position, count)
     for address, payload in sidecars:
@@ -233,7 +258,14 @@ def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int
         parts = [(mask, chunk_rows, layout) for (mask, layout), chunk_rows in zip(masks, got)]
         if parts:
             kv, held = kvzip.unpool(parts, _rope(model))
-            rest, count = exact_rest(kdn, session, tokens, limit, len(parts), target)
+            deposited = keys[:len(masks)]  # the deposit's full chunks as far as this reader shares them
+            tail = deposit_tail(kdn, session, edit, deposited)
+            rest, count = [], 0
+            if len(parts) == len(deposited):  # the whole edited run: then the deposit's last chunk, by its key
+                rest, count = tail_kv(kdn, session, tokens, limit, deposited, tail, target)
+            if not count:  # else the exact KV stored past the run, up to where the deposit ended
+                end = len(deposited) * session.chunk_size + tail
+                rest, count = exact_rest(kdn, session, tokens, min(limit, end), len(parts), target)
             if count:
                 kv = [torch.cat([pruned, exact], 2) for pruned, exact in zip(kv, rest)]
             hit = len(parts) * session.chunk_size + count
@@ -242,15 +274,37 @@ def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int
     return None, 0, None, None
 
 
+def deposit_tail(kdn, session, edit: Edit, keys: list) -> int:
+    """How many tokens the deposit of ``edit`` whose full chunks are ``keys`` (those whose masks a
+    reader found) stored after them: its partial last chunk, recorded at :func:`tail_address`."""
+    record = kdn.sidecars.read(session, tail_address(edit, keys[-1])) if keys else None
+    tail = _TAIL.unpack(record)[0] if record is not None and len(record) == _TAIL.size else 0
+    return tail if 0 < tail < session.chunk_size else 0
+
+
+def tail_kv(kdn, session, tokens, limit: int, keys: list, tail: int, target) -> tuple[list, int]:
+    """``(kv, count)``: the deposit's partial last chunk (``tail`` tokens after the full chunks
+    ``keys``), read by its key when the reader's tokens there are the deposit's (whether or not the
+    deposit kept its exact KV), within ``limit``; ``([], 0)`` otherwise."""
+    start = len(keys) * session.chunk_size
+    count = min(tail, limit - start)
+    if not tail or count <= 0 or start + tail > len(tokens):
+        return [], 0
+    key = session.chunk_key(keys[-1], tokens[start:start + tail])
+    got = kdn.segments.read_many(session, [(key, start, tail)], target, exact=True)
+    return ([t[:, :, :count] for t in got[0]], count) if got else ([], 0)
+
+
 def exact_rest(kdn, session, tokens, limit: int, chunks: int, target) -> tuple[list, int]:
     """``(kv, count)``: the KV of ``tokens`` past their first ``chunks`` chunks as far as it is
-    stored exactly (within ``limit``; token-granular: a deposit stores its partial last chunk),
-    ``count`` tokens of ``2 * layers`` tensors ``[1, kv_heads, count, head_dim]`` on ``target``;
-    ``([], 0)`` when nothing more is. An edited hit serves it after its edited chunks: rows a
-    pruning keeps whole (KVzip prunes the rows of a full prefill; these are such rows). A coded
-    copy (a ``kvtc`` tier's) is not served here: those rows sit right before the question, and
-    recomputed they kept answers closer to a full prefill's (results README, "Edited hits serve
-    the deposit's partial last chunk")."""
+    stored exactly (within ``limit``, which a reader sets at the end of the deposit it is served:
+    the deposit's end, never KV a later request stored past it, computed over the unedited prompt;
+    token-granular: a deposit stores its partial last chunk), ``count`` tokens of ``2 * layers``
+    tensors ``[1, kv_heads, count, head_dim]`` on ``target``; ``([], 0)`` when nothing more is. An
+    edited hit serves it after its edited chunks: rows a pruning keeps whole (KVzip prunes the rows
+    of a full prefill; these are such rows). A coded copy (a ``kvtc`` tier's) is not served here:
+    those rows sit right before the question, and recomputed they kept answers closer to a full
+    prefill's (results README, "Edited hits serve the deposit's partial last chunk")."""
     chunk = session.chunk_size
     found = kdn.find(session, tokens, limit)
     if found.tokens <= chunks * chunk:
@@ -260,8 +314,7 @@ def exact_rest(kdn, session, tokens, limit: int, chunks: int, target) -> tuple[l
     if found.last_tokens:
         sizes[-1] = found.last_tokens
     got = kdn.segments.read_many(session, [(key, (chunks + i) * chunk, size)
-                                             for i, (key, size) in enumerate(zip(keys, sizes))], target,
-                                   exact=True)
+                                           for i, (key, size) in enumerate(zip(keys, sizes))], target, exact=True)
     if not got:
         return [], 0
     count = found.tokens - chunks * chunk if len(got) == len(keys) else len(got) * chunk
