@@ -206,7 +206,43 @@ def test_kvtc_is_calibrated_on_samples_it_is_not_judged_on(stories):
     evaluated = {r["sample"] for r in result["samples"]}
     assert result["calibration"]["samples"] == ["musique_s-1", "musique_s-2"]
     assert not evaluated & set(result["calibration"]["samples"]) and result["calibration"]["tokens"] > 500
+    assert result["calibration"]["disjoint_in_content"] and len(result["calibration"]["content"]) == 64
     s = result["summary"]
     assert 0 < s["reuse+kvtc:ratio=8"]["stored_bytes_mean"] < s["reuse"]["stored_bytes_mean"] / 6
-    with pytest.raises(ValueError, match="lower --limit"):
-        run_eval("musique", model, tokenizer, ["reuse+kvtc:ratio=8"], limit=3, max_new_tokens=4, progress=False)
+    from kdn.eval.runner import calibrate_kvtc
+
+    with pytest.raises(ValueError, match="lower --limit"):  # no text left that the evaluated samples do not hold
+        calibrate_kvtc(model, tokenizer, [], load_dataset("musique"), 512, 4, progress=False)
+
+
+@pytest.mark.parametrize("dataset", ["longchat-topics-5", "musique"])
+def test_the_kvtc_calibration_shares_no_conversation_or_passage_with_the_evaluated_samples(dataset):
+    """LongChat's records share conversations, MuSiQue's questions passages: the samples after the
+    evaluated ones, taken whole, would calibrate on text the codec is then judged on. kdn's contexts
+    keep only conversations / passages no evaluated sample holds (by content), drawing on another
+    dataset when the dataset's own run out (LongChat's 50 records are built from 30 conversations),
+    and the fit is refused for a context that shares any."""
+    from kdn.eval.runner import _held, calibrate_kvtc, calibration_contexts, fallback_samples
+
+    everything = load_dataset(dataset)  # the tests' slice (3 samples), or the full set under $KDN_SHARED
+    for evaluated in (everything[:2], everything[:30]):
+        contexts = calibration_contexts(everything, evaluated, 2, lambda: fallback_samples(dataset))
+        assert len(contexts) == 2 and not _held(evaluated) & _held(contexts)
+        assert all(c.query == "" and c.segments for c in contexts)
+    if dataset.startswith("longchat") and len(everything) > 30:  # the full set: records share conversations
+        assert _held(everything[:30]) & _held(everything[30:32])
+        assert not _held(everything) - _held(everything[:30])  # 30 records hold every conversation
+    with pytest.raises(ValueError, match="shares"):
+        calibrate_kvtc(None, None, everything[:1], everything[:3], 512, 8, progress=False)
+
+
+def test_a_kvtc_run_resumes_only_with_the_same_calibration(stories, tmp_path):
+    model, tokenizer = stories
+    kwargs = dict(max_new_tokens=4, chunk_size=64, progress=False, out_dir=tmp_path, model_name="stories260k")
+    methods = ["full", "reuse+kvtc:ratio=8"]
+    run_eval("musique", model, tokenizer, methods, limit=1, **kwargs)
+    assert run_eval("musique", model, tokenizer, methods, limit=1, resume=True, **kwargs)["samples"]
+    with pytest.raises(ValueError, match="differs in calibration"):
+        run_eval("musique", model, tokenizer, methods, limit=1, resume=True, calibration_samples=3, **kwargs)
+    with pytest.raises(ValueError, match="differs in calibration"):  # a longer kvtc run calibrates on other text
+        run_eval("musique", model, tokenizer, methods, limit=2, resume=True, **kwargs)

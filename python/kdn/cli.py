@@ -274,9 +274,10 @@ def load_any_model(name_or_path: str, device: str = "cpu", dtype: str | None = N
 def run_eval_command(args) -> int:
     from kdn.config import KDNConfig
     from kdn.eval import DATASETS, DatasetNotFoundError, dataset_path, run_eval
+    from kdn.eval.datasets import load_dataset
     from kdn.eval.methods import resolve_method
     from kdn.eval.report import markdown_table
-    from kdn.eval.runner import finished_records
+    from kdn.eval.runner import finished_records, planned_run
 
     def fail(message: str) -> int:
         print(f"kdn eval: {message}", file=sys.stderr)
@@ -303,7 +304,10 @@ def run_eval_command(args) -> int:
     dataset = args.dataset if args.dataset in DATASETS else str(path)
     if args.resume:
         try:
-            finished_records(args.out, dataset, args.model, methods)
+            everything = load_dataset(dataset, None, args.data_dir)
+            samples = everything[:args.limit] if args.limit is not None else everything
+            finished_records(args.out, planned_run(dataset, args.model, methods, everything, samples,
+                                                   data_dir=args.data_dir)[0])
         except ValueError as e:
             return fail(str(e))
     from kdn.models import ModelNotAvailableError

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import time
@@ -53,19 +54,90 @@ def encode(tokenizer, sample: Sample, max_prompt_tokens: int, max_new_tokens: in
     return Encoded(ids, len(context), spans, truncated)
 
 
-def calibrate_kvtc(model, tokenizer, contexts: list[Sample], max_prompt_tokens: int, max_new_tokens: int,
-                   progress: bool = True) -> dict:
-    """Fit and load the model's ``kvtc`` calibration on ``contexts`` (samples the evaluation does not
-    answer: a codec fit on the contexts it is then judged on would flatter it); what was used."""
+def _digest(text: str) -> str:
+    return hashlib.sha256(" ".join(text.split()).encode()).hexdigest()  # whitespace-normalized
+
+
+_TOPIC = "USER: I would like to discuss the topic of"  # where each LongChat conversation starts
+CALIBRATION_FALLBACK = ("musique", "longchat-topics-15", "longchat-topics-5")  # when a dataset's own text runs out
+
+
+def units(segment: str) -> list[str]:
+    """The pieces of text a segment is made of, whose reuse elsewhere counts as shared content: each
+    LongChat conversation of a record (a record strings several together), else the segment (a
+    MuSiQue passage)."""
+    parts = segment.split(_TOPIC)
+    return [segment] if len(parts) == 1 else [p for p in parts[:1] if p.strip()] + [_TOPIC + p for p in parts[1:]]
+
+
+def _held(samples: list[Sample]) -> set[str]:
+    return {_digest(u) for s in samples for seg in s.segments for u in units(seg)}
+
+
+def calibration_contexts(everything: list[Sample], evaluated: list[Sample], wanted: int,
+                         fallback=None) -> list[Sample]:
+    """Up to ``wanted`` calibration contexts sharing no conversation or passage with any evaluated
+    sample, by content hash (:func:`units`): from the samples after the evaluated ones, each keeping
+    only the units no evaluated sample (and no earlier context) holds, without its question; then,
+    if those run out, from ``fallback()`` (samples of other datasets, :data:`CALIBRATION_FALLBACK`).
+    A codec fit on text it is then judged on would flatter it: LongChat's records share their
+    conversations (its 50 records are built from 30), MuSiQue's questions their passages, so
+    disjoint sample ids are not disjoint text."""
+    seen, out = _held(evaluated), []
+    sources = [everything[len(evaluated):]]
+    for source in (*sources, None):
+        if source is None:
+            if fallback is None or len(out) >= wanted:
+                break
+            source = fallback()
+        for sample in source:
+            if len(out) >= wanted:
+                break
+            kept = [u for seg in sample.segments for u in units(seg) if _digest(u) not in seen]
+            if kept:
+                seen |= {_digest(u) for u in kept}
+                out.append(Sample(sample.id, tuple(kept), "", (), sample.metric))
+    return out
+
+
+def fallback_samples(dataset: str, data_dir=None) -> list[Sample]:
+    """Samples of the other datasets calibration may draw on (those found here)."""
+    from kdn.eval.datasets import DatasetNotFoundError
+
+    out = []
+    for name in CALIBRATION_FALLBACK:
+        if name != dataset:
+            try:
+                out += load_dataset(name, None, data_dir)
+            except DatasetNotFoundError:
+                continue
+    return out
+
+
+def calibration_identity(contexts: list[Sample]) -> dict:
+    """What names a calibration's text: the samples it came from and a hash of its segments."""
+    return {"samples": [c.id for c in contexts],
+            "content": _digest("\0".join(_digest(seg) for c in contexts for seg in c.segments))}
+
+
+def calibrate_kvtc(model, tokenizer, contexts: list[Sample], evaluated: list[Sample], max_prompt_tokens: int,
+                   max_new_tokens: int, progress: bool = True) -> dict:
+    """Fit and load the model's ``kvtc`` calibration on ``contexts``, refused (ValueError) unless
+    they share no segment with the ``evaluated`` samples by content; what was used."""
     from kdn import kvtc
 
     if not contexts:
-        raise ValueError("kvtc needs calibration contexts disjoint from the evaluated ones and the dataset has "
-                         "no samples left beyond --limit: lower --limit")
+        raise ValueError("kvtc needs calibration text sharing no conversation or passage with the evaluated samples, "
+                         "and neither the samples beyond --limit nor the other datasets hold any: lower --limit")
+    shared = _held(evaluated) & _held(contexts)
+    if shared:
+        raise ValueError(f"the kvtc calibration shares {len(shared)} conversation(s) or passage(s) with the "
+                         "evaluated samples")
     ids = [encode(tokenizer, c, max_prompt_tokens, max_new_tokens).ids[0, :-1].tolist() for c in contexts]
     t0 = time.perf_counter()
     kvtc.load(kvtc.calibrate(model, ids, progress=progress))
-    return {"samples": [c.id for c in contexts], "tokens": sum(map(len, ids)), "seconds": time.perf_counter() - t0}
+    return {**calibration_identity(contexts), "tokens": sum(map(len, ids)), "disjoint_in_content": True,
+            "seconds": time.perf_counter() - t0}
 
 
 def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | None = None,
@@ -79,10 +151,12 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
     ``quality_vs_ttft.png`` there (see :mod:`kdn.eval.report`), and rewrites them as samples finish
     (at most once a minute), so a long run stopped early keeps what it answered. ``data_dir`` is
     where named datasets are looked for (default ``$KDN_DATA``, then ``$KDN_SHARED/data``). A
-    ``reuse+kvtc`` method is calibrated first on the ``calibration_samples`` samples that follow
-    the evaluated ones. With ``resume`` a run stopped early goes on: the samples ``out_dir`` already
-    holds every method's answer for are kept as they are and not answered again (the run must name
-    the same dataset, model and methods; anything else is a ``ValueError`` before any work).
+    ``reuse+kvtc`` method is calibrated first on ``calibration_samples`` contexts sharing no
+    conversation or passage with the evaluated samples (:func:`calibration_contexts`). With
+    ``resume`` a run stopped early goes on: the samples ``out_dir`` already holds every method's
+    answer for are kept as they are and not answered again (the run must name the same dataset,
+    model, methods and calibration, which a kvtc run's ``limit`` decides; anything else is a
+    ``ValueError`` before any work).
 
     Example:
         >>> model, tok = kdn.models.load("stories260k")
@@ -97,15 +171,16 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
     device = next(model.parameters()).device
     if max_prompt_tokens is None:
         max_prompt_tokens = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
-    done = finished_records(out_dir, dataset, model_name, methods) if resume and out_dir is not None else {}
+    run, contexts = planned_run(dataset, model_name, methods, everything, samples, calibration_samples, data_dir)
+    done = finished_records(out_dir, run) if resume and out_dir is not None else {}
+    kvtc_used = run["calibration"] is not None
     calibration = None
-    if any(m.startswith("reuse+kvtc") for m in methods) and len(done) < len(samples):
-        extra = everything[len(samples): len(samples) + calibration_samples]
-        calibration = calibrate_kvtc(model, tokenizer, extra, max_prompt_tokens, max_new_tokens, progress)
+    if kvtc_used and len(done) < len(samples):
+        calibration = calibrate_kvtc(model, tokenizer, contexts, samples, max_prompt_tokens, max_new_tokens, progress)
     records = []
     result = {"dataset": dataset, "model": model_name, "metric": samples[0].metric if samples else None,
-              "methods": methods, "max_new_tokens": max_new_tokens, "chunk_size": chunk_size,
-              "calibration": calibration}
+              "methods": methods, "limit": limit, "max_new_tokens": max_new_tokens, "chunk_size": chunk_size,
+              "calibration": calibration or run["calibration"]}  # what was fitted, or the identity resumed
     written = time.monotonic()
     steps = [(s, m) for s in samples for m in resolved]
     bar = tqdm(total=len(steps), desc=f"kdn eval {dataset}", unit="answer", disable=not progress)
@@ -149,20 +224,37 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
     return {**result, "summary": summarize(records, methods), "samples": records}
 
 
-def finished_records(out_dir, dataset: str, model_name: str, methods: list[str]) -> dict[str, list[dict]]:
+def planned_run(dataset: str, model_name: str, methods: list[str], everything: list[Sample], samples: list[Sample],
+                calibration_samples: int = 2, data_dir=None) -> tuple[dict, list[Sample]]:
+    """``(run, contexts)``: what names a run for resuming it (dataset, model, methods, and the
+    calibration's identity when a ``reuse+kvtc`` method needs one; a longer ``limit`` without kvtc
+    keeps the answers given) and the calibration contexts."""
+    kvtc_used = any(m.startswith("reuse+kvtc") for m in methods)
+    contexts = calibration_contexts(everything, samples, calibration_samples,
+                                    lambda: fallback_samples(dataset, data_dir)) if kvtc_used else []
+    return {"dataset": dataset, "model": model_name, "methods": methods,
+            "calibration": calibration_identity(contexts) if kvtc_used else None}, contexts
+
+
+def finished_records(out_dir, run: dict) -> dict[str, list[dict]]:
     """The records of an earlier run in ``out_dir``, by sample, for the samples it answered with every
-    method; an earlier run of another dataset, model or method list is refused."""
+    method; an earlier run of another dataset, model, method list or calibration (``run``, from
+    :func:`planned_run`) is refused."""
     from kdn.eval.report import load_jsonl
 
     summary, answers = Path(out_dir) / "summary.json", Path(out_dir) / "samples.jsonl"
     if not answers.is_file():
         return {}
     before = json.loads(summary.read_text()) if summary.is_file() else {}
-    mine = {"dataset": dataset, "model": model_name, "methods": methods}
-    theirs = {k: before.get(k) for k in mine}
-    if theirs != mine:
-        raise ValueError(f"cannot resume {out_dir}: it holds a run of {theirs}, this run is {mine}; "
-                         "choose another --out or the same dataset, model and methods")
+    calibration = before.get("calibration")
+    theirs = {**{k: before.get(k) for k in run},
+              "calibration": {k: calibration.get(k) for k in ("samples", "content")} if calibration else None}
+    if theirs != run:
+        differ = sorted(k for k in run if theirs[k] != run[k])
+        raise ValueError(f"cannot resume {out_dir}: its run differs in {', '.join(differ)} ({theirs}, this run "
+                         f"is {run}); choose another --out or the same dataset, model, methods and calibration (a "
+                         "kvtc run's calibration follows --limit)")
+    methods = run["methods"]
     by_sample: dict[str, list[dict]] = {}
     for record in load_jsonl(answers):
         by_sample.setdefault(record["sample"], []).append(record)
