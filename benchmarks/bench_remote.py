@@ -95,7 +95,11 @@ def bench_tier(stores, kv, fingerprint, repeats):
                     tier.put(k, b)
                 assert tier.flush(30)
 
-            row[f"{name}_put_mbs"] = total / timed(put, repeats)
+            def forget(tier=tier):  # each put writes: the tier skips a value the store holds
+                for k in keys:
+                    tier.remove(k)
+
+            row[f"{name}_put_mbs"] = total / timed(put, repeats, setup=forget)
             row[f"{name}_get_mbs"] = total / timed(lambda tier=tier: tier.get_many(keys), repeats)
             assert all(b is not None for b in tier.get_many(keys))
             for k in keys:

