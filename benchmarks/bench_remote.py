@@ -61,12 +61,15 @@ def private_mooncake():
             ports.append(s.getsockname()[1])
     rpc, http, metrics, client = ports
     metadata = f"http://127.0.0.1:{http}/metadata"
-    procs = [subprocess.Popen(["mooncake_master", f"--rpc_port={rpc}", f"--metrics_port={metrics}",
+    import mooncake  # its pip package ships the servers
+
+    servers = Path(mooncake.__file__).parent
+    procs = [subprocess.Popen([str(servers / "mooncake_master"), f"--rpc_port={rpc}", f"--metrics_port={metrics}",
                                "--enable_http_metadata_server=true", f"--http_metadata_server_port={http}"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
         time.sleep(1.5)
-        procs.append(subprocess.Popen(["mooncake_client", f"--master_server_address=127.0.0.1:{rpc}",
+        procs.append(subprocess.Popen([str(servers / "mooncake_client"), f"--master_server_address=127.0.0.1:{rpc}",
                                        f"--metadata_server={metadata}", "--host=127.0.0.1", f"--port={client}",
                                        "--global_segment_size=2GB"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))

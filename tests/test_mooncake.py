@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,13 +23,21 @@ from redis_servers import free_port, wait_until
 CHUNK = 8
 
 
+def binary(name: str) -> str:
+    """A Mooncake server binary: the one its pip package ships, else one on PATH."""
+    import mooncake
+
+    shipped = Path(mooncake.__file__).parent / name
+    return str(shipped) if shipped.is_file() else (shutil.which(name) or name)
+
+
 def require_mooncake() -> None:
     """Skip without Mooncake's client and servers, unless KDN_REQUIRE_SERVERS=1 (.ci/run): then fail."""
     try:
         import mooncake.store  # noqa: F401
-        if shutil.which("mooncake_master") and shutil.which("mooncake_client"):
+        if all(Path(binary(n)).is_file() for n in ("mooncake_master", "mooncake_client")):
             return
-        why = "mooncake_master / mooncake_client not on PATH"
+        why = "the mooncake_master / mooncake_client binaries are missing"
     except ImportError as e:
         why = f"Mooncake's client does not import ({e}): pip install mooncake-transfer-engine-non-cuda, " \
               "apt-get install libibverbs1 librdmacm1 libnuma1 liburing2 libcurl4"
@@ -45,12 +54,12 @@ class Mooncake:
         self.url = f"mooncake://127.0.0.1:{self.rpc}"
         self.options = {"metadata_server": f"http://127.0.0.1:{self.http}/metadata"}
         self._logs = [open(log_dir / "master.log", "w"), open(log_dir / "client.log", "w")]
-        self.master = subprocess.Popen(["mooncake_master", f"--rpc_port={self.rpc}", f"--metrics_port={metrics}",
-                                        "--enable_http_metadata_server=true",
+        self.master = subprocess.Popen([binary("mooncake_master"), f"--rpc_port={self.rpc}",
+                                        f"--metrics_port={metrics}", "--enable_http_metadata_server=true",
                                         f"--http_metadata_server_port={self.http}"],
                                        stdout=self._logs[0], stderr=subprocess.STDOUT)
         wait_until(lambda: _listening(self.rpc) and _listening(self.http), 30, "mooncake_master did not start")
-        self.pool = subprocess.Popen(["mooncake_client", f"--master_server_address=127.0.0.1:{self.rpc}",
+        self.pool = subprocess.Popen([binary("mooncake_client"), f"--master_server_address=127.0.0.1:{self.rpc}",
                                       f"--metadata_server={self.options['metadata_server']}", "--host=127.0.0.1",
                                       f"--port={client}", "--global_segment_size=256MB"],
                                      stdout=self._logs[1], stderr=subprocess.STDOUT)
