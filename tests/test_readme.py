@@ -70,3 +70,20 @@ def test_the_cost_table_is_the_recorded_one():
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "readme_costs.py"), "--check"],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_every_results_folder_the_readme_quotes_holds_records():
+    """A figure the README quotes names the records behind it (``benchmarks/results/...``): each such
+    path exists in the repository and holds a record (JSON, JSONL, a log, a table or a plot)."""
+    import re
+
+    quoted = set(re.findall(r"`(benchmarks/results/[^` ]+)`", (ROOT / "README.md").read_text()))
+    assert len(quoted) >= 10, "the pattern no longer finds the README's record paths"
+    kinds = {".json", ".jsonl", ".log", ".md", ".csv", ".png"}
+    empty = []
+    for path in sorted(quoted):
+        target = ROOT / path
+        records = [p for p in (target.rglob("*") if target.is_dir() else [target]) if p.suffix in kinds and p.exists()]
+        if not records:
+            empty.append(path)
+    assert not empty, f"the README quotes records that are not there: {empty}"
