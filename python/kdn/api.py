@@ -72,17 +72,17 @@ class KDN:
     @property
     def memory(self):
         """The memory tier (:class:`kdn.storage.MemoryTier`)."""
-        return self.engine.tiers.memory
+        return self.engine.tier("memory")
 
     @property
     def disk(self):
         """The disk tier (:class:`kdn.storage.DiskTier`), or None."""
-        return self.engine.tiers.disk
+        return self.engine.tier("disk")
 
     @property
     def remote(self):
         """The remote tier (:class:`kdn.storage.remote.RemoteTier`), or None."""
-        return self.engine.tiers.remote
+        return self.engine.tier("remote")
 
     # -- public API -------------------------------------------------------------------------
     def lookup(self, model, token_ids, limit: int | None = None, namespace: str | None = None) -> int:

@@ -25,6 +25,7 @@ import dataclasses
 import threading
 from collections.abc import Callable
 
+from kdn._core import InvalidInputError
 from kdn.engine import audit as audits
 from kdn.engine.chunks import ChunkIO, Packed, Prefix
 from kdn.engine.pages import Pages
@@ -126,6 +127,13 @@ class Engine:
         config = self.config
         return Pages(self.chunks.tiers, tenant_fingerprint(fingerprint, config.namespace, config.tenant_key()))
 
+    def tier(self, name: str):
+        """The engine's ``"memory"``, ``"disk"`` or ``"remote"`` tier (the last two: None when the
+        config has none), for a face that shows its counters or clears it."""
+        if name not in ("memory", "disk", "remote"):
+            raise InvalidInputError(f"tier: 'memory', 'disk' or 'remote', got {name!r}")
+        return getattr(self.chunks.tiers, name)
+
     @property
     def tiers(self) -> TierManager:
         """The tiers (memory, disk, remote) the engine reads and writes."""
@@ -184,7 +192,8 @@ class Engine:
         """How many of a hit's last tokens to recompute and compare with what was served (0: this
         hit is not checked: not sampled, or lossy, which one tolerance cannot judge yet)."""
         span = self.chunks.verifier.sample(hit)
-        if span and lossy and self.chunks.verifier.tolerance(None, True) is None:
+        if span and lossy:
+            self.chunks.verifier.tolerance(None, True)  # counted (skipped_lossy), logged once
             return 0
         return span
 
