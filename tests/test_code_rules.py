@@ -5,9 +5,13 @@ position (Qwen2.5: 151,936 floats per token, 1.2 GB for a 2K-token prefill) that
 from __future__ import annotations
 
 import ast
+import dataclasses
+import re
 from pathlib import Path
 
 import kdn
+from kdn.config import KDNConfig
+from kdn.config_sources import OTHER_ENV
 
 PACKAGE = Path(kdn.__file__).parent
 
@@ -127,3 +131,32 @@ def test_no_file_in_the_package_is_over_400_lines():
     lines = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
     long = {name: n for name, n in lines.items() if n > 400}
     assert not long, f"split these (a file has one job): {long}"
+
+
+_ENV_READ = re.compile(r"""(?:environ(?:\.get|\.setdefault|\.pop)?\(?\[?\s*|getenv\(\s*)["'](KDN_[A-Z0-9_]+)["']"""
+                       r"""|\$\{?(KDN_[A-Z0-9_]+)|(?:^|\s|export\s)(KDN_[A-Z0-9_]+)=""", re.M)
+
+
+def _env_reads(text: str) -> set[str]:
+    return {next(g for g in m.groups() if g) for m in _ENV_READ.finditer(text)}
+
+
+def test_every_kdn_variable_the_project_reads_is_known_to_the_config():
+    """A KDN_ variable that the config does not know is warned about as a typo (with warnings as errors
+    in the tests, a failure): every one that the package, tests, benchmarks or CI scripts read or set
+    is either a setting or listed in ``config_sources.OTHER_ENV``."""
+    root = PACKAGE.parent.parent
+    files = [*PACKAGE.rglob("*.py"), *(root / "tests").rglob("*.py"), *(root / "benchmarks").rglob("*.py"),
+             *(p for p in (root / ".ci").iterdir() if p.is_file())]
+    settings = {f"KDN_{f.name.upper()}" for f in dataclasses.fields(KDNConfig)}
+    read = {var: path.relative_to(root) for path in files if path != Path(__file__)
+            for var in _env_reads(path.read_text(errors="replace"))}
+    assert "KDN_SHARED" in read and "KDN_VLLM_PYTHON" in read, "the rule's pattern no longer finds the reads"
+    unknown = {var: str(path) for var, path in read.items() if var not in settings | OTHER_ENV}
+    assert not unknown, f"KDN_ variables read but unknown to kdn's config (add them to OTHER_ENV): {unknown}"
+
+
+def test_the_rule_finds_reads_in_python_and_shell():
+    text = 'os.environ.get("KDN_A")\nos.environ["KDN_B"]\necho ${KDN_C:-x} $KDN_D\nKDN_E=1 pytest\n' \
+           'export KDN_F=2\n-DKDN_BUILD_TESTS=ON\n'
+    assert _env_reads(text) == {"KDN_A", "KDN_B", "KDN_C", "KDN_D", "KDN_E", "KDN_F"}
