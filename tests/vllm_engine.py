@@ -20,6 +20,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--kdn", default="", help="kv_connector_extra_config as JSON; empty: no connector")
+    parser.add_argument("--transfer", default="",
+                        help="another connector's whole kv_transfer_config as JSON (LMCache's), instead of kdn's")
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache (default off)")
     parser.add_argument("--drop-after-lookup", action="store_true",
                         help="evict everything kdn holds right after each lookup (a load that fails)")
@@ -42,6 +44,10 @@ def main() -> None:
         transfer = KVTransferConfig(kv_connector="KDNConnector", kv_connector_module_path="kdn.integrations.vllm",
                                     kv_role="kv_both", kv_connector_extra_config=json.loads(args.kdn),
                                     kv_load_failure_policy="recompute")
+    if args.transfer:
+        transfer = KVTransferConfig(**json.loads(args.transfer))
+        if transfer.kv_connector_module_path.startswith("lmcache."):
+            _let_vllm_scan_llvmlite()
     if args.drop_after_lookup:
         from kdn.integrations import vllm as connector
 
@@ -84,7 +90,8 @@ def main() -> None:
         t0 = time.perf_counter()
         prompt = TokensPrompt(prompt_token_ids=ids, **({"cache_salt": args.cache_salt} if args.cache_salt else {}))
         out = llm.generate([prompt], params, use_tqdm=False)[0]
-        results.append({"tokens": list(out.outputs[0].token_ids), "seconds": time.perf_counter() - t0})
+        results.append({"tokens": list(out.outputs[0].token_ids), "seconds": time.perf_counter() - t0,
+                        "cached_tokens": out.num_cached_tokens})
         if args.kill_after_first and len(results) == 1:
             import signal
 
@@ -94,12 +101,30 @@ def main() -> None:
                 connector.drain()  # the first prompt is stored before the store goes down
             os.kill(args.kill_after_first, signal.SIGKILL)
     stats = {}
-    if transfer is not None:
+    if transfer is not None and not args.transfer:
         from kdn.integrations import vllm as connector
 
         connector.drain()
         stats = connector.stats()
     print("KDN-RESULT " + json.dumps({"load_seconds": load_s, "results": results, "stats": stats}), flush=True)
+
+
+def _let_vllm_scan_llvmlite() -> None:
+    """LMCache imports numba, which loads llvmlite; vLLM's kernel-override scan at start
+    (``vllm/triton_utils/dispatcher.py``) reads ``vars(value)`` of every module attribute, and
+    llvmlite's ``ffi.lib`` answers any attribute, ``__dict__`` included, with a function wrapper
+    (its ``__getattr__``), so the in-process engine fails to start with "'_lib_fn_wrapper' object has
+    no attribute 'get'". Here ``ffi.lib`` refuses dunder names, as an object without one does."""
+    from llvmlite.binding import ffi
+
+    cls, answer = type(ffi.lib), type(ffi.lib).__getattr__
+
+    def getattr_(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return answer(self, name)
+
+    cls.__getattr__ = getattr_
 
 
 if __name__ == "__main__":

@@ -22,12 +22,15 @@ def kdn_transfer(extra: dict) -> dict:
 class VLLMServer:
     """``python -m vllm.entrypoints.openai.api_server`` for ``model`` (``dtype``, eager). ``kdn``: kdn's
     settings (None: no connector); ``prefix_caching``: vLLM's own prefix cache; ``kv_bytes``: the
-    engine's KV space (None: VLLM_CPU_KVCACHE_SPACE=1 GiB); ``args``: more of ``vllm serve``'s flags.
-Output goes to ``log``."""
+    engine's KV space (None: VLLM_CPU_KVCACHE_SPACE=1 GiB); ``args``: more of ``vllm serve``'s flags;
+    ``transfer``: another connector's whole --kv-transfer-config (LMCache's) with ``env`` its
+    environment, and ``companion`` a server of its own (stopped with this one). Output goes to ``log``."""
 
     def __init__(self, python: str, model: str, log: Path, kdn: dict | None = None, prefix_caching: bool = False,
                  kv_bytes: int | None = None, max_model_len: int = 4096, timeout: float = 600,
-                 args: list[str] | None = None, dtype: str = "float32"):
+                 args: list[str] | None = None, dtype: str = "float32", transfer: dict | None = None,
+                 env: dict | None = None, companion=None):
+        self.companion = companion
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(log)
@@ -37,7 +40,7 @@ Output goes to ``log``."""
                    "--port", str(self.port), "--dtype", dtype, "--enforce-eager", "--max-model-len",
                    str(max_model_len), "--enable-prompt-tokens-details",
                    "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
-        env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        env = {**(env or os.environ), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         if kv_bytes is None:
             env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         else:
@@ -45,6 +48,8 @@ Output goes to ``log``."""
             command += ["--kv-cache-memory-bytes", str(int(kv_bytes))]
         if kdn is not None:
             command += ["--kv-transfer-config", json.dumps(kdn_transfer(kdn))]
+        if transfer is not None:
+            command += ["--kv-transfer-config", json.dumps(transfer)]
         command += list(args or [])
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -80,6 +85,8 @@ Output goes to ``log``."""
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self.companion is not None:
+            self.companion.stop()
 
     def __enter__(self) -> VLLMServer:
         return self
