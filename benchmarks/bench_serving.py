@@ -217,6 +217,17 @@ def start(config: str, python: str, model: str, tmp: Path, args, kv_bytes: int, 
     return [VLLMServer(python, model, tmp / f"{name}.log", kdn=kdn, **common)]
 
 
+def engine_versions(python: str, lmcache: bool) -> dict:
+    """The versions the servers run with (the vLLM venv's; LMCache's folder when a run has it)."""
+    import lmcache_servers
+
+    code = f"import json, sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import vllm_engine; " \
+           "print(json.dumps(vllm_engine.versions()))"
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=lmcache_servers.environment() if lmcache else None)
+    return json.loads(out.stdout) if out.returncode == 0 else {}
+
+
 def kv_bytes_per_token(model: str, dtype: str) -> int:
     config = json.loads((Path(model) / "config.json").read_text())
     heads = config.get("num_key_value_heads", config["num_attention_heads"])
@@ -286,6 +297,7 @@ def main() -> None:
     from test_vllm import vllm_python
 
     python, model = vllm_python(), model_dir(args.model)
+    versions = engine_versions(python, any(c.startswith("lmcache") for c in args.configs.split(",")))
     tokenizer = AutoTokenizer.from_pretrained(model)
     text = (Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()
     per_token = kv_bytes_per_token(model, args.dtype)
@@ -348,7 +360,8 @@ def main() -> None:
                         rows.append(row)
                         print(line(row), flush=True)
                         print(serving_costs.breakdown_line(bound(list(rows))[-1]), flush=True)
-                        save_result(out_dir / "bench_serving.json", {"args": vars(args), "rows": bound(rows)})
+                        save_result(out_dir / "bench_serving.json", {"args": vars(args), "rows": bound(rows),
+                                                                     "engine_versions": versions})
                 finally:
                     for s in servers:
                         s.stop()

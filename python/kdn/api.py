@@ -298,6 +298,17 @@ class KDN:
         """Wait until queued disk writes are on disk and queued remote stores are sent."""
         self.engine.flush()
 
+    def close(self) -> None:
+        """Write what is queued and release the remote store's connection (``with KDN(...) as kdn:``
+        closes at the end of the block); the memory and disk tiers stay readable."""
+        self.engine.close()
+
+    def __enter__(self) -> KDN:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def stats(self) -> dict:
         """Per-tier counters: ``{"memory": {...}, "disk": {...}, "remote": {...}}`` with hits, misses,
         puts, evictions, rejected, entries, used/capacity/pinned bytes (disk also: writes, errors,

@@ -305,6 +305,11 @@ class Engine:
         """Wait until queued disk writes are on disk and queued remote stores are sent."""
         self.chunks.flush()
 
+    def close(self) -> None:
+        """Flush, then release the remote store's connection (an engine's last call)."""
+        self.chunks.flush()
+        self.tiers.close()
+
     def stats(self) -> dict:
         """Per-tier counters, ``"integrity"`` (verification, refused stores) and ``"delivery"``."""
         return {**self.chunks.stats(), "delivery": self.delivery.stats()}

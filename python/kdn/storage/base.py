@@ -86,7 +86,8 @@ class Tier(abc.ABC):
         """Drop every blob this tier holds."""
 
     def close(self) -> None:
-        """Write what is queued; the tier may still be used (nothing is torn down)."""
+        """Write what is queued and release what the tier holds open (a remote store's connection);
+        a local tier may still be used, a remote one's later calls may fail (misses, not stored)."""
         self.flush()
 
 

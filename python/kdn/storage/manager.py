@@ -255,6 +255,11 @@ class TierManager:
         for t in self.tiers:
             t.clear()
 
+    def close(self) -> None:
+        """Write what is queued in every tier and release the remote store's connection."""
+        for t in self.tiers:
+            t.close()
+
     def stats(self) -> dict:
         """Each tier's own counters, with ``served``: the chunks it served to readers."""
         return {t.name: {**t.stats(), "served": self.served[t.name]} for t in self.tiers}

@@ -148,6 +148,12 @@ class RedisTransport(RemoteTransport):
             return "auth" if "WRONGPASS" in text or "NOAUTH" in text or "invalid password" in text else "refused"
         return "down"
 
+    def close(self) -> None:
+        """Close the pooled connections (a later call connects again)."""
+        if self._direct is not None:
+            self._direct.close()
+        self.client.close()
+
 
 class _Direct:
     """A pool of :class:`kdn._core.RespConnection` s for one plain URL (one per concurrent caller)."""
@@ -179,3 +185,7 @@ class _Direct:
         with self._lock:
             self._idle.append(conn)
         return values
+
+    def close(self) -> None:
+        with self._lock:
+            self._idle.clear()  # the connections close as they are freed

@@ -339,6 +339,10 @@ class RemoteTier(Tier):
         with self._cv:
             return self._cv.wait_for(lambda: not self._queue and not self._sending, timeout)
 
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
     def remove(self, key: bytes) -> bool:
         name = self.redis_key(key)
 

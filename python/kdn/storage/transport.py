@@ -133,6 +133,10 @@ class RemoteTransport(abc.ABC):
         for i in range(0, len(names), 500):
             self.delete(names[i:i + 500])
 
+    def close(self) -> None:
+        """Release the connection (a Mooncake client's segment, a socket); later calls may fail."""
+        return None
+
     def classify(self, error: Exception) -> str:
         """What a raised error means: ``"auth"`` (credentials refused), ``"refused"`` (the server
         answered and refused this command: out of memory, read-only, ...), or ``"down"``."""

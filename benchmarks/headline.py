@@ -1,0 +1,71 @@
+"""The README's headline comparisons, one command each: every configuration of a comparison runs in
+one run of its benchmark (interleaved where the benchmark can), and the record lands in the results
+folder the README quotes, holding the commit, command, versions, CPU and the load average.
+
+    python benchmarks/headline.py --list        # the comparisons and the commands they run
+    python benchmarks/headline.py vllm          # one comparison (run from anywhere)
+    python benchmarks/headline.py vllm serving-32 --dry-run
+
+Long ones (hours on 2 cores) say so in their description; run them in the background.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = "results"  # relative to benchmarks/, where every command runs
+
+SERVING = ["bench_serving.py", "--concurrency", "4", "--questions", "4", "--replay",
+           "--configs", "vllm,vllm-prefix,kdn-disk,lmcache,lmcache-tuned,lmcache-tuned-fs"]
+
+COMPARISONS: dict[str, tuple[str, list[str]]] = {
+    "ttft": ("a kdn memory hit vs a full prefill (SmolLM2, 1K-7K tokens) and retrieve vs a clone of its bytes",
+             ["bench_ttft.py", "--lengths", "1024,2048,4096,7168", "--repeats", "3", "--out", f"{RESULTS}/ttft"]),
+    "vllm": ("a 4K-token hit in a new vLLM engine: vLLM alone, vLLM's prefix cache, kdn memory / disk / Redis / "
+             "Mooncake, LMCache defaults / tuned / fs (SmolLM2 fp32, 3 interleaved rounds; ~25 min)",
+             ["bench_vllm.py", "--docs", "2", "--questions", "4", "--tokens", "4000", "--repeats", "3",
+              "--out", f"{RESULTS}/vllm/peers"]),
+    "vllm-bf16": ("the same with every engine in bf16 (half the KV bytes)",
+                  ["bench_vllm.py", "--docs", "2", "--questions", "4", "--tokens", "4000", "--repeats", "3",
+                   "--dtype", "bfloat16", "--out", f"{RESULTS}/vllm/peers-bf16"]),
+    "serving-32": ("serving docqa, 32 documents x 4 questions, 4 clients: vLLM alone (sampled), its prefix cache, "
+                   "kdn disk, LMCache (~40 min)",
+                   [*SERVING, "--docs", "32", "--workloads", "docqa", "--vllm-sample", "12",
+                    "--out", f"{RESULTS}/serving/peers-32"]),
+    "serving-128": ("the same at 128 documents (~2.5 h)",
+                    [*SERVING, "--docs", "128", "--workloads", "docqa", "--vllm-sample", "12",
+                     "--out", f"{RESULTS}/serving/peers-128"]),
+    "chat-32": ("serving chat, 32 sessions x 4 rounds, 4 clients (~1 h)",
+                [*SERVING, "--workloads", "chat", "--sessions", "32", "--out", f"{RESULTS}/serving/peers-chat"]),
+    "miss": ("what a miss costs: kdn's lookup and store beside a plain HF prefill",
+             ["bench_miss.py", "--sizes", "1000,3000,8000", "--repeats", "5", "--out", f"{RESULTS}/miss"]),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help="comparisons to run (--list names them)")
+    parser.add_argument("--list", action="store_true", help="print the comparisons and their commands")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands without running them")
+    args = parser.parse_args()
+    unknown = [n for n in args.names if n not in COMPARISONS]
+    if unknown:
+        parser.error(f"unknown comparison(s) {unknown}; known: {', '.join(COMPARISONS)}")
+    if args.list or not args.names:
+        for name, (what, argv) in COMPARISONS.items():
+            print(f"{name:12s} {what}\n{'':12s} cd benchmarks && python {shlex.join(argv)}")
+        return
+    for name in args.names:
+        argv = [sys.executable, *COMPARISONS[name][1]]
+        print(f"headline {name}: cd benchmarks && {shlex.join(argv)}", flush=True)
+        if not args.dry_run:
+            subprocess.run(argv, cwd=HERE, check=True)
+
+
+if __name__ == "__main__":
+    main()
