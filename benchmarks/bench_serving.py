@@ -149,9 +149,10 @@ def costs(servers: list) -> dict:
         except OSError:  # a server that died mid-run: its requests are the row's errors
             continue
     cpu: dict = {}
-    for server in servers:
-        for name, seconds in serving_costs.thread_cpu(server.proc.pid).items():
-            cpu[name] = cpu.get(name, 0.0) + seconds
+    for server in servers:  # and a peer's own server (LMCache's), whose work is the row's too
+        for proc in (server.proc, getattr(server.companion, "proc", None)):
+            for name, seconds in (serving_costs.thread_cpu(proc.pid) if proc else {}).items():
+                cpu[name] = cpu.get(name, 0.0) + seconds
     kdn = {k.removeprefix("vllm:kdn_").removesuffix("_total"): v for k, v in metrics.items()
            if k.startswith("vllm:kdn_") and k.endswith("_total")}
     return {"kdn": kdn, "phases": serving_costs.phases(metrics), "cpu": cpu}
