@@ -87,3 +87,22 @@ def test_every_results_folder_the_readme_quotes_holds_records():
         if not records:
             empty.append(path)
     assert not empty, f"the README quotes records that are not there: {empty}"
+
+
+def test_every_headline_command_names_a_benchmark_and_options_it_takes():
+    """``benchmarks/headline.py``'s comparisons (the commands the README quotes) run scripts that exist,
+    with options their parsers accept (each script's ``--help`` lists them), into ``results/``."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from headline import COMPARISONS
+
+    assert {"vllm", "serving-32", "ttft"} <= set(COMPARISONS)
+    helps: dict[str, str] = {}
+    for name, (_, argv) in COMPARISONS.items():
+        script = ROOT / "benchmarks" / argv[0]
+        assert script.exists(), f"{name}: no {script}"
+        if argv[0] not in helps:
+            helps[argv[0]] = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
+                                            timeout=120, cwd=script.parent, check=True).stdout
+        options = [a for a in argv[1:] if a.startswith("--")]
+        assert all(o in helps[argv[0]] for o in options), f"{name}: {options} not all in {argv[0]} --help"
+        assert argv[argv.index("--out") + 1].startswith("results/"), f"{name} writes outside benchmarks/results"
