@@ -9,11 +9,14 @@ import dataclasses
 import re
 from pathlib import Path
 
-import kdn
 from kdn.config import KDNConfig
 from kdn.config_sources import OTHER_ENV
 
-PACKAGE = Path(kdn.__file__).parent
+# the checkout's source, not the installed package: CI installs kdn into site-packages, where neither
+# tests/, benchmarks/ nor .ci/ sit beside it
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "python" / "kdn"
+assert (PACKAGE / "__init__.py").is_file(), f"the rules read the checkout's source; {PACKAGE} is not there"
 
 
 def _forward_calls(tree: ast.AST):
@@ -45,7 +48,6 @@ def test_the_rule_catches_a_forward_without_it():
 
 
 # -- the engine is closed: faces, tests and benchmarks drive kdn through kdn.engine.Engine ----------
-ROOT = PACKAGE.parent.parent
 ENGINE_PARTS = ("chunks",)  # an Engine's chunk reader/writer: engine/ only
 DOOR = ROOT / "tests" / "forge.py"  # the named helper tests that forge stored blobs go through
 
@@ -145,11 +147,10 @@ def test_every_kdn_variable_the_project_reads_is_known_to_the_config():
     """A KDN_ variable that the config does not know is warned about as a typo (with warnings as errors
     in the tests, a failure): every one that the package, tests, benchmarks or CI scripts read or set
     is either a setting or listed in ``config_sources.OTHER_ENV``."""
-    root = PACKAGE.parent.parent
-    files = [*PACKAGE.rglob("*.py"), *(root / "tests").rglob("*.py"), *(root / "benchmarks").rglob("*.py"),
-             *(p for p in (root / ".ci").iterdir() if p.is_file())]
+    files = [*PACKAGE.rglob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py"),
+             *(p for p in (ROOT / ".ci").iterdir() if p.is_file())]
     settings = {f"KDN_{f.name.upper()}" for f in dataclasses.fields(KDNConfig)}
-    read = {var: path.relative_to(root) for path in files if path != Path(__file__)
+    read = {var: path.relative_to(ROOT) for path in files if path != Path(__file__)
             for var in _env_reads(path.read_text(errors="replace"))}
     assert "KDN_SHARED" in read and "KDN_VLLM_PYTHON" in read, "the rule's pattern no longer finds the reads"
     unknown = {var: str(path) for var, path in read.items() if var not in settings | OTHER_ENV}
