@@ -87,16 +87,13 @@ def copy_into(src: KDN, dst: KDN, model, context: list[int], specs: list[str]) -
     addresses = list(every)
     if len(every) > len(full):
         probes = session.probe_keys(full[-1] if full else ROOT, tokens[len(full) * session.chunk_size:])
-        addresses += [p for p, held in zip(probes, src.engine.tiers.held(probes)) if held]
+        addresses += [p for p in probes if src.engine.holds(p)]
     for spec in specs:
         edit = parse(spec)
         for key in full:
             payload = src.engine.sidecars.read(session, edit.address(key))
             addresses += [edit.address(key), kvzip.rows_address(edit.address(key), payload)]
-    for address in addresses:
-        blobs, _ = src.engine.tiers.fetch([address], exact=True)
-        assert blobs, "a deposited blob is missing"
-        dst.engine.tiers.put(address, bytes(blobs[0]))
+    assert src.engine.copy_to(dst.engine, addresses) == len(addresses), "a deposited blob is missing"
 
 
 def exact_bytes(cache: KDN, model, context: list[int]) -> int:

@@ -35,6 +35,20 @@ def test_a_load_whole_or_layer_by_layer_is_a_full_prefills_kv(stories, delivery)
     assert engine.lookup(session, tokens, 299) == 299
 
 
+def test_blobs_copied_into_another_engine_load_as_a_full_prefills_kv_there(stories):
+    model, _ = stories
+    ids = random_ids(model, 256, seed=2)
+    src, dst = Engine(KDNConfig(chunk_size=64)), Engine(KDNConfig(chunk_size=64, memory_codec="lossless"))
+    session, there = src.session(model), dst.session(model)
+    tokens = session.tokens(ids)
+    truth = [t.detach() for t in cache_to_kv_list(full_prefill(model, ids)[1])]
+    assert src.save(session, tokens, truth) == 256
+    keys = session.prefix_keys(tokens)
+    assert src.copy_to(dst, keys + [b"\x00" * 16]) == len(keys)  # a key src does not hold is not copied
+    load = dst.load(there, there.tokens(ids), 256, HFTarget("cpu"))
+    assert load.hit == 256 and all(torch.equal(a, b) for a, b in zip(load.result, truth))
+
+
 def test_save_refuses_kv_computed_over_what_the_rule_forbids_for_every_face(stories):
     model, _ = stories
     ids = random_ids(model, 200, seed=1)

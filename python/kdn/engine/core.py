@@ -26,7 +26,8 @@ import threading
 from collections.abc import Callable
 
 from kdn._core import InvalidInputError
-from kdn.engine import audit as audits
+from kdn.engine.audit import AuditReport
+from kdn.engine.audit import audit as audit_stored
 from kdn.engine.chunks import ChunkIO, Packed, Prefix
 from kdn.engine.pages import Pages
 from kdn.engine.parts import Calibrations, Segments, Sidecars
@@ -232,10 +233,10 @@ class Engine:
         return False
 
     def audit(self, session: ModelSession, model, keys, sample: int | None = None, drop: bool = False,
-              seed: int = 0, progress=None) -> audits.AuditReport:
+              seed: int = 0, progress=None) -> AuditReport:
         """Recompute stored prompts among ``keys`` with ``model`` and compare their chunks with the
         store (:func:`kdn.engine.audit.audit`)."""
-        return audits.audit(self.chunks, session, model, keys, sample, drop, seed, progress)
+        return audit_stored(self.chunks, session, model, keys, sample, drop, seed, progress)
 
     # -- claims: engines sharing a remote store tell each other which chunk each is computing ----
     def computing_keys(self, session: ModelSession, tokens, hit: int) -> list[bytes]:
@@ -278,6 +279,16 @@ class Engine:
     def stored_bytes(self, key: bytes) -> int:
         """Size of the blob filed under ``key`` as the first tier holding it stores it, or 0."""
         return self.chunks.stored_bytes(key)
+
+    def copy_to(self, other: Engine, keys: list[bytes]) -> int:
+        """File the blobs stored under ``keys`` into ``other``'s tiers, each read exactly and coded as
+        ``other``'s own writes are (its codecs, its write policy); how many were held and filed."""
+        copied = 0
+        for key in keys:
+            blobs, _ = self.tiers.fetch([key], exact=True)
+            if blobs:
+                copied += other.tiers.put(key, bytes(blobs[0]))
+        return copied
 
     def pin(self, keys: list[bytes], ttl: float | None = None) -> int:
         """Promote the chunks ``keys`` into memory and keep them from eviction (``ttl`` seconds, or

@@ -13,8 +13,8 @@ import numpy as np
 
 from kdn import _core, codecs
 from kdn._core import BlobError, KDNError
-from kdn.engine import plan
 from kdn.engine.chunks import ChunkIO
+from kdn.engine.plan import Estimates, Request, chunks_to_stream, layer_groups, level_for_group, level_of_chunk
 from kdn.engine.session import ModelSession
 from kdn.engine.targets import HFLayers
 
@@ -134,7 +134,7 @@ class Deliverer:
 
     def __init__(self, chunks: ChunkIO, config):
         self.chunks, self.config = chunks, config
-        self.estimates = plan.Estimates()
+        self.estimates = Estimates()
         self.totals = {"streams": 0, "streamed_chunks": 0, "recomputed_chunks": 0, "bytes": 0, "failures": 0,
                        "levels": {}}
         self._lock = threading.Lock()
@@ -170,12 +170,12 @@ class Deliverer:
         n = local_ok + len(opened)
         ends = [min((i + 1) * chunk, found.tokens) for i in range(n)]
         local_tokens = ends[local_ok - 1] if local_ok else 0
-        groups = plan.layer_groups(session.layout.layers, self.config.layer_group)
+        groups = layer_groups(session.layout.layers, self.config.layer_group)
         sizes = [[None if lv is None else [lv.group_range(*g)[1] - lv.group_range(*g)[0] for g in groups]
                   for lv in chunk_levels] for chunk_levels in opened]
-        request = plan.Request(sizes, [e - s for s, e in zip([local_tokens] + ends[local_ok:], ends[local_ok:])],
+        request = Request(sizes, [e - s for s, e in zip([local_tokens] + ends[local_ok:], ends[local_ok:])],
                                local_tokens, len(tokens), self.config.ttft_deadline)
-        k, why = plan.chunks_to_stream(request, self.estimates, session.fingerprint, len(groups))
+        k, why = chunks_to_stream(request, self.estimates, session.fingerprint, len(groups))
         opened, sizes = opened[:k], sizes[:k]
         hit = ends[local_ok + k - 1] if local_ok + k else 0
         if hit == 0:
@@ -192,7 +192,7 @@ class Deliverer:
             """Pick group g's level, read its ranges, verify them: (chosen levels, bytes, seconds)."""
             first, end = groups[g]
             picked = self._pick_level(sizes, specs, g, len(groups), started, session, len(tokens) - hit, end - first)
-            chosen = [chunk_levels[plan.level_of_chunk(chunk_sizes, picked)]
+            chosen = [chunk_levels[level_of_chunk(chunk_sizes, picked)]
                       for chunk_levels, chunk_sizes in zip(opened, sizes)]
             t0 = time.perf_counter()
             moved = self._fetch_group(chosen, first, end) if chosen else 0
@@ -332,7 +332,7 @@ class Deliverer:
         # 0.47 s took 0.81 s layer-wise, benchmarks/results/delivery)
         left = self.config.ttft_deadline - (time.perf_counter() - started) - compute * (groups - group) / groups
         decode = [self.estimates.decode_seconds(spec, group_layers) for spec in specs]
-        return plan.level_for_group(sizes, group, groups, left, self.estimates.bandwidth, decode)
+        return level_for_group(sizes, group, groups, left, self.estimates.bandwidth, decode)
 
     def _record(self, stats: dict, nbytes: int) -> None:
         with self._lock:

@@ -194,7 +194,7 @@ def main() -> None:
                       tokenizer=tokenizer)
         real = KDN(KDNConfig(memory_bytes=8 << 30, memory_codec=f"kvtc:ratio={ratios[0]}")) if ratios else None
         for key in cache.chunk_keys(model, context) if ratios else []:  # the exact chunks, coded by kvtc on put
-            real.engine.tiers.put(key, bytes(cache.engine.tiers.fetch([key], exact=True)[0][0]))
+            cache.engine.copy_to(real.engine, [key])
         layout = cache.session(model).layout
         for name, ratio, keep, joint in named:
             row = rows[name]
