@@ -23,10 +23,12 @@ Configurations (one server each, serving every run in turn; two for kdn-redis):
   lmcache-tuned  the same with chunks of the engine's block size (128) and shared-memory transfers
   lmcache-tuned-fs  lmcache-tuned with its fs L2 adapter below L1 (as kdn-disk has a disk tier)
 
-A configuration name may end in ``+lpT``: its server runs with vLLM's ``--long-prefill-token-threshold
-T`` (a prefill takes at most T tokens of a step while other requests wait, so a hit's question is not
-queued behind a whole document's prefill); each kdn row's miss bound uses the vLLM-alone row of the
-same suffix when the run has one.
+A configuration name may end in ``+lpT`` and/or ``+bN``: its server runs with vLLM's
+``--long-prefill-token-threshold T`` (a prefill takes at most T tokens of a step while other requests
+wait, so a hit's question is not queued behind a whole document's prefill) and
+``--max-num-batched-tokens N`` (every step, all requests together, at most N tokens: the longest a
+scheduled hit waits is one step of N tokens; vLLM's server default on a CPU is 2,048); each kdn row's
+miss bound uses the vLLM-alone row of the same suffix when the run has one.
 
 The engine's KV space (--kv-cache-memory-bytes) holds --kv-docs documents: N > --kv-docs exceeds it.
 kdn runs with vLLM's prefix cache off (every hit is kdn's). Reported per run: TTFT p50/p90/p99,
@@ -184,9 +186,17 @@ def summarise(out: dict, doc_tokens: int, docs_of: list | None, chunk: int) -> d
 
 
 def variant(config: str) -> tuple[str, list[str]]:
-    """A configuration's base name and the extra ``vllm serve`` flags its suffix asks for."""
-    base, _, threshold = config.partition("+lp")
-    return base, (["--long-prefill-token-threshold", threshold] if threshold else [])
+    """A configuration's base name and the extra ``vllm serve`` flags its suffixes ask for
+    (``kdn-disk+lp256+b512``: ``--long-prefill-token-threshold 256 --max-num-batched-tokens 512``)."""
+    base, *suffixes = config.split("+")
+    flags = {"lp": "--long-prefill-token-threshold", "b": "--max-num-batched-tokens"}
+    extra = []
+    for suffix in suffixes:
+        name = suffix.rstrip("0123456789")
+        if name not in flags or name == suffix:
+            raise SystemExit(f"{config}: unknown suffix +{suffix} (+lpT, +bN)")
+        extra += [flags[name], suffix[len(name):]]
+    return base, extra
 
 
 def start(config: str, python: str, model: str, tmp: Path, args, kv_bytes: int, kdn_bytes: int, redis_url: str):

