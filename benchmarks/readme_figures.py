@@ -76,7 +76,8 @@ def _provenance(path: Path, record: dict, rows: dict[str, tuple[float, float]] |
     if spread > LOAD_SPREAD:
         low, high = min(means, key=means.get), max(means, key=means.get)
         lines.append(f"**Loads differ across configurations** (mean {means[low]:.1f} during {low}, "
-                     f"{means[high]:.1f} during {high}; a row's own server is part of its load): compare those rows with care.")
+                     f"{means[high]:.1f} during {high}; a row's own server is part of its load): "
+                     "compare those rows with care.")
     return lines
 
 
