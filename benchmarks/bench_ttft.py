@@ -86,28 +86,11 @@ def main() -> None:
                 layer.__class__ = DynamicLayer
             return model(ids[:, hit:], past_key_values=c, logits_to_keep=1).logits[0, -1], hit
 
-        def decode_step(concatenating: bool, steps: int = 16) -> float:
-            """Median time of a greedy step after the hit (the served cache, or HF's concatenation)."""
-            c, hit = cache.retrieve(model, ids, limit=n - 1)
-            for layer in c.layers:
-                layer.keys  # noqa: B018 - waits for the layer (layer-wise delivery)
-                if concatenating:
-                    layer.__class__ = DynamicLayer
-            token, times = ids[:, hit:], []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                token = model(token, past_key_values=c, logits_to_keep=1).logits[0, -1].argmax().view(1, 1)
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times[1:])
-
-        hit_runs, concat_runs, step_runs, concat_step_runs = [], [], [], []
+        hit_runs, concat_runs = [], []
         for _ in range(args.repeats):  # interleaved
             hit_runs.append(timed(hit_ttft, 1)[0])
             concat_runs.append(timed(hit_by_concatenation, 1)[0])
-            step_runs.append(decode_step(False))
-            concat_step_runs.append(decode_step(True))
         hit_s, concat_s = statistics.median(hit_runs), statistics.median(concat_runs)
-        step_s, concat_step_s = statistics.median(step_runs), statistics.median(concat_step_runs)
         logits, hit = hit_ttft()
         # interleave retrieve and clone so both see the same allocator state; median of many runs
         retrieve_runs, clone_runs = [], []
@@ -122,16 +105,14 @@ def main() -> None:
         verify_s, copy_s = retrieve_breakdown(model, cache, ids, args.repeats)
         max_diff = (logits - out.logits[0, -1]).abs().max().item()
         row = {"tokens": n, "hit_tokens": hit, "kv_mib": kv_bytes / 2**20, "full_prefill_s": full_s,
-               "kdn_hit_ttft_s": hit_s, "hit_by_concatenation_s": concat_s, "decode_step_s": step_s,
-               "decode_step_by_concatenation_s": concat_step_s, "speedup": full_s / hit_s,
+               "kdn_hit_ttft_s": hit_s, "hit_by_concatenation_s": concat_s, "speedup": full_s / hit_s,
                "retrieve_s": retrieve_s,
                "clone_s": clone_s, "retrieve_over_clone": retrieve_s / clone_s, "verify_s": verify_s,
                "layout_copy_s": copy_s, "max_logit_diff": max_diff}
         rows.append(row)
         print(f"{n:>6} tokens  KV {row['kv_mib']:7.1f} MiB  full prefill {full_s * 1e3:8.0f} ms  "
               f"kdn hit {hit_s * 1e3:6.0f} ms (concatenating: {concat_s * 1e3:6.0f})  "
-              f"speedup {row['speedup']:6.1f}x  |  decode step {step_s * 1e3:5.0f} ms "
-              f"(concatenating: {concat_step_s * 1e3:5.0f})  |  "
+              f"speedup {row['speedup']:6.1f}x  |  "
               f"retrieve {retrieve_s * 1e3:6.1f} ms  "
               f"clone {clone_s * 1e3:6.1f} ms  ratio {row['retrieve_over_clone']:4.2f}x  |  "
               f"(verify {verify_s * 1e3:5.1f} ms, layout copy {copy_s * 1e3:5.1f} ms)  |  "
