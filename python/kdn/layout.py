@@ -59,19 +59,16 @@ class ModelLayout:
         return self.layers * 2 * self.kv_heads * self.head_dim * self.torch_dtype.itemsize
 
 
-def empty_kv_list(layout: ModelLayout, num_tokens: int, capacity: int = 0) -> list[torch.Tensor]:
+def empty_kv_list(layout: ModelLayout, num_tokens: int) -> list[torch.Tensor]:
     """``2 * layers`` uninitialised CPU tensors ``[1, kv_heads, num_tokens, head_dim]`` (K, V per layer).
 
     They are views of one pooled kdn host buffer, so a retrieve writes into warm pages instead
     of faulting in fresh ones (the largest cost of a copy into new memory; see buffer_pool.h).
-    ``capacity`` > ``num_tokens``: each is the first ``num_tokens`` rows of a ``capacity``-row
-    tensor, so a cache can append tokens in place (:class:`kdn.delivery.cache.GrowingLayer`).
     """
-    rows = max(num_tokens, capacity)
-    shape = (2 * layout.layers, 1, layout.kv_heads, rows, layout.head_dim)
-    flat = torch.frombuffer(_core.host_array(layout.bytes_per_token() * rows), dtype=layout.torch_dtype)
-    full = flat.view(shape)
-    return list((full[:, :, :, :num_tokens] if rows > num_tokens else full).unbind(0))
+    shape = (2 * layout.layers, 1, layout.kv_heads, num_tokens, layout.head_dim)
+    nbytes = layout.bytes_per_token() * num_tokens
+    flat = torch.frombuffer(_core.host_array(nbytes), dtype=layout.torch_dtype)
+    return list(flat.view(shape).unbind(0))
 
 
 def cache_arg(cache) -> dict:

@@ -64,9 +64,8 @@ class HFTarget:
         (10, (1, 4, 10, 8))
     """
 
-    def __init__(self, device: torch.device | str | None = None, capacity: int = 0):
+    def __init__(self, device: torch.device | str | None = None):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.capacity = capacity  # on the CPU: rows each tensor has room for (see empty_kv_list)
 
     def receive_layers(self, blobs: list, first: int, end: int, num_tokens: int, layers: int) -> None:
         raise NotImplementedError("HFTarget lays out whole hits; layer-wise delivery uses HFLayers")
@@ -77,7 +76,7 @@ class HFTarget:
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):
                 return _receive_cuda(session.layout, blobs, num_tokens, self.device)
-        kv = empty_kv_list(session.layout, num_tokens, self.capacity if self.device.type == "cpu" else 0)
+        kv = empty_kv_list(session.layout, num_tokens)
         _core.unpack_chunks(blobs, kv, num_tokens)  # decodes coded chunks; BlobError if one cannot be
         if self.device.type != "cpu":
             kv = [t.to(self.device, non_blocking=True) for t in kv]
@@ -137,8 +136,8 @@ class HFLayers:
 
     device = torch.device("cpu")
 
-    def __init__(self, session: ModelSession, tokens: int, capacity: int = 0):
-        self.kv = empty_kv_list(session.layout, tokens, capacity)
+    def __init__(self, session: ModelSession, tokens: int):
+        self.kv = empty_kv_list(session.layout, tokens)
 
     def receive(self, session: ModelSession, blobs: list, num_tokens: int) -> list[torch.Tensor]:
         _core.unpack_chunks(blobs, self.kv, num_tokens)
