@@ -33,7 +33,8 @@ def table(record: Path = RECORD) -> str:
     for r in rows:
         minutes, seconds = divmod(int(r["seconds"]), 60)
         took = f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
-        lines.append(f"| {r['step']} | {took} | {r['load_before']:.2f} / {r['load_after']:.2f} |")
+        step = f"{r['step']} ({r['date']})" if len(dates) > 1 else r["step"]
+        lines.append(f"| {step} | {took} | {r['load_before']:.2f} / {r['load_after']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
