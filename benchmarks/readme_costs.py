@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from readme_figures import splice
+
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "benchmarks" / "results" / "newcomer" / "costs.jsonl"
 BEGIN, END = "<!-- costs:begin -->", "<!-- costs:end -->"
@@ -40,11 +42,7 @@ def table(record: Path = RECORD) -> str:
 
 def render(readme: str, record: Path = RECORD) -> str:
     """``readme`` with the text between the markers replaced by :func:`table`."""
-    head, sep, rest = readme.partition(BEGIN)
-    body, sep2, tail = rest.partition(END)
-    if not sep or not sep2:
-        raise SystemExit(f"README.md lacks the {BEGIN} ... {END} markers")
-    return f"{head}{BEGIN}\n{table(record)}{END}{tail}"
+    return splice(readme, BEGIN, END, table(record))
 
 
 def main() -> int:

@@ -189,6 +189,15 @@ def markers(name: str) -> tuple[str, str]:
     return f"<!-- figures:{name}:begin -->", f"<!-- figures:{name}:end -->"
 
 
+def splice(readme: str, begin: str, end: str, text: str) -> str:
+    """``readme`` with what lies between the markers ``begin`` and ``end`` replaced by ``text``."""
+    head, found, rest = readme.partition(begin)
+    _, found_end, tail = rest.partition(end)
+    if not found or not found_end:
+        raise SystemExit(f"README.md lacks the {begin} ... {end} markers")
+    return f"{head}{begin}\n{text}{end}{tail}"
+
+
 def render(readme: str) -> str:
     """``readme`` with every figures block rewritten from its record; a block the README does not
     hold is skipped (a record may be newer than the text that will quote it)."""
@@ -196,12 +205,9 @@ def render(readme: str) -> str:
         begin, end = markers(name)
         if begin not in readme:
             continue
-        head, rest = readme.split(begin, 1)
-        if end not in rest:
-            raise SystemExit(f"README.md: {begin} has no {end}")
         if not record.is_file():
             raise SystemExit(f"README.md quotes figures:{name}, whose record {record.relative_to(ROOT)} is not there")
-        readme = head + begin + "\n" + make(record) + end + rest.split(end, 1)[1]
+        readme = splice(readme, begin, end, make(record))
     return readme
 
 
