@@ -133,6 +133,10 @@ def test_cli_eval_writes_the_reports(tmp_path, capsys):
     assert "| reuse |" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["quality_vs_ttft.png", "samples.jsonl", "summary.csv",
                                                           "summary.json", "summary.md"]
+    run = json.loads((tmp_path / "summary.json").read_text())["run"]  # the record names what made it
+    assert "eval musique --model stories260k --limit 1" in run["command"]
+    assert run["git_sha"] != "" and run["cpus"] >= 1 and run["versions"]["torch"] != "not installed"
+    assert len(run["load_average"]) == 3 and len(run["load_average_written"]) == 3 and run["resumed"] == 0
 
 
 def test_a_stopped_run_resumes_where_it_stopped(stories, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kdn demo: {e}", file=sys.stderr)
             return 1
     elif args.command == "eval":
-        return run_eval_command(args)
+        return run_eval_command(args, "kdn " + shlex.join(sys.argv[1:] if argv is None else argv))
     elif args.command == "verify":
         return run_verify_command(args)
     elif args.command == "deposit":
@@ -271,7 +272,7 @@ def load_any_model(name_or_path: str, device: str = "cpu", dtype: str | None = N
     return model.to(device), tokenizer
 
 
-def run_eval_command(args) -> int:
+def run_eval_command(args, command: str) -> int:
     from kdn.config import KDNConfig
     from kdn.eval import DATASETS, DatasetNotFoundError, dataset_path, run_eval
     from kdn.eval.datasets import load_dataset
@@ -318,7 +319,7 @@ def run_eval_command(args) -> int:
         return fail(str(e).replace("\n", " "))
     result = run_eval(dataset, model, tokenizer, methods, limit=args.limit, out_dir=args.out,
                       max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, model_name=args.model,
-                      data_dir=args.data_dir, resume=args.resume)
+                      data_dir=args.data_dir, resume=args.resume, command=command)
     print(markdown_table(result))
     print(f"wrote {args.out}/: samples.jsonl summary.json summary.csv summary.md quality_vs_ttft.png")
     return 0

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 
 def installed_version(dist: str) -> str:
@@ -12,6 +18,55 @@ def installed_version(dist: str) -> str:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
+
+
+def git_sha(folder: str | Path, exclude: str | None = None) -> str:
+    """The commit checked out around ``folder`` (``+dirty`` with changes to tracked files outside
+    ``exclude``, a path from the repository's top), or "unknown" outside a git checkout."""
+    def git(*args: str) -> str:
+        try:
+            out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=folder)
+            return out.stdout.strip() if out.returncode == 0 else "unknown"
+        except (OSError, subprocess.SubprocessError):
+            return "unknown"
+
+    sha = git("rev-parse", "HEAD")
+    if sha == "unknown":
+        return sha
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ":/",
+                *([f":(top,exclude){exclude}"] if exclude else []))
+    return sha + ("+dirty" if dirty and dirty != "unknown" else "")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def provenance(libraries=("kdn", "torch", "transformers", "numpy"), sha: str | None = None,
+               command: str | None = None) -> dict:
+    """What a recorded result names of the run that made it: the command line (``command``, else
+    this process's), the commit (``sha``,
+    else kdn's checkout's, "unknown" for an installed kdn), library versions, CPU, threads, date and
+    the load average (1, 5, 15 min) when the record is written."""
+    import torch
+
+    return {
+        "command": command or "python " + shlex.join(sys.argv),
+        "git_sha": sha or git_sha(Path(__file__).parent),
+        "versions": {d: installed_version(d) for d in libraries},
+        "python": platform.python_version(),
+        "cpu": cpu_model(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_average": os.getloadavg(),
+    }
 
 
 def build_info() -> dict:

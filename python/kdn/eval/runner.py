@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from kdn.eval.datasets import Sample, load_dataset
 from kdn.eval.methods import Encoded, resolve_method
 from kdn.eval.metrics import METRICS, exact_match
 from kdn.eval.stats import bootstrap_ci, paired_difference
+from kdn.info import provenance
 
 _SENTINEL = "\x00KDN-CONTENT\x00"
 
@@ -143,7 +145,8 @@ def calibrate_kvtc(model, tokenizer, contexts: list[Sample], evaluated: list[Sam
 def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | None = None,
              out_dir: str | Path | None = None, max_new_tokens: int = 32, chunk_size: int = 256,
              max_prompt_tokens: int | None = None, model_name: str = "model", progress: bool = True,
-             data_dir: str | Path | None = None, calibration_samples: int = 2, resume: bool = False) -> dict:
+             data_dir: str | Path | None = None, calibration_samples: int = 2, resume: bool = False,
+             command: str | None = None) -> dict:
     """Answer ``limit`` samples of ``dataset`` with every method; returns (and writes) the results.
 
     Returns ``{"summary": {method: {...}}, "samples": [per-sample records], ...}``. With ``out_dir``
@@ -156,7 +159,8 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
     ``resume`` a run stopped early goes on: the samples ``out_dir`` already holds every method's
     answer for are kept as they are and not answered again (the run must name the same dataset,
     model, methods and calibration, which a kvtc run's ``limit`` decides; anything else is a
-    ``ValueError`` before any work).
+    ``ValueError`` before any work). The reports' ``run`` entry names what made them (``command``,
+    else this process's; the commit, versions, CPU, and the load average at the start and last write).
 
     Example:
         >>> model, tok = kdn.models.load("stories260k")
@@ -178,7 +182,8 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
     if kvtc_used and len(done) < len(samples):
         calibration = calibrate_kvtc(model, tokenizer, contexts, samples, max_prompt_tokens, max_new_tokens, progress)
     records = []
-    result = {"dataset": dataset, "model": model_name, "metric": samples[0].metric if samples else None,
+    result = {"run": {**provenance(command=command), "resumed": len(done)},
+              "dataset": dataset, "model": model_name, "metric": samples[0].metric if samples else None,
               "methods": methods, "limit": limit, "max_new_tokens": max_new_tokens, "chunk_size": chunk_size,
               "calibration": calibration or run["calibration"]}  # what was fitted, or the identity resumed
     written = time.monotonic()
@@ -264,6 +269,7 @@ def finished_records(out_dir, run: dict) -> dict[str, list[dict]]:
 def _write(result: dict, records: list[dict], methods: list[str], out_dir) -> None:
     from kdn.eval.report import write_reports
 
+    result["run"].update(written=time.strftime("%Y-%m-%dT%H:%M:%S%z"), load_average_written=os.getloadavg())
     write_reports({**result, "summary": summarize(records, methods), "samples": records}, Path(out_dir))
 
 
