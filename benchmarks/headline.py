@@ -26,8 +26,12 @@ SERVING = ["bench_serving.py", "--concurrency", "4", "--questions", "4"]
 PEERS = "vllm-prefix,kdn-disk,lmcache-tuned,lmcache-tuned-fs"
 
 COMPARISONS: dict[str, tuple[str, list[str]]] = {
-    "ttft": ("a kdn memory hit vs a full prefill (SmolLM2, 1K-7K tokens) and retrieve vs a clone of its bytes",
+    "ttft": ("a kdn memory hit vs a full prefill (SmolLM2, 1K-7K tokens and a question, alternating) and "
+             "retrieve vs a clone of its bytes",
              ["bench_ttft.py", "--lengths", "1024,2048,4096,7168", "--repeats", "3", "--out", f"{RESULTS}/ttft"]),
+    "ttft-qwen15": ("the same on Qwen2.5-Coder-1.5B at 8K tokens and a 30-token question (~15 min)",
+                    ["bench_ttft.py", "--model", "qwen2.5-coder-1.5b", "--lengths", "8192", "--repeats", "3",
+                     "--out", f"{RESULTS}/ttft/qwen15"]),
     "tiers": ("the memory and disk tiers against numpy copies, torch.save and safetensors; eviction policies",
               ["bench_tiers.py", "--repeats", "7", "--out", f"{RESULTS}/tiers"]),
     "vllm": ("a 4K-token hit in a new vLLM engine: vLLM alone, vLLM's prefix cache, kdn memory / disk / Redis / "

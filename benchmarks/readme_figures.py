@@ -139,15 +139,23 @@ def serving_table(path: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _spread(runs: list[float] | None, fmt) -> str:
+    """`` (min-max)`` of repeated runs, or nothing for one run or none recorded."""
+    return f" ({fmt(min(runs))}-{fmt(max(runs))})" if runs and len(runs) > 1 else ""
+
+
 def ttft_table(path: Path) -> str:
-    """bench_ttft.py: a kdn memory hit against a full prefill, and retrieve against a clone."""
+    """bench_ttft.py: a kdn memory hit against a full prefill (the context and a question after it;
+    the runs' range beside each median), and retrieve against a clone."""
     record = json.loads(path.read_text())
-    lines = ["| context | KV size | full prefill | kdn hit TTFT | speedup | retrieve | clone | retrieve / clone | "
-             "first-token logits vs prefill |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| context + question | KV size | full prefill | kdn hit TTFT | speedup | retrieve | clone | "
+             "retrieve / clone | first-token logits vs prefill |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in record["rows"]:
-        lines.append(f"| {r['tokens']:,} | {r['kv_mib']:.0f} MiB | {_s(r['full_prefill_s'])} | "
-                     f"{_ms(r['kdn_hit_ttft_s'])} | {r['speedup']:.0f}x | {r['retrieve_s'] * 1000:.1f} ms | "
-                     f"{r['clone_s'] * 1000:.1f} ms | {r['retrieve_over_clone']:.2f}x | {r['max_logit_diff']:.0e} |")
+        full, hit = r.get("full_prefill_runs_s"), r.get("kdn_hit_runs_s")
+        lines.append(f"| {r['tokens']:,} + {r.get('question_tokens', 1)} | {r['kv_mib']:.0f} MiB | "
+                     f"{_s(r['full_prefill_s'])}{_spread(full, _s)} | {_ms(r['kdn_hit_ttft_s'])}{_spread(hit, _ms)} | "
+                     f"{r['speedup']:.0f}x | {r['retrieve_s'] * 1000:.1f} ms | {r['clone_s'] * 1000:.1f} ms | "
+                     f"{r['retrieve_over_clone']:.2f}x | {r['max_logit_diff']:.0e} |")
     return "\n".join([*lines, "", *_provenance(path, record)]) + "\n"
 
 
@@ -177,6 +185,7 @@ def tiers_tables(path: Path) -> str:
 RESULTS = ROOT / "benchmarks" / "results"
 FIGURES = {  # the block's name in README.md -> (renderer, record)
     "ttft": (ttft_table, RESULTS / "ttft" / "bench_ttft.json"),
+    "ttft-qwen15": (ttft_table, RESULTS / "ttft" / "qwen15" / "bench_ttft.json"),
     "tiers": (tiers_tables, RESULTS / "tiers" / "bench_tiers.json"),
     "vllm-peers": (vllm_table, RESULTS / "vllm" / "peers" / "bench_vllm.json"),
     "vllm-peers-bf16": (vllm_table, RESULTS / "vllm" / "peers-bf16" / "bench_vllm.json"),
