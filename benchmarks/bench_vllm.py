@@ -87,18 +87,19 @@ def served_by(tier: str, stats: dict) -> dict:
 
 
 def configurations(run, python: str, warm: list, query: list, prompts: list, names: set, tmp: str):
-    """Each configuration: a name and a function returning the timed queries' results and stats
-    (the query round; one-engine configurations time the queries after the warm round)."""
+    """Each configuration: a name and a function returning the timed queries' results, the stats, the
+    tiers that served them and the warm round's results (its misses: each document's first question,
+    prefilled and, but for vLLM alone, stored; one-engine configurations time the queries after it)."""
     from redis_servers import RedisServer
 
     def one_engine(kdn, *flags):
         out = run(prompts, kdn, *flags)
-        return out["results"][len(warm):], out["stats"], None
+        return out["results"][len(warm):], out["stats"], None, out["results"][:len(warm)]
 
     def new_engine(tier, settings):
-        run(warm, settings)  # stores
+        misses = run(warm, settings)["results"]  # stores
         out = run(query, {**settings, "memory_bytes": "1MiB"})
-        return out["results"], out["stats"], served_by(tier, out["stats"])
+        return out["results"], out["stats"], served_by(tier, out["stats"]), misses
 
     def lmcache(tuned: bool, l2: bool, name: str):
         from lmcache_servers import environment, lmcache_server
@@ -106,13 +107,13 @@ def configurations(run, python: str, warm: list, query: list, prompts: list, nam
         env, log = environment(), Path(tmp) / f"{name}.server.log"
         l2_dir = tempfile.mkdtemp(dir=tmp) if l2 else None
         with lmcache_server(python, log, tuned, l2_dir) as transfer:
-            run(warm, None, "--transfer", json.dumps(transfer), env=env)
+            misses = run(warm, None, "--transfer", json.dumps(transfer), env=env)["results"]
             if l2:
                 time.sleep(2)  # its L2 writes are asynchronous
             else:
-                return run(query, None, "--transfer", json.dumps(transfer), env=env)["results"], {}, None
+                return run(query, None, "--transfer", json.dumps(transfer), env=env)["results"], {}, None, misses
         with lmcache_server(python, log, tuned, l2_dir) as transfer:  # a new server: its L1 is empty
-            return run(query, None, "--transfer", json.dumps(transfer), env=env)["results"], {}, None
+            return run(query, None, "--transfer", json.dumps(transfer), env=env)["results"], {}, None, misses
 
     servers, rounds = {}, itertools.count()
 
@@ -197,9 +198,10 @@ def main() -> None:
         for r in range(args.repeats):
             for name, fn in table:
                 before = os.getloadavg()[0]
-                results, stats, served = fn()
+                results, stats, served, misses = fn()
                 rounds.setdefault(name, []).append({"results": results, "stats": stats, "served": served,
-                                                    "load_before": before, "load_after": os.getloadavg()[0]})
+                                                    "misses": misses, "load_before": before,
+                                                    "load_after": os.getloadavg()[0]})
                 check(name, results, rounds["vllm"][r]["results"], args.tokens)
                 mean = statistics.mean(x["seconds"] for x in results)
                 print(f"round {r + 1} {name:14s} TTFT mean {mean * 1e3:8.0f} ms  (load {before:.1f})", flush=True)
@@ -208,13 +210,15 @@ def main() -> None:
     for r in rows.values():
         r["speedup_vs_vllm"] = base / r["ttft_mean_s"]
         r["vs_vllm_prefix"] = r["ttft_mean_s"] / prefix
+        r["miss_over_vllm"] = r["miss_ttft_mean_s"] / rows["vllm"]["miss_ttft_mean_s"] - 1
     print("\n| configuration | TTFT mean ms | round means ms | p50 ms | p90 ms | vs vLLM alone | vs vLLM prefix cache "
-          "| load before-after |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| a miss (warm round) ms | over vLLM alone's | load before-after |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
         spread = "–".join(f"{m * 1e3:.0f}" for m in (min(r["round_means_s"]), max(r["round_means_s"])))
         print(f"| {name} | {r['ttft_mean_s'] * 1e3:.0f} | {spread} | {r['ttft_p50_s'] * 1e3:.0f} | "
               f"{r['ttft_p90_s'] * 1e3:.0f} | {r['speedup_vs_vllm']:.1f}x faster | {r['vs_vllm_prefix']:.2f}x | "
+              f"{r['miss_ttft_mean_s'] * 1e3:.0f} | {r['miss_over_vllm']:+.1%} | "
               f"{r['load'][0]:.1f}–{r['load'][1]:.1f} |")
     path = save_result(f"{args.out}/bench_vllm.json", {"model": args.model, "dtype": args.dtype, "docs": args.docs,
                                                         "questions": args.questions, "tokens": args.tokens,
@@ -238,7 +242,9 @@ def row(runs: list) -> dict:
     loads = [x for run in runs for x in (run["load_before"], run["load_after"])]
     last = runs[-1]
     means = [statistics.mean(x["seconds"] for x in run["results"]) for run in runs]
-    return {**summary(seconds), "round_means_s": means,
+    misses = [x["seconds"] for run in runs for x in run["misses"]]
+    return {**summary(seconds), "round_means_s": means, "miss_ttft_mean_s": statistics.mean(misses),
+            "miss_ttft_s": misses,
             "cached_tokens": [x.get("cached_tokens") for run in runs for x in run["results"]],
             "load": [min(loads), max(loads)], "loads": [(run["load_before"], run["load_after"]) for run in runs],
             "connector": last["stats"].get("connector"), "chunks_served": last["served"]}
