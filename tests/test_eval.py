@@ -205,7 +205,8 @@ def test_reuse_stores_the_context_rows_of_fulls_prefill_exactly(stories, tmp_pat
 
 def test_kvtc_is_calibrated_on_samples_it_is_not_judged_on(stories):
     model, tokenizer = stories
-    result = run_eval("musique", model, tokenizer, ["full", "reuse", "reuse+kvtc:ratio=8"], limit=1,
+    methods = ["full", "reuse", "reuse+kvtc:ratio=8", "reuse+kvtc:ratio=32"]  # 32: beyond kvtc.RATIOS
+    result = run_eval("musique", model, tokenizer, methods, limit=1,
                       max_new_tokens=4, chunk_size=64, progress=False, calibration_samples=2)
     evaluated = {r["sample"] for r in result["samples"]}
     assert result["calibration"]["samples"] == ["musique_s-1", "musique_s-2"]
@@ -213,6 +214,8 @@ def test_kvtc_is_calibrated_on_samples_it_is_not_judged_on(stories):
     assert result["calibration"]["disjoint_in_content"] and len(result["calibration"]["content"]) == 64
     s = result["summary"]
     assert 0 < s["reuse+kvtc:ratio=8"]["stored_bytes_mean"] < s["reuse"]["stored_bytes_mean"] / 6
+    # a ratio the calibration would not offer by default is fitted for the run that names it
+    assert 0 < s["reuse+kvtc:ratio=32"]["stored_bytes_mean"] < s["reuse+kvtc:ratio=8"]["stored_bytes_mean"] / 2
     from kdn.eval.runner import calibrate_kvtc
 
     with pytest.raises(ValueError, match="lower --limit"):  # no text left that the evaluated samples do not hold

@@ -122,10 +122,19 @@ def calibration_identity(contexts: list[Sample]) -> dict:
             "content": _digest("\0".join(_digest(seg) for c in contexts for seg in c.segments))}
 
 
+def kvtc_ratios(methods: list[str]) -> tuple[int, ...]:
+    """The ratios a calibration must offer: kvtc's own and every one a ``reuse+kvtc`` method names."""
+    from kdn import codecs, kvtc
+
+    named = {dict(codecs.parse(m.split("+", 1)[1]).options)["ratio"] for m in methods if m.startswith("reuse+kvtc")}
+    return tuple(sorted(set(kvtc.RATIOS) | named))
+
+
 def calibrate_kvtc(model, tokenizer, contexts: list[Sample], evaluated: list[Sample], max_prompt_tokens: int,
-                   max_new_tokens: int, progress: bool = True) -> dict:
-    """Fit and load the model's ``kvtc`` calibration on ``contexts``, refused (ValueError) unless
-    they share no segment with the ``evaluated`` samples by content; what was used."""
+                   max_new_tokens: int, progress: bool = True, ratios: tuple[int, ...] | None = None) -> dict:
+    """Fit and load the model's ``kvtc`` calibration on ``contexts`` (offering ``ratios``, default
+    kvtc's), refused (ValueError) unless they share no segment with the ``evaluated`` samples by
+    content; what was used."""
     from kdn import kvtc
 
     if not contexts:
@@ -137,7 +146,7 @@ def calibrate_kvtc(model, tokenizer, contexts: list[Sample], evaluated: list[Sam
                          "evaluated samples")
     ids = [encode(tokenizer, c, max_prompt_tokens, max_new_tokens).ids[0, :-1].tolist() for c in contexts]
     t0 = time.perf_counter()
-    kvtc.load(kvtc.calibrate(model, ids, progress=progress))
+    kvtc.load(kvtc.calibrate(model, ids, progress=progress, ratios=ratios or kvtc.RATIOS))
     return {**calibration_identity(contexts), "tokens": sum(map(len, ids)), "disjoint_in_content": True,
             "seconds": time.perf_counter() - t0}
 
@@ -180,7 +189,8 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
     kvtc_used = run["calibration"] is not None
     calibration = None
     if kvtc_used and len(done) < len(samples):
-        calibration = calibrate_kvtc(model, tokenizer, contexts, samples, max_prompt_tokens, max_new_tokens, progress)
+        calibration = calibrate_kvtc(model, tokenizer, contexts, samples, max_prompt_tokens, max_new_tokens, progress,
+                                     kvtc_ratios(methods))
     records = []
     result = {"run": {**provenance(command=command), "resumed": len(done)},
               "dataset": dataset, "model": model_name, "metric": samples[0].metric if samples else None,
