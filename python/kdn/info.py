@@ -58,7 +58,8 @@ def provenance(libraries=("kdn", "torch", "transformers", "numpy"), sha: str | N
 
     return {
         "command": command or "python " + shlex.join(sys.argv),
-        "git_sha": sha or git_sha(Path(__file__).parent),
+        # records under benchmarks/results are what runs write, not code: they leave a run clean
+        "git_sha": sha or git_sha(Path(__file__).parent, exclude="benchmarks/results"),
         "versions": {d: installed_version(d) for d in libraries},
         "python": platform.python_version(),
         "cpu": cpu_model(),
