@@ -28,7 +28,10 @@ A configuration name may end in ``+lpT`` and/or ``+bN``: its server runs with vL
 wait, so a hit's question is not queued behind a whole document's prefill) and
 ``--max-num-batched-tokens N`` (every step, all requests together, at most N tokens: the longest a
 scheduled hit waits is one step of N tokens; vLLM's server default on a CPU is 2,048); each kdn row's
-miss bound uses the vLLM-alone row of the same suffix when the run has one.
+miss bound uses the vLLM-alone row of the same suffix when the run has one. ``+prio`` runs the server
+with ``--scheduling-policy priority`` and has the clients send, as a prefix-aware router would, priority
+0 for a prompt whose first block they sent before (its document is likely stored: a hit goes ahead of
+the misses waiting) and 1 otherwise (vLLM still schedules the requests already running first).
 
 The engine's KV space (--kv-cache-memory-bytes) holds --kv-docs documents: N > --kv-docs exceeds it.
 kdn runs with vLLM's prefix cache off (every hit is kdn's). Reported per run: TTFT p50/p90/p99,
@@ -176,7 +179,8 @@ def summarise(out: dict, doc_tokens: int, docs_of: list | None, chunk: int) -> d
         # per request, in order sent: which document, which server, when, and what was served (to
         # trace a document prefilled twice)
         row["requests_log"] = [{"doc": d, **{k: r[k] for k in ("server", "start", "ttft", "cached_tokens", "queue_s",
-                                                               "scheduled_to_first_token_s", "decode_s") if k in r}}
+                                                               "scheduled_to_first_token_s", "decode_s", "priority")
+                                                 if k in r}}
                                for d, r in zip(docs_of, out["records"])]
     returning = [r for r in records if r.get("round", 0) > 0]
     if returning:
@@ -193,10 +197,16 @@ def variant(config: str) -> tuple[str, list[str]]:
     extra = []
     for suffix in suffixes:
         name = suffix.rstrip("0123456789")
-        if name not in flags or name == suffix:
-            raise SystemExit(f"{config}: unknown suffix +{suffix} (+lpT, +bN)")
-        extra += [flags[name], suffix[len(name):]]
+        if suffix == "prio":
+            extra += ["--scheduling-policy", "priority"]
+        elif name not in flags or name == suffix:
+            raise SystemExit(f"{config}: unknown suffix +{suffix} (+lpT, +bN, +prio)")
+        else:
+            extra += [flags[name], suffix[len(name):]]
     return base, extra
+
+
+PRIORITY_PREFIX = 128  # tokens a +prio client remembers of each prompt it sent (one vLLM block)
 
 
 def start(config: str, python: str, model: str, tmp: Path, args, kv_bytes: int, kdn_bytes: int, redis_url: str):
@@ -346,6 +356,8 @@ def main() -> None:
                         else:
                             job["sessions"], job["turns"] = work.chat(n, args.rounds, args.chat_tokens)
                         job["keep_replies"] = bool(args.chaos)
+                        if "--scheduling-policy" in variant(config)[1]:
+                            job["priority_prefix"] = PRIORITY_PREFIX
                         chaos = None
                         if args.chaos and config == "kdn-redis":
                             from serving_chaos import Chaos

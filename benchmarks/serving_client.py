@@ -6,7 +6,9 @@ Job: ``{"urls": [...], "model": DIR, "concurrency": C, "max_tokens": M, "workloa
 "prompts": [[ids], ...]}`` (prompts sent in order, at most C in flight, request i to server
 i % len(urls)) or ``{"workload": "chat", "sessions": [[opening ids], ...], "turns": [[ids], ...]}``
 (round r: every session sends its history + turn r, C at a time; its reply joins its history).
-``"keep_replies": true`` keeps each request's reply token ids in its record.
+``"keep_replies": true`` keeps each request's reply token ids in its record. ``"priority_prefix": P``
+sends each request with vLLM's ``priority``: 0 when the first P tokens of its prompt began a prompt
+sent before (a prefix-aware router's guess that it is a hit), else 1; the record keeps it.
 
     python benchmarks/serving_client.py job.json
 """
@@ -33,14 +35,14 @@ def _engine_times(chunk) -> dict:
     return {ours: metrics[theirs] / 1e3 for theirs, ours in names.items() if metrics.get(theirs) is not None}
 
 
-async def complete(client, model: str, prompt: list[int], max_tokens: int) -> dict:
+async def complete(client, model: str, prompt: list[int], max_tokens: int, priority: int | None = None) -> dict:
     """One streamed request: TTFT (first chunk), latency, prompt and cached tokens, reply ids, and the
     engine's own times when it reports them."""
     t0 = time.perf_counter()
     ttft, reply, usage, engine = None, [], None, {}
+    extra = {"return_token_ids": True, **({"priority": priority} if priority is not None else {})}
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"return_token_ids": True})
+                                             stream=True, stream_options={"include_usage": True}, extra_body=extra)
     async for chunk in stream:
         if chunk.choices:
             if ttft is None:
@@ -55,8 +57,9 @@ async def complete(client, model: str, prompt: list[int], max_tokens: int) -> di
             "start": t0, **engine}
 
 
-async def run_all(clients: list, job: dict, prompts: list[list[int]]) -> list[dict]:
-    """``prompts`` in order, at most ``concurrency`` in flight; request i goes to server i % servers."""
+async def run_all(clients: list, job: dict, prompts: list[list[int]], sent: set) -> list[dict]:
+    """``prompts`` in order, at most ``concurrency`` in flight; request i goes to server i % servers.
+    ``sent``: the prompt prefixes sent so far (``priority_prefix`` tokens each), updated."""
     queue: asyncio.Queue = asyncio.Queue()
     for item in enumerate(prompts):
         queue.put_nowait(item)
@@ -65,11 +68,18 @@ async def run_all(clients: list, job: dict, prompts: list[list[int]]) -> list[di
     async def worker() -> None:
         while not queue.empty():
             i, prompt = queue.get_nowait()
+            priority = None
+            if job.get("priority_prefix"):
+                head = tuple(prompt[:job["priority_prefix"]])
+                priority = 0 if head in sent else 1
+                sent.add(head)
             try:
-                out[i] = await complete(clients[i % len(clients)], job["model"], prompt, job["max_tokens"])
+                out[i] = await complete(clients[i % len(clients)], job["model"], prompt, job["max_tokens"], priority)
             except Exception as e:  # a failed request is a result, not the end of the run
                 out[i] = {"error": repr(e)[:300]}
             out[i]["server"] = i % len(clients)
+            if priority is not None:
+                out[i]["priority"] = priority
 
     await asyncio.gather(*[worker() for _ in range(job["concurrency"])])
     return out
@@ -80,15 +90,15 @@ async def main(job: dict) -> dict:
 
     clients = [AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=3600, max_retries=0)
                for url in job["urls"]]
-    t0, t0_epoch = time.perf_counter(), time.time()
+    t0, t0_epoch, sent = time.perf_counter(), time.time(), set()
     if job["workload"] == "docqa":
-        records = await run_all(clients, job, job["prompts"])
+        records = await run_all(clients, job, job["prompts"], sent)
     else:  # chat: rounds; a session's reply joins its history before its next turn
         histories = [list(s) for s in job["sessions"]]
         records = []
         for r, turn in enumerate(job["turns"]):
             prompts = [h + turn for h in histories]
-            done = await run_all(clients, job, prompts)
+            done = await run_all(clients, job, prompts, sent)
             for s, (prompt, rec) in enumerate(zip(prompts, done)):
                 rec.update(session=s, round=r, prior_tokens=len(histories[s]) if r else 0)
                 histories[s] = prompt + rec.get("reply", [])
