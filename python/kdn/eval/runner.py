@@ -186,13 +186,14 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
         max_prompt_tokens = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
     run, contexts = planned_run(dataset, model_name, methods, everything, samples, calibration_samples, data_dir)
     done = finished_records(out_dir, run) if resume and out_dir is not None else {}
+    made_by = {**provenance(command=command), "resumed": len(done)}  # before the calibration's minutes
     kvtc_used = run["calibration"] is not None
     calibration = None
     if kvtc_used and len(done) < len(samples):
         calibration = calibrate_kvtc(model, tokenizer, contexts, samples, max_prompt_tokens, max_new_tokens, progress,
                                      kvtc_ratios(methods))
     records = []
-    result = {"run": {**provenance(command=command), "resumed": len(done)},
+    result = {"run": made_by,
               "dataset": dataset, "model": model_name, "metric": samples[0].metric if samples else None,
               "methods": methods, "limit": limit, "max_new_tokens": max_new_tokens, "chunk_size": chunk_size,
               "calibration": calibration or run["calibration"]}  # what was fitted, or the identity resumed
