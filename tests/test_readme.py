@@ -110,6 +110,40 @@ def test_every_measured_table_names_its_record():
     assert not missing, f"tables with no record named before them: {missing}"
 
 
+_FIGURE = r"\b\d[\d,.]*\s?(?:ms|s|x|req/s|GB/s|MB/s|%|MiB|GiB)\b"  # a measured figure: a number and a unit
+
+
+def _prose_without_a_record(text: str) -> list[str]:
+    """Paragraphs of ``text`` quoting a measured figure with no ``benchmarks/results/...`` record named
+    in them or in the paragraph (or generated table, whose provenance names one) before them under
+    the same heading."""
+    import re
+
+    missing, named = [], False
+    for para in re.split(r"\n\s*\n", text):
+        if para.lstrip().startswith("#"):
+            named = False
+        if re.search(r"benchmarks/results/\S+", para):
+            named = True
+        elif not para.lstrip().startswith(("|", "```", "<!--")) and re.search(_FIGURE, para) and not named:
+            missing.append(para.strip()[:120])
+    return missing
+
+
+def test_every_measured_figure_in_prose_names_its_record():
+    """Figures quoted in the measured sections' prose name the record they come from (or follow, under
+    the same heading, a paragraph or generated table that does)."""
+    readme = (ROOT / "README.md").read_text()
+    sections = [s for s in readme.split("\n## ") if s.startswith(("Measured", "Serving with vLLM"))]
+    missing = [para for section in sections for para in _prose_without_a_record(section)]
+    assert not missing, f"figures with no record named: {missing}"
+
+
+def test_the_prose_rule_catches_a_figure_without_a_record():
+    text = "# a\nkdn: 12 ms (`benchmarks/results/x/`)\n\nthen 3x faster\n\n# b\nabout 40 ms\n\nno figure here\n"
+    assert _prose_without_a_record(text) == ["# b\nabout 40 ms"]
+
+
 def test_the_record_rule_catches_a_table_without_one():
     text = "# t\nfigures from memory\n\n| a | b |\n|---|---|\n\nfrom `benchmarks/results/x/`\n\n| c |\n"
     assert _tables_without_a_record(text) == ["| a | b |"]
