@@ -4,9 +4,10 @@ context asked several different questions (greedy answers, the same prompts for 
 Tasks: ``demo`` (the demo's document, its 5 questions) and ``lines`` (LongChat line retrieval: each
 record cut to its first ``--lines`` lines, ``--questions`` lines asked per record, the gold being
 the line's number). Every record is prefilled and scored once (one deposit with every keep ratio,
-raw); each codec's store gets the same blobs put through its tiers (coded as a deposit into it
-would be). The reference is the exact hit (``full``), checked against a true full prefill on the
-first ``--full-check`` questions of each record.
+raw); each configuration (codec x edit) gets a store of its own holding that deposit's blobs for
+its edit, put through its tiers (coded as a deposit into it would be): what one configuration's
+questions store is never served to another's. The reference is the exact hit (``full``), checked
+against a true full prefill on the first ``--full-check`` questions of each record.
 
 ``kvtc`` codes pruned chunks only under per-head bases (``--per-head``, the default): the deposit
 then files every chunk in the masked layout (a kvtc disk tier beside the raw memory tier, as a
@@ -155,13 +156,14 @@ def main() -> None:
         print(f"record {r}: {shared} context tokens, deposit {deposits[-1]['seconds']:.0f} s "
               f"(prefill {report['prefill_seconds']:.0f} s)", flush=True)
         for codec in codecs:
-            cache = raw if codec == "raw" else KDN(KDNConfig(memory_bytes=8 << 30, memory_codec=codec))
-            if cache is not raw:
-                copy_into(raw, cache, model, context, specs)
             for spec in [None, *specs]:
+                # a store of its own per configuration, holding the deposit alone: what one configuration's
+                # questions store is never served to another's
+                cache = KDN(KDNConfig(memory_bytes=8 << 30, memory_codec=codec))
+                copy_into(raw, cache, model, context, [spec] if spec else [])
                 row = results[(codec, spec)]
                 row["stored"] += exact_bytes(cache, model, context) if spec is None else \
-                    stored.stored_bytes(cache, model, context, spec)
+                    stored.stored_bytes(cache.engine, model, context, spec)
                 row["fp16"] += fp16
                 for q, (p, gold) in enumerate(zip(prompts, golds)):
                     out = cache.generate(model, p, edits=spec, **gen)
