@@ -226,7 +226,7 @@ def main() -> None:
     parser.add_argument("--e2e-tokens", type=int, default=1500, help="document tokens of the end-to-end prompts")
     parser.add_argument("--kdn-memory", default="24GiB", help="kdn's memory tier in the TTFT step")
     parser.add_argument("--steps", default="e2e,ttft")
-    parser.add_argument("--timeout", type=int, default=900, help="seconds one engine may take")
+    parser.add_argument("--timeout", type=int, default=240, help="seconds one engine may take")
     args = parser.parse_args()
     args.max_model_len = max(int(x) for x in args.lengths.split(",")) + 256
     out, work = Path(args.out), Path(args.models)
