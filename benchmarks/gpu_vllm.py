@@ -76,8 +76,13 @@ def save_model(folder: Path, shape: str, tokenizer: Path, device: str, dtype: st
 def run(args, script: str, *flags: str) -> dict:
     """One engine or reader process; its KDN-RESULT line, or {"error": ...} with its output's tail."""
     t0 = time.perf_counter()
-    proc = subprocess.run([args.python, str(ROOT / "tests" / script), *flags], capture_output=True, text=True,
-                          timeout=args.timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        proc = subprocess.run([args.python, str(ROOT / "tests" / script), *flags], capture_output=True, text=True,
+                              timeout=args.timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except subprocess.TimeoutExpired as e:  # one engine stuck: the others still run, the record says so
+        tail = e.stderr[-600:] if e.stderr else b""
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        return {"error": f"no answer in {args.timeout} s: {tail}"}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("KDN-RESULT ")]
     log = Path(args.out) / "engines.log"
     with open(log, "a") as f:
