@@ -144,7 +144,11 @@ def serving_table(path: Path) -> str:
 
 def _spread(runs: list[float] | None, fmt) -> str:
     """`` (min-max)`` of repeated runs, or nothing for one run or none recorded."""
-    return f" ({fmt(min(runs))}-{fmt(max(runs))})" if runs and len(runs) > 1 else ""
+    if not runs or len(runs) < 2:
+        return ""
+    low, high = fmt(min(runs)), fmt(max(runs))
+    unit = high.rsplit(" ", 1)[-1]
+    return f" ({low.removesuffix(' ' + unit) if low.endswith(' ' + unit) else low}-{high})"
 
 
 def ttft_table(path: Path) -> str:
