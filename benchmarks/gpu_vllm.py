@@ -237,8 +237,10 @@ def main() -> None:
     out, work = Path(args.out), Path(args.models)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    record = {"device": device_info(args.device), "command": " ".join(sys.argv), "started": time.strftime("%FT%T%z"),
-              "dtype": args.dtype}
+    from kdn.info import git_sha, provenance
+
+    record = {"run": provenance(sha=git_sha(ROOT, exclude="benchmarks/results")),  # command, commit, load at start
+              "device": device_info(args.device), "dtype": args.dtype}
     path = out / "gpu_vllm.json"
 
     def save() -> None:
