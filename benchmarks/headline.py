@@ -6,15 +6,20 @@ folder the README quotes, holding the commit, command, versions, CPU and the loa
     python benchmarks/headline.py vllm          # one comparison (run from anywhere)
     python benchmarks/headline.py vllm serving-32 --dry-run
 
-Long ones (hours on 2 cores) say so in their description; run them in the background.
+Long ones (hours on 2 cores) say so in their description; run them in the background. Each comparison
+waits for a quiet machine first (the 1-minute load average at most ``--max-load``, default 0.75 per
+core) and refuses to start if it stays busy: two timed runs on 2 cores oversubscribe threads (a 1K-token
+prefill took 13 s beside another run, 2.2 s alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -68,11 +73,36 @@ COMPARISONS: dict[str, tuple[str, list[str]]] = {
 }
 
 
+class BusyMachine(RuntimeError):
+    """The machine stayed busier than a timing run allows."""
+
+
+def wait_for_quiet(max_load: float, wait_s: float, load=lambda: os.getloadavg()[0], sleep=time.sleep,
+                   poll_s: float = 10.0) -> float:
+    """Block until the 1-minute load average is at most ``max_load``; returns it. Raises
+    :class:`BusyMachine` after ``wait_s`` seconds above it."""
+    waited = 0.0
+    while (now := load()) > max_load:
+        if waited >= wait_s:
+            raise BusyMachine(f"load average {now:.2f} > {max_load:.2f} after {waited:.0f} s: another process is "
+                              "using the CPU, and a timing beside it measures both (--max-load, --force)")
+        if not waited:
+            print(f"headline: load {now:.2f} > {max_load:.2f}, waiting up to {wait_s:.0f} s for a quiet machine",
+                  flush=True)
+        sleep(poll_s)
+        waited += poll_s
+    return now
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help="comparisons to run (--list names them)")
     parser.add_argument("--list", action="store_true", help="print the comparisons and their commands")
     parser.add_argument("--dry-run", action="store_true", help="print the commands without running them")
+    parser.add_argument("--max-load", type=float, default=0.75 * (os.cpu_count() or 1),
+                        help="start a comparison only when the 1-minute load average is at most this")
+    parser.add_argument("--wait", type=float, default=600.0, help="seconds to wait for that before refusing")
+    parser.add_argument("--force", action="store_true", help="run whatever the load")
     args = parser.parse_args()
     unknown = [n for n in args.names if n not in COMPARISONS]
     if unknown:
@@ -84,8 +114,14 @@ def main() -> None:
     for name in args.names:
         argv = [sys.executable, *COMPARISONS[name][1]]
         print(f"headline {name}: cd benchmarks && {shlex.join(argv)}", flush=True)
-        if not args.dry_run:
-            subprocess.run(argv, cwd=HERE, check=True)
+        if args.dry_run:
+            continue
+        if not args.force:
+            try:
+                wait_for_quiet(args.max_load, args.wait)
+            except BusyMachine as e:
+                sys.exit(f"headline {name}: {e}")
+        subprocess.run(argv, cwd=HERE, check=True)
 
 
 if __name__ == "__main__":
