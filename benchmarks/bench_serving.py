@@ -72,6 +72,7 @@ import time
 from pathlib import Path
 
 import serving_costs
+from serving_costs import percentile
 from timing import save_result
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,11 +124,6 @@ class Workloads:
         opening = [self.ids("User: read this.\n") + self.document(tokens) for _ in range(sessions)]
         turns = [self.ids(f"\nUser: {TURNS[r % len(TURNS)]}\nAssistant:") for r in range(rounds)]
         return opening, turns
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def drive(python: str, job: dict) -> dict:
@@ -373,7 +369,7 @@ def main() -> None:
                                **{k: serving_costs.difference(after[k], before[k]) for k in after},
                                "load_before": load_before, "load_after": load_after}
                         if docs_of is not None:
-                            row["served"] = serving_costs.by_served(result["records"], args.tokens, chunk, percentile)
+                            row["served"] = serving_costs.by_served(row["requests_log"], args.tokens, chunk)
                         if chaos is not None:
                             row["chaos"] = judged(chaos, result, records.get(("vllm", workload, n, c)), args)
                         if args.replay and config.startswith("kdn") and docs_of is not None:

@@ -69,13 +69,35 @@ def difference(after: dict, before: dict) -> dict:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 1e-9}
 
 
-def by_served(records: list[dict], doc_tokens: int, chunk: int, percentile) -> dict:
-    """The requests whose document was served (hits) apart from those prefilled (misses): TTFT p50 /
-    p99 and, where the engine reported them per request, the mean and p99 of its queue wait,
-    scheduled-to-first-token and decode seconds."""
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank; nan for none)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def _is_hit(r: dict, doc_tokens: int, chunk: int) -> bool:
+    return r["cached_tokens"] >= doc_tokens - chunk
+
+
+def _is_held(r: dict, log: list[dict], doc_tokens: int, chunk: int) -> bool:
+    """Whether ``r`` started while a miss of its document had not yet answered (+2 s): kdn held it for
+    that prefill (one prefill, not two), so its TTFT is the rest of that prefill, not a tier's load."""
+    return any(m["doc"] == r["doc"] and not _is_hit(m, doc_tokens, chunk)
+               and m["start"] < r["start"] < m["start"] + m["ttft"] + 2 for m in log if m.get("ttft") is not None)
+
+
+def by_served(log: list[dict], doc_tokens: int, chunk: int) -> dict:
+    """From a docqa row's per-request log: the requests whose document was served (hits) apart from
+    those prefilled (misses), and the hits that found their document stored when they started
+    (``hits_not_held``: not held for a prefill of it in flight): TTFT p50 / p99 and, where the engine
+    reported them per request, the mean and p99 of its queue wait, scheduled-to-first-token and
+    decode seconds."""
+    done = [r for r in log if r.get("ttft") is not None]
+    classes = {"hits": [r for r in done if _is_hit(r, doc_tokens, chunk)],
+               "misses": [r for r in done if not _is_hit(r, doc_tokens, chunk)]}
+    classes["hits_not_held"] = [r for r in classes["hits"] if not _is_held(r, log, doc_tokens, chunk)]
     out = {}
-    for name, hit in (("hits", True), ("misses", False)):
-        mine = [r for r in records if r.get("ttft") is not None and (r["cached_tokens"] >= doc_tokens - chunk) == hit]
+    for name, mine in classes.items():
         ttfts = [r["ttft"] for r in mine]
         out[name] = {"count": len(ttfts), "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99)}
         for phase in ("queue_s", "scheduled_to_first_token_s", "decode_s"):
@@ -86,20 +108,13 @@ def by_served(records: list[dict], doc_tokens: int, chunk: int, percentile) -> d
 
 
 def held_hits(log: list[dict], doc_tokens: int, chunk: int, slow: float = 5.0) -> dict:
-    """From a docqa row's per-request log: the hits (served >= doc_tokens - chunk tokens), those held
-    for a prefill in flight (started while a miss of their document had not yet answered), how many
-    of each took over ``slow`` seconds to their first token, and the longest TTFT of the others."""
-    def hit(r):
-        return r["cached_tokens"] >= doc_tokens - chunk
-
-    def held(r):
-        return any(m["doc"] == r["doc"] and not hit(m) and m["start"] < r["start"] < m["start"] + m["ttft"] + 2
-                   for m in log if m.get("ttft") is not None)
-
-    hits = [r for r in log if r.get("ttft") is not None and hit(r)]
-    others = [r["ttft"] for r in hits if not held(r)]
-    return {"hits": len(hits), "held": sum(held(r) for r in hits), "slow": sum(r["ttft"] > slow for r in hits),
-            "slow_held": sum(r["ttft"] > slow and held(r) for r in hits),
+    """From a docqa row's per-request log: the hits, those held for a prefill in flight, how many of
+    each took over ``slow`` seconds to their first token, and the longest TTFT of the others."""
+    hits = [r for r in log if r.get("ttft") is not None and _is_hit(r, doc_tokens, chunk)]
+    held = [_is_held(r, log, doc_tokens, chunk) for r in hits]
+    others = [r["ttft"] for r, h in zip(hits, held) if not h]
+    return {"hits": len(hits), "held": sum(held), "slow": sum(r["ttft"] > slow for r in hits),
+            "slow_held": sum(r["ttft"] > slow and h for r, h in zip(hits, held)),
             "longest_not_held_s": max(others, default=0.0)}
 
 
@@ -128,7 +143,8 @@ def breakdown_line(row: dict) -> str:
                              for p in ("queue_s", "scheduled_to_first_token_s") if p in s)
             return f"{s['ttft_p50_s'] * 1e3:.0f}/{s['ttft_p99_s'] * 1e3:.0f} ms ({s['count']}{phases})"
 
-        parts.append(f"TTFT p50/p99 hits {ttft('hits')}, misses {ttft('misses')}")
+        not_held = f", not held for a prefill {ttft('hits_not_held')}" if "hits_not_held" in served else ""
+        parts.append(f"TTFT p50/p99 hits {ttft('hits')}{not_held}, misses {ttft('misses')}")
     if "of_miss_bound" in row:
         parts.append(f"{row['of_miss_bound']:.0%} of the miss bound ({row['miss_bound_rps']:.3f} req/s)")
     if "of_hit_aware_bound" in row:
@@ -146,4 +162,7 @@ if __name__ == "__main__":  # the hits held for a prefill in flight, per kdn doc
     record = json.loads(Path(sys.argv[1]).read_text())
     for row in record["rows"]:
         if row["config"].startswith("kdn") and "requests_log" in row:
-            print(row["config"], held_hits(row["requests_log"], record["args"]["tokens"], KDNConfig().chunk_size))
+            args = row["requests_log"], record["args"]["tokens"], KDNConfig().chunk_size
+            alone = by_served(*args)["hits_not_held"]
+            print(row["config"], held_hits(*args), f"hits not held: p50 {alone['ttft_p50_s']:.2f} s, "
+                  f"p99 {alone['ttft_p99_s']:.2f} s")

@@ -1,0 +1,29 @@
+"""The benchmarks' own arithmetic (what a serving record says about its requests), checked on logs
+whose answer is known."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import serving_costs  # noqa: E402
+
+DOC, CHUNK = 2000, 256
+
+
+def test_a_hit_that_waited_for_its_documents_prefill_is_told_apart_from_a_hit_a_tier_served():
+    """A request that starts while its document's first request is still prefilling waits for that prefill
+    (kdn prefills a document once); only the hits that found their document stored measure a tier's
+    hit, and ``hits_not_held`` holds those alone."""
+    log = [{"doc": 0, "start": 0.0, "ttft": 10.0, "cached_tokens": 0},        # the miss
+           {"doc": 0, "start": 3.0, "ttft": 7.5, "cached_tokens": 1984},      # held for it
+           {"doc": 0, "start": 20.0, "ttft": 0.4, "cached_tokens": 1984},     # served from a tier
+           {"doc": 1, "start": 1.0, "ttft": 0.6, "cached_tokens": 2000},      # doc 1 was stored before
+           {"doc": 1, "start": 2.0, "error": "refused"}]
+    served = serving_costs.by_served(log, DOC, CHUNK)
+    assert (served["misses"]["count"], served["hits"]["count"], served["hits_not_held"]["count"]) == (1, 3, 2)
+    assert served["hits"]["ttft_p99_s"] == 7.5 and served["hits_not_held"]["ttft_p99_s"] == 0.6
+    assert serving_costs.held_hits(log, DOC, CHUNK) == {"hits": 3, "held": 1, "slow": 1, "slow_held": 1,
+                                                         "longest_not_held_s": 0.6}
