@@ -80,10 +80,13 @@ def _is_hit(r: dict, doc_tokens: int, chunk: int) -> bool:
 
 
 def _is_held(r: dict, log: list[dict], doc_tokens: int, chunk: int) -> bool:
-    """Whether ``r`` started while a miss of its document had not yet answered (+2 s): kdn held it for
-    that prefill (one prefill, not two), so its TTFT is the rest of that prefill, not a tier's load."""
-    return any(m["doc"] == r["doc"] and not _is_hit(m, doc_tokens, chunk)
-               and m["start"] < r["start"] < m["start"] + m["ttft"] + 2 for m in log if m.get("ttft") is not None)
+    """Whether ``r`` waited for a miss of its document: that miss began before ``r``'s first token and
+    had not answered (+2 s) when ``r`` began (requests sent together: the scheduler may take either
+    first). kdn held ``r`` for that prefill (one prefill, not two): its TTFT is the rest of that
+    prefill, not a tier's load."""
+    return any(m is not r and m["doc"] == r["doc"] and not _is_hit(m, doc_tokens, chunk)
+               and m["start"] < r["start"] + r["ttft"] and r["start"] < m["start"] + m["ttft"] + 2
+               for m in log if m.get("ttft") is not None)
 
 
 def by_served(log: list[dict], doc_tokens: int, chunk: int) -> dict:

@@ -21,9 +21,11 @@ def test_a_hit_that_waited_for_its_documents_prefill_is_told_apart_from_a_hit_a_
            {"doc": 0, "start": 3.0, "ttft": 7.5, "cached_tokens": 1984},      # held for it
            {"doc": 0, "start": 20.0, "ttft": 0.4, "cached_tokens": 1984},     # served from a tier
            {"doc": 1, "start": 1.0, "ttft": 0.6, "cached_tokens": 2000},      # doc 1 was stored before
-           {"doc": 1, "start": 2.0, "error": "refused"}]
+           {"doc": 1, "start": 2.0, "error": "refused"},
+           {"doc": 2, "start": 30.0, "ttft": 9.0, "cached_tokens": 1984},     # sent first, queued behind
+           {"doc": 2, "start": 30.1, "ttft": 8.0, "cached_tokens": 0}]        # its document's miss
     served = serving_costs.by_served(log, DOC, CHUNK)
-    assert (served["misses"]["count"], served["hits"]["count"], served["hits_not_held"]["count"]) == (1, 3, 2)
-    assert served["hits"]["ttft_p99_s"] == 7.5 and served["hits_not_held"]["ttft_p99_s"] == 0.6
-    assert serving_costs.held_hits(log, DOC, CHUNK) == {"hits": 3, "held": 1, "slow": 1, "slow_held": 1,
+    assert (served["misses"]["count"], served["hits"]["count"], served["hits_not_held"]["count"]) == (2, 4, 2)
+    assert served["hits"]["ttft_p99_s"] == 9.0 and served["hits_not_held"]["ttft_p99_s"] == 0.6
+    assert serving_costs.held_hits(log, DOC, CHUNK) == {"hits": 4, "held": 2, "slow": 2, "slow_held": 2,
                                                          "longest_not_held_s": 0.6}
