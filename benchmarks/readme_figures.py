@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from serving_costs import by_served
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 LOAD_SPREAD = 1.0  # configurations whose mean loads differ by more than this are marked
@@ -113,6 +115,15 @@ def vllm_table(path: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _hits_p99(row: dict, doc_tokens: int, chunk: int = 256) -> str:
+    """A docqa row's hits' p99 TTFT: those not held for their document's prefill in flight / all
+    (``serving_costs.by_served`` on its per-request log; kdn's default chunk of 256 tokens)."""
+    served = by_served(row.get("requests_log") or [], doc_tokens, chunk)
+    if not served["hits"]["count"]:
+        return ""
+    return f"{_s(served['hits_not_held']['ttft_p99_s'])} / {_s(served['hits']['ttft_p99_s'])}"
+
+
 def serving_table(path: Path) -> str:
     """bench_serving.py: throughput and TTFT per configuration, with kdn's ratios and bound."""
     record = json.loads(path.read_text())
@@ -121,8 +132,9 @@ def serving_table(path: Path) -> str:
     tuned = {n: rows[n]["throughput_rps"] for n in ("lmcache-tuned", "lmcache-tuned-fs") if n in rows}
     chat = record["args"]["workloads"] == "chat"
     what = "returning sessions' tokens served" if chat else "documents prefilled"
-    lines = [f"| configuration | req/s | TTFT p50 | p99 | {what} | x prefix cache | x LMCache tuned (L1 / fs) | "
-             "of miss bound | load before-after |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    columns = ["configuration", "req/s", "TTFT p50", "p99", *([] if chat else ["hits' p99: not held / all"]), what,
+               "x prefix cache", "x LMCache tuned (L1 / fs)", "of miss bound", "load before-after"]
+    lines = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     for name, label in SERVING_ROWS.items():
         if name not in rows:
             continue
@@ -135,7 +147,8 @@ def serving_table(path: Path) -> str:
         bound = f"{r['of_miss_bound']:.0%}" if r.get("of_miss_bound") is not None else ""
         best = name.startswith("kdn")
         rps = f"**{r['throughput_rps']:.3f}**" if best else f"{r['throughput_rps']:.3f}"
-        lines.append(f"| {label} | {rps} | {_s(r['ttft_p50_s'])} | {_s(r['ttft_p99_s'])} | {shown} | "
+        hits = "" if chat else f" {_hits_p99(r, record['args']['tokens'])} |"
+        lines.append(f"| {label} | {rps} | {_s(r['ttft_p50_s'])} | {_s(r['ttft_p99_s'])} |{hits} {shown} | "
                      f"{_x(r['throughput_rps'] / prefix) if prefix and name != 'vllm' else ''} | {peers} | {bound} | "
                      f"{r['load_before']:.1f}-{r['load_after']:.1f} |")
     lines += ["", *_provenance(path, record, {n: (r["load_before"], r["load_after"]) for n, r in rows.items()})]
