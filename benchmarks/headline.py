@@ -55,6 +55,15 @@ COMPARISONS: dict[str, tuple[str, list[str]]] = {
                     [*SERVING, "--replay", "--configs", f"vllm,{PEERS}", "--docs", "128", "--workloads", "docqa",
                      "--vllm-sample", "12",
                      "--out", f"{RESULTS}/serving/peers-128"]),
+    "serving-bf16": ("serving docqa at 32 documents with every engine in bf16 (half the bytes a store moves): "
+                     "vLLM alone (sampled), kdn disk and its replay (~30 min)",
+                     [*SERVING, "--replay", "--configs", "vllm,kdn-disk", "--docs", "32", "--workloads", "docqa",
+                      "--vllm-sample", "12", "--dtype", "bfloat16", "--out", f"{RESULTS}/serving/bf16"]),
+    "hits-first": ("hits not held behind misses: kdn with priority for likely hits, alone and with vLLM's "
+                   "per-prefill cap at 64 / 128 / 256 tokens, and vLLM alone at each cap (~35 min)",
+                   [*SERVING, "--replay", "--configs", "vllm,vllm+lp64,vllm+lp128,vllm+lp256,kdn-disk+prio,"
+                    "kdn-disk+lp64+prio,kdn-disk+lp128+prio,kdn-disk+lp256+prio", "--docs", "32",
+                    "--workloads", "docqa", "--vllm-sample", "12", "--out", f"{RESULTS}/serving/hits-first"]),
     "chat-32": ("serving chat, 32 sessions x 4 rounds, 4 clients: vLLM's prefix cache, kdn disk, LMCache tuned "
                 "in L1 / with fs L2 (~30 min)",
                 [*SERVING, "--configs", PEERS, "--workloads", "chat", "--sessions", "32",
