@@ -44,7 +44,8 @@ the hit-aware bound is requests / (misses / vLLM alone's req/s + hits / the repl
 Where the time went (benchmarks/serving_costs.py): vLLM's per-request queue,
 prefill and decode sums, kdn's stage seconds (lookup, load, gather, store), the CPU seconds of each
 thread of the servers' processes, and TTFT of the requests kdn served (hits) apart from those it
-missed. Needs the vLLM venv (.ci/vllm-env) and redis-server.
+missed, and of the hits not held for a prefill of their own document in flight apart from all hits.
+Needs the vLLM venv (.ci/vllm-env) and redis-server.
 
     python benchmarks/bench_serving.py --docs 2,8,32 --concurrency 4 --out benchmarks/results/serving
     python benchmarks/bench_serving.py --docs 8 --concurrency 1,4,16 --workloads docqa
