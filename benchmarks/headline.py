@@ -8,8 +8,8 @@ folder the README quotes, holding the commit, command, versions, CPU and the loa
 
 Long ones (hours on 2 cores) say so in their description; run them in the background. Each comparison
 waits for a quiet machine first (the 1-minute load average at most ``--max-load``, default 0.75 per
-core) and refuses to start if it stays busy: two timed runs on 2 cores oversubscribe threads (a 1K-token
-prefill took 13 s beside another run, 2.2 s alone).
+core) and refuses to start if it stays busy: two timed runs on 2 cores oversubscribe each other's
+threads, and each would time both.
 """
 
 from __future__ import annotations

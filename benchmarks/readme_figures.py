@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from kdn import KDNConfig
 from serving_costs import by_served
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,10 +116,10 @@ def vllm_table(path: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _hits_p99(row: dict, doc_tokens: int, chunk: int = 256) -> str:
+def _hits_p99(row: dict, doc_tokens: int) -> str:
     """A docqa row's hits' p99 TTFT: those not held for their document's prefill in flight / all
-    (``serving_costs.by_served`` on its per-request log; kdn's default chunk of 256 tokens)."""
-    served = by_served(row.get("requests_log") or [], doc_tokens, chunk)
+    (``serving_costs.by_served`` on its per-request log, with kdn's chunk as bench_serving.py uses it)."""
+    served = by_served(row.get("requests_log") or [], doc_tokens, KDNConfig().chunk_size)
     if not served["hits"]["count"]:
         return ""
     return f"{_s(served['hits_not_held']['ttft_p99_s'])} / {_s(served['hits']['ttft_p99_s'])}"

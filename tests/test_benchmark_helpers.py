@@ -1,14 +1,17 @@
-"""The benchmarks' own arithmetic (what a serving record says about its requests), checked on logs
-whose answer is known."""
+"""The benchmarks' own logic (what a serving record says about its requests, when a headline run
+starts), checked on inputs whose answer is known."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import serving_costs  # noqa: E402
+from headline import BusyMachine, wait_for_quiet  # noqa: E402
 
 DOC, CHUNK = 2000, 256
 
@@ -29,3 +32,13 @@ def test_a_hit_that_waited_for_its_documents_prefill_is_told_apart_from_a_hit_a_
     assert served["hits"]["ttft_p99_s"] == 9.0 and served["hits_not_held"]["ttft_p99_s"] == 0.6
     assert serving_costs.held_hits(log, DOC, CHUNK) == {"hits": 4, "held": 2, "slow": 2, "slow_held": 2,
                                                          "longest_not_held_s": 0.6}
+
+
+def test_a_headline_waits_for_a_quiet_machine_and_refuses_a_busy_one():
+    """``headline.py`` starts a timing only when the load average has fallen to ``--max-load``; a machine
+    that stays busier than that for ``--wait`` seconds is refused with the load named, not measured."""
+    loads, slept = iter([3.0, 2.0, 1.2]), []
+    assert wait_for_quiet(1.5, 60, load=lambda: next(loads), sleep=slept.append, poll_s=10) == 1.2
+    assert slept == [10, 10]
+    with pytest.raises(BusyMachine, match=r"load average 3\.00 > 1\.50 after 30 s"):
+        wait_for_quiet(1.5, 30, load=lambda: 3.0, sleep=lambda s: None, poll_s=10)

@@ -183,16 +183,3 @@ def test_every_headline_command_names_a_benchmark_and_options_it_takes():
         options = [a for a in argv[1:] if a.startswith("--")]
         assert all(o in helps[argv[0]] for o in options), f"{name}: {options} not all in {argv[0]} --help"
         assert argv[argv.index("--out") + 1].startswith("results/"), f"{name} writes outside benchmarks/results"
-
-
-def test_a_headline_waits_for_a_quiet_machine_and_refuses_a_busy_one():
-    """``headline.py`` starts a timing only when the load average has fallen to ``--max-load``; a machine
-    that stays busier than that for ``--wait`` seconds is refused with the load named, not measured."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from headline import BusyMachine, wait_for_quiet
-
-    loads, slept = iter([3.0, 2.0, 1.2]), []
-    assert wait_for_quiet(1.5, 60, load=lambda: next(loads), sleep=slept.append, poll_s=10) == 1.2
-    assert slept == [10, 10]
-    with pytest.raises(BusyMachine, match=r"load average 3\.00 > 1\.50 after 30 s"):
-        wait_for_quiet(1.5, 30, load=lambda: 3.0, sleep=lambda s: None, poll_s=10)
