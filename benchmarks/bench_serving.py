@@ -437,7 +437,7 @@ def bound(rows: list[dict]) -> list[dict]:
         peer = find("lmcache-tuned" + suffix, row) or find("lmcache-tuned", row)
         if peer and row["config"].startswith("kdn"):
             row["throughput_vs_lmcache_tuned"] = row["throughput_rps"] / peer["throughput_rps"]
-        if prefix and row is not prefix:
+        if prefix:  # the prefix cache's own row is its reference: 1.00
             row["throughput_vs_prefix"] = row["throughput_rps"] / prefix["throughput_rps"]
             row["ttft_p50_vs_prefix"] = prefix["ttft_p50_s"] / row["ttft_p50_s"]
     return rows
@@ -464,9 +464,9 @@ def table(rows: list[dict]) -> str:
         out.append(f"| {r['workload']} | {r['n']} | {r['concurrency']} | {r['config']} | {r['requests']} | "
                    f"{r['ttft_p50_s'] * 1e3:.0f} | {r['ttft_p90_s'] * 1e3:.0f} | {r['ttft_p99_s'] * 1e3:.0f} | "
                    f"{r['throughput_rps']:.3f} | {r['hit_rate']:.0%} | "
-                   f"{r.get('docs_prefilled', '-')} | {r.get('throughput_vs_prefix', 1.0):.2f} | "
+                   f"{r.get('docs_prefilled', '-')} | {_ratio(r, 'throughput_vs_prefix', '.2f')} | "
                    f"{_ratio(r, 'throughput_vs_lmcache_tuned', '.2f')} | "
-                   f"{r.get('ttft_p50_vs_prefix', 1.0):.1f} | "
+                   f"{_ratio(r, 'ttft_p50_vs_prefix', '.1f')} | "
                    f"{_ratio(r, 'of_miss_bound', '.0%')} | {_ratio(r, 'of_hit_aware_bound', '.0%')} | "
                    f"{tiers if r['config'].startswith('kdn') else '-'} |")
     return "\n".join(out)

@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
+import bench_serving  # noqa: E402
 import serving_costs  # noqa: E402
 from headline import BusyMachine, wait_for_quiet  # noqa: E402
 
@@ -42,3 +43,19 @@ def test_a_headline_waits_for_a_quiet_machine_and_refuses_a_busy_one():
     assert slept == [10, 10]
     with pytest.raises(BusyMachine, match=r"load average 3\.00 > 1\.50 after 30 s"):
         wait_for_quiet(1.5, 30, load=lambda: 3.0, sleep=lambda s: None, poll_s=10)
+
+
+def test_a_serving_table_without_the_prefix_cache_gives_no_ratio_to_it():
+    """A run without vLLM's prefix cache (``serving-bf16``) prints "-" where the ratio to it would be, not a
+    1.00 nobody measured; with it, each row's ratio is its throughput over the prefix cache's."""
+    def row(config, rps, **extra):
+        return {"config": config, "workload": "docqa", "n": 32, "concurrency": 4, "requests": 128,
+                "throughput_rps": rps, "ttft_p50_s": 1.0 / rps, "ttft_p90_s": 1.0, "ttft_p99_s": 1.0,
+                "hit_rate": 0.0, "kdn": {}, **extra}
+
+    alone, kdn = row("vllm", 0.05), row("kdn-disk", 0.2, docs_prefilled=32)
+    cells = bench_serving.table(bench_serving.bound([alone, kdn])).splitlines()[3].split(" | ")
+    assert cells[11:14] == ["-", "-", "-"] and cells[14] == "100%"
+    prefix = row("vllm-prefix", 0.1)
+    rows = bench_serving.bound([row("vllm", 0.05), prefix, row("kdn-disk", 0.3, docs_prefilled=32)])
+    assert [r["throughput_vs_prefix"] for r in rows] == [0.5, 1.0, pytest.approx(3.0)]
