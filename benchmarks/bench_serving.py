@@ -28,9 +28,9 @@ A configuration name may end in ``+lpT`` and/or ``+bN``: its server runs with vL
 wait, so a hit's question is not queued behind a whole document's prefill) and
 ``--max-num-batched-tokens N`` (every step, all requests together, at most N tokens: the longest a
 scheduled hit waits is one step of N tokens; vLLM's server default on a CPU is 2,048); each kdn row's
-miss bound uses the vLLM-alone row of the same suffix when the run has one. ``+prio`` runs the server
-with ``--scheduling-policy priority`` and has the clients send, as a prefix-aware router would, priority
-0 for a prompt whose first block they sent before (its document is likely stored: a hit goes ahead of
+miss bound uses the vLLM-alone row of the same ``+lpT``/``+bN`` suffixes (``+prio`` aside) when the run
+has one. ``+prio`` runs the server with ``--scheduling-policy priority`` and has the clients send, as a
+prefix-aware router would, priority 0 for a prompt whose first block they sent before (its document is likely stored: a hit goes ahead of
 the misses waiting) and 1 otherwise (vLLM still schedules the requests already running first).
 
 The engine's KV space (--kv-cache-memory-bytes) holds --kv-docs documents: N > --kv-docs exceeds it.
@@ -423,8 +423,9 @@ def bound(rows: list[dict]) -> list[dict]:
 
     for row in rows:
         suffix = row["config"][len(variant(row["config"])[0]):]
-        alone = find("vllm" + suffix, row) or find("vllm", row)
-        prefix = find("vllm-prefix" + suffix, row) or find("vllm-prefix", row)
+        steps = suffix.replace("+prio", "")  # the engine's step settings; the order of misses is no bound
+        alone = find("vllm" + suffix, row) or find("vllm" + steps, row) or find("vllm", row)
+        prefix = find("vllm-prefix" + suffix, row) or find("vllm-prefix" + steps, row) or find("vllm-prefix", row)
         if row["config"].startswith("kdn") and alone and row.get("docs_prefilled"):
             row["miss_bound_rps"] = alone["throughput_rps"] * row["requests"] / row["docs_prefilled"]
             row["of_miss_bound"] = row["throughput_rps"] / row["miss_bound_rps"]

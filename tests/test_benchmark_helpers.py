@@ -59,3 +59,16 @@ def test_a_serving_table_without_the_prefix_cache_gives_no_ratio_to_it():
     prefix = row("vllm-prefix", 0.1)
     rows = bench_serving.bound([row("vllm", 0.05), prefix, row("kdn-disk", 0.3, docs_prefilled=32)])
     assert [r["throughput_vs_prefix"] for r in rows] == [0.5, 1.0, pytest.approx(3.0)]
+
+
+def test_a_capped_kdn_row_is_bounded_by_vllm_alone_under_the_same_cap():
+    """``kdn-disk+lp64+prio``'s miss bound is vLLM alone's with the same per-prefill cap (``vllm+lp64``: the
+    cap slows every miss); the priority policy only orders requests, so it is no part of the match."""
+    def row(config, rps, **extra):
+        return {"config": config, "workload": "docqa", "n": 32, "concurrency": 4, "requests": 128,
+                "throughput_rps": rps, **extra}
+
+    rows = bench_serving.bound([row("vllm", 0.2), row("vllm+lp64", 0.1),
+                                row("kdn-disk+lp64+prio", 0.35, docs_prefilled=32),
+                                row("kdn-disk+prio", 0.7, docs_prefilled=32)])
+    assert [r.get("miss_bound_rps") for r in rows[2:]] == [pytest.approx(0.4), pytest.approx(0.8)]
