@@ -30,8 +30,9 @@ wait, so a hit's question is not queued behind a whole document's prefill) and
 scheduled hit waits is one step of N tokens; vLLM's server default on a CPU is 2,048); each kdn row's
 miss bound uses the vLLM-alone row of the same ``+lpT``/``+bN`` suffixes (``+prio`` aside) when the run
 has one. ``+prio`` runs the server with ``--scheduling-policy priority`` and has the clients send, as a
-prefix-aware router would, priority 0 for a prompt whose first block they sent before (its document is likely stored: a hit goes ahead of
-the misses waiting) and 1 otherwise (vLLM still schedules the requests already running first).
+prefix-aware router would, priority 0 for a prompt whose first block they sent before (its document
+is likely stored: a hit goes ahead of the misses waiting) and 1 otherwise (vLLM still schedules the
+requests already running first).
 
 The engine's KV space (--kv-cache-memory-bytes) holds --kv-docs documents: N > --kv-docs exceeds it.
 kdn runs with vLLM's prefix cache off (every hit is kdn's). Reported per run: TTFT p50/p90/p99,
