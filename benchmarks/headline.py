@@ -47,7 +47,8 @@ COMPARISONS: dict[str, tuple[str, list[str]]] = {
                   ["bench_vllm.py", "--docs", "2", "--questions", "4", "--tokens", "4000", "--repeats", "3",
                    "--dtype", "bfloat16", "--out", f"{RESULTS}/vllm/peers-bf16"]),
     "serving-32": ("serving docqa, 32 documents x 4 questions, 4 clients: vLLM alone (sampled), its prefix cache, "
-                   "kdn disk (and alone again: --replay prices a hit), LMCache tuned in L1 / with fs L2 (~40 min)",
+                   "kdn disk (and alone again, 3 times: --replay prices a hit), LMCache tuned in L1 / with fs L2 "
+                   "(~45 min)",
                    [*SERVING, "--replay", "--configs", f"vllm,{PEERS}", "--docs", "32", "--workloads", "docqa",
                     "--vllm-sample", "12",
                     "--out", f"{RESULTS}/serving/peers-32"]),
@@ -56,11 +57,12 @@ COMPARISONS: dict[str, tuple[str, list[str]]] = {
                      "--vllm-sample", "12",
                      "--out", f"{RESULTS}/serving/peers-128"]),
     "serving-bf16": ("serving docqa at 32 documents with every engine in bf16 (half the bytes a store moves): "
-                     "vLLM alone (sampled), kdn disk and its replay (~30 min)",
-                     [*SERVING, "--replay", "--configs", "vllm,kdn-disk", "--docs", "32", "--workloads", "docqa",
-                      "--vllm-sample", "12", "--dtype", "bfloat16", "--out", f"{RESULTS}/serving/bf16"]),
+                     "vLLM alone (sampled), its prefix cache, kdn disk and its replays (~65 min)",
+                     [*SERVING, "--replay", "--configs", "vllm,vllm-prefix,kdn-disk", "--docs", "32",
+                      "--workloads", "docqa", "--vllm-sample", "12", "--dtype", "bfloat16",
+                      "--out", f"{RESULTS}/serving/bf16"]),
     "hits-first": ("hits not held behind misses: kdn with priority for likely hits, alone and with vLLM's "
-                   "per-prefill cap at 64 / 128 / 256 tokens, and vLLM alone at each cap (~35 min)",
+                   "per-prefill cap at 64 / 128 / 256 tokens, and vLLM alone at each cap (~40 min)",
                    [*SERVING, "--replay", "--configs", "vllm,vllm+lp64,vllm+lp128,vllm+lp256,kdn-disk+prio,"
                     "kdn-disk+lp64+prio,kdn-disk+lp128+prio,kdn-disk+lp256+prio", "--docs", "32",
                     "--workloads", "docqa", "--vllm-sample", "12", "--out", f"{RESULTS}/serving/hits-first"]),

@@ -151,8 +151,10 @@ def breakdown_line(row: dict) -> str:
     if "of_miss_bound" in row:
         parts.append(f"{row['of_miss_bound']:.0%} of the miss bound ({row['miss_bound_rps']:.3f} req/s)")
     if "of_hit_aware_bound" in row:
-        parts.append(f"hits alone {row['replay']['throughput_rps']:.3f} req/s: {row['of_hit_aware_bound']:.0%} of the "
-                     f"hit-aware bound ({row['hit_aware_bound_rps']:.3f} req/s)")
+        each = row["replay"].get("throughput_rps_each", [])
+        spread = f" (of {len(each)}: {min(each):.3f}-{max(each):.3f})" if len(each) > 1 else ""
+        parts.append(f"hits alone {row['replay']['throughput_rps']:.3f} req/s{spread}: {row['of_hit_aware_bound']:.0%} "
+                     f"of the hit-aware bound ({row['hit_aware_bound_rps']:.3f} req/s)")
     return "    " + "; ".join(parts)
 
 

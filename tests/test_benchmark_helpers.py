@@ -72,3 +72,16 @@ def test_a_capped_kdn_row_is_bounded_by_vllm_alone_under_the_same_cap():
                                 row("kdn-disk+lp64+prio", 0.35, docs_prefilled=32),
                                 row("kdn-disk+prio", 0.7, docs_prefilled=32)])
     assert [r.get("miss_bound_rps") for r in rows[2:]] == [pytest.approx(0.4), pytest.approx(0.8)]
+
+
+def test_a_replayed_run_keeps_the_median_and_the_spread():
+    """``--replay K`` prices a hit by the median of K hits-only runs (one noisy replay moved the hit-aware
+    bound 17%), keeps each run's throughput, and counts a document any replay prefilled."""
+    runs = [{"throughput_rps": rps, "ttft_p50_s": 1 / rps, "ttft_p99_s": 2 / rps, "docs_prefilled": d, "wall_s": 40.0}
+            for rps, d in ((3.3, 0), (2.8, 1), (3.0, 0))]
+    replay = bench_serving.replayed(runs)
+    assert replay["throughput_rps"] == 3.0 and replay["ttft_p50_s"] == 1 / 3.0
+    assert replay["throughput_rps_each"] == [3.3, 2.8, 3.0]
+    assert replay["docs_prefilled"] == 1 and replay["wall_s"] == 120
+    row = {"config": "kdn-disk", "kdn": {}, "replay": replay, "of_hit_aware_bound": 0.95, "hit_aware_bound_rps": 0.6}
+    assert "hits alone 3.000 req/s (of 3: 2.800-3.300): 95% of the hit-aware bound" in serving_costs.breakdown_line(row)
