@@ -52,8 +52,10 @@ COMPARISONS: dict[str, tuple[str, list[str]]] = {
                    [*SERVING, "--replay", "--configs", f"vllm,{PEERS}", "--docs", "32", "--workloads", "docqa",
                     "--vllm-sample", "12",
                     "--out", f"{RESULTS}/serving/peers-32"]),
-    "serving-128": ("the same at 128 documents (~2.5 h)",
-                    [*SERVING, "--replay", "--configs", f"vllm,{PEERS}", "--docs", "128", "--workloads", "docqa",
+    "serving-128": ("the same at 128 documents, LMCache with its fs L2 only: its L1 alone (kdn's memory tier's "
+                    "size) holds 8 of the 128 documents and would repeat the prefix cache's hour (~2 h)",
+                    [*SERVING, "--replay", "--configs", "vllm,vllm-prefix,kdn-disk,lmcache-tuned-fs", "--docs", "128",
+                     "--workloads", "docqa",
                      "--vllm-sample", "12",
                      "--out", f"{RESULTS}/serving/peers-128"]),
     "serving-bf16": ("serving docqa at 32 documents with every engine in bf16 (half the bytes a store moves): "
