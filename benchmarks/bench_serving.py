@@ -433,7 +433,7 @@ def bound(rows: list[dict]) -> list[dict]:
 
     for row in rows:
         suffix = row["config"][len(variant(row["config"])[0]):]
-        steps = suffix.replace("+prio", "")  # the engine's step settings; the order of misses is no bound
+        steps = suffix.replace("+prio", "")  # +prio only orders requests; the caps set what a miss costs
         alone = find("vllm" + suffix, row) or find("vllm" + steps, row) or find("vllm", row)
         prefix = find("vllm-prefix" + suffix, row) or find("vllm-prefix" + steps, row) or find("vllm-prefix", row)
         if row["config"].startswith("kdn") and alone and row.get("docs_prefilled"):
