@@ -121,6 +121,17 @@ def held_hits(log: list[dict], doc_tokens: int, chunk: int, slow: float = 5.0) -
             "longest_not_held_s": max(others, default=0.0)}
 
 
+def chat_prefills(rows: list[dict]) -> dict:
+    """Prompt tokens each chat row prefilled, beside the floor no cache can go under (tokens no session
+    sent before: openings and new turns). Every row sent the same prompts; their total is what kdn
+    stored (kdn stores every prompt), the tokens that returned are a row's hits over its share served."""
+    chat = [r for r in rows if r["workload"] == "chat"]
+    total = next(r["kdn"]["stored_tokens"] for r in chat if r["kdn"].get("stored_tokens"))
+    served = next(r for r in chat if r.get("returning_served"))
+    floor = total - served["hit_rate"] * total / served["returning_served"]
+    return {"prompt": total, "floor": round(floor), **{r["config"]: round(total * (1 - r["hit_rate"])) for r in chat}}
+
+
 def breakdown_line(row: dict) -> str:
     """One line: per-request phase means, kdn's stage seconds, the threads that used the CPU."""
     parts = []
@@ -158,7 +169,7 @@ def breakdown_line(row: dict) -> str:
     return "    " + "; ".join(parts)
 
 
-if __name__ == "__main__":  # the hits held for a prefill in flight, per kdn docqa row of a record
+if __name__ == "__main__":  # the hits held for a prefill in flight per kdn docqa row; chat's prefilled tokens
     import json
     import sys
 
@@ -171,3 +182,5 @@ if __name__ == "__main__":  # the hits held for a prefill in flight, per kdn doc
             alone = by_served(*args)["hits_not_held"]
             print(row["config"], held_hits(*args), f"hits not held: p50 {alone['ttft_p50_s']:.2f} s, "
                   f"p99 {alone['ttft_p99_s']:.2f} s")
+    if any(r["workload"] == "chat" for r in record["rows"]):
+        print("chat prefilled tokens", chat_prefills(record["rows"]))

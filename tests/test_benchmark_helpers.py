@@ -85,3 +85,12 @@ def test_a_replayed_run_keeps_the_median_and_the_spread():
     assert replay["docs_prefilled"] == 1 and replay["wall_s"] == 120
     row = {"config": "kdn-disk", "kdn": {}, "replay": replay, "of_hit_aware_bound": 0.95, "hit_aware_bound_rps": 0.6}
     assert "hits alone 3.000 req/s (of 3: 2.800-3.300): 95% of the hit-aware bound" in serving_costs.breakdown_line(row)
+
+
+def test_chat_prefills_put_each_row_beside_the_floor_no_cache_goes_under():
+    """Of 1,000 prompt tokens, kdn's hits (700) are 87.5% of the tokens that returned (800): the other 200 were
+    new to every configuration; a row that served nothing prefilled all 1,000."""
+    rows = [{"config": "vllm-prefix", "workload": "chat", "hit_rate": 0.0, "returning_served": 0.0, "kdn": {}},
+            {"config": "kdn-disk", "workload": "chat", "hit_rate": 0.7, "returning_served": 0.875,
+             "kdn": {"stored_tokens": 1000.0}}]
+    assert serving_costs.chat_prefills(rows) == {"prompt": 1000.0, "floor": 200, "vllm-prefix": 1000, "kdn-disk": 300}
