@@ -131,10 +131,11 @@ def serving_table(path: Path) -> str:
     rows = {r["config"]: r for r in record["rows"]}
     prefix = rows.get("vllm-prefix", {}).get("throughput_rps")
     tuned = {n: rows[n]["throughput_rps"] for n in ("lmcache-tuned", "lmcache-tuned-fs") if n in rows}
+    tuned_label = " / ".join({"lmcache-tuned": "L1", "lmcache-tuned-fs": "fs"}[n] for n in tuned) or "L1 / fs"
     chat = record["args"]["workloads"] == "chat"
     what = "returning sessions' tokens served" if chat else "documents prefilled"
     columns = ["configuration", "req/s", "TTFT p50", "p99", *([] if chat else ["hits' p99: not held / all"]), what,
-               "x prefix cache", "x LMCache tuned (L1 / fs)", "of miss bound", "load before-after"]
+               "x prefix cache", f"x LMCache tuned ({tuned_label})", "of miss bound", "load before-after"]
     lines = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     for name, label in SERVING_ROWS.items():
         if name not in rows:
@@ -211,6 +212,7 @@ FIGURES = {  # the block's name in README.md -> (renderer, record)
     "vllm-peers": (vllm_table, RESULTS / "vllm" / "peers" / "bench_vllm.json"),
     "vllm-peers-bf16": (vllm_table, RESULTS / "vllm" / "peers-bf16" / "bench_vllm.json"),
     "serving-peers-32": (serving_table, RESULTS / "serving" / "peers-32" / "bench_serving.json"),
+    "serving-peers-128": (serving_table, RESULTS / "serving" / "peers-128" / "bench_serving.json"),
     "serving-peers-chat": (serving_table, RESULTS / "serving" / "peers-chat" / "bench_serving.json"),
 }
 
