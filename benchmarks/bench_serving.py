@@ -254,16 +254,6 @@ def kv_bytes_per_token(model: str, dtype: str) -> int:
     return config["num_hidden_layers"] * 2 * heads * head_dim * (4 if dtype == "float32" else 2)  # K and V
 
 
-def model_dir(name: str) -> str:
-    import kdn
-    from kdn.models import qwen, smollm2
-
-    if name == "smollm2-135m":
-        return str(smollm2.converted_dir(smollm2.gguf_path()))
-    kdn.models.load(name)  # installed and converted once
-    return str(qwen.converted_dir(name))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--docs", default="2,8,32", help="document counts N of the docqa runs")
@@ -311,11 +301,11 @@ def main() -> None:
         return
     from transformers import AutoTokenizer
 
-    import kdn
+    import kdn.models
     from redis_servers import RedisServer
     from test_vllm import vllm_python
 
-    python, model = vllm_python(), model_dir(args.model)
+    python, model = vllm_python(), str(kdn.models.checkpoint_dir(args.model))
     versions = engine_versions(python, any(c.startswith("lmcache") for c in args.configs.split(",")))
     tokenizer = AutoTokenizer.from_pretrained(model)
     text = (Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()

@@ -154,18 +154,11 @@ def main() -> None:
                         help="the engine's dtype: bfloat16 halves the KV bytes a hit moves")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))
-    import kdn
-    from kdn.models import smollm2 as smollm2_files
+    import kdn.models
     from test_vllm import vllm_python
 
     python = vllm_python()
-    if args.model == "smollm2-135m":
-        model_dir = str(smollm2_files.converted_dir(smollm2_files.gguf_path()))
-    else:
-        from kdn.models import qwen
-
-        kdn.models.load(args.model)  # installed and converted once
-        model_dir = str(qwen.converted_dir(args.model))
+    model_dir = str(kdn.models.checkpoint_dir(args.model))  # converted from its GGUF once
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

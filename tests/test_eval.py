@@ -152,6 +152,13 @@ def test_a_stopped_run_resumes_where_it_stopped(stories, tmp_path):
     assert [r.get("kept") for r in resumed] == [True] * 3 + [None] * 6
     assert [r["tokens"] for r in resumed] == [r["tokens"] for r in whole]
     assert load_jsonl(tmp_path / "samples.jsonl") == resumed
+    # the kept samples' provenance stays: the first run's entry, then the resume's own
+    first = json.loads((tmp_path / "summary.json").read_text())["run"]
+    assert first["resumed"] == 1 and [r["resumed"] for r in first["earlier_runs"]] == [0]
+    run_eval("musique", model, tokenizer, methods, limit=3, resume=True, **kwargs)
+    again = json.loads((tmp_path / "summary.json").read_text())["run"]
+    assert again["resumed"] == 3 and [r["resumed"] for r in again["earlier_runs"]] == [0, 1]
+    assert "earlier_runs" not in again["earlier_runs"][1]
     with pytest.raises(ValueError, match="cannot resume"):
         run_eval("musique", model, tokenizer, ["full", "reuse"], limit=3, resume=True, **kwargs)
 

@@ -84,6 +84,22 @@ def test_an_unknown_model_lists_the_names_and_accepts_a_checkpoint_folder(tmp_pa
 
 
 @pytest.mark.slow
+def test_checkpoint_dir_converts_once_the_folder_load_reads(smollm2, tmp_path, monkeypatch):
+    """An engine's checkpoint folder (vLLM's) on a machine that never loaded the model: converted on
+    the call, and it holds the very weights ``load`` gives."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no converted folder here yet
+    folder = kdn.models.checkpoint_dir("smollm2-135m")
+    assert tmp_path in folder.parents and (folder / "config.json").is_file()
+    model, tokenizer = smollm2
+    loaded, _ = kdn.models.load(str(folder))
+    ids = tokenizer("The door code of room 7 is", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    with pytest.raises(InvalidInputError, match="no checkpoint folder"):
+        kdn.models.checkpoint_dir("stories260k")
+
+
+@pytest.mark.slow
 def test_smollm2_prefix_reuse_matches_full_prefill(smollm2):
     model, tokenizer = smollm2
     assert model.config.num_hidden_layers == 30 and model.config.num_key_value_heads == 3

@@ -169,7 +169,8 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
     answer for are kept as they are and not answered again (the run must name the same dataset,
     model, methods and calibration, which a kvtc run's ``limit`` decides; anything else is a
     ``ValueError`` before any work). The reports' ``run`` entry names what made them (``command``,
-    else this process's; the commit, versions, CPU, and the load average at the start and last write).
+    else this process's; the commit, versions, CPU, and the load average at the start and last write); a
+    resumed run's keeps those of the runs it resumed under ``earlier_runs``, oldest first.
 
     Example:
         >>> model, tok = kdn.models.load("stories260k")
@@ -187,6 +188,8 @@ def run_eval(dataset: str, model, tokenizer, methods: list[str], limit: int | No
     run, contexts = planned_run(dataset, model_name, methods, everything, samples, calibration_samples, data_dir)
     done = finished_records(out_dir, run) if resume and out_dir is not None else {}
     made_by = {**provenance(command=command), "resumed": len(done)}  # before the calibration's minutes
+    if done:  # the samples kept were answered by earlier runs, maybe at another commit or on another host
+        made_by["earlier_runs"] = earlier_runs(out_dir)
     kvtc_used = run["calibration"] is not None
     calibration = None
     if kvtc_used and len(done) < len(samples):
@@ -275,6 +278,17 @@ def finished_records(out_dir, run: dict) -> dict[str, list[dict]]:
     for record in load_jsonl(answers):
         by_sample.setdefault(record["sample"], []).append(record)
     return {s: rows for s, rows in by_sample.items() if [r["method"] for r in rows] == methods}
+
+
+def earlier_runs(out_dir) -> list[dict]:
+    """The ``run`` entries (oldest first) of the records in ``out_dir``'s ``summary.json``: the run that
+    wrote it last and those it had resumed."""
+    summary = Path(out_dir) / "summary.json"
+    if not summary.is_file():
+        return []
+    last = dict(json.loads(summary.read_text()).get("run") or {})
+    older = last.pop("earlier_runs", [])
+    return [*older, last] if last else older
 
 
 def _write(result: dict, records: list[dict], methods: list[str], out_dir) -> None:

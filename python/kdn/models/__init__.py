@@ -54,4 +54,35 @@ def load(name: str, dtype=None):
     return model.eval(), tokenizer
 
 
-__all__ = ["load", "MODELS", "ModelNotAvailableError", "data_dirs", "shared_dir"]
+def checkpoint_dir(name: str) -> Path:
+    """The HF checkpoint folder (``config.json``, safetensors, tokenizer) of the named model that
+    :func:`load` reads, for an engine that loads checkpoints from a folder (vLLM): the named models
+    ship as GGUF, converted on their first :func:`load`, which this runs when the folder is not there yet.
+
+    ``vllm serve "$(python -c 'import kdn.models; print(kdn.models.checkpoint_dir("smollm2-135m"))')"``
+    serves SmolLM2 once ``kdn install smollm2-135m`` has run. stories260K has no such folder (vLLM
+    cannot run it):
+
+    Example:
+        >>> checkpoint_dir("stories260k")
+        Traceback (most recent call last):
+        kdn._core.InvalidInputError: 'stories260k' has no checkpoint folder of kdn's: one of smollm2-135m, ...
+    """
+    key = name.lower().replace("_", "-")
+    if key in ("smollm2-135m", "smollm2", "smollm2-135m-instruct"):
+        from kdn.models import smollm2
+
+        folder = smollm2.converted_dir(smollm2.gguf_path())
+    elif key in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
+        from kdn.models import qwen
+
+        folder = qwen.converted_dir(key)
+    else:
+        raise InvalidInputError(f"{name!r} has no checkpoint folder of kdn's: one of smollm2-135m, "
+                                "qwen2.5-coder-0.5b, qwen2.5-coder-1.5b (an HF folder is its own)")
+    if not (folder / "config.json").is_file():
+        load(name)  # converts and caches the GGUF once
+    return folder
+
+
+__all__ = ["load", "checkpoint_dir", "MODELS", "ModelNotAvailableError", "data_dirs", "shared_dir"]
