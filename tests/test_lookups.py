@@ -12,7 +12,7 @@ import pytest
 
 from kdn.engine import Prefix
 from kdn.integrations.vllm import lookups
-from kdn.integrations.vllm.lookups import LookupClient, LookupServer, socket_path
+from kdn.integrations.vllm.lookups import LookupClient, LookupServer, WorkerNotServing, socket_path
 
 
 def held(n: int, last_tokens: int = 0) -> Prefix:
@@ -54,6 +54,9 @@ def test_the_worker_answers_and_a_gone_or_failing_worker_is_no_answer(tmp_path, 
     assert client.lookup(np.arange(40), 39) is None
     restarted = LookupServer(path, lookup)  # a restarted worker: the client reconnects
     assert tokens_of(client.lookup(np.arange(70), 69)) == 64
+    restarted.serving = False  # its worker refused vLLM's KV layout: the scheduler is told, not sent a miss
+    with pytest.raises(WorkerNotServing, match="refused"):
+        client.lookup(np.arange(70), 69)
     client.close()
     restarted.close()
 

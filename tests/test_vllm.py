@@ -105,6 +105,17 @@ def test_engine_a_stores_and_its_second_prompt_hits(stored, reference):
     assert connector["loads"] == 1 and connector["loaded_tokens"] >= 1500
 
 
+def test_an_engine_kdn_cannot_read_runs_as_vllm_alone_without_waiting(setup, reference):
+    """vLLM's CPU 'amx' kernel (bf16 on a CPU with AMX) lays blocks out as kdn does not read: the worker
+    refuses the engine and tells the scheduler, so the document's second question neither waits for a
+    store that never comes (it waited STORE_GRACE_S, 10 s, after the first) nor looks up at every step."""
+    out = engine(setup, {}, "--pretend-kernel", "amx")
+    assert [r["tokens"] for r in out["results"]] == reference
+    connector = out["stats"]["connector"]
+    assert connector["stores"] == 0 and connector["loads"] == 0 and connector["hit_tokens"] == 0
+    assert connector["lookups"] <= 1 and connector.get("in_flight_waits", 0) == 0  # it made 20,178 and waited
+
+
 @pytest.mark.parametrize("tier", ["disk", "remote"])
 def test_a_new_engine_process_hits_what_another_stored(setup, stored, reference, tier):
     config = {"disk_dir": stored["disk"]} if tier == "disk" else {"remote_url": stored["redis"]}

@@ -32,6 +32,9 @@ def main() -> None:
     parser.add_argument("--drop-chunk-at-lookup", default="",
                         help="N:I: right after the N-th lookup (1-based), drop chunk I of that prompt's stored "
                              "prefix (evicted between lookup and load: the load fails part-way)")
+    parser.add_argument("--pretend-kernel", default="",
+                        help="tell kdn vLLM picked this CPU attention kernel (e.g. amx, as on a CPU with AMX "
+                             "in bf16): one whose blocks kdn does not read")
     parser.add_argument("--cache-salt", default=None, help="vLLM's cache_salt of every prompt (a tenant)")
     parser.add_argument("--kill-after-first", type=int, default=0,
                         help="a process to kill (SIGKILL) once the first prompt is answered: a store going down")
@@ -52,6 +55,10 @@ def main() -> None:
         transfer = KVTransferConfig(**json.loads(args.transfer))
         if transfer.kv_connector_module_path.startswith("lmcache."):
             _let_vllm_scan_llvmlite()
+    if args.pretend_kernel:
+        from kdn.integrations import vllm as connector
+
+        connector.KDNConnector.attention_kernel = lambda self, layer: args.pretend_kernel
     if args.drop_after_lookup:
         from kdn.integrations import vllm as connector
 

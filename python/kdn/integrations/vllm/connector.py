@@ -68,6 +68,7 @@ class KDNConnector(KVConnectorBase_V1):
         self.engine, self.session, lookups = process.store_for(self.config, vllm_config)
         if role == KVConnectorRole.WORKER:
             process.serve_lookups(lookups, self.engine, self.session)
+            self._lookups_path = lookups
             return
         self._scheduler = SchedulerSide(self.engine, self.session, self.block_size, LookupClient(lookups), self.owner)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
@@ -105,6 +106,7 @@ class KDNConnector(KVConnectorBase_V1):
             self.reason = f"vLLM's KV layout is not one kdn reads: {e}"
             log.warning("kdn: not serving this engine: %s", self.reason)
             self.engine = None
+            process.refuse_lookups(self._lookups_path)  # the scheduler must not wait for stores that never come
             return
         process.add_worker(self._worker)
 

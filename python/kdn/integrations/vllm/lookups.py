@@ -37,6 +37,7 @@ _REQUEST = struct.Struct("<III")
 _NO_NAMESPACE = 0xFFFFFFFF
 MAX_NAMESPACE_BYTES = 4096
 _REPLY = struct.Struct("<qII")  # hit (-1: could not look up), the last chunk's tokens, keys that follow
+_NOT_SERVING = -2  # the hit a worker that refused vLLM's KV layout answers: it will load and store nothing
 MAX_TOKENS = 1 << 24  # a request asking about more tokens is not a prompt: the connection is dropped
 MAX_CONNECTIONS = 64  # a vLLM scheduler keeps one
 IDLE_S = 600.0  # a connection silent this long is dropped (its client reconnects)
@@ -89,11 +90,17 @@ def _read_exactly(conn: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
+class WorkerNotServing(RuntimeError):
+    """The worker half refused this engine (a KV layout kdn does not read): nothing will be loaded
+    or stored, so the scheduler must neither count on a hit nor wait for a store."""
+
+
 class LookupServer:
-    """Answers lookups with ``lookup(tokens, limit, namespace) -> int`` from a thread per connection."""
+    """Answers lookups with ``lookup(tokens, limit, namespace) -> int`` from a thread per connection;
+    once ``serving`` is False (its worker refused the engine) every answer says so."""
 
     def __init__(self, path: str, lookup: Callable[[np.ndarray, int, str | None], Prefix]):
-        self.path, self._lookup = path, lookup
+        self.path, self._lookup, self.serving = path, lookup, True
         if os.path.exists(path):
             os.unlink(path)  # a socket left by an engine that died: nobody listens on it
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -132,8 +139,12 @@ class LookupServer:
             except (OSError, ConnectionError, UnicodeDecodeError):
                 return
             try:
+                if not self.serving:
+                    raise WorkerNotServing
                 found = self._lookup(tokens, limit, namespace)
                 reply = _REPLY.pack(found.tokens, found.last_tokens, len(found.keys)) + b"".join(found.keys)
+            except WorkerNotServing:
+                reply = _REPLY.pack(_NOT_SERVING, 0, 0)
             except Exception as e:  # a failed lookup is a miss for the asker, never a dead server
                 log.warning("kdn: a lookup for the scheduler failed (%s: %s)", type(e).__name__, e)
                 reply = _REPLY.pack(-1, 0, 0)
@@ -169,7 +180,8 @@ class LookupClient:
     def lookup(self, tokens: np.ndarray, limit: int, namespace: str | None = None) -> Prefix | None:
         """What the worker holds of ``tokens`` in ``namespace`` (at most ``limit`` tokens: the keys
         of the chunks that serve them, which its load reads without looking again), or None when no
-        worker answers or it could not look up."""
+        worker answers or it could not look up. Raises :class:`WorkerNotServing` when the worker
+        refused the engine."""
         tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
         limit = max(0, min(int(limit), len(tokens)))
         name = b"" if namespace is None else namespace.encode()
@@ -207,6 +219,8 @@ class LookupClient:
                 log.warning("kdn: the worker's lookup server at %s did not answer (%s); the scheduler "
                             "asks its own tiers (a memory tier private to the worker is not seen)", self.path, e)
             return _FAILED
+        if hit == _NOT_SERVING:
+            raise WorkerNotServing(f"the worker behind {self.path} refused this engine's KV layout")
         if hit < 0:
             return None
         return Prefix([keys[16 * i:16 * i + 16] for i in range(n)], min(hit, limit), last_tokens)

@@ -38,6 +38,15 @@ def serve_lookups(path: str, engine: Engine, session: ModelSession) -> None:
             _lookup_servers[path] = LookupServer(path, lookup)
 
 
+def refuse_lookups(path: str) -> None:
+    """This process' worker refused its engine: the lookup server at ``path`` says so to the
+    scheduler (in this process or vLLM's other one), which then serves requests without kdn."""
+    with _lock:
+        server = _lookup_servers.get(path)
+    if server is not None:
+        server.serving = False
+
+
 def add_worker(worker) -> None:
     _workers.add(worker)
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from kdn.engine import Engine, ModelSession, Prefix
 from kdn.integrations.vllm import metrics, process
-from kdn.integrations.vllm.lookups import LookupClient
+from kdn.integrations.vllm.lookups import LookupClient, WorkerNotServing
 from kdn.integrations.vllm.specs import KDNConnectorMetadata, LoadSpec, SaveSpec
 
 log = logging.getLogger("kdn")
@@ -50,6 +50,7 @@ class SchedulerSide:
     def __init__(self, engine: Engine, session: ModelSession, block_size: int, lookups: LookupClient, owner: str):
         self.engine, self.session, self.block_size, self._lookups = engine, session, block_size, lookups
         self.owner = owner
+        self.not_serving = False  # the worker refused the engine (its answer to a lookup): requests run without kdn
         self._pending: dict[str, int] = {}  # req_id -> external tokens to load
         self._checks: dict[str, tuple] = {}  # req_id -> (start, end) of a hit held back for verification
         self._found: dict[str, Prefix] = {}  # req_id -> what its last lookup found
@@ -66,10 +67,17 @@ class SchedulerSide:
         tokens = np.asarray(request.prompt_token_ids or [], dtype=np.uint32)
         salt = self._salts[request.request_id] = getattr(request, "cache_salt", None) or None
         session = self.session.within(salt)  # vLLM's cache_salt: tenants never share KV
+        if self.not_serving:
+            return 0, False
         began = time.perf_counter()
         found = None  # the last token is computed: limit len - 1
         if not process.worker_here(self.engine):  # ask the worker's process: its memory tier is its own
-            found = self._lookups.lookup(tokens, len(tokens) - 1, salt)
+            try:
+                found = self._lookups.lookup(tokens, len(tokens) - 1, salt)
+            except WorkerNotServing as e:
+                log.warning("kdn: %s; requests run without kdn", e)
+                self.not_serving = True
+                return 0, False
         if found is None:
             found = self.engine.find(session, tokens, len(tokens) - 1)
             metrics.count(lookups=1)
