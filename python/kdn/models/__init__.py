@@ -9,6 +9,14 @@ from kdn._core import InvalidInputError
 from kdn.models.paths import ModelNotAvailableError, data_dirs, shared_dir
 
 MODELS = ("stories260k", "smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
+_ALIASES = {"stories-260k": "stories260k", "smollm2": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m"}
+
+
+def _named(name: str) -> str | None:
+    """The entry of :data:`MODELS` that ``name`` (any case, ``_`` or ``-``, an alias) names, else None."""
+    key = name.lower().replace("_", "-")
+    key = _ALIASES.get(key, key)
+    return key if key in MODELS else None
 
 
 def load(name: str, dtype=None):
@@ -27,16 +35,16 @@ def load(name: str, dtype=None):
         >>> model.config.num_hidden_layers
         5
     """
-    key = name.lower().replace("_", "-")
-    if key in ("stories260k", "stories-260k"):
+    key = _named(name)
+    if key == "stories260k":
         from kdn.models.stories260k import load_stories260k
 
         model, tokenizer = load_stories260k()
-    elif key in ("smollm2-135m", "smollm2", "smollm2-135m-instruct"):
+    elif key == "smollm2-135m":
         from kdn.models.smollm2 import load_smollm2
 
         model, tokenizer = load_smollm2()
-    elif key in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
+    elif key is not None:  # a Qwen2.5-Coder
         from kdn.models import qwen
 
         return qwen.load(key, dtype)
@@ -68,12 +76,12 @@ def checkpoint_dir(name: str) -> Path:
         Traceback (most recent call last):
         kdn._core.InvalidInputError: 'stories260k' has no checkpoint folder of kdn's: one of smollm2-135m, ...
     """
-    key = name.lower().replace("_", "-")
-    if key in ("smollm2-135m", "smollm2", "smollm2-135m-instruct"):
+    key = _named(name)
+    if key == "smollm2-135m":
         from kdn.models import smollm2
 
         folder = smollm2.converted_dir(smollm2.gguf_path())
-    elif key in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
+    elif key is not None and key != "stories260k":  # a Qwen2.5-Coder
         from kdn.models import qwen
 
         folder = qwen.converted_dir(key)

@@ -64,11 +64,11 @@ class SchedulerSide:
         self._requests: dict[str, _Request] = {}
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.not_serving:
+            return 0, False
         tokens = np.asarray(request.prompt_token_ids or [], dtype=np.uint32)
         salt = self._salts[request.request_id] = getattr(request, "cache_salt", None) or None
         session = self.session.within(salt)  # vLLM's cache_salt: tenants never share KV
-        if self.not_serving:
-            return 0, False
         began = time.perf_counter()
         found = None  # the last token is computed: limit len - 1
         if not process.worker_here(self.engine):  # ask the worker's process: its memory tier is its own
