@@ -1,6 +1,7 @@
 // CUDA twin of paged_copy_cpu, on the same KDN_HD index math (kdn/paged.h): one thread per 16-byte
 // piece of a head's row wherever both sides keep head_dim contiguous and 16-byte aligned (every GPU
-// layout of vLLM), else one thread per element (the CPU 'vec' layout's transposed K, odd shapes).
+// layout of vLLM), else one thread per element (the CPU 'vec' layout's transposed K, tiled
+// layouts, odd shapes).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -64,7 +65,8 @@ bool rows_aligned(const KvShape& chunk_shape, const PagedLayout& paged, void* co
                   int64_t elem_size) {
   auto aligned = [&](int64_t elements) { return (elements * elem_size) % 16 == 0; };
   for (const PlaneStrides* s : {&paged.k, &paged.v})
-    if (s->dim != 1 || !aligned(s->base) || !aligned(s->block) || !aligned(s->head) || !aligned(s->token))
+    if (s->dim != 1 || s->dim_tile != 0 || !aligned(s->base) || !aligned(s->block) || !aligned(s->head) ||
+        !aligned(s->token) || !aligned(s->token_tile_stride))
       return false;
   if (!aligned(chunk_shape.head_dim) || reinterpret_cast<uintptr_t>(chunk) % 16) return false;
   for (int64_t l = 0; l < paged.layers; ++l)

@@ -93,15 +93,19 @@ def test_blending_on_the_gpu_equals_blending_on_the_cpu(stories, mode):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["vec", "packed-LBHNC", "packed-LBNHC", "kv-first", "blocks-first"])
+@pytest.mark.parametrize("kind", ["vec", "amx", "packed-LBHNC", "packed-LBNHC", "kv-first", "blocks-first"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_copies_on_the_device_equal_the_cpu_oracle_in_every_layout(kind, dtype):
     """paged_copy_cuda (kernels/paged.cu) lays a chunk into GPU blocks and gathers it back bit-equal
-    to paged_copy_cpu on the same layout (vLLM's GPU packed layout in both stride orders among them)."""
+    to paged_copy_cpu on the same layout (vLLM's GPU packed layout in both stride orders among them,
+    and a tiled one: the CPU 'amx' kernel's, the same index math on the device)."""
     import numpy as np
 
     from kdn import _core
-    from test_paged import describe_layout, engine_layers
+    from test_paged import describe_layout, element_type, engine_layers
+
+    if element_type(kind, dtype) != dtype:
+        pytest.skip(f"the {kind!r} layout holds 16-bit KV")
 
     layers, heads, dim, block_size, num_blocks = 3, 2, 16, 16, 11
     chunk = torch.randn(layers, 2, 70, heads, dim).to(dtype)

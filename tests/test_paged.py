@@ -101,7 +101,7 @@ def test_a_requests_kv_gathered_out_of_the_blocks_is_what_was_laid_in(dtype):
 
 def engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype, device="cpu"):
     """Per-layer tensors as an engine allocates them: one pool for all layers, viewed per layer."""
-    if kind == "vec":
+    if kind in ("vec", "amx"):
         return [torch.zeros(num_blocks, heads, block_size, 2 * dim, dtype=dtype, device=device) for _ in range(layers)]
     if kind == "packed-LBHNC":  # [layers, blocks, heads, block, K||V] in memory
         pool = torch.zeros(layers, num_blocks, heads, block_size, 2 * dim, dtype=dtype, device=device)
@@ -117,10 +117,16 @@ def engine_layers(kind, layers, num_blocks, heads, block_size, dim, dtype, devic
 
 
 def describe_layout(kind, layer):
-    """The layout the vLLM connector derives from a layer tensor (its kernel: 'vec' on the CPU, else 'gpu')."""
+    """The layout the vLLM connector derives from a layer tensor (its kernel: 'vec' or 'amx' on the CPU,
+    else 'gpu')."""
     from kdn.engine.paged import vllm_layout
 
-    return vllm_layout(layer, "vec" if kind == "vec" else "gpu")
+    return vllm_layout(layer, kind if kind in ("vec", "amx") else "gpu")
+
+
+def element_type(kind, dtype=torch.float32):
+    """``dtype``, or bf16 where the layout holds 16-bit KV only (the 'amx' kernel's)."""
+    return torch.bfloat16 if kind == "amx" and dtype.itemsize != 2 else dtype
 
 
 def test_vllm_tensors_kdn_cannot_tell_apart_or_read_are_refused_with_what_was_found():
@@ -129,12 +135,17 @@ def test_vllm_tensors_kdn_cannot_tell_apart_or_read_are_refused_with_what_was_fo
     from kdn.engine.paged import vllm_layout
 
     for kind in KINDS:  # each engine layout is recognised as itself
-        expected = {"vec": "vllm-cpu-vec", "kv-first": "kv-first", "blocks-first": "blocks-first"}.get(kind, "packed")
-        assert describe_layout(kind, engine_layers(kind, 2, 4, 2, 16, 8, torch.float32)[1]).name == expected
+        expected = {"vec": "vllm-cpu-vec", "amx": "vllm-cpu-amx", "kv-first": "kv-first",
+                    "blocks-first": "blocks-first"}.get(kind, "packed")
+        assert describe_layout(kind, engine_layers(kind, 2, 4, 2, 16, 32, element_type(kind))[1]).name == expected
     with pytest.raises(InvalidInputError, match=r"\(2, 2, 16, 2, 8\)"):  # 2 blocks: which 2 is K/V?
         vllm_layout(torch.zeros(2, 2, 16, 2, 8), "gpu")
-    with pytest.raises(InvalidInputError, match="'amx'"):
-        vllm_layout(torch.zeros(4, 2, 16, 16), "amx")
+    with pytest.raises(InvalidInputError, match="'vec16'"):
+        vllm_layout(torch.zeros(4, 2, 16, 16), "vec16")
+    with pytest.raises(InvalidInputError, match="16-bit"):  # the 'amx' kernel's tiles hold bf16 pairs
+        vllm_layout(torch.zeros(4, 2, 16, 64), "amx")
+    with pytest.raises(InvalidInputError, match="multiples of 16"):
+        vllm_layout(torch.zeros(4, 2, 16, 40, dtype=torch.bfloat16), "amx")
     with pytest.raises(InvalidInputError, match=r"\(4, 16, 16\)"):
         vllm_layout(torch.zeros(4, 16, 16), "gpu")
 
@@ -148,6 +159,15 @@ def read_like_vllm(kind, layer, blocks, offsets, dim):
         keys = flat[:, :, : size * dim].reshape(num_blocks, heads, dim, size)
         values = flat[:, :, size * dim:].reshape(num_blocks, heads, size, dim)
         return keys[blocks, :, :, offsets], values[blocks, :, offsets]
+    if kind == "amx":  # the pages vLLM's cpu_attn_reshape_and_cache packs for AMX tiles, unpacked with views
+        num_blocks, heads, size, _ = layer.shape
+        flat = layer.reshape(num_blocks, heads, 2 * size * dim)
+        # K: [16-token groups, dim pairs, 16 tokens, 2 dims]; V: [16-dim groups, token pairs, 16 dims, 2 tokens]
+        keys = flat[:, :, : size * dim].reshape(num_blocks, heads, size // 16, dim // 2, 16, 2)
+        values = flat[:, :, size * dim:].reshape(num_blocks, heads, dim // 16, size // 2, 16, 2)
+        keys = keys.permute(0, 1, 2, 4, 3, 5).reshape(num_blocks, heads, size, dim)
+        values = values.permute(0, 1, 3, 5, 2, 4).reshape(num_blocks, heads, size, dim)
+        return keys[blocks, :, offsets], values[blocks, :, offsets]
     if kind.startswith("packed"):
         both = layer[blocks, :, offsets]  # [tokens, heads, K||V]
         return both[..., :dim], both[..., dim:]
@@ -156,7 +176,7 @@ def read_like_vllm(kind, layer, blocks, offsets, dim):
     return layer[blocks, 0, offsets], layer[blocks, 1, offsets]
 
 
-KINDS = ["vec", "packed-LBHNC", "packed-LBNHC", "kv-first", "blocks-first"]
+KINDS = ["vec", "amx", "packed-LBHNC", "packed-LBNHC", "kv-first", "blocks-first"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -164,6 +184,8 @@ KINDS = ["vec", "packed-LBHNC", "packed-LBNHC", "kv-first", "blocks-first"]
 @pytest.mark.parametrize("codec", ["raw", "int8"])
 @pytest.mark.parametrize("start,count", [(0, 96), (10, 75), (40, 41)])
 def test_every_engine_layout_gets_each_token_where_the_engine_reads_it(kind, dtype, codec, start, count):
+    if element_type(kind, dtype) != dtype:
+        pytest.skip(f"the {kind!r} layout holds 16-bit KV")
     layers, heads, dim, block_size, num_blocks = 3, 2, 16, 16, 11
     blobs, decoded = coded_chunks(dtype, codec, count)  # the decoded KV, in HF's layout
     block_ids = [7, 2, 9, 0, 4, 10, 1]  # a request's blocks, scattered over the pool
@@ -228,11 +250,11 @@ def test_a_blob_that_does_not_fit_is_found_before_any_block_is_written():
 def test_the_bound_paged_copy_is_the_unpack_and_gather_the_connector_uses(kind):
     """_core.paged_copy_cpu (the oracle of the CUDA twin) writes what unpack_chunks_paged writes."""
     layers, heads, dim, block_size, num_blocks = 2, 2, 16, 16, 8
-    kv = [torch.randn(1, heads, 64, dim) for _ in range(2 * layers)]
+    kv = [torch.randn(1, heads, 64, dim).to(element_type(kind)) for _ in range(2 * layers)]
     blob = _core.pack_chunk(kv, 0, 64, FP, bytes(16))
     ids = torch.tensor([5, 0, 7, 2]).numpy()
-    by_unpack = engine_layers(kind, layers, num_blocks, heads, block_size, dim, torch.float32)
-    by_copy = engine_layers(kind, layers, num_blocks, heads, block_size, dim, torch.float32)
+    by_unpack = engine_layers(kind, layers, num_blocks, heads, block_size, dim, element_type(kind))
+    by_copy = engine_layers(kind, layers, num_blocks, heads, block_size, dim, element_type(kind))
     layout = describe_layout(kind, by_unpack[0]).as_dict()
     _core.unpack_chunks_paged([blob], by_unpack, ids, 3, 64, layout=layout)
     _core.paged_copy_cpu(by_copy, ids, codecs.decode(blob).contiguous(), 3, 3, 61, False, layout=layout)
@@ -248,6 +270,8 @@ def test_chunks_sealed_straight_from_the_blocks_are_the_bytes_packed_from_the_mo
     what pack_chunk makes of the HF tensors the engine computed; the blocks are only read."""
     from kdn.engine.targets import PagedBlocks
 
+    if element_type(kind, dtype) != dtype:
+        pytest.skip(f"the {kind!r} layout holds 16-bit KV")
     layers, heads, dim, block_size, num_blocks = 3, 2, 16, 16, 11
     kv = [torch.randn(1, heads, 80, dim).to(dtype) for _ in range(2 * layers)]
     block_ids = [7, 2, 9, 0, 4, 10]

@@ -106,10 +106,11 @@ def test_engine_a_stores_and_its_second_prompt_hits(stored, reference):
 
 
 def test_an_engine_kdn_cannot_read_runs_as_vllm_alone_without_waiting(setup, reference):
-    """vLLM's CPU 'amx' kernel (bf16 on a CPU with AMX) lays blocks out as kdn does not read: the worker
-    refuses the engine and tells the scheduler, so the document's second question neither waits for a
-    store that never comes (it waited STORE_GRACE_S, 10 s, after the first) nor looks up at every step."""
-    out = engine(setup, {}, "--pretend-kernel", "amx")
+    """vLLM's CPU 'vec16' kernel (head sizes not a multiple of 32) lays blocks out as kdn does not read:
+    the worker refuses the engine and tells the scheduler, so the document's second question neither
+    waits for a store that never comes (it waited STORE_GRACE_S, 10 s, after the first) nor looks up
+    at every step."""
+    out = engine(setup, {}, "--pretend-kernel", "vec16")
     assert [r["tokens"] for r in out["results"]] == reference
     connector = out["stats"]["connector"]
     assert connector["stores"] == 0 and connector["loads"] == 0 and connector["hit_tokens"] == 0
@@ -324,6 +325,48 @@ def test_models_kdn_cannot_serve_are_named_and_served_nothing(setup):
     assert "SlidingWindowSpec" in why["swa_group"] and "not a local HF checkpoint" in why["hub_name"]
 
 
+KERNEL_WRITES = """
+import json, sys
+import numpy as np, torch
+from vllm import _custom_ops as ops
+from kdn import _core
+from kdn.engine.paged import vllm_layout
+torch.manual_seed(0)
+tokens, heads, dim, size, blocks = 90, 2, 64, 32, 6
+ids = np.array([4, 0, 5], dtype=np.int64)  # the request's blocks, scattered
+out = {}
+for kernel in sys.argv[1:]:
+    dtype = torch.bfloat16 if kernel == "amx" else torch.float32
+    key, value = torch.randn(tokens, heads, dim).to(dtype), torch.randn(tokens, heads, dim).to(dtype)
+    layer = torch.zeros(blocks, heads, size, 2 * dim, dtype=dtype)
+    keys, values = layer.view(blocks, heads, 2 * size, dim).chunk(2, dim=2)  # as vLLM's CPU backend splits it
+    slots = torch.tensor([int(ids[t // size]) * size + t % size for t in range(tokens)])
+    ops.cpu_attn_reshape_and_cache(key, value, keys, values, slots, kernel)
+    got = torch.empty(1, 2, tokens, heads, dim, dtype=dtype)
+    _core.gather_paged([layer], ids, got, layout=vllm_layout(layer, kernel).as_dict())
+    written = torch.zeros_like(layer)
+    _core.unpack_chunks_paged([_core.pack_chunk([key.transpose(0, 1)[None], value.transpose(0, 1)[None]], 0, tokens,
+                                                bytes(16), bytes(16))], [written], ids, 0, tokens,
+                              layout=vllm_layout(layer, kernel).as_dict())
+    out[kernel] = {"read": torch.equal(got[0, 0], key) and torch.equal(got[0, 1], value),
+                   "written": torch.equal(written, layer)}
+print(json.dumps(out))
+"""
+
+
+def test_kdn_reads_and_writes_the_cpu_kernels_blocks_where_vllm_does(setup):
+    """vLLM's own writer (cpu_attn_reshape_and_cache, each CPU kernel's) against kdn's layouts: what it
+    wrote, kdn gathers back exactly, and kdn writing the same KV gives the same blocks, byte for byte.
+    The 'amx' kernel (bf16 packed for AMX tiles) runs only on a CPU with AMX."""
+    import torch
+
+    kernels = ["vec", "amx"] if torch.cpu._is_amx_tile_supported() else ["vec"]
+    proc = subprocess.run([setup[0], "-c", KERNEL_WRITES, *kernels], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {k: {"read": True, "written": True} for k in kernels}
+
+
 @pytest.fixture(scope="module")
 def scheduled(setup, redis_server) -> dict:
     """Issues 24, 27 and 46: vLLM's Scheduler in-process with both connector halves, the worker's
@@ -432,18 +475,13 @@ def test_a_bf16_engine_stores_and_a_new_engine_process_hits(setup, tmp_path):
     bf16; an HF bf16 reader of the folder hits, and the KV it is served is as close to an fp32
     prefill's as its own bf16 prefill is (logits are no reference here: over KV closer to fp32's
     than its own, the reader's max logit differed from its bf16 prefill's by 1.5-1.8); an fp32 reader
-    is a different fidelity class, served nothing."""
+    is a different fidelity class, served nothing. On a CPU with AMX, vLLM's bf16 blocks are its 'amx'
+    kernel's (packed for AMX tiles): kdn reads and writes those there."""
     bf16 = ("--dtype", "bfloat16")
     reference = [r["tokens"] for r in engine(setup, None, *bf16)["results"]]
     disk = str(tmp_path / "kv")
     a = engine(setup, {"disk_dir": disk}, *bf16)
     assert [r["tokens"] for r in a["results"]] == reference
-    import torch
-
-    if torch.cpu._is_amx_tile_supported():  # vLLM then picks its 'amx' kernel for bf16 (blocks of 32k tokens)
-        assert a["stats"]["connector"]["stores"] == 0 and a["stats"]["connector"]["lookups"] <= 1
-        pytest.skip("this CPU has AMX: vLLM's bf16 blocks are its 'amx' kernel's, which kdn does not read yet; "
-                    "the engine ran as vLLM alone (asserted)")
     assert a["stats"]["connector"]["stores"] == 1 and a["stats"]["connector"]["loaded_tokens"] >= 1500
     b = engine(setup, {"disk_dir": disk}, *bf16)
     assert [r["tokens"] for r in b["results"]] == reference

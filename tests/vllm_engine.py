@@ -33,8 +33,8 @@ def main() -> None:
                         help="N:I: right after the N-th lookup (1-based), drop chunk I of that prompt's stored "
                              "prefix (evicted between lookup and load: the load fails part-way)")
     parser.add_argument("--pretend-kernel", default="",
-                        help="tell kdn vLLM picked this CPU attention kernel (e.g. amx, as on a CPU with AMX "
-                             "in bf16): one whose blocks kdn does not read")
+                        help="tell kdn vLLM picked this CPU attention kernel (e.g. vec16, as for head sizes "
+                             "not a multiple of 32): one whose blocks kdn does not read")
     parser.add_argument("--cache-salt", default=None, help="vLLM's cache_salt of every prompt (a tenant)")
     parser.add_argument("--kill-after-first", type=int, default=0,
                         help="a process to kill (SIGKILL) once the first prompt is answered: a store going down")

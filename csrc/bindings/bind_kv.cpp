@@ -66,7 +66,8 @@ KvViews kv_views(const py::sequence& kv, bool need_writable) {
 // An engine's paged KV tensors, one per layer, and the layout they are read and written by
 // (kdn/paged.h): `layout` None is vLLM's CPU 'vec' layout of contiguous [blocks, kv_heads,
 // block_size, 2 * head_dim] tensors; otherwise a dict {"kv_heads", "head_dim", "block_size",
-// "num_blocks", "k": (base, block, head, token, dim), "v": (...)} of element strides
+// "num_blocks", "k": (base, block, head, token, dim[, token_tile, token_tile_stride, dim_tile,
+// dim_tile_stride]), "v": (...)} of element strides
 // (python/kdn/engine/paged.py derives it from an engine's tensors).
 struct PagedLayers {
   std::vector<HeldView> held;
@@ -77,8 +78,12 @@ struct PagedLayers {
 
 PlaneStrides plane_arg(const py::handle& value, const char* name) {
   const auto t = value.cast<std::vector<int64_t>>();
-  KDN_CHECK_INPUT(t.size() == 5, std::string("paged layout: ") + name + " must be (base, block, head, token, dim)");
-  return PlaneStrides{t[0], t[1], t[2], t[3], t[4]};
+  KDN_CHECK_INPUT(t.size() == 5 || t.size() == 9,
+                  std::string("paged layout: ") + name +
+                      " must be (base, block, head, token, dim) or that and (token_tile, token_tile_stride, "
+                      "dim_tile, dim_tile_stride)");
+  if (t.size() == 5) return PlaneStrides{t[0], t[1], t[2], t[3], t[4]};
+  return PlaneStrides{t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8]};
 }
 
 // The largest element offset a tensor view can address (strides must be non-negative).

@@ -10,13 +10,23 @@
 namespace kdn {
 namespace {
 
-// One token's head_dim values: contiguous in the chunk, `stride` elements apart in the block.
+// One token's head_dim values: contiguous in the chunk, `s.dim` elements apart in the block (in
+// tiles of s.dim_tile, s.dim_tile_stride apart, when the plane is tiled).
 template <typename T>
-void copy_strided(T* paged, int64_t stride, T* row, int64_t dim, CopyDirection dir) {
-  if (dir == CopyDirection::kChunkToCache)
-    for (int64_t d = 0; d < dim; ++d) paged[d * stride] = row[d];
-  else
-    for (int64_t d = 0; d < dim; ++d) row[d] = paged[d * stride];
+void copy_strided(T* paged, const PlaneStrides& s, T* row, int64_t dim, CopyDirection dir) {
+  const int64_t tile = s.dim_tile ? s.dim_tile : dim;
+  for (int64_t first = 0; first < dim; first += tile, paged += s.dim_tile_stride) {
+    const int64_t n = std::min(tile, dim - first);
+    if (dir == CopyDirection::kChunkToCache)
+      for (int64_t d = 0; d < n; ++d) paged[d * s.dim] = row[first + d];
+    else
+      for (int64_t d = 0; d < n; ++d) row[first + d] = paged[d * s.dim];
+  }
+}
+
+// The largest offset indices [0, n) reach along a (possibly tiled) axis.
+int64_t axis_extent(int64_t n, int64_t stride, int64_t tile, int64_t tile_stride) {
+  return tile ? (n - 1) / tile * tile_stride + (std::min(tile, n) - 1) * stride : (n - 1) * stride;
 }
 
 }  // namespace
@@ -24,9 +34,12 @@ void copy_strided(T* paged, int64_t stride, T* row, int64_t dim, CopyDirection d
 int64_t paged_extent(const PagedLayout& p) {
   int64_t most = 0;
   for (const PlaneStrides& s : {p.k, p.v}) {
-    if (s.base < 0 || s.block < 0 || s.head < 0 || s.token < 0 || s.dim < 0) return -1;
+    if (s.base < 0 || s.block < 0 || s.head < 0 || s.token < 0 || s.dim < 0 || s.token_tile < 0 ||
+        s.token_tile_stride < 0 || s.dim_tile < 0 || s.dim_tile_stride < 0)
+      return -1;
     most = std::max(most, s.base + (p.num_blocks - 1) * s.block + (p.kv_heads - 1) * s.head +
-                              (p.block_size - 1) * s.token + (p.head_dim - 1) * s.dim);
+                              axis_extent(p.block_size, s.token, s.token_tile, s.token_tile_stride) +
+                              axis_extent(p.head_dim, s.dim, s.dim_tile, s.dim_tile_stride));
   }
   return most;
 }
@@ -49,22 +62,23 @@ void paged_copy_cpu(const KvShape& chunk_shape, const PagedLayout& paged, void* 
   parallel_for(chunk_shape.layers * 2 * chunk_shape.kv_heads, threads, [&](int64_t item) {
     const int64_t tensor = item / chunk_shape.kv_heads, head = item % chunk_shape.kv_heads;
     const int64_t layer = tensor / 2, kv = tensor % 2;
-    const int64_t dim_stride = (kv == 0 ? paged.k : paged.v).dim;
+    const PlaneStrides& plane = kv == 0 ? paged.k : paged.v;
+    const bool rows = plane.dim == 1 && plane.dim_tile == 0;
     auto* base = static_cast<uint8_t*>(layers[layer]);
     for (int64_t t = 0; t < count; ++t) {
       const int64_t p = position + t;
       uint8_t* m = base + paged_offset(paged, block_ids[p / paged.block_size], kv, p % paged.block_size, head, 0) *
                               elem_size;
       uint8_t* c = static_cast<uint8_t*>(chunk) + canonical_offset(chunk_shape, layer, kv, from + t, head, 0) * elem_size;
-      if (dim_stride == 1) {  // a row on both sides
+      if (rows) {  // a row on both sides
         if (dir == CopyDirection::kChunkToCache)
           std::memcpy(m, c, row_bytes);
         else
           std::memcpy(c, m, row_bytes);
       } else if (elem_size == 4) {  // e.g. the 'vec' kernel's transposed K: one column per token
-        copy_strided(reinterpret_cast<uint32_t*>(m), dim_stride, reinterpret_cast<uint32_t*>(c), dim, dir);
-      } else {
-        copy_strided(reinterpret_cast<uint16_t*>(m), dim_stride, reinterpret_cast<uint16_t*>(c), dim, dir);
+        copy_strided(reinterpret_cast<uint32_t*>(m), plane, reinterpret_cast<uint32_t*>(c), dim, dir);
+      } else {  // or the 'amx' kernel's tiles
+        copy_strided(reinterpret_cast<uint16_t*>(m), plane, reinterpret_cast<uint16_t*>(c), dim, dir);
       }
     }
   });

@@ -1,6 +1,7 @@
 // The blob format: a sealed chunk parses back, and every kind of damage is a failed Status.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -180,6 +181,24 @@ TEST(Paged, ChunksLandWhereVllmsCpuKernelReadsThemAndComeBackTheSame) {
       for (int64_t t = 0; t < 37; ++t)
         for (int64_t i = 0; i < 16; ++i)  // heads x dim
           ASSERT_EQ(chunk[((layer * 2 + kv) * 37 + t) * 16 + i], raw[((layer * 2 + kv) * 40 + t + 3) * 16 + i]);
+}
+
+TEST(Paged, TiledPlanesReachEveryElementOfTheirPagesOnceAndNoFurther) {
+  // vLLM's CPU 'amx' pages (python/kdn/engine/paged.py): 3 blocks of 32 tokens, 2 heads, dim 32
+  const int64_t B = 32, D = 32, H = 2, N = 3, page = 2 * B * D;
+  const PagedLayout p{1, H, D, B, N, PlaneStrides{0, H * page, page, 2, 1, 16, 16 * D, 2, 32},
+                      PlaneStrides{B * D, H * page, page, 1, 2, 2, 32, 16, 16 * B}};
+  std::vector<int> seen(N * H * page, 0);
+  for (int64_t block = 0; block < N; ++block)
+    for (int64_t kv = 0; kv < 2; ++kv)
+      for (int64_t head = 0; head < H; ++head)
+        for (int64_t t = 0; t < B; ++t)
+          for (int64_t d = 0; d < D; ++d) ++seen[paged_offset(p, block, kv, t, head, d)];
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), N * H * page);
+  EXPECT_EQ(paged_extent(p), N * H * page - 1);
+  // K's first token: dims in pairs 32 elements apart; V's first dim: tokens in pairs 32 apart
+  EXPECT_EQ(paged_offset(p, 0, 0, 0, 0, 3), 33);
+  EXPECT_EQ(paged_offset(p, 0, 1, 3, 0, 0), B * D + 33);
 }
 
 TEST(Blob, Format2VerifiesOneLayerGroupAloneAndFormat1IsStillRead) {

@@ -9,7 +9,9 @@
 //   vLLM CPU 'vec' kernel, [blocks, heads, block_size, 2 * head_dim] reinterpreted per (block, head)
 //     as K transposed [head_dim, block_size] then V [block_size, head_dim]  (vec_layout below);
 //   vLLM GPU, [blocks, heads, block_size, K||V] viewed over any physical stride order;
-//   older vLLM, (2, blocks, block_size, heads, dim) and (blocks, 2, block_size, heads, dim).
+//   older vLLM, (2, blocks, block_size, heads, dim) and (blocks, 2, block_size, heads, dim);
+//   vLLM CPU 'amx' kernel (bf16), tiled: a token index t counts as (t / token_tile, t % token_tile)
+//     with strides (token_tile_stride, token), a dim index likewise (dim_tile, dim_tile_stride, dim).
 #pragma once
 
 #include "kdn/kv_copy.h"
@@ -19,6 +21,8 @@ namespace kdn {
 
 struct PlaneStrides {  // in elements
   int64_t base, block, head, token, dim;
+  // Tiles, 0 for none: token t sits at (t / token_tile) * token_tile_stride + (t % token_tile) * token.
+  int64_t token_tile = 0, token_tile_stride = 0, dim_tile = 0, dim_tile_stride = 0;
 };
 
 struct PagedLayout {
@@ -30,10 +34,16 @@ struct PagedLayout {
   PlaneStrides k, v;
 };
 
+// Index i along an axis of `stride`, cut in tiles of `tile` elements `tile_stride` apart (tile 0: none).
+KDN_HD int64_t tiled_offset(int64_t i, int64_t stride, int64_t tile, int64_t tile_stride) {
+  return tile ? (i / tile) * tile_stride + (i % tile) * stride : i * stride;
+}
+
 KDN_HD int64_t paged_offset(const PagedLayout& p, int64_t block, int64_t kv, int64_t offset, int64_t head,
                             int64_t dim) {
   const PlaneStrides& s = kv == 0 ? p.k : p.v;
-  return s.base + block * s.block + head * s.head + offset * s.token + dim * s.dim;
+  return s.base + block * s.block + head * s.head + tiled_offset(offset, s.token, s.token_tile, s.token_tile_stride) +
+         tiled_offset(dim, s.dim, s.dim_tile, s.dim_tile_stride);
 }
 
 // vLLM's CPU 'vec' kernel layout (measured against HF's cache, tests/test_vllm.py).

@@ -3,8 +3,9 @@
 kdn's C++ core copies chunks in and out of any layout given as element strides (``kdn/paged.h``;
 FlashInfer's ``paged_kv_t`` is the model): element (block, head, offset, dim) of K is at
 ``k.base + block * k.block + head * k.head + offset * k.token + dim * k.dim`` from the layer
-tensor's data pointer, V likewise. :class:`PagedLayout` derives those numbers from the tensors an
-engine hands over; a new engine layout is one more constructor here, not new C++.
+tensor's data pointer, V likewise; a plane may also cut the token and dim indices in tiles (vLLM's
+CPU ``amx`` kernel). :class:`PagedLayout` derives those numbers from the tensors an engine hands
+over; a new engine layout is one more constructor here, not new C++.
 
 Example:
     >>> from kdn.engine.paged import PagedLayout
@@ -24,7 +25,10 @@ import torch
 
 from kdn._core import InvalidInputError
 
-Plane = tuple[int, int, int, int, int]  # (base, block, head, token, dim) element strides
+# (base, block, head, token, dim) element strides, optionally followed by tiles (token_tile,
+# token_tile_stride, dim_tile, dim_tile_stride): token t then sits at
+# (t // token_tile) * token_tile_stride + (t % token_tile) * token, a dim index likewise
+Plane = tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +61,25 @@ class PagedLayout:
         dim, page = both // 2, size * both
         return cls(heads, dim, size, blocks, (0, heads * page, page, 1, size),
                    (size * dim, heads * page, page, dim, 1), "vllm-cpu-vec")
+
+    @classmethod
+    def vllm_cpu_amx(cls, layer: torch.Tensor) -> PagedLayout:
+        """vLLM's CPU ``amx`` attention kernel (bf16 on CPUs with AMX): the ``vec`` kernel's tensor and
+        pages (K then V per (block, head)), each packed for AMX tiles of 64-byte rows. K holds 16-token
+        groups, in each every token's dims in pairs, pair after pair: (t, d) at
+        ``(t // 16) * 16 * head_dim + (d // 2) * 32 + (t % 16) * 2 + d % 2``; V holds 16-dim groups, in
+        each token pairs: ``(d // 16) * 16 * block_size + (t // 2) * 32 + (d % 16) * 2 + t % 2`` (vLLM's
+        ``cpu_attn_reshape_and_cache`` writes exactly these, tests/test_vllm.py)."""
+        _expect(layer, 4, "[blocks, kv_heads, block_size, 2 * head_dim]")
+        blocks, heads, size, both = layer.shape
+        dim = both // 2
+        if not layer.is_contiguous() or layer.element_size() != 2 or size % 16 or dim % 16:
+            raise InvalidInputError(f"vLLM CPU 'amx' layout: a contiguous 16-bit tensor with block_size and "
+                                    f"head_dim multiples of 16 is expected, got {tuple(layer.shape)} "
+                                    f"{layer.dtype} with strides {layer.stride()}")
+        page = size * both
+        return cls(heads, dim, size, blocks, (0, heads * page, page, 2, 1, 16, 16 * dim, 2, 32),
+                   (size * dim, heads * page, page, 1, 2, 2, 32, 16, 16 * size), "vllm-cpu-amx")
 
     @classmethod
     def packed(cls, layer: torch.Tensor) -> PagedLayout:
@@ -95,8 +118,8 @@ class PagedLayout:
 def vllm_layout(layer: torch.Tensor, kernel: str) -> PagedLayout:
     """The layout of one of vLLM's per-layer KV tensors, as vLLM hands them to a KV connector.
 
-    ``kernel`` is the attention kernel that owns the blocks: ``"vec"`` (vLLM's CPU kernel, the only
-    CPU one kdn reads) or ``"gpu"`` (FLASH_ATTN, FLASHINFER, TRITON_ATTN: the packed
+    ``kernel`` is the attention kernel that owns the blocks: ``"vec"`` or ``"amx"`` (vLLM's CPU
+    kernels kdn reads; ``"amx"`` is bf16 on CPUs with AMX) or ``"gpu"`` (FLASH_ATTN, FLASHINFER, TRITON_ATTN: the packed
     ``[blocks, heads, block, K||V]`` view since RFC #42082, or the older 5-D shapes, told apart by
     where their 2 is). Anything else is an :class:`InvalidInputError` that says what was found.
 
@@ -109,9 +132,11 @@ def vllm_layout(layer: torch.Tensor, kernel: str) -> PagedLayout:
     """
     if kernel == "vec":
         return PagedLayout.vllm_cpu_vec(layer)
+    if kernel == "amx":
+        return PagedLayout.vllm_cpu_amx(layer)
     if kernel != "gpu":
-        raise InvalidInputError(f"vLLM attention kernel {kernel!r}: kdn reads the CPU 'vec' kernel's blocks "
-                                "and the GPU backends' (FLASH_ATTN, FLASHINFER, TRITON_ATTN)")
+        raise InvalidInputError(f"vLLM attention kernel {kernel!r}: kdn reads the CPU 'vec' and 'amx' kernels' "
+                                "blocks and the GPU backends' (FLASH_ATTN, FLASHINFER, TRITON_ATTN)")
     if layer.dim() == 4:
         return PagedLayout.packed(layer)
     if layer.dim() == 5 and (layer.shape[0] == 2) != (layer.shape[1] == 2):
