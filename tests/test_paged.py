@@ -226,6 +226,9 @@ def test_a_layout_that_reaches_beyond_the_tensor_is_refused_before_any_write():
     with pytest.raises(ValueError, match="base, block, head, token, dim"):
         _core.gather_paged([layer], torch.tensor([0, 1]).numpy(), torch.empty(1, 2, 32, 2, 16),
                            layout={**layout, "k": (0, 1)})
+    with pytest.raises(ValueError, match="tile must divide"):  # a tiled plane whose tiles do not fit the block
+        _core.gather_paged([layer], torch.tensor([0, 1]).numpy(), torch.empty(1, 2, 32, 2, 16),
+                           layout={**layout, "k": (*layout["k"], 3, 3 * 32, 0, 0)})
     assert not layer.any()
     with pytest.raises(InvalidInputError, match="odd"):
         PagedLayout.packed(torch.zeros(4, 2, 16, 31))

@@ -121,6 +121,10 @@ PagedLayers paged_layers(const py::sequence& layers, const py::object& layout,
         const PagedLayout& l = out.layout;
         KDN_CHECK_INPUT(l.kv_heads > 0 && l.head_dim > 0 && l.block_size > 0 && l.num_blocks > 0,
                         "paged layout: kv_heads, head_dim, block_size and num_blocks must be positive");
+        for (const PlaneStrides& s : {l.k, l.v})
+          KDN_CHECK_INPUT((s.token_tile <= 0 || l.block_size % s.token_tile == 0) &&
+                              (s.dim_tile <= 0 || l.head_dim % s.dim_tile == 0),
+                          "paged layout: a token tile must divide block_size and a dim tile head_dim");
       }
       KDN_CHECK_INPUT(paged_extent(out.layout) >= 0, "paged layout: strides must be non-negative");
     }
