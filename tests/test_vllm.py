@@ -271,6 +271,7 @@ def test_vllm_serve_answers_through_openai_with_kdn_counters_on_metrics(setup, t
     assert out["metrics"].get("vllm:kdn_stores_total", 0) >= 1
     assert out["too_long"] == "BadRequestError"
     assert out["metrics"].get("vllm:kdn_memory_chunks_total", 0) >= 1  # the second question's hit, by tier
+    assert "vllm:kdn_layer_wait_seconds_total" in out["metrics"]  # what the forward waited for its layers
     # two questions of a new document at once: one waited for the other's prefill, a count that
     # lives in the scheduler's process and reaches /metrics too
     assert all(out["together"]) and out["metrics"].get("vllm:kdn_in_flight_waits_total", 0) >= 1

@@ -10,9 +10,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 NAMES = ("lookups", "hit_tokens", "loads", "loaded_tokens", "load_errors", "stores", "stored_tokens",
          "refused_stores", "verify_checks", "verify_mismatches",
          # where the time goes: the scheduler's lookups (its thread), loads into the blocks and gathers
-         # of finished prompts out of them (the engine's thread, between forwards), stores (the store
-         # thread: wall time, its CPU time, and the wall time spent waiting on the tiers' writes)
-         "lookup_seconds", "load_seconds", "gather_seconds", "store_seconds", "store_cpu_seconds", "flush_seconds",
+         # of finished prompts out of them (the engine's thread, between forwards), the forward waiting
+         # for layers a layer-wise load had not laid in yet, stores (the store thread: wall time, its
+         # CPU time, and the wall time spent waiting on the tiers' writes)
+         "lookup_seconds", "load_seconds", "gather_seconds", "layer_wait_seconds", "store_seconds",
+         "store_cpu_seconds", "flush_seconds",
          # chunks each tier served to this process' loads (from the tiers' own counters)
          "memory_chunks", "disk_chunks", "remote_chunks",
          # requests that waited for another's prefill of their document (asked again later)

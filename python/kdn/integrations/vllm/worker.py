@@ -103,12 +103,13 @@ class WorkerSide:
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._streams:
             return  # loaded whole by start_load_kv
-        layer = layer_index(layer_name)
+        layer, began = layer_index(layer_name), time.perf_counter()
         for spec, load in self._streams:
             try:
                 load.stream.wait(layer)
             except DeliveryError as e:  # reported after the forward; vLLM recomputes the request's blocks
                 log.debug("kdn: layer %d of request %s not delivered: %s", layer, spec.req_id, e)
+        metrics.count(layer_wait_seconds=time.perf_counter() - began)  # the model waiting for kdn's layers
 
     def _finish_streams(self) -> None:
         """After the forward: every stream of this step has ended; a failed one's blocks are reported."""
