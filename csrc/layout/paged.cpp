@@ -13,7 +13,8 @@ namespace {
 // One token's head_dim values: contiguous in the chunk, `s.dim` elements apart in the block, or in
 // tiles of s.dim_tile, s.dim_tile_stride apart (dim d at (d / tile) * tile_stride + (d % tile) * s.dim;
 // tiles divide head_dim). The longer of the two loops runs inside: the 'amx' kernel's K has tiles of
-// 2 (measured: 4K bf16 tokens laid in 1.4-1.6x the 'vec' layout's time, 1.9x with the tiles outside).
+// 2 (4K bf16 tokens laid in 1.2-1.6x the 'vec' layout's time, 1.8-2.1x with the tiles outside; ratios
+// within one process, a noisy host).
 template <typename T>
 void copy_strided(T* paged, const PlaneStrides& s, T* row, int64_t dim, CopyDirection dir) {
   const int64_t tile = s.dim_tile ? s.dim_tile : dim, tiles = dim / tile;
