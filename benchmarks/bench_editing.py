@@ -18,6 +18,10 @@ Per config: stored bytes (masks + rows, as coded) vs the fp16 size of the exact 
 its 95% bootstrap interval and the paired difference to ``full``, answers identical to ``full``'s,
 deposit seconds per 1K tokens, hit TTFT.
 
+The JSON is written after every record; ``--resume`` continues a run that stopped (same command
+plus ``--resume``): the records its JSON holds are kept, answers rescored, and the earlier run's
+provenance kept under ``earlier_runs``; hit TTFT then covers the records this process timed.
+
     python benchmarks/bench_editing.py --model qwen2.5-coder-1.5b --task lines --records 6 \
         --keeps 0.5,0.3,0.2 --codecs raw,int4,kvtc:ratio=8 --out benchmarks/results/editing/qwen15
 """
@@ -29,6 +33,7 @@ import json
 import os
 import random
 import re
+import shlex
 import sys
 import tempfile
 import time
@@ -97,11 +102,41 @@ def copy_into(src: KDN, dst: KDN, model, context: list[int], specs: list[str]) -
     assert src.engine.copy_to(dst.engine, addresses) == len(addresses), "a deposited blob is missing"
 
 
+RESUMED_ARGS = ("model", "task", "first", "lines", "questions", "keeps", "codecs", "calibration_records", "joint",
+                "full_check", "max_new_tokens")
+
+
+def resumed(args, records, configs) -> tuple[dict, list, list, int, list]:
+    """What an earlier run of the same command left in ``--out``: (results, deposits, full checks,
+    records done, earlier runs' provenance), each config's answers rescored against ``records``' golds.
+    The earlier run's arguments are read back from the command its record holds."""
+    results = {c: {"answers": {}, "correct": {}, "ttft": [], "stored": 0, "fp16": 0} for c in configs}
+    path = Path(args.out) / "bench_editing.json"
+    if not args.resume or not path.exists():
+        return results, [], [], 0, []
+    earlier = json.loads(path.read_text())
+    before = arguments().parse_args(shlex.split(earlier["run"]["command"])[2:])
+    changed = {a: getattr(before, a) for a in RESUMED_ARGS if getattr(before, a) != getattr(args, a)}
+    if changed:
+        raise SystemExit(f"bench_editing --resume: {path} was written with other arguments {changed}; "
+                         "use another --out")
+    for row in earlier["rows"]:
+        into = results[(row["codec"], row["edit"])]
+        into.update(stored=row["stored_bytes"], fp16=row["fp16_bytes"], answers=dict(row["answers"]),
+                    ttft=list(row.get("ttft_s", [])))
+        for key, text in row["answers"].items():
+            r, q = map(int, key.split("."))
+            into["correct"][key] = float(records[r][2][q].lower() in text.lower())
+    right, checked = map(int, earlier["exact_hit_equals_full_prefill"].split("/"))
+    runs = [*earlier.get("earlier_runs", []), earlier["run"]]
+    return results, list(earlier["deposits"]), [True] * right + [False] * (checked - right), earlier["records"], runs
+
+
 def exact_bytes(cache: KDN, model, context: list[int]) -> int:
     return sum(cache.engine.stored_bytes(key) for key in cache.chunk_keys(model, context))
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--task", choices=["demo", "lines"], default="demo")
@@ -117,7 +152,13 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--out", default="bench_out/editing")
     parser.add_argument("--replot", action="store_true", help="only redraw --out's plot from its JSON")
-    args = parser.parse_args()
+    parser.add_argument("--resume", action="store_true", help="keep the records --out's JSON holds (the same "
+                        "command, stopped), run the rest")
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     if args.replot:
         plot(json.loads((Path(args.out) / "bench_editing.json").read_text()), Path(args.out) / "accuracy_vs_size.png")
         return
@@ -137,9 +178,10 @@ def main() -> None:
     kvtc_disk = next((c for c in codecs if c.startswith("kvtc")), None) if not args.joint else None
     gen = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": tokenizer.eos_token_id}
     configs = [(codec, spec) for codec in codecs for spec in [None, *specs]]
-    results = {c: {"answers": {}, "correct": {}, "ttft": [], "stored": 0, "fp16": 0} for c in configs}
-    full_checks, deposits = [], []
+    results, deposits, full_checks, done, earlier_runs = resumed(args, records, configs)
     for r, (context_text, questions, golds) in enumerate(records):
+        if r < done:
+            continue
         prompts = [prompt_ids(tokenizer, context_text, q) for q in questions]
         context = shared_context(prompts)
         shared = len(context)
@@ -181,10 +223,10 @@ def main() -> None:
                 out = model.generate(prompts[q], **gen)
             text = tokenizer.decode(out[0, prompts[q].shape[1]:], skip_special_tokens=True)
             full_checks.append(text == results[(codecs[0], None)]["answers"][f"{r}.{q}"])
-        write_report(args, results, configs, codecs, records[:r + 1], deposits, full_checks)
+        write_report(args, results, configs, codecs, records[:r + 1], deposits, full_checks, earlier_runs)
 
 
-def write_report(args, results, configs, codecs, records, deposits, full_checks) -> None:
+def write_report(args, results, configs, codecs, records, deposits, full_checks, earlier_runs=()) -> None:
     """Print and write the table and the JSON of what has run so far (after every record: a long run
     that stops early keeps its records)."""
     reference = results[("raw", None)] if "raw" in codecs else results[configs[0]]
@@ -197,10 +239,12 @@ def write_report(args, results, configs, codecs, records, deposits, full_checks)
                      "identical_to_full": sum(row["answers"][k] == reference["answers"][k] for k in row["answers"]) / n,
                      "stored_bytes": row["stored"], "fp16_bytes": row["fp16"],
                      "x_smaller_than_fp16": row["fp16"] / row["stored"],
-                     "ttft_median_s": sorted(row["ttft"])[len(row["ttft"]) // 2], "answers": row["answers"]})
+                     "ttft_median_s": sorted(row["ttft"])[len(row["ttft"]) // 2], "ttft_s": row["ttft"],
+                     "answers": row["answers"]})
     rows.sort(key=lambda x: x["x_smaller_than_fp16"])
     tokens = sum(d["tokens"] for d in deposits)
-    summary = {"model": args.model, "task": args.task, "records": len(records), "deposits": deposits,
+    summary = {**({"earlier_runs": list(earlier_runs)} if earlier_runs else {}),
+               "model": args.model, "task": args.task, "records": len(records), "deposits": deposits,
                "deposit_s_per_1k_tokens": sum(d["seconds"] for d in deposits) / tokens * 1000,
                "exact_hit_equals_full_prefill": f"{sum(full_checks)}/{len(full_checks)}", "rows": rows}
     lines = [f"**{args.task}** on {args.model}: {len(records)} contexts, {rows[0]['questions']} questions per config "

@@ -94,3 +94,36 @@ def test_chat_prefills_put_each_row_beside_the_floor_no_cache_goes_under():
             {"config": "kdn-disk", "workload": "chat", "hit_rate": 0.7, "returning_served": 0.875,
              "kdn": {"stored_tokens": 1000.0}}]
     assert serving_costs.chat_prefills(rows) == {"prompt": 1000.0, "floor": 200, "vllm-prefix": 1000, "kdn-disk": 300}
+
+
+def test_an_editing_run_resumed_keeps_its_records_rescored_and_refuses_other_arguments(tmp_path, monkeypatch):
+    """bench_editing --resume: what the JSON of a stopped run holds (its records' answers, rescored
+    against the golds, stored bytes, TTFTs, deposits, full-prefill checks, provenance) comes back as the
+    run had it; a run with other arguments is refused, not merged."""
+    import bench_editing
+
+    argv = ["bench_editing.py", "--task", "lines", "--records", "3", "--questions", "2", "--keeps", "0.5",
+            "--codecs", "raw", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)  # what the record's command says
+    args = bench_editing.arguments().parse_args(argv[1:])
+    records = bench_editing.line_records(3, 100, 2)
+    configs = [("raw", None), ("raw", bench_editing.parse("kvzip:keep=0.5").spec)]
+    results = {c: {"answers": {}, "correct": {}, "ttft": [0.1, 0.3], "stored": 100 + i, "fp16": 400}
+               for i, c in enumerate(configs)}
+    for c in configs:
+        for q in range(2):
+            wrong = c[1] is not None and q == 1
+            results[c]["answers"][f"0.{q}"] = "It is 12." if wrong else f"The number is {records[0][2][q]}."
+            results[c]["correct"][f"0.{q}"] = 0.0 if wrong else 1.0
+    deposit = {"tokens": 1700, "seconds": 90.0, "prefill_seconds": 30.0, "edit_seconds": {}}
+    bench_editing.write_report(args, results, configs, ["raw"], records[:1], [deposit], [True])
+
+    args.resume = True
+    got, deposits, checks, done, runs = bench_editing.resumed(args, records, configs)
+    assert got == results and deposits == [deposit] and checks == [True] and done == 1
+    assert runs[0]["command"].endswith(" ".join(argv[1:]))
+    other = bench_editing.arguments().parse_args([*argv[1:5], "--questions", "3", *argv[7:], "--resume"])
+    with pytest.raises(SystemExit, match="questions"):
+        bench_editing.resumed(other, records, configs)
+    args.resume = False  # without --resume a run starts afresh
+    assert bench_editing.resumed(args, records, configs)[3] == 0
