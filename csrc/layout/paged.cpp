@@ -10,26 +10,16 @@
 namespace kdn {
 namespace {
 
-// One token's head_dim values: contiguous in the chunk, `s.dim` elements apart in the block, or in
-// tiles of s.dim_tile, s.dim_tile_stride apart (dim d at (d / tile) * tile_stride + (d % tile) * s.dim;
-// tiles divide head_dim). The longer of the two loops runs inside: the 'amx' kernel's K has tiles of
-// 2 (4K bf16 tokens laid in 1.2-1.6x the 'vec' layout's time, 1.8-2.1x with the tiles outside; ratios
-// within one process, a noisy host).
+// One token's head_dim values: contiguous in the chunk, `s.dim` elements apart in the block (in
+// tiles of s.dim_tile, s.dim_tile_stride apart, when the plane is tiled; tiles divide head_dim).
 template <typename T>
 void copy_strided(T* paged, const PlaneStrides& s, T* row, int64_t dim, CopyDirection dir) {
-  const int64_t tile = s.dim_tile ? s.dim_tile : dim, tiles = dim / tile;
-  const bool tiles_inside = tiles > tile;
-  const int64_t outer = tiles_inside ? tile : tiles, inner = tiles_inside ? tiles : tile;
-  const int64_t outer_step = tiles_inside ? s.dim : s.dim_tile_stride;
-  const int64_t inner_step = tiles_inside ? s.dim_tile_stride : s.dim;
-  const int64_t outer_row = tiles_inside ? 1 : tile, inner_row = tiles_inside ? tile : 1;
-  for (int64_t o = 0; o < outer; ++o) {
-    T* m = paged + o * outer_step;
-    T* c = row + o * outer_row;
+  const int64_t tile = s.dim_tile ? s.dim_tile : dim;
+  for (int64_t first = 0; first < dim; first += tile, paged += s.dim_tile_stride) {
     if (dir == CopyDirection::kChunkToCache)
-      for (int64_t i = 0; i < inner; ++i) m[i * inner_step] = c[i * inner_row];
+      for (int64_t d = 0; d < tile; ++d) paged[d * s.dim] = row[first + d];
     else
-      for (int64_t i = 0; i < inner; ++i) c[i * inner_row] = m[i * inner_step];
+      for (int64_t d = 0; d < tile; ++d) row[first + d] = paged[d * s.dim];
   }
 }
 
