@@ -239,7 +239,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     from kdn.info import git_sha, provenance
 
-    record = {"run": provenance(sha=git_sha(ROOT, exclude="benchmarks/results")),  # command, commit, load at start
+    sha = os.environ.get("KDN_COMMIT") or git_sha(ROOT, exclude="benchmarks/results")  # the device has no .git
+    record = {"run": provenance(sha=sha),  # command, commit, load at start
               "device": device_info(args.device), "dtype": args.dtype}
     path = out / "gpu_vllm.json"
 
