@@ -162,6 +162,34 @@ def test_a_chunk_gone_between_lookup_and_load_is_recomputed(setup, stored, refer
     assert out["stats"]["connector"]["load_errors"] >= 1
 
 
+def test_async_loads_serve_vllm_alones_tokens_and_recompute_a_chunk_gone_before_the_request_runs(
+        setup, stored, reference, tmp_path):
+    """KDNConfig.vllm_load="async" (the default where vLLM's in-step recovery is wrong: its GPU V2 model
+    runner, async scheduling): hits are loaded before their request is scheduled, through vLLM's
+    asynchronous KV load. A new engine is served both prompts from disk with vLLM alone's tokens;
+    with a chunk dropped between lookup and load, vLLM recomputes from it before the request runs
+    (vLLM alone's tokens, nothing refused: no step ran on stale blocks), the recomputed prompt is
+    stored, and an exact HF reader of the store gets its own prefill's logits."""
+    import shutil
+
+    out = engine(setup, {"disk_dir": stored["disk"], "vllm_load": "async"})
+    assert [r["tokens"] for r in out["results"]] == reference
+    connector = out["stats"]["connector"]
+    assert connector["loads"] == 2 and connector["loaded_tokens"] >= 2 * 1500 and connector["load_errors"] == 0
+    assert all(r["cached_tokens"] >= 1500 for r in out["results"])
+    disk = tmp_path / "kv"
+    shutil.copytree(stored["disk"], disk)
+    prompts = _prompts(setup, tmp_path, [1, 0, 0])
+    out = engine(setup, {"disk_dir": str(disk), "vllm_load": "async"}, "--drop-chunk-at-lookup", "2:3",
+                 prompts=prompts)
+    assert [r["tokens"] for r in out["results"]] == [reference[1], reference[0], reference[0]]
+    connector = out["stats"]["connector"]
+    assert connector["load_errors"] == 1 and connector["refused_stores"] == 0 and connector["stores"] == 1
+    assert out["results"][2]["cached_tokens"] >= 1500  # the recomputed prompt was stored and served again
+    for r in _exact_reader(setup, _prompts(setup, tmp_path, [0]), str(disk)):
+        assert r["hit_tokens"] >= 1500 and r["max_logit_diff"] < 1e-3
+
+
 def _prompts(setup, tmp_path, order: list[int]) -> str:
     """A prompts file asking the setup's prompts in ``order`` (indices)."""
     asked = json.loads(Path(setup[2]).read_text())

@@ -45,6 +45,19 @@ def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
     return None
 
 
+def loads_async(config: KDNConfig, vllm_config) -> bool:
+    """Whether hits load before their request is scheduled (``KDNConfig.vllm_load``): asked for, or
+    ``"auto"`` where vLLM would not recompute a failed in-step load correctly (its GPU V2 model
+    runner or async scheduling: vllm-project/vllm#49250, garbage tokens with vLLM 0.26 on an H200)."""
+    if config.vllm_load != "auto":
+        return config.vllm_load == "async"
+    from vllm.platforms import current_platform
+
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        return True
+    return not current_platform.is_cpu() and bool(getattr(vllm_config, "use_v2_model_runner", False))
+
+
 class KDNConnector(KVConnectorBase_V1):
     """vLLM's ``KVConnectorBase_V1`` served by kdn (see :mod:`kdn.integrations.vllm`). ``engine`` and
     ``session`` are None, and ``reason`` says why, when kdn serves this engine nothing."""
@@ -70,7 +83,8 @@ class KDNConnector(KVConnectorBase_V1):
             process.serve_lookups(lookups, self.engine, self.session)
             self._lookups_path = lookups
             return
-        self._scheduler = SchedulerSide(self.engine, self.session, self.block_size, LookupClient(lookups), self.owner)
+        self._scheduler = SchedulerSide(self.engine, self.session, self.block_size, LookupClient(lookups), self.owner,
+                                        loads_async(self.config, vllm_config))
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute":
             log.warning("kdn: kv_load_failure_policy=%r: a chunk evicted or damaged between lookup and load "
@@ -133,9 +147,9 @@ class KDNConnector(KVConnectorBase_V1):
             self._worker.wait_for_save(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._worker is not None:
-            self._worker.get_finished(finished_req_ids)
-        return None, None
+        if self._worker is None:
+            return None, None
+        return None, self._worker.get_finished(finished_req_ids) or None  # async loads that ended
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()

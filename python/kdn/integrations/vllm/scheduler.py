@@ -45,11 +45,13 @@ def claim_owner(engine_id: str) -> str:
 class SchedulerSide:
     """The scheduler's half of :class:`kdn.integrations.vllm.KDNConnector` for one engine and model:
     ``lookups`` asks the worker's process (its memory tier is its own), ``owner`` names this engine's
-    claims in a shared remote store (:func:`claim_owner`)."""
+    claims in a shared remote store (:func:`claim_owner`); ``loads_async``: hits load before their
+    request is scheduled (vLLM's asynchronous KV load, ``KDNConfig.vllm_load``), else in its step."""
 
-    def __init__(self, engine: Engine, session: ModelSession, block_size: int, lookups: LookupClient, owner: str):
+    def __init__(self, engine: Engine, session: ModelSession, block_size: int, lookups: LookupClient, owner: str,
+                 loads_async: bool = False):
         self.engine, self.session, self.block_size, self._lookups = engine, session, block_size, lookups
-        self.owner = owner
+        self.owner, self.loads_async = owner, loads_async
         self.not_serving = False  # the worker refused the engine (its answer to a lookup): requests run without kdn
         self._pending: dict[str, int] = {}  # req_id -> external tokens to load
         self._checks: dict[str, tuple] = {}  # req_id -> (start, end) of a hit held back for verification
@@ -62,6 +64,9 @@ class SchedulerSide:
         self._salts: dict[str, str | None] = {}  # req_id -> its cache_salt (its tenant)
         self._renewed = 0.0  # when the claims of running prefills were last renewed
         self._requests: dict[str, _Request] = {}
+        self._local: dict[str, int] = {}  # req_id -> tokens vLLM's own prefix cache holds (at its lookup)
+        self._before: list[LoadSpec] = []  # async loads to start this step
+        self._loaded_before: set[str] = set()  # requests an async load served: their next schedule is no restart
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.not_serving:
@@ -91,7 +96,9 @@ class SchedulerSide:
             self._checks[request.request_id] = (hit - span, hit)
         else:
             self._checks.pop(request.request_id, None)
-        return max(0, hit - span - num_computed_tokens), False
+        self._local[request.request_id] = num_computed_tokens
+        external = max(0, hit - span - num_computed_tokens)
+        return external, self.loads_async and external > 0
 
     def _prefilled_elsewhere(self, req_id: str, tokens: np.ndarray, hit: int, session: ModelSession) -> bool:
         """Whether another request is computing at least one more chunk of this prompt than kdn
@@ -131,18 +138,28 @@ class SchedulerSide:
         keys = self._claims.pop(request.request_id, [])  # claimed at its lookup: renewed when it finishes
         self._admitted[request.request_id] = [np.asarray(request.prompt_token_ids or [], dtype=np.uint32), None, keys,
                                               self._salts.get(request.request_id)]
-        if num_external_tokens > 0:
+        if num_external_tokens > 0 and self.loads_async:  # loaded now; vLLM schedules it once loaded
+            req_id, local = request.request_id, self._local.get(request.request_id, 0)
+            end = local + num_external_tokens
+            self._before.append(LoadSpec(req_id, list(request.prompt_token_ids or [])[:end], local, end,
+                                         list(blocks.get_block_ids()[0]), self._salts.get(req_id),
+                                         self._found.pop(req_id, None), before=True))
+            self._loaded_before.add(req_id)
+        elif num_external_tokens > 0:
             self._pending[request.request_id] = num_external_tokens
 
     def build_connector_meta(self, scheduler_output) -> KDNConnectorMetadata:
         meta = KDNConnectorMetadata()
+        meta.loads, self._before = self._before, []
         self._renew_claims()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             req = self._requests[new.req_id] = _Request(list(new.prompt_token_ids or []), list(new.block_ids[0]),
                                                         self._checks.pop(new.req_id, None),
                                                         self._salts.get(new.req_id))
-            meta.fresh.append(new.req_id)
+            if new.req_id not in self._loaded_before:  # else what its async load served stays known
+                meta.fresh.append(new.req_id)
+            self._loaded_before.discard(new.req_id)
             external = self._pending.pop(new.req_id, 0)
             if external:
                 start = new.num_computed_tokens - external
@@ -163,7 +180,9 @@ class SchedulerSide:
             if admitted is not None and admitted[1] == _COMPLETING and cached.num_computed_tokens[i] >= len(req.tokens):
                 admitted[1] = time.monotonic()  # the step that completed its prefill has run
             if resumed:  # preempted, now recomputed (and perhaps loaded) from scratch
-                meta.fresh.append(req_id)
+                if req_id not in self._loaded_before:
+                    meta.fresh.append(req_id)
+                self._loaded_before.discard(req_id)
                 req.check = self._checks.pop(req_id, None)
             external = self._pending.pop(req_id, 0)
             if external:  # resumed after preemption with a fresh load
@@ -208,6 +227,8 @@ class SchedulerSide:
         self._checks.pop(request.request_id, None)
         self._found.pop(request.request_id, None)
         self._waiting.pop(request.request_id, None)
+        self._local.pop(request.request_id, None)
+        self._loaded_before.discard(request.request_id)
         admitted = self._admitted.get(request.request_id)
         keys = self._claims.pop(request.request_id, None) or (admitted[2] if admitted is not None else [])
         if admitted is not None:

@@ -19,6 +19,7 @@ class LoadSpec:
     block_ids: list
     namespace: str | None = None
     found: object = None  # what the scheduler's lookup found (a kdn.engine.Prefix): loaded without a second lookup
+    before: bool = False  # loaded before the request is scheduled (vLLM's async KV load), reported when done
 
 
 @dataclasses.dataclass

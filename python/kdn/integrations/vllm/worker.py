@@ -1,5 +1,6 @@
 """The vLLM connector's worker half: loads chunks into vLLM's paged blocks before the forward that
-needs them (whole or layer by layer), reports what could not be loaded, and stores finished prompts:
+needs them (whole or layer by layer, or in the background before the request is scheduled: vLLM's
+asynchronous KV load), reports what could not be loaded, and stores finished prompts:
 sealed straight from the blocks before they are reused, filed from a background thread
 (:mod:`kdn.integrations.vllm`)."""
 
@@ -12,6 +13,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +51,10 @@ class WorkerSide:
         self._streams: list = []  # (load spec, LayerStream) of this step's layer-wise loads
         self._saves: queue.Queue = queue.Queue(maxsize=8)
         self._saver: threading.Thread | None = None
+        # async loads (LoadSpec.before): one background thread, in order; (spec, load, event) when read
+        self._before = ThreadPoolExecutor(1, thread_name_prefix="kdn-load")
+        self._loaded: list = []
+        self._loaded_lock = threading.Lock()
 
     def _describe(self, layers: list[torch.Tensor]) -> PagedLayout:
         """One layout for every layer's tensor, checked against the model and vLLM's block size."""
@@ -73,6 +79,9 @@ class WorkerSide:
         for req_id in meta.fresh:
             self._served[req_id] = Served()
         for spec in meta.loads:
+            if spec.before:
+                self._load_before(spec)
+                continue
             began = time.perf_counter()
             served = self._served.setdefault(spec.req_id, Served())
             tokens = np.asarray(spec.tokens, dtype=np.uint32)
@@ -91,11 +100,55 @@ class WorkerSide:
             metrics.count(loads=1, loaded_tokens=max(0, upto - spec.start), hit_tokens=max(0, upto - spec.start),
                    load_seconds=time.perf_counter() - began)
 
-    def _load_failed(self, spec: LoadSpec, start: int, why: str) -> None:
-        """Tokens [start, spec.end) of a request were not loaded: vLLM recomputes their blocks."""
+    def _load_before(self, spec: LoadSpec) -> None:
+        """Start an async load: read and laid into the blocks by the load thread, on the GPU on this
+        (the engine's) stream; reported by :meth:`get_finished` once its copies have run."""
+        self._served[spec.req_id] = Served()  # the request starts here: its step will not restart it
+        blocks = PagedBlocks(self._blocks, self._layout, spec.block_ids, spec.start)
+        began = time.perf_counter()
+
+        def load() -> None:
+            try:
+                done = self.engine.load(self.session.within(spec.namespace), np.asarray(spec.tokens, dtype=np.uint32),
+                                        spec.end, blocks, None, began, spec.found)
+            except Exception as exc:  # reported as a failed load: vLLM recomputes the request's blocks
+                log.warning("kdn: an async load failed (%s)", exc)
+                done = None
+            event = None
+            if blocks.stream is not None:
+                event = torch.cuda.Event()
+                event.record(blocks.stream)
+            with self._loaded_lock:
+                self._loaded.append((spec, done, event, began))
+
+        self._before.submit(load)
+
+    def _report_loaded(self) -> set[str]:
+        """The async loads whose copies have run: counted, their failures reported; their request ids."""
+        ready, waiting = [], []
+        with self._loaded_lock:
+            for item in self._loaded:
+                (ready if item[2] is None or item[2].query() else waiting).append(item)
+            self._loaded = waiting
+        for spec, done, _, began in ready:
+            hit = done.hit if done is not None else 0
+            served = self._served.setdefault(spec.req_id, Served())
+            served.lossy |= done is not None and done.lossy
+            upto = min(hit, spec.end)
+            served.tokens = max(served.tokens, upto)
+            if upto < spec.end:  # no step ran on these blocks: the recomputed prefill is stored
+                self._load_failed(spec, max(upto, spec.start), "evicted or damaged since the lookup", stale_step=False)
+            metrics.count(loads=1, loaded_tokens=max(0, upto - spec.start), hit_tokens=max(0, upto - spec.start),
+                          load_seconds=time.perf_counter() - began)
+        return {spec.req_id for spec, *_ in ready}
+
+    def _load_failed(self, spec: LoadSpec, start: int, why: str, stale_step: bool = True) -> None:
+        """Tokens [start, spec.end) of a request were not loaded: vLLM recomputes their blocks
+        (``stale_step``: this step's forward ran on them, so nothing of it is stored this step)."""
         first = start // self.block_size
         self._errors.update(spec.block_ids[first: -(-spec.end // self.block_size)])
-        self._served.setdefault(spec.req_id, Served()).failed = True  # nothing of it is stored this step
+        if stale_step:
+            self._served.setdefault(spec.req_id, Served()).failed = True
         log.warning("kdn: %d of %d tokens could not be loaded (%s); vLLM recomputes them", spec.end - start,
                     spec.end - spec.start, why)
         metrics.count(load_errors=1)
@@ -186,10 +239,12 @@ class WorkerSide:
             finally:
                 self._saves.task_done()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> set[str]:
+        """The requests whose async loads ended since the last call (their failures are reported by
+        the next :meth:`get_block_ids_with_load_errors`, which vLLM asks in the same step)."""
         for req_id in finished_req_ids:
             self._served.pop(req_id, None)
-        return None, None
+        return self._report_loaded()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
@@ -197,6 +252,7 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         """Finish queued stores (they are on disk / sent when this returns)."""
+        self._before.shutdown(wait=True)
         if self._saver is not None:
             self._saves.join()
             self._saves.put(None)
