@@ -18,6 +18,8 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompts", required=True, help="JSON file: a list of token-id lists, asked in order")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--logprobs", type=int, default=0,
+                        help="also record each generated token's top-N logprobs (tells a near-tie from wrong KV)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: vLLM's GPU engine (FLASH_ATTN, --gpu-memory-utilization of the GPU)")
@@ -95,7 +97,7 @@ def main() -> None:
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=args.prefix_caching,
               kv_transfer_config=transfer, max_model_len=args.max_model_len, seed=0, **gpu)
     load_s = time.perf_counter() - t0
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=args.logprobs or None)
     results = []
     with open(args.prompts) as f:
         prompts = json.load(f)
@@ -105,6 +107,9 @@ def main() -> None:
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         results.append({"tokens": list(out.outputs[0].token_ids), "seconds": time.perf_counter() - t0,
                         "cached_tokens": out.num_cached_tokens})
+        if args.logprobs:  # per generated token: [[token, logprob], ...] best first
+            results[-1]["logprobs"] = [sorted(([t, lp.logprob] for t, lp in step.items()), key=lambda x: -x[1])
+                                       for step in out.outputs[0].logprobs or []]
         if args.kill_after_first and len(results) == 1:
             import signal
 
