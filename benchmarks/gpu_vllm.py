@@ -220,10 +220,10 @@ def ttft(args, shape: str, model: Path, work: Path) -> dict:
         rows.append(row)
     load = {name: out["stats"].get("connector", {}) for name, out in runs.items()
             if name.startswith("kdn") and "error" not in out}
-    for counters in load.values():
-        if counters.get("load_seconds"):
-            loaded = counters.get("loaded_tokens", 0) * bytes_per_token
-            counters["effective_gb_s"] = loaded / counters["load_seconds"] / 1e9
+    for counters in load.values():  # a layer-wise load returns at once: the forward's wait is its cost
+        spent = counters.get("load_seconds", 0) + counters.get("layer_wait_seconds", 0)
+        if spent:
+            counters["effective_gb_s"] = counters.get("loaded_tokens", 0) * bytes_per_token / spent / 1e9
     def results(cell: dict) -> dict:
         return {"results": [{"tokens": t, "logprobs": lp} for t, lp in zip(cell["tokens"], cell["logprobs"])]}
 
