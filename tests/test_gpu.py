@@ -134,7 +134,7 @@ def test_paged_blocks_on_the_gpu_receive_and_emit_what_the_cpu_blocks_do(kind, c
     """The connector's target/source (PagedBlocks) on GPU blocks: whole loads from a position on,
     layer groups (layer-wise delivery) and the gather of a save, bit-equal to the same on CPU blocks."""
     from kdn.engine import PagedBlocks
-    from test_paged import coded_chunks, describe_layout, engine_layers
+    from test_paged import FP, coded_chunks, describe_layout, engine_layers
 
     layers, heads, dim, block_size, num_blocks, count, start = 3, 2, 16, 16, 11, 75, 10
     blobs, _ = coded_chunks(dtype, codec, count)
@@ -161,3 +161,5 @@ def test_paged_blocks_on_the_gpu_receive_and_emit_what_the_cpu_blocks_do(kind, c
     (first_gpu, kv_gpu), (first_cpu, kv_cpu) = on_gpu.emit(start, count), on_cpu.emit(start, count)
     assert first_gpu == first_cpu == 0 and all(torch.equal(g, c) for g, c in zip(kv_gpu, kv_cpu))
     assert kv_gpu[0].device.type == "cpu" and kv_gpu[0].is_pinned()  # staged in pinned memory for the store
+    tail = [(32, 16, bytes([1]) * 16), (48, count - 48, bytes([2]) * 16)]  # a served prompt stores its tail only
+    assert [bytes(b) for b in on_gpu.pack(tail, FP)] == [bytes(b) for b in on_cpu.pack(tail, FP)]

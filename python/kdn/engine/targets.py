@@ -204,7 +204,8 @@ class PagedBlocks:
         if self.device.type == "cpu":
             return _core.pack_chunks_paged(self.layers, self.block_ids, chunks, fingerprint,
                                            layout=self.layout.as_dict())
-        first, kv = self.emit(0, max(start + count for start, count, _ in chunks))
+        # only the span of the chunks to store (a served prompt stores its new tail, not what it was served)
+        first, kv = self.emit(min(start for start, _, _ in chunks), max(start + count for start, count, _ in chunks))
         return [_core.pack_chunk(kv, start - first, count, fingerprint, key) for start, count, key in chunks]
 
     def emit(self, start: int, end: int) -> tuple[int, list[torch.Tensor]]:
