@@ -155,9 +155,10 @@ def test_paged_blocks_on_the_gpu_receive_and_emit_what_the_cpu_blocks_do(kind, c
     for first, end in ((0, 1), (1, 3)):  # layer groups, as layer-wise delivery sends them
         on_cpu.receive_layers(blobs, first, end, count, layers)
         with ThreadPoolExecutor(1) as delivery:
-            delivery.submit(on_gpu.receive_layers, blobs, first, end, count, layers).result()
+            delivery.submit(on_gpu.receive_layers, list(blobs), first, end, count, layers).result()  # a new list
     engine_stream.synchronize()
     assert all(torch.equal(g.cpu(), c) for g, c in zip(gpu, cpu))
+    assert on_gpu.decodes == 1  # each group's list holds the same chunks: decoded onto the device once
     (first_gpu, kv_gpu), (first_cpu, kv_cpu) = on_gpu.emit(start, count), on_cpu.emit(start, count)
     assert first_gpu == first_cpu == 0 and all(torch.equal(g, c) for g, c in zip(kv_gpu, kv_cpu))
     assert kv_gpu[0].device.type == "cpu" and kv_gpu[0].is_pinned()  # staged in pinned memory for the store

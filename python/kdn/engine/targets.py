@@ -158,6 +158,7 @@ class PagedBlocks:
         self.block_ids = np.asarray(block_ids, dtype=np.int64)
         self.device = layers[0].device
         self._decoded = None  # (blobs, tokens, device chunks) of the last load on a GPU
+        self.decodes = 0  # how many times chunks were decoded onto the GPU (once per load)
         # on a GPU, every copy goes on the stream current where the target was made (the engine's),
         # whichever thread delivers a layer group: the engine's kernels after it are ordered after it
         self.stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
@@ -182,9 +183,13 @@ class PagedBlocks:
         on the device once per ``blobs`` (layer groups of one load reuse them), then the CUDA twin of
         the paged copy lays each into the blocks, all on the target's stream."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            if self._decoded is None or self._decoded[0] is not blobs or self._decoded[1] < num_tokens:
+            # a load's layer groups each pass a new list of the same chunk objects: decoded once, not per group
+            held = self._decoded
+            if held is None or held[1] < num_tokens or len(held[0]) != len(blobs) or any(
+                    a is not b for a, b in zip(held[0], blobs)):
                 shape = (len(self.layers), self.layout.kv_heads, self.layout.head_dim, self.layers[0].dtype)
-                self._decoded = (blobs, num_tokens, _device_chunks(blobs, num_tokens, *shape, self.device))
+                self._decoded = (list(blobs), num_tokens, _device_chunks(blobs, num_tokens, *shape, self.device))
+                self.decodes += 1
             stream, pos = self.stream.cuda_stream, 0
             layout = self.layout.as_dict()
             for chunk in self._decoded[2]:
