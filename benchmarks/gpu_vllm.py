@@ -274,8 +274,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     from kdn.info import git_sha, provenance
 
-    sha = os.environ.get("KDN_COMMIT") or git_sha(ROOT, exclude="benchmarks/results")  # the device has no .git
-    record = {"run": provenance(sha=sha),  # command, commit, load at start
+    sha = git_sha(ROOT, exclude="benchmarks/results")  # "unknown" on a GPU machine: $KDN_COMMIT names it
+    record = {"run": provenance(sha=None if sha == "unknown" else sha),  # command, commit, load at start
               "device": device_info(args.device), "dtype": args.dtype}
     path = out / "gpu_vllm.json"
 

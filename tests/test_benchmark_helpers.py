@@ -127,3 +127,18 @@ def test_an_editing_run_resumed_keeps_its_records_rescored_and_refuses_other_arg
         bench_editing.resumed(other, records, configs)
     args.resume = False  # without --resume a run starts afresh
     assert bench_editing.resumed(args, records, configs)[3] == 0
+
+
+def test_a_record_made_outside_a_checkout_names_the_commit_its_runner_gives(monkeypatch):
+    """On a GPU machine kdn is an installed wheel with no .git beside it: the record names the
+    commit ``$KDN_COMMIT`` gives (what ``.ci/gpu`` passes), and a checkout's own commit otherwise."""
+    from kdn import info
+
+    monkeypatch.setenv("KDN_COMMIT", "6bd3ed2")
+    monkeypatch.setattr(info, "git_sha", lambda folder, exclude=None: "unknown")
+    assert info.provenance()["git_sha"] == "6bd3ed2"
+    monkeypatch.delenv("KDN_COMMIT")
+    assert info.provenance()["git_sha"] == "unknown"
+    monkeypatch.setenv("KDN_COMMIT", "6bd3ed2")
+    monkeypatch.setattr(info, "git_sha", lambda folder, exclude=None: "abc123")
+    assert info.provenance()["git_sha"] == "abc123"

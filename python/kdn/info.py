@@ -51,15 +51,15 @@ def cpu_model() -> str:
 def provenance(libraries=("kdn", "torch", "transformers", "numpy"), sha: str | None = None,
                command: str | None = None) -> dict:
     """What a recorded result names of the run that made it: the command line (``command``, else
-    this process's), the commit (``sha``,
-    else kdn's checkout's, "unknown" for an installed kdn), library versions, CPU, threads, date and
-    the load average (1, 5, 15 min) when the record is written."""
+    this process's), the commit (``sha``, else kdn's checkout's, else ``$KDN_COMMIT`` for an
+    installed kdn, as on a GPU machine that gets a wheel and no .git; else "unknown"), library
+    versions, CPU, threads, date and the load average (1, 5, 15 min) when the record is written."""
     import torch
 
     return {
         "command": command or "python " + shlex.join(sys.argv),
         # records under benchmarks/results are what runs write, not code: they leave a run clean
-        "git_sha": sha or git_sha(Path(__file__).parent, exclude="benchmarks/results"),
+        "git_sha": sha or _checkout_sha(),
         "versions": {d: installed_version(d) for d in libraries},
         "python": platform.python_version(),
         "cpu": cpu_model(),
@@ -68,6 +68,11 @@ def provenance(libraries=("kdn", "torch", "transformers", "numpy"), sha: str | N
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "load_average": os.getloadavg(),
     }
+
+
+def _checkout_sha() -> str:
+    found = git_sha(Path(__file__).parent, exclude="benchmarks/results")
+    return os.environ.get("KDN_COMMIT", found) if found == "unknown" else found
 
 
 def build_info() -> dict:

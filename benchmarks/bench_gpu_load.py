@@ -1,0 +1,117 @@
+"""What a kdn hit costs on the host and the link before vLLM's GPU forward can use it, step by step,
+at a Llama-3-8B shape (32 layers x 8 KV heads x head dim 128, bf16, raw chunks of 256 tokens, as
+a memory tier holds them), beside the device's own host-to-device copies of the same bytes, all in
+one run: the breakdown of the 8B TTFT in ``results/gpu/VLLM.md``.
+
+Rows (median seconds over ``--repeats``, each ended by a device synchronize): a pageable and a
+pinned ``torch`` host-to-device copy of the KV's bytes; the chunks decoded on the host into pinned
+memory (``_core.decode_chunks``); a whole load into vLLM's packed GPU blocks (``PagedBlocks.receive``:
+staging, copy, paged copy), cold (its first: the pinned staging is allocated) and warm; a layer-wise
+load (each layer group a new list of the same chunks, as the stream hands them; its device decodes
+counted); a store's gather of the last chunk (a served prompt's new tail) and of the whole prompt.
+
+    python benchmarks/bench_gpu_load.py --out benchmarks/results/gpu
+    python benchmarks/bench_gpu_load.py --device cpu --tokens 1024 --out /tmp/rehearsal   # the CPU paths
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kdn import _core
+from kdn.engine.paged import vllm_layout
+from kdn.engine.targets import PagedBlocks
+from timing import save_result, timed
+
+LAYERS, HEADS, DIM, CHUNK, BLOCK = 32, 8, 128, 256, 16
+FINGERPRINT = bytes(16)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layer-group", type=int, default=3)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--out", default="bench_out/gpu")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_gpu_load: no CUDA device")
+    n, device = args.tokens, torch.device(args.device)
+    gen = torch.Generator().manual_seed(0)
+    kv = [torch.randn(1, HEADS, n, DIM, generator=gen).to(torch.bfloat16) for _ in range(2 * LAYERS)]
+    blobs = [_core.pack_chunk(kv, s, min(CHUNK, n - s), FINGERPRINT, s.to_bytes(16, "little"))
+             for s in range(0, n, CHUNK)]
+    nbytes = 2 * LAYERS * HEADS * DIM * n * 2
+    del kv
+    num_blocks = -(-n // BLOCK)
+    # vLLM's FLASH_ATTN blocks as connectors get them: [blocks, heads, block, K||V]
+    layers = [torch.zeros(num_blocks + 1, HEADS, BLOCK, 2 * DIM, dtype=torch.bfloat16, device=device)
+              for _ in range(LAYERS)]
+    layout = vllm_layout(layers[0], "gpu")
+    ids = list(np.random.default_rng(0).permutation(num_blocks + 1)[:num_blocks])
+
+    def synced(fn):
+        def run():
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        return run
+
+    rows: dict[str, dict] = {}
+
+    def row(name: str, seconds: float, moved: int = nbytes, **extra) -> None:
+        rows[name] = {"seconds": seconds, "gb_per_s": moved / seconds / 1e9, **extra}
+        print(f"{name:<44} {seconds * 1e3:9.1f} ms  {moved / seconds / 1e9:7.2f} GB/s", flush=True)
+
+    if device.type == "cuda":
+        pageable = torch.empty(nbytes, dtype=torch.uint8)
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        row("torch copy, pageable host -> device", timed(synced(lambda: on_device.copy_(pageable)), args.repeats))
+        row("torch copy, pinned host -> device", timed(synced(lambda: on_device.copy_(pinned, non_blocking=True)),
+                                                      args.repeats))
+        del pageable, on_device
+        staged = pinned.view(torch.bfloat16)
+    else:
+        staged = torch.empty(nbytes // 2, dtype=torch.bfloat16)
+    row("decode_chunks, raw chunks -> pinned host", timed(lambda: _core.decode_chunks(blobs, staged), args.repeats))
+    staged = None  # freed (the lambda above holds the name)
+
+    def receive() -> None:
+        PagedBlocks(layers, layout, ids).receive(None, blobs, n)
+
+    t0 = time.perf_counter()
+    synced(receive)()
+    row("whole load into the blocks, first", time.perf_counter() - t0)
+    row("whole load into the blocks, warm", timed(synced(receive), args.repeats))
+    groups = [(g, min(g + args.layer_group, LAYERS)) for g in range(0, LAYERS, args.layer_group)]
+    decodes = []
+
+    def layerwise() -> None:
+        target = PagedBlocks(layers, layout, ids)
+        for first, end in groups:
+            target.receive_layers(list(blobs), first, end, n, LAYERS)
+        decodes.append(getattr(target, "decodes", 0))
+
+    row(f"layer-wise load ({len(groups)} groups)", timed(synced(layerwise), args.repeats),
+        device_decodes_per_load=decodes[-1])
+    tail = n - CHUNK
+    source = PagedBlocks(layers, layout, ids)
+    row("store gather, the last chunk", timed(lambda: source.pack([(tail, n - tail, bytes(16))], FINGERPRINT),
+                                             args.repeats), moved=nbytes * (n - tail) // n)
+    whole = [(s, min(CHUNK, n - s), bytes(16)) for s in range(0, n, CHUNK)]
+    row("store gather, the whole prompt", timed(lambda: source.pack(whole, FINGERPRINT), args.repeats))
+    info = {"tokens": n, "bytes": nbytes, "shape": [LAYERS, HEADS, DIM], "dtype": "bfloat16", "device": args.device}
+    if device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name()
+    print(f"wrote {save_result(Path(args.out) / 'bench_gpu_load.json', {**info, 'rows': rows})}")
+
+
+if __name__ == "__main__":
+    main()
