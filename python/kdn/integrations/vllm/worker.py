@@ -132,11 +132,12 @@ class WorkerSide:
             self._loaded = waiting
         for spec, done, _, began in ready:
             hit = done.hit if done is not None else 0
-            served = self._served.setdefault(spec.req_id, Served())
-            served.lossy |= done is not None and done.lossy
             upto = min(hit, spec.end)
-            served.tokens = max(served.tokens, upto)
-            if upto < spec.end:  # no step ran on these blocks: the recomputed prefill is stored
+            served = self._served.get(spec.req_id)  # None: the request ended (aborted) while it loaded
+            if served is not None:
+                served.lossy |= done is not None and done.lossy
+                served.tokens = max(served.tokens, upto)
+            if upto < spec.end and served is not None:  # no step ran on these blocks: the recomputed prefill is stored
                 self._load_failed(spec, max(upto, spec.start), "evicted or damaged since the lookup", stale_step=False)
             metrics.count(loads=1, loaded_tokens=max(0, upto - spec.start), hit_tokens=max(0, upto - spec.start),
                           load_seconds=time.perf_counter() - began)
