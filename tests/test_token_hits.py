@@ -93,6 +93,22 @@ def test_a_forged_pointer_is_never_followed(tiny_llama, caplog):
     assert session.probe_keys(ROOT, ta[:16]) != session.probe_keys(keys[0], ta[32:48])  # probes depend on the parent
 
 
+def test_a_pointer_whose_chunk_is_gone_is_not_promised(tiny_llama, caplog):
+    """A pointer outlives its chunk when the chunk's write is dropped (a full disk queue) or the chunk is
+    evicted alone: a lookup then stops before it (a shorter hit, the pointer dropped) instead of
+    promising tokens a load cannot serve (vLLM would have to recompute them)."""
+    a, b = prompts(tiny_llama, 50)  # a chunk and 18 tokens shared: the 18 come through a pointer
+    kdn = KDN(KDNConfig(chunk_size=CHUNK))
+    kdn.store(tiny_llama, a, full_prefill(tiny_llama, a)[1])
+    session = kdn.session(tiny_llama)
+    keys = session.prefix_keys(session.tokens(a))
+    assert kdn.lookup(tiny_llama, b) == 50
+    kdn.engine.tiers.remove(keys[1])  # the pointed-to chunk alone
+    with caplog.at_level(logging.WARNING, logger="kdn"):
+        check_served(tiny_llama, kdn, b, 32)
+    assert sum("the chunk it names is not stored" in r.getMessage() for r in caplog.records) == 1
+
+
 STORER = """
 import sys
 import torch

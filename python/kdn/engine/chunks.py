@@ -117,6 +117,8 @@ class ChunkIO:
             target, position, chunk_tokens = _core.read_pointer(blobs[0], session.fingerprint, probe)
             if position != start or session.chunk_key(parent, chunk_tokens) != target:
                 raise BlobError("it does not name a chunk of its tokens at its position")
+            if self.tiers.count_prefix([target]) != 1:  # its write dropped (a full queue), the pointer's not
+                raise BlobError("the chunk it names is not stored")
         except BlobError as e:
             log.warning("kdn: dropping an unusable stored pointer (a shorter hit): %s", e)
             self.tiers.drop(probe)
