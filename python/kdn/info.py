@@ -59,7 +59,7 @@ def provenance(libraries=("kdn", "torch", "transformers", "numpy"), sha: str | N
     return {
         "command": command or "python " + shlex.join(sys.argv),
         # records under benchmarks/results are what runs write, not code: they leave a run clean
-        "git_sha": sha or _checkout_sha(),
+        "git_sha": sha or checkout_sha(),
         "versions": {d: installed_version(d) for d in libraries},
         "python": platform.python_version(),
         "cpu": cpu_model(),
@@ -70,7 +70,9 @@ def provenance(libraries=("kdn", "torch", "transformers", "numpy"), sha: str | N
     }
 
 
-def _checkout_sha() -> str:
+def checkout_sha() -> str:
+    """The commit of kdn's checkout (``+dirty`` with changes outside benchmarks/results), else
+    ``$KDN_COMMIT`` (an installed kdn whose runner names its commit), else "unknown"."""
     found = git_sha(Path(__file__).parent, exclude="benchmarks/results")
     return os.environ.get("KDN_COMMIT", found) if found == "unknown" else found
 
