@@ -4,22 +4,72 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "kdn/parallel.h"
 
 namespace kdn {
 namespace {
 
-// One token's head_dim values: contiguous in the chunk, `s.dim` elements apart in the block (in
-// tiles of s.dim_tile, s.dim_tile_stride apart, when the plane is tiled; tiles divide head_dim).
+// Where each of a plane's within-block token positions and each head_dim index lands (elements from
+// the (block, head) base): computed once per copy, so the per-token work is a table lookup.
+struct PlaneTables {
+  std::vector<int64_t> token, dim;
+  bool rows;        // a token's dims are one contiguous row
+  bool dim_pairs;   // dims 2i, 2i+1 adjacent (and even): 16-bit values move as 32-bit pairs (e.g. 'amx' K)
+  bool token_pairs; // tokens 2i, 2i+1 adjacent at every dim, pairs aligned (e.g. 'amx' V): two rows interleave
+};
+
+PlaneTables plane_tables(const PlaneStrides& s, int64_t block_size, int64_t dim) {
+  PlaneTables t;
+  for (int64_t o = 0; o < block_size; ++o) t.token.push_back(tiled_offset(o, s.token, s.token_tile, s.token_tile_stride));
+  for (int64_t d = 0; d < dim; ++d) t.dim.push_back(tiled_offset(d, s.dim, s.dim_tile, s.dim_tile_stride));
+  t.rows = s.dim == 1 && s.dim_tile == 0;
+  t.dim_pairs = dim % 2 == 0;
+  for (int64_t d = 0; d + 1 < dim && t.dim_pairs; d += 2) t.dim_pairs = t.dim[d] % 2 == 0 && t.dim[d + 1] == t.dim[d] + 1;
+  t.token_pairs = block_size % 2 == 0;
+  for (int64_t o = 0; o + 1 < block_size && t.token_pairs; o += 2)
+    t.token_pairs = t.token[o] % 2 == 0 && t.token[o + 1] == t.token[o] + 1;
+  for (int64_t d = 0; d < dim && t.token_pairs; ++d) t.token_pairs = t.dim[d] % 2 == 0;
+  return t;
+}
+
+// One token's head_dim values between its chunk row and its place in a block (`paged`: the token's
+// position, offsets from t.dim).
 template <typename T>
-void copy_strided(T* paged, const PlaneStrides& s, T* row, int64_t dim, CopyDirection dir) {
-  const int64_t tile = s.dim_tile ? s.dim_tile : dim;
-  for (int64_t first = 0; first < dim; first += tile, paged += s.dim_tile_stride) {
+void copy_row(T* paged, const PlaneTables& t, T* row, int64_t dim, CopyDirection dir) {
+  if (dir == CopyDirection::kChunkToCache)
+    for (int64_t d = 0; d < dim; ++d) paged[t.dim[d]] = row[d];
+  else
+    for (int64_t d = 0; d < dim; ++d) row[d] = paged[t.dim[d]];
+}
+
+// 16-bit values whose dims sit in adjacent pairs: one 32-bit move per pair.
+void copy_row_pairs(uint16_t* paged, const PlaneTables& t, uint16_t* row, int64_t dim, CopyDirection dir) {
+  for (int64_t d = 0; d < dim; d += 2) {
+    uint32_t* m = reinterpret_cast<uint32_t*>(paged + t.dim[d]);
+    uint32_t* c = reinterpret_cast<uint32_t*>(row + d);
     if (dir == CopyDirection::kChunkToCache)
-      for (int64_t d = 0; d < tile; ++d) paged[d * s.dim] = row[first + d];
+      std::memcpy(m, c, 4);
     else
-      for (int64_t d = 0; d < tile; ++d) row[first + d] = paged[d * s.dim];
+      std::memcpy(c, m, 4);
+  }
+}
+
+// Two tokens' 16-bit rows interleaved at every dim (token pairs adjacent): one 32-bit move per dim.
+void copy_two_rows(uint16_t* paged, const PlaneTables& t, uint16_t* first, uint16_t* second, int64_t dim,
+                   CopyDirection dir) {
+  for (int64_t d = 0; d < dim; ++d) {
+    uint16_t* m = paged + t.dim[d];
+    if (dir == CopyDirection::kChunkToCache) {
+      const uint32_t both = static_cast<uint32_t>(first[d]) | static_cast<uint32_t>(second[d]) << 16;
+      std::memcpy(m, &both, 4);
+    } else {
+      uint32_t both;
+      std::memcpy(&both, m, 4);
+      first[d] = static_cast<uint16_t>(both);
+      second[d] = static_cast<uint16_t>(both >> 16);
+    }
   }
 }
 
@@ -57,28 +107,40 @@ void paged_copy_cpu(const KvShape& chunk_shape, const PagedLayout& paged, void* 
                     "paged_copy: block id " + std::to_string(block_ids[b]) + " outside [0, " +
                         std::to_string(paged.num_blocks) + ")");
   const int64_t dim = chunk_shape.head_dim, row_bytes = dim * elem_size;
-  // one work item per (layer, K/V, head): its `count` token rows
+  const PlaneTables tables[2] = {plane_tables(paged.k, paged.block_size, dim),
+                                 plane_tables(paged.v, paged.block_size, dim)};
+  const int64_t row_stride = chunk_shape.kv_heads * dim * elem_size;  // bytes between a head's token rows
+  // one work item per (layer, K/V, head): its `count` token rows, a block at a time
   parallel_for(chunk_shape.layers * 2 * chunk_shape.kv_heads, threads, [&](int64_t item) {
     const int64_t tensor = item / chunk_shape.kv_heads, head = item % chunk_shape.kv_heads;
     const int64_t layer = tensor / 2, kv = tensor % 2;
-    const PlaneStrides& plane = kv == 0 ? paged.k : paged.v;
-    const bool rows = plane.dim == 1 && plane.dim_tile == 0;
+    const PlaneTables& t = tables[kv];
     auto* base = static_cast<uint8_t*>(layers[layer]);
-    for (int64_t t = 0; t < count; ++t) {
-      const int64_t p = position + t;
-      uint8_t* m = base + paged_offset(paged, block_ids[p / paged.block_size], kv, p % paged.block_size, head, 0) *
-                              elem_size;
-      uint8_t* c = static_cast<uint8_t*>(chunk) + canonical_offset(chunk_shape, layer, kv, from + t, head, 0) * elem_size;
-      if (rows) {  // a row on both sides
-        if (dir == CopyDirection::kChunkToCache)
-          std::memcpy(m, c, row_bytes);
-        else
-          std::memcpy(c, m, row_bytes);
-      } else if (elem_size == 4) {  // e.g. the 'vec' kernel's transposed K: one column per token
-        copy_strided(reinterpret_cast<uint32_t*>(m), plane, reinterpret_cast<uint32_t*>(c), dim, dir);
-      } else {  // or the 'amx' kernel's tiles
-        copy_strided(reinterpret_cast<uint16_t*>(m), plane, reinterpret_cast<uint16_t*>(c), dim, dir);
+    uint8_t* c = static_cast<uint8_t*>(chunk) + canonical_offset(chunk_shape, layer, kv, from, head, 0) * elem_size;
+    for (int64_t p = position, end = position + count; p < end;) {
+      const int64_t o0 = p % paged.block_size, n = std::min(paged.block_size - o0, end - p);
+      uint8_t* block = base + paged_offset(paged, block_ids[p / paged.block_size], kv, 0, head, 0) * elem_size;
+      for (int64_t o = o0; o < o0 + n; ++o, c += row_stride) {
+        uint8_t* m = block + t.token[o] * elem_size;
+        if (t.rows) {  // a row on both sides
+          if (dir == CopyDirection::kChunkToCache)
+            std::memcpy(m, c, row_bytes);
+          else
+            std::memcpy(c, m, row_bytes);
+        } else if (elem_size == 4) {  // e.g. the 'vec' kernel's transposed K: one column per token
+          copy_row(reinterpret_cast<uint32_t*>(m), t, reinterpret_cast<uint32_t*>(c), dim, dir);
+        } else if (t.dim_pairs) {  // the 'amx' kernel's K: dims in pairs
+          copy_row_pairs(reinterpret_cast<uint16_t*>(m), t, reinterpret_cast<uint16_t*>(c), dim, dir);
+        } else if (t.token_pairs && o % 2 == 0 && o + 1 < o0 + n) {  // its V: tokens in pairs, both here
+          copy_two_rows(reinterpret_cast<uint16_t*>(m), t, reinterpret_cast<uint16_t*>(c),
+                        reinterpret_cast<uint16_t*>(c + row_stride), dim, dir);
+          ++o;
+          c += row_stride;
+        } else {
+          copy_row(reinterpret_cast<uint16_t*>(m), t, reinterpret_cast<uint16_t*>(c), dim, dir);
+        }
       }
+      p += n;
     }
   });
 }
