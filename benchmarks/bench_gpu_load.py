@@ -80,7 +80,8 @@ def main() -> None:
         staged = pinned.view(torch.bfloat16)
     else:
         staged = torch.empty(nbytes // 2, dtype=torch.bfloat16)
-    row("decode_chunks, raw chunks -> pinned host", timed(lambda: _core.decode_chunks(blobs, staged), args.repeats))
+    where = "pinned host" if device.type == "cuda" else "host"
+    row(f"decode_chunks, raw chunks -> {where}", timed(lambda: _core.decode_chunks(blobs, staged), args.repeats))
     staged = None  # freed (the lambda above holds the name)
 
     def receive() -> None:
@@ -97,7 +98,7 @@ def main() -> None:
         target = PagedBlocks(layers, layout, ids)
         for first, end in groups:
             target.receive_layers(list(blobs), first, end, n, LAYERS)
-        decodes.append(getattr(target, "decodes", 0))
+        decodes.append(target.decodes)
 
     row(f"layer-wise load ({len(groups)} groups)", timed(synced(layerwise), args.repeats),
         device_decodes_per_load=decodes[-1])

@@ -89,16 +89,21 @@ class WorkerSide:
             # layer-wise when the engine streams: layers arrive while the model computes the ones before
             load = self.engine.load(self.session.within(spec.namespace), tokens, spec.end, blocks,
                                     lambda _, blocks=blocks: blocks, began, spec.found)
-            hit = load.hit
             served.lossy |= load.lossy  # a stream's is known when it ends (_finish_streams)
             if load.stream is not None:
                 self._streams.append((spec, load))
-            upto = min(hit, spec.end)
+            self._account(spec, served, load.hit, began, stale_step=True)
+
+    def _account(self, spec: LoadSpec, served: Served | None, hit: int, began: float, stale_step: bool) -> None:
+        """A load of ``spec`` that served ``hit`` tokens: what the request was served, counted; tokens
+        short of the lookup's are reported (evicted or unusable since: vLLM recomputes their blocks)."""
+        upto = min(hit, spec.end)
+        if served is not None:
             served.tokens = max(served.tokens, upto)
-            if upto < spec.end:  # evicted or unusable since the lookup: vLLM recomputes these blocks
-                self._load_failed(spec, max(upto, spec.start), "evicted or damaged since the lookup")
-            metrics.count(loads=1, loaded_tokens=max(0, upto - spec.start), hit_tokens=max(0, upto - spec.start),
-                   load_seconds=time.perf_counter() - began)
+            if upto < spec.end:
+                self._load_failed(spec, max(upto, spec.start), "evicted or damaged since the lookup", stale_step)
+        metrics.count(loads=1, loaded_tokens=max(0, upto - spec.start), hit_tokens=max(0, upto - spec.start),
+                      load_seconds=time.perf_counter() - began)
 
     def _load_before(self, spec: LoadSpec) -> None:
         """Start an async load: read and laid into the blocks by the load thread, on the GPU on this
@@ -131,16 +136,11 @@ class WorkerSide:
                 (ready if item[2] is None or item[2].query() else waiting).append(item)
             self._loaded = waiting
         for spec, done, _, began in ready:
-            hit = done.hit if done is not None else 0
-            upto = min(hit, spec.end)
             served = self._served.get(spec.req_id)  # None: the request ended (aborted) while it loaded
             if served is not None:
                 served.lossy |= done is not None and done.lossy
-                served.tokens = max(served.tokens, upto)
-            if upto < spec.end and served is not None:  # no step ran on these blocks: the recomputed prefill is stored
-                self._load_failed(spec, max(upto, spec.start), "evicted or damaged since the lookup", stale_step=False)
-            metrics.count(loads=1, loaded_tokens=max(0, upto - spec.start), hit_tokens=max(0, upto - spec.start),
-                          load_seconds=time.perf_counter() - began)
+            # no step ran on these blocks: a failure's recomputed prefill is stored
+            self._account(spec, served, done.hit if done is not None else 0, began, stale_step=False)
         return {spec.req_id for spec, *_ in ready}
 
     def _load_failed(self, spec: LoadSpec, start: int, why: str, stale_step: bool = True) -> None:
