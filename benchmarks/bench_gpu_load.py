@@ -6,7 +6,8 @@ one run: the breakdown of the 8B TTFT in ``results/gpu/VLLM.md``.
 Rows (median seconds over ``--repeats``, each ended by a device synchronize): a pageable and a
 pinned ``torch`` host-to-device copy of the KV's bytes; the chunks decoded on the host into pinned
 memory (``_core.decode_chunks``); a whole load into vLLM's packed GPU blocks (``PagedBlocks.receive``:
-staging, copy, paged copy), cold (its first: the pinned staging is allocated) and warm; a layer-wise
+staging, copy, paged copy), cold (its first: the pinned staging is allocated) and warm, and of
+int8 and int4 chunks (decoded by the CUDA decoder; GB/s of the KV they decode to); a layer-wise
 load (each layer group a new list of the same chunks, as the stream hands them; its device decodes
 counted); a store's gather of the last chunk (a served prompt's new tail) and of the whole prompt.
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kdn import _core
+from kdn import _core, codecs
 from kdn.engine.paged import vllm_layout
 from kdn.engine.targets import PagedBlocks
 from timing import save_result, timed
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layer-group", type=int, default=3)
+    parser.add_argument("--codecs", default="int8,int4", help="coded chunks' whole loads too ('' for none)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--out", default="bench_out/gpu")
     args = parser.parse_args()
@@ -91,6 +93,16 @@ def main() -> None:
     synced(receive)()
     row("whole load into the blocks, first", time.perf_counter() - t0)
     row("whole load into the blocks, warm", timed(synced(receive), args.repeats))
+    for spec in args.codecs.split(",") if args.codecs else []:  # coded chunks: fewer bytes over the link
+        coded = [codecs.encode(b, spec) for b in blobs]
+        moved = sum(len(b) for b in coded)
+
+        def receive_coded(coded=coded) -> None:
+            PagedBlocks(layers, layout, ids).receive(None, coded, n)
+
+        synced(receive_coded)()  # its first: staging allocated
+        row(f"whole load into the blocks, {spec} chunks", timed(synced(receive_coded), args.repeats), moved=nbytes,
+            coded_bytes=moved)
     groups = [(g, min(g + args.layer_group, LAYERS)) for g in range(0, LAYERS, args.layer_group)]
     decodes = []
 
