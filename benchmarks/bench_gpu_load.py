@@ -6,8 +6,10 @@ one run: the breakdown of the 8B TTFT in ``results/gpu/VLLM.md``.
 Rows (median seconds over ``--repeats``, each ended by a device synchronize): a pageable and a
 pinned ``torch`` host-to-device copy of the KV's bytes; the chunks decoded on the host into pinned
 memory (``_core.decode_chunks``); a whole load into vLLM's packed GPU blocks (``PagedBlocks.receive``:
-staging, copy, paged copy), cold (its first: the pinned staging is allocated) and warm, and of
-int8 and int4 chunks (decoded by the CUDA decoder; GB/s of the KV they decode to); a layer-wise
+staging, copy, paged copy), cold (its first: the pinned staging is allocated) and warm; the same
+blobs copied into the buffer pool's page-locked blocks (what a CUDA engine's tiers hold: the
+locking's cost) and loaded from there (one DMA per chunk, no host copy); int8 and int4 chunks
+(decoded by the CUDA decoder; GB/s of the KV they decode to); a layer-wise
 load (each layer group a new list of the same chunks, as the stream hands them; its device decodes
 counted); a store's gather of the last chunk (a served prompt's new tail) and of the whole prompt.
 
@@ -93,6 +95,19 @@ def main() -> None:
     synced(receive)()
     row("whole load into the blocks, first", time.perf_counter() - t0)
     row("whole load into the blocks, warm", timed(synced(receive), args.repeats))
+    if device.type == "cuda":  # what a CUDA engine's tiers hold (pin_host_memory): blobs in page-locked blocks
+        _core.buffer_pool_lock_pages(True)
+        t0 = time.perf_counter()
+        locked = [_core.Buffer(b) for b in blobs]  # one copy each into fresh blocks, locked as they are handed out
+        row("blobs copied into page-locked pool blocks", time.perf_counter() - t0,
+            locked=sum(_core.host_memory_locked(b) for b in locked), pool=_core.buffer_pool_stats())
+
+        def receive_locked() -> None:
+            PagedBlocks(layers, layout, ids).receive(None, locked, n)
+
+        synced(receive_locked)()
+        row("whole load into the blocks, page-locked raw chunks", timed(synced(receive_locked), args.repeats))
+        del locked
     for spec in args.codecs.split(",") if args.codecs else []:  # coded chunks: fewer bytes over the link
         coded = [codecs.encode(b, spec) for b in blobs]
         moved = sum(len(b) for b in coded)
@@ -120,6 +135,7 @@ def main() -> None:
                                              args.repeats), moved=nbytes * (n - tail) // n)
     whole = [(s, min(CHUNK, n - s), bytes(16)) for s in range(0, n, CHUNK)]
     row("store gather, the whole prompt", timed(lambda: source.pack(whole, FINGERPRINT), args.repeats))
+    row("  of which the blocks to host (emit)", timed(lambda: source.emit(0, n), args.repeats))
     info = {"tokens": n, "bytes": nbytes, "shape": [LAYERS, HEADS, DIM], "dtype": "bfloat16", "device": args.device}
     if device.type == "cuda":
         info["device_name"] = torch.cuda.get_device_name()

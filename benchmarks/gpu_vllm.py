@@ -200,7 +200,9 @@ def ttft(args, shape: str, model: Path, work: Path) -> dict:
     disk = {"disk_dir": str(work / "ttft-kv"), "disk_queue_bytes": "16GiB"}  # a 32K 8B prompt is 4.3 GB
     runs = {"vllm alone": engine(args, model, files["all"], None, max_tokens=1),
             "vllm prefix cache": engine(args, model, files["all"], None, "--prefix-caching", max_tokens=1),
-            "kdn memory": engine(args, model, files["all"], memory, max_tokens=1)}
+            "kdn memory": engine(args, model, files["all"], memory, max_tokens=1),  # its blobs page-locked
+            "kdn memory, pageable": engine(args, model, files["all"], {**memory, "pin_host_memory": False},
+                                           max_tokens=1)}  # before: staged through pinned memory
     engine(args, model, files["warm"], disk, max_tokens=1)  # stores
     runs["kdn disk, new engine"] = engine(args, model, files["timed"], {**disk, "memory_bytes": "1MiB"},
                                           max_tokens=1)

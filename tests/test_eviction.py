@@ -118,6 +118,23 @@ def test_buffer_pool_reuses_freed_blocks_within_its_limit():
     assert _core.buffer_pool_stats()["idle_bytes"] == 0
 
 
+def test_page_locking_without_a_device_is_refused_once_and_leaves_blocks_usable():
+    """On a GPU engine the pool page-locks its blocks (hits then upload straight from the blobs);
+    without a CUDA device (or a CUDA build) the first refusal turns it off: nothing else changes."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device locks the blocks (test_gpu.py checks what it uploads)")
+    before = _core.buffer_pool_stats()
+    _core.buffer_pool_lock_pages(True)
+    blob = _core.Buffer(bytes(range(256)) * 4096)
+    after = _core.buffer_pool_stats()
+    assert after["lock_failures"] == before["lock_failures"] + 1 and after["locked_blocks"] == 0
+    assert not _core.host_memory_locked(blob) and bytes(blob) == bytes(range(256)) * 4096
+    _core.Buffer(bytes(1 << 20))
+    assert _core.buffer_pool_stats()["lock_failures"] == after["lock_failures"]  # turned off: not asked again
+
+
 def test_host_arrays_are_writable_and_blobs_are_not():
     import torch
 

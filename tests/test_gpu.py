@@ -164,3 +164,39 @@ def test_paged_blocks_on_the_gpu_receive_and_emit_what_the_cpu_blocks_do(kind, c
     assert kv_gpu[0].device.type == "cpu" and kv_gpu[0].is_pinned()  # staged in pinned memory for the store
     tail = [(32, 16, bytes([1]) * 16), (48, count - 48, bytes([2]) * 16)]  # a served prompt stores its tail only
     assert [bytes(b) for b in on_gpu.pack(tail, FP)] == [bytes(b) for b in on_cpu.pack(tail, FP)]
+
+
+def test_raw_chunks_in_page_locked_blocks_go_up_straight_from_the_blob(monkeypatch):
+    """Once the pool page-locks its blocks (a CUDA engine asks), a tier's raw blobs are DMA'd to
+    the device from where they are, with no host copy, and land as the staged path lays them; a
+    blob too small to be pooled (the 44-token tail) takes the host path beside them."""
+    from kdn import _core
+    from kdn.engine import PagedBlocks, targets
+    from kdn.storage.memory import MemoryTier
+    from test_paged import FP, describe_layout, engine_layers
+
+    _core.buffer_pool_lock_pages(True)
+    layers, heads, dim, block_size, num_blocks, count = 3, 2, 128, 16, 40, 300
+    kv = [torch.randn(1, heads, count, dim).to(torch.bfloat16) for _ in range(2 * layers)]
+    tier = MemoryTier(1 << 30)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    for i, key in enumerate(keys):  # 128 + 128 + 44 tokens: 384 KiB, 384 KiB, 132 KiB
+        assert tier.put(key, _core.pack_chunk(kv, 128 * i, min(128, count - 128 * i), FP, key))
+    held = tier.get_many(keys)
+    assert [_core.host_memory_locked(b) for b in held] == [True, True, False], _core.buffer_pool_stats()
+    ids = list(range(num_blocks - 1, -1, -1))[: -(-count // block_size)]
+    cpu = engine_layers("kv-first", layers, num_blocks, heads, block_size, dim, torch.bfloat16)
+    gpu = engine_layers("kv-first", layers, num_blocks, heads, block_size, dim, torch.bfloat16, device="cuda")
+    PagedBlocks(cpu, describe_layout("kv-first", cpu[0]), ids, 5).receive(None, held, count)
+    staged, decode = [], targets._core.decode_chunks
+    monkeypatch.setattr(targets._core, "decode_chunks", lambda blobs, out: (staged.append(blobs), decode(blobs, out)))
+    PagedBlocks(gpu, describe_layout("kv-first", gpu[0]), ids, 5).receive(None, held, count)
+    del held  # the uploads hold their blobs until the stream has run them
+    torch.cuda.synchronize()
+    assert [[bytes(b) for b in blobs] for blobs in staged] == [[bytes(tier.get(keys[2]))]]  # the tail only
+    assert all(torch.equal(g.cpu(), c) for g, c in zip(gpu, cpu))
+    pageable = [bytes(tier.get(k)) for k in keys]  # copies in Python's heap: left to the host path
+    out = torch.empty(count * layers * 2 * heads * dim, dtype=torch.bfloat16, device="cuda")
+    assert _core.upload_raw_chunks_cuda(pageable, out) == [False, False, False]
+    with pytest.raises(ValueError, match="out holds"):
+        _core.upload_raw_chunks_cuda(pageable, out[1:])

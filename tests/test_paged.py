@@ -289,6 +289,18 @@ def test_chunks_sealed_straight_from_the_blocks_are_the_bytes_packed_from_the_mo
         assert bytes(blob) == bytes(_core.pack_chunk(kv, start, count, FP, key))
     assert all(torch.equal(a, b) for a, b in zip(before, paged))
     assert PagedBlocks(paged, layout, block_ids).pack([], FP) == []
+    # a GPU engine's store gathers only the span it stores, then packs from it: the blobs name their
+    # sequence positions, not where they sit in the span (a reader checks them: a blob at the wrong
+    # position is a miss)
+    first, span = PagedBlocks(paged, layout, block_ids).emit(40, 77)
+    assert first == 32
+    tail = [(48, 16, bytes([4]) * 16), (64, 13, bytes([5]) * 16)]
+    for (start, count, key), blob in zip(tail, PagedBlocks(paged, layout, block_ids).pack(tail, FP)):
+        from_span = _core.pack_chunk(span, start - first, count, FP, key, position=start)
+        assert bytes(from_span) == bytes(blob) == bytes(_core.pack_chunk(kv, start, count, FP, key))
+        assert _core.blob_parse(from_span, verify_checksum=True)["position"] == start
+    with pytest.raises(ValueError, match="position"):
+        _core.pack_chunk(span, 0, 16, FP, bytes(16), position=-2)
     with pytest.raises(ValueError, match="block"):  # positions beyond the request's blocks
         _core.pack_chunks_paged(paged, torch.tensor(block_ids).numpy(), [(80, 32, bytes(16))], FP,
                                 layout=layout.as_dict())

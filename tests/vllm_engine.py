@@ -124,6 +124,9 @@ def main() -> None:
 
         connector.drain()
         stats = connector.stats()
+        from kdn import _core
+
+        stats["host_buffers"] = _core.buffer_pool_stats()  # page-locked on a GPU engine (pin_host_memory)
     print("KDN-RESULT " + json.dumps({"load_seconds": load_s, "results": results, "stats": stats,
                                       "versions": versions()}), flush=True)
 

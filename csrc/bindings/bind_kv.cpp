@@ -7,6 +7,7 @@
 
 #include "kdn/blob.h"
 #include "kdn/chunk.h"
+#include "kdn/host_memory.h"
 #include "kdn/kv_copy.h"
 #include "kdn/parallel.h"
 #include "tensor.h"
@@ -158,16 +159,19 @@ std::vector<ChunkBytes> chunk_bytes(const py::list& blobs, std::vector<ByteSpan>
 void bind_kv(py::module_& m) {
   m.def(
       "pack_chunk",
-      [](const py::sequence& kv, int64_t start, int64_t count, py::handle fingerprint, py::handle key) {
+      [](const py::sequence& kv, int64_t start, int64_t count, py::handle fingerprint, py::handle key,
+         int64_t position) {
         KvViews v = kv_views(kv, false);
         KDN_CHECK_INPUT(v.device == DeviceType::kCPU, "pack_chunk: tensors must be on the CPU (move them, or use the CUDA copy)");
         const Key128 fp = key_arg(fingerprint, "fingerprint"), k = key_arg(key, "key");
         py::gil_scoped_release release;
         return pack_chunk(KvShape{v.layers, v.seq, v.heads, v.dim}, v.table(), v.dtype, start, count, fp, k,
-                          default_num_threads());
+                          default_num_threads(), position);
       },
       py::arg("kv"), py::arg("start"), py::arg("count"), py::arg("fingerprint"), py::arg("key"),
-      "Pack tokens [start, start+count) of a per-layer KV list into one raw blob.");
+      py::arg("position") = -1,
+      "Pack tokens [start, start+count) of a per-layer KV list into one raw blob at sequence position "
+      "`position` (default: start; a list that begins later in the sequence names where).");
 
   m.def(
       "verify_chunks",
@@ -273,6 +277,43 @@ void bind_kv(py::module_& m) {
       },
       py::arg("blobs"), py::arg("out"),
       "Write the canonical (raw) bytes of each blob, one after the other, into `out` (coded blobs decoded).");
+
+  m.def(
+      "upload_raw_chunks_cuda",
+      [](const py::list& blobs, py::handle out, uintptr_t stream) {
+        HeldView dst = view_from_object(out, "out");
+        KDN_CHECK_INPUT(dst.view.device == DeviceType::kCUDA && dst.view.is_contiguous() && dst.view.writable,
+                        "upload_raw_chunks_cuda: out must be a contiguous writable CUDA tensor");
+        std::vector<ByteSpan> keep;
+        const std::vector<ChunkBytes> spans = chunk_bytes(blobs, &keep);
+        std::vector<uint64_t> offsets;
+        uint64_t at = 0;
+        for (size_t i = 0; i < spans.size(); ++i) {
+          BlobHeader h;
+          const Status st = blob_parse_header(spans[i].data, spans[i].size, &h);
+          if (!st.ok) throw BlobError("upload_raw_chunks_cuda: blob " + std::to_string(i) + ": " + st.message, __FILE__, __LINE__);
+          offsets.push_back(at);
+          at += raw_payload_bytes(h);
+        }
+        KDN_CHECK_INPUT(at == static_cast<uint64_t>(dst.view.numel()) * dtype_size(dst.view.dtype),
+                        "upload_raw_chunks_cuda: out holds " + std::to_string(dst.view.numel() * dtype_size(dst.view.dtype)) +
+                            " bytes, the chunks " + std::to_string(at));
+        std::vector<uint8_t> uploaded;
+        Status st;
+        {
+          py::gil_scoped_release release;
+          st = upload_raw_chunks_cuda(spans, offsets, dst.view.data, stream, &uploaded);
+        }
+        if (!st.ok) throw BlobError(st.message, __FILE__, __LINE__);
+        return std::vector<bool>(uploaded.begin(), uploaded.end());
+      },
+      py::arg("blobs"), py::arg("out"), py::arg("stream") = 0,
+      "The CUDA twin of decode_chunks for raw blobs in page-locked memory: each such blob's payload is copied to its\n"
+      "place in the device tensor `out` (the blobs' canonical bytes back to back) by one asynchronous DMA on `stream`\n"
+      "(the blobs must outlive it); returns which blobs were (coded or pageable ones are left to the caller).");
+  m.def(
+      "host_memory_locked", [](py::handle obj) { return host_memory_locked(bytes_from_object(obj, "obj").data); },
+      py::arg("obj"), "Whether the bytes of `obj` (a Buffer, bytes, an array) are page-locked for the device.");
 
   m.def(
       "pack_pointer",

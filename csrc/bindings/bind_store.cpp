@@ -228,8 +228,14 @@ void bind_store(py::module_& m) {
     d["limit_bytes"] = st.limit_bytes;
     d["reused"] = st.reused;
     d["allocated"] = st.allocated;
+    d["locked_bytes"] = st.locked_bytes;
+    d["locked_blocks"] = st.locked_blocks;
+    d["lock_failures"] = st.lock_failures;
     return d;
   });
+  m.def("buffer_pool_lock_pages", &buffer_pool_lock_pages, py::arg("on"),
+        "Page-lock every pooled host block handed out from now on (a CUDA build with a device; a refusal turns it\n"
+        "off, counted in buffer_pool_stats()['lock_failures']): hits then upload straight from the blobs.");
   m.def("buffer_pool_set_limit", &buffer_pool_set_limit, py::arg("bytes"));
   m.def("buffer_pool_trim", &buffer_pool_trim, "Return every idle pooled block to the system allocator.");
 

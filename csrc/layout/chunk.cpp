@@ -42,11 +42,13 @@ BufferPtr sealed(BufferPtr blob) {
 }  // namespace
 
 BufferPtr pack_chunk(const KvShape& shape, const KvTable& table, DType dtype, int64_t start, int64_t count,
-                     const Key128& fingerprint, const Key128& key, int threads) {
+                     const Key128& fingerprint, const Key128& key, int threads, int64_t position) {
   KDN_CHECK_INPUT(start >= 0 && count > 0 && start + count <= shape.tokens,
                   "pack_chunk: tokens [" + std::to_string(start) + ", " + std::to_string(start + count) +
                       ") are outside the cache (" + std::to_string(shape.tokens) + " tokens)");
-  BufferPtr blob = new_chunk_blob(shape.layers, shape.kv_heads, shape.head_dim, dtype, start, count, fingerprint, key);
+  KDN_CHECK_INPUT(position >= -1, "pack_chunk: position " + std::to_string(position) + " is negative");
+  BufferPtr blob = new_chunk_blob(shape.layers, shape.kv_heads, shape.head_dim, dtype, position < 0 ? start : position,
+                                  count, fingerprint, key);
   const KvShape chunk{shape.layers, count, shape.kv_heads, shape.head_dim};
   kv_copy_cpu(chunk, table, blob->data() + kBlobHeaderBytes, dtype_size(dtype), start, count,
               CopyDirection::kCacheToChunk, threads);

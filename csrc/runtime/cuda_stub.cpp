@@ -1,5 +1,6 @@
 // Stand-ins for the CUDA entry points when kdn is built without nvcc (KDN_CUDA=OFF or not found).
 #include "kdn/codec.h"
+#include "kdn/host_memory.h"
 #include "kdn/kv_copy.h"
 #include "kdn/paged.h"
 #include "kdn/rope.h"
@@ -20,6 +21,13 @@ Status codec_decode_cuda(const BlobHeader&, const uint8_t*, size_t, void*, uintp
   return Status::Fail("kdn was built without CUDA");
 }
 Status codec_decode_cuda_many(const std::vector<DecodeJob>&, uintptr_t) {
+  return Status::Fail("kdn was built without CUDA");
+}
+bool host_memory_lock(void*, size_t) { return false; }
+void host_memory_unlock(void*) {}
+bool host_memory_locked(const void*) { return false; }
+Status upload_raw_chunks_cuda(const std::vector<ChunkBytes>&, const std::vector<uint64_t>&, void*, uintptr_t,
+                              std::vector<uint8_t>*) {
   return Status::Fail("kdn was built without CUDA");
 }
 bool cuda_compiled() { return false; }

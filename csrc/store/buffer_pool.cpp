@@ -5,6 +5,9 @@
 #include <map>
 #include <mutex>
 #include <new>
+#include <unordered_set>
+
+#include "kdn/host_memory.h"
 
 namespace kdn {
 namespace {
@@ -14,6 +17,8 @@ constexpr size_t kGranule = 64u << 10;
 struct Pool {
   std::mutex mutex;
   std::multimap<size_t, uint8_t*> idle;  // capacity -> block
+  std::unordered_set<uint8_t*> locked;    // blocks page-locked for the device
+  bool lock_pages = false;
   BufferPoolStats stats;
   Pool() {
     const char* env = std::getenv("KDN_BUFFER_POOL_BYTES");
@@ -24,15 +29,44 @@ struct Pool {
       auto it = std::prev(idle.end());
       stats.idle_bytes -= it->first;
       --stats.idle_blocks;
-      std::free(it->second);
+      free_block(it->second, it->first);
       idle.erase(it);
     }
+  }
+  void free_block(uint8_t* block, size_t capacity) {  // caller holds mutex
+    if (locked.erase(block)) {
+      host_memory_unlock(block);
+      --stats.locked_blocks;
+      stats.locked_bytes -= capacity;
+    }
+    std::free(block);
   }
 };
 
 Pool& pool() {
   static Pool* p = new Pool();  // never destroyed: buffers may be freed during interpreter shutdown
   return *p;
+}
+
+// Page-locks a pooled block when the pool is asked to and it is not yet (outside the mutex: it takes
+// the driver a while); a refusal leaves it pageable, and the pool stops asking.
+uint8_t* lock_if_asked(uint8_t* block, size_t capacity) {
+  Pool& P = pool();
+  {
+    std::lock_guard<std::mutex> lock(P.mutex);
+    if (!P.lock_pages || P.locked.count(block)) return block;
+  }
+  const bool ok = host_memory_lock(block, capacity);
+  std::lock_guard<std::mutex> lock(P.mutex);
+  if (!ok) {
+    P.lock_pages = false;
+    ++P.stats.lock_failures;
+    return block;
+  }
+  P.locked.insert(block);
+  ++P.stats.locked_blocks;
+  P.stats.locked_bytes += capacity;
+  return block;
 }
 
 }  // namespace
@@ -46,24 +80,27 @@ uint8_t* pool_acquire(size_t size, size_t* capacity) {
   }
   size_t rounded = (size + kGranule - 1) / kGranule * kGranule;
   Pool& P = pool();
+  uint8_t* reused = nullptr;
   {
     std::lock_guard<std::mutex> lock(P.mutex);
     auto it = P.idle.lower_bound(rounded);
     if (it != P.idle.end() && it->first <= rounded + rounded / 4) {
       *capacity = it->first;
-      uint8_t* block = it->second;
+      reused = it->second;
       P.stats.idle_bytes -= it->first;
       --P.stats.idle_blocks;
       ++P.stats.reused;
       P.idle.erase(it);
-      return block;
+    } else {
+      ++P.stats.allocated;
     }
-    ++P.stats.allocated;
   }
-  void* p = std::malloc(rounded);
+  if (reused) return lock_if_asked(reused, *capacity);
+  // page-aligned, so that no two blocks share a page (page-locking works by pages)
+  void* p = std::aligned_alloc(4096, rounded);
   if (!p) throw std::bad_alloc();
   *capacity = rounded;
-  return static_cast<uint8_t*>(p);
+  return lock_if_asked(static_cast<uint8_t*>(p), rounded);
 }
 
 void pool_release(uint8_t* block, size_t capacity) {
@@ -76,8 +113,16 @@ void pool_release(uint8_t* block, size_t capacity) {
       ++P.stats.idle_blocks;
       return;
     }
+    P.free_block(block, capacity);
+    return;
   }
   std::free(block);
+}
+
+void buffer_pool_lock_pages(bool on) {
+  Pool& P = pool();
+  std::lock_guard<std::mutex> lock(P.mutex);
+  P.lock_pages = on;
 }
 
 void buffer_pool_set_limit(uint64_t bytes) {

@@ -67,6 +67,11 @@ class KDNConfig:
             and counted, so ``store`` never waits for the disk (default 512 MiB).
         disk_read_threads: threads reading chunk files in parallel (default 4).
         disk_fsync: fsync each file before it is renamed into place (default True).
+        pin_host_memory: on a CUDA engine (the vLLM connector over GPU blocks), page-lock kdn's
+            pooled host buffers (the memory tier's blobs, disk reads) as they are allocated, so
+            that a hit's raw chunks go to the device by DMA straight from where the tier holds them
+            (no host copy; the link's full speed). Default True; the locked bytes are the memory
+            tier's and the pool's (``kdn._core.buffer_pool_stats()``).
         remote_url: a Redis / Valkey store shared by processes and machines, or None (default):
             ``redis://[user:password@]host:port[/db]``, ``rediss://`` (TLS),
             ``redis+cluster://host:port`` (any node of a Redis Cluster), ``unix:///path``.
@@ -175,6 +180,7 @@ class KDNConfig:
     disk_queue_bytes: int = 512 * MiB
     disk_read_threads: int = 4
     disk_fsync: bool = True
+    pin_host_memory: bool = True
     remote_url: str | None = None
     remote_timeout: float = 1.0
     remote_ttl: float | None = None
@@ -233,7 +239,7 @@ class KDNConfig:
         if self.encrypt and self.secret is None:
             raise InvalidInputError("KDNConfig.encrypt=True needs a secret (its keys derive from it): set "
                                     "KDNConfig.secret or $KDN_SECRET")
-        for name in ("disk_fsync", "disk_shared", "encrypt"):
+        for name in ("disk_fsync", "disk_shared", "encrypt", "pin_host_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"KDNConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.namespace is not None:

@@ -75,7 +75,7 @@ def from_text(name: str, raw: str, where: str):
             raise InvalidInputError(f"{where}={raw!r} is not an integer") from None
     if name in SIZE_FIELDS:
         return parse_bytes(raw, where)
-    if name in ("disk_fsync", "disk_shared"):
+    if name in ("disk_fsync", "disk_shared", "pin_host_memory"):
         lowered = raw.strip().lower()
         if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
             raise InvalidInputError(f"{where}={raw!r} is not a boolean (true/false)")

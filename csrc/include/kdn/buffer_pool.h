@@ -5,7 +5,8 @@
 // fresh pages 63 ms, into pooled ones 24 ms). Blocks of at least kMinPooledBytes are rounded up to a
 // 64 KiB multiple and, when freed, kept for reuse up to an idle-byte cap (default 1 GiB, set by
 // KDN_BUFFER_POOL_BYTES or buffer_pool_set_limit); a request reuses the smallest idle block that
-// is at least as large and at most 25% larger. Thread-safe.
+// is at least as large and at most 25% larger. Blocks are page-aligned; page-locked on request
+// (buffer_pool_lock_pages). Thread-safe.
 #pragma once
 
 #include <cstddef>
@@ -17,6 +18,7 @@ constexpr size_t kMinPooledBytes = 256u << 10;
 
 struct BufferPoolStats {
   uint64_t idle_bytes = 0, idle_blocks = 0, limit_bytes = 0, reused = 0, allocated = 0;
+  uint64_t locked_bytes = 0, locked_blocks = 0, lock_failures = 0;  // page-locked for the device
 };
 
 // Returns a block of at least `size` bytes and its real size in *capacity; throws std::bad_alloc.
@@ -24,6 +26,11 @@ uint8_t* pool_acquire(size_t size, size_t* capacity);
 void pool_release(uint8_t* block, size_t capacity);
 void buffer_pool_set_limit(uint64_t bytes);  // also frees idle blocks above the new limit
 void buffer_pool_trim();                     // frees every idle block
+// From now on, page-lock every pooled block handed out (kdn/host_memory.h: a CUDA build with a
+// device), so that blobs and host arrays upload to the device by DMA straight from where they are;
+// a block stays locked until freed. A refusal (no device, a lock limit) turns it off again
+// (stats: lock_failures). Costs the driver's time once per block, not per use.
+void buffer_pool_lock_pages(bool on);
 BufferPoolStats buffer_pool_stats();
 
 }  // namespace kdn

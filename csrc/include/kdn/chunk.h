@@ -28,9 +28,10 @@ struct ChunkBytes {
 };
 
 // A sealed raw blob with tokens [start, start + count) of the per-layer tensors in `table`
-// (shape.tokens = the tensors' length). Throws InputError for an out-of-range request.
+// (shape.tokens = the tensors' length), at sequence position `position` (-1: `start`; the tensors
+// may begin later in the sequence than position 0). Throws InputError for an out-of-range request.
 BufferPtr pack_chunk(const KvShape& shape, const KvTable& table, DType dtype, int64_t start, int64_t count,
-                     const Key128& fingerprint, const Key128& key, int threads);
+                     const Key128& fingerprint, const Key128& key, int threads, int64_t position = -1);
 
 // The same, gathered straight out of an engine's paged KV blocks (kdn/paged.h): sequence positions
 // [start, start + count) of the request whose blocks are `block_ids`. One copy, no intermediate

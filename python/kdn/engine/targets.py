@@ -19,6 +19,8 @@ A source (the save side) adds ``emit(start, end) -> (first, kv)``: the KV of tok
 
 from __future__ import annotations
 
+import collections
+import threading
 from typing import Protocol
 
 import numpy as np
@@ -100,21 +102,22 @@ def _device_chunks(blobs: list, num_tokens: int, layers: int, kv_heads: int, hea
                    device: torch.device) -> list[torch.Tensor]:
     """The chunks holding the first ``num_tokens`` tokens of ``blobs``, decoded on ``device`` in the
     canonical layout ``[layers, 2, tokens, kv_heads, head_dim]`` (views of one slab), on torch's
-    current stream: int* decoded by the CUDA decoder, the others by the host threads into pinned
-    memory, then one copy each."""
-    headers, used = [], 0
-    for blob in blobs:  # the chunks that hold the first num_tokens tokens
-        if used >= num_tokens:
-            break
-        headers.append(_core.blob_parse(blob, verify_checksum=False))  # the reader verified them already
-        used += headers[-1]["tokens"]
+    current stream: raw chunks in page-locked memory (a tier's blobs once the buffer pool locks its
+    blocks, :func:`kdn._core.buffer_pool_lock_pages`) copied straight from the blob, int* decoded
+    by the CUDA decoder, the others by the host threads into pinned memory, then one copy each."""
+    headers = _needed(blobs, num_tokens)
     blobs = blobs[: len(headers)]
     per_token = layers * 2 * kv_heads * head_dim
     sizes = [h["tokens"] * per_token for h in headers]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
     slab = torch.empty(offsets[-1], dtype=dtype, device=device)  # canonical chunks, back to back
     stream = torch.cuda.current_stream(device).cuda_stream
-    on_host = [i for i, h in enumerate(headers) if h["codec"] not in _GPU_DECODED_CODECS]
+    direct = [False] * len(blobs)
+    if any(h["codec"] == 0 for h in headers):  # raw chunks a tier holds page-locked: one DMA each, from the blob
+        direct = _core.upload_raw_chunks_cuda(blobs, slab, stream)
+        if any(direct):
+            _hold_until_uploaded(blobs, torch.cuda.current_stream(device))
+    on_host = [i for i, h in enumerate(headers) if not direct[i] and h["codec"] not in _GPU_DECODED_CODECS]
     if on_host:  # decoded (or copied) by the host threads straight into pinned memory, then one copy each
         staged = torch.empty(sum(sizes[i] for i in on_host), dtype=dtype, pin_memory=True)
         _core.decode_chunks([blobs[i] for i in on_host], staged)
@@ -128,6 +131,32 @@ def _device_chunks(blobs: list, num_tokens: int, layers: int, kv_heads: int, hea
     if on_device:  # decoded by the CUDA decoders (kvtc chunks all in one launch pair)
         _core.codec_decode_cuda_many([blobs[i] for i in on_device], [chunks[i] for i in on_device], stream)
     return chunks
+
+
+def _needed(blobs: list, num_tokens: int) -> list[dict]:
+    """The headers of the leading ``blobs`` that hold the first ``num_tokens`` tokens."""
+    headers, used = [], 0
+    for blob in blobs:
+        if used >= num_tokens:
+            break
+        headers.append(_core.blob_parse(blob, verify_checksum=False))  # the reader verified them already
+        used += headers[-1]["tokens"]
+    return headers
+
+
+_uploading: collections.deque = collections.deque()  # (event, blobs): DMAs from blobs still running
+_uploading_lock = threading.Lock()
+
+
+def _hold_until_uploaded(blobs: list, stream: torch.cuda.Stream) -> None:
+    """Keep ``blobs`` alive until ``stream`` has run the uploads queued from them so far: a blob freed
+    earlier would return its block to the pool, to be refilled while the DMA still reads it."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    with _uploading_lock:
+        while _uploading and _uploading[0][0].query():
+            _uploading.popleft()
+        _uploading.append((event, list(blobs)))
 
 
 class HFLayers:
@@ -211,7 +240,8 @@ class PagedBlocks:
                                            layout=self.layout.as_dict())
         # only the span of the chunks to store (a served prompt stores its new tail, not what it was served)
         first, kv = self.emit(min(start for start, _, _ in chunks), max(start + count for start, count, _ in chunks))
-        return [_core.pack_chunk(kv, start - first, count, fingerprint, key) for start, count, key in chunks]
+        return [_core.pack_chunk(kv, start - first, count, fingerprint, key, position=start)
+                for start, count, key in chunks]
 
     def emit(self, start: int, end: int) -> tuple[int, list[torch.Tensor]]:
         """``(first, kv)``: tokens ``[first, end)`` (``first``: ``start`` rounded down to a block) as HF
