@@ -98,7 +98,7 @@ def main() -> None:
     if device.type == "cuda":  # what a CUDA engine's tiers hold (pin_host_memory): blobs in page-locked blocks
         _core.buffer_pool_lock_pages(True)
         t0 = time.perf_counter()
-        locked = [_core.Buffer(b) for b in blobs]  # one copy each into fresh blocks, locked as they are handed out
+        locked = [_core.buffer_join([b]) for b in blobs]  # a copy each, into blocks locked as they are handed out
         row("blobs copied into page-locked pool blocks", time.perf_counter() - t0,
             locked=sum(_core.host_memory_locked(b) for b in locked), pool=_core.buffer_pool_stats())
 

@@ -276,7 +276,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     from kdn.info import git_sha, provenance
 
-    sha = git_sha(ROOT, exclude="benchmarks/results")  # "unknown" on a GPU machine: $KDN_COMMIT names it
+    # on a GPU machine the commit is the one the call names ($KDN_COMMIT, .ci/gpu): the tree copied
+    # there may carry a stale .git (run 3's said 22ca13d+dirty; it ran a99990c)
+    sha = os.environ.get("KDN_COMMIT") or git_sha(ROOT, exclude="benchmarks/results")
     record = {"run": provenance(sha=None if sha == "unknown" else sha),  # command, commit, load at start
               "device": device_info(args.device), "dtype": args.dtype}
     path = out / "gpu_vllm.json"
@@ -304,7 +306,7 @@ def main() -> None:
             print(f"{shape} ttft ({time.perf_counter() - t0:.0f} s):", flush=True)
             for row in result["rows"]:
                 cells = [f"{name} {1e3 * min(v['seconds']):.0f}-{1e3 * max(v['seconds']):.0f} ms"
-                         for name, v in row.items() if isinstance(v, dict)]
+                         for name, v in row.items() if isinstance(v, dict) and "seconds" in v]
                 print(f"  {row['tokens']:>6} tokens: " + "; ".join(cells), flush=True)
             print(f"  kdn loads: {result['load']}; errors: {result['errors']}", flush=True)
     record["finished"] = time.strftime("%FT%T%z")

@@ -289,18 +289,56 @@ def test_chunks_sealed_straight_from_the_blocks_are_the_bytes_packed_from_the_mo
         assert bytes(blob) == bytes(_core.pack_chunk(kv, start, count, FP, key))
     assert all(torch.equal(a, b) for a, b in zip(before, paged))
     assert PagedBlocks(paged, layout, block_ids).pack([], FP) == []
-    # a GPU engine's store gathers only the span it stores, then packs from it: the blobs name their
-    # sequence positions, not where they sit in the span (a reader checks them: a blob at the wrong
-    # position is a miss)
-    first, span = PagedBlocks(paged, layout, block_ids).emit(40, 77)
-    assert first == 32
+    # a GPU engine's store copies out only the span it stores (in its step), and seals it later on the
+    # store thread: the blobs name their sequence positions, not where they sit in the span (a reader
+    # checks them: a blob at the wrong position is a miss)
     tail = [(48, 16, bytes([4]) * 16), (64, 13, bytes([5]) * 16)]
-    for (start, count, key), blob in zip(tail, PagedBlocks(paged, layout, block_ids).pack(tail, FP)):
-        from_span = _core.pack_chunk(span, start - first, count, FP, key, position=start)
+    span = PagedBlocks(paged, layout, block_ids).copy_out(tail)
+    assert span.first == 48 and span.kv[0].shape[2] == 77 - 48
+    for (start, count, key), blob, from_span in zip(tail, PagedBlocks(paged, layout, block_ids).pack(tail, FP),
+                                                    span.pack(tail, FP)):
         assert bytes(from_span) == bytes(blob) == bytes(_core.pack_chunk(kv, start, count, FP, key))
         assert _core.blob_parse(from_span, verify_checksum=True)["position"] == start
+    assert PagedBlocks(paged, layout, block_ids).copy_out([]).pack([], FP) == []
     with pytest.raises(ValueError, match="position"):
-        _core.pack_chunk(span, 0, 16, FP, bytes(16), position=-2)
+        _core.pack_chunk(span.kv, 0, 16, FP, bytes(16), position=-2)
     with pytest.raises(ValueError, match="block"):  # positions beyond the request's blocks
         _core.pack_chunks_paged(paged, torch.tensor(block_ids).numpy(), [(80, 32, bytes(16))], FP,
                                 layout=layout.as_dict())
+
+
+def test_a_span_copied_out_in_the_step_and_sealed_later_is_read_back_as_a_full_prefill():
+    """A GPU engine's store (the vLLM worker): in the step, which chunks no tier holds and their span
+    copied out of the blocks; on the store thread, sealed from that copy and filed, after the blocks
+    were reused. Read back by an exact reader: the logits of a full prefill."""
+    from conftest import full_prefill, random_ids
+    from kdn import KDN, KDNConfig
+    from kdn.engine.targets import PagedBlocks
+    from kdn.layout import cache_to_kv_list
+    from kdn.models.tiny import tiny_model
+
+    model = tiny_model("llama", layers=3, heads=4, kv_heads=2, head_dim=16)
+    cache = KDN(KDNConfig(chunk_size=32))
+    ids = random_ids(model, 120)
+    logits, past = full_prefill(model, ids)
+    kv = cache_to_kv_list(past)
+    session = cache.session(model)
+    tokens = session.tokens(ids)
+    block_ids = list(range(7, -1, -1))
+    paged = engine_layers("vec", 3, 9, 2, 16, 16, torch.float32)
+    layout = describe_layout("vec", paged[0])
+    _core.unpack_chunks_paged([_core.pack_chunk(kv, 0, 120, FP, bytes(16))], paged, torch.tensor(block_ids).numpy(),
+                              0, 120, layout=layout.as_dict())  # what the engine computed, in its blocks
+    cache.store(model, ids[:, :64], full_prefill(model, ids[:, :64])[1])  # the first two chunks are held already
+    unheld = cache.engine.unheld(session, tokens)
+    assert [start for start, _, _ in unheld[1]] == [64, 96]
+    span = PagedBlocks(paged, layout, block_ids).copy_out(unheld[1])
+    for t in paged:
+        t.zero_()  # the engine reuses its blocks before the store thread seals
+    stored = cache.engine.save(session, tokens, cache.engine.pack(session, tokens, span, unheld))
+    assert stored == 120
+    restored, hit = cache.retrieve(model, ids, limit=119)
+    assert hit == 119
+    with torch.inference_mode():
+        served = model(ids[:, hit:], past_key_values=restored).logits[0, -1]
+    torch.testing.assert_close(served, logits, rtol=1e-5, atol=1e-5)

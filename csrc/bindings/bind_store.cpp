@@ -233,6 +233,8 @@ void bind_store(py::module_& m) {
     d["lock_failures"] = st.lock_failures;
     return d;
   });
+  m.def("buffer_pool_huge_pages", &buffer_pool_huge_pages, py::arg("on"),
+        "Whether new pooled blocks of 2 MiB or more ask the kernel for transparent huge pages (default True).");
   m.def("buffer_pool_lock_pages", &buffer_pool_lock_pages, py::arg("on"),
         "Page-lock every pooled host block handed out from now on (a CUDA build with a device; a refusal turns it\n"
         "off, counted in buffer_pool_stats()['lock_failures']): hits then upload straight from the blobs.");

@@ -5,8 +5,9 @@
 // fresh pages 63 ms, into pooled ones 24 ms). Blocks of at least kMinPooledBytes are rounded up to a
 // 64 KiB multiple and, when freed, kept for reuse up to an idle-byte cap (default 1 GiB, set by
 // KDN_BUFFER_POOL_BYTES or buffer_pool_set_limit); a request reuses the smallest idle block that
-// is at least as large and at most 25% larger. Blocks are page-aligned; page-locked on request
-// (buffer_pool_lock_pages). Thread-safe.
+// is at least as large and at most 25% larger. Blocks are page-aligned (those of 2 MiB or more on
+// transparent huge pages where the kernel gives them, unless buffer_pool_huge_pages(false));
+// page-locked on request (buffer_pool_lock_pages). Thread-safe.
 #pragma once
 
 #include <cstddef>
@@ -31,6 +32,7 @@ void buffer_pool_trim();                     // frees every idle block
 // a block stays locked until freed. A refusal (no device, a lock limit) turns it off again
 // (stats: lock_failures). Costs the driver's time once per block, not per use.
 void buffer_pool_lock_pages(bool on);
+void buffer_pool_huge_pages(bool on);  // whether new blocks of 2 MiB or more ask for huge pages (default true)
 BufferPoolStats buffer_pool_stats();
 
 }  // namespace kdn

@@ -226,18 +226,26 @@ class ChunkIO:
             return 0
         return self.write(session, tokens, kv)
 
-    def pack(self, session: ModelSession, tokens: np.ndarray, source) -> Packed:
-        """The chunks a store of ``tokens`` files (its full chunks and a trailing partial chunk of at
-        least ``probe_step`` tokens), sealed from ``source`` (per-layer CPU tensors holding at least
-        ``len(tokens)`` tokens, or a source with ``pack(chunks, fingerprint)`` such as an engine's
-        paged blocks, :class:`kdn.engine.targets.PagedBlocks`) except those a local tier holds
-        already: the part of a store that reads the KV (an engine packs before its blocks are reused)."""
+    def unheld(self, session: ModelSession, tokens: np.ndarray) -> tuple[list, list]:
+        """``(keys, todo)``: the keys of the chunks a store of ``tokens`` files (its full chunks and a
+        trailing partial chunk of at least ``probe_step`` tokens), and ``(start, count, key)`` of
+        those no local tier holds."""
         chunk = session.chunk_size
         keys = session.prefix_keys(tokens, include_partial=session.probe_step > 0)
         if len(tokens) % chunk and len(tokens) % chunk < session.probe_step:
             keys = keys[:-1]  # too short a tail for a probe to find
         todo = [(i * chunk, min(chunk, len(tokens) - i * chunk), key) for i, key in enumerate(keys)
                 if not self.tiers.contains_local(key)]
+        return keys, todo
+
+    def pack(self, session: ModelSession, tokens: np.ndarray, source, unheld: tuple | None = None) -> Packed:
+        """The chunks a store of ``tokens`` files, sealed from ``source`` (per-layer CPU tensors
+        holding at least ``len(tokens)`` tokens, or a source with ``pack(chunks, fingerprint)`` such
+        as an engine's paged blocks, :class:`kdn.engine.targets.PagedBlocks`) except those a local
+        tier holds already (``unheld``: :meth:`unheld`'s answer, asked now by default): the part of
+        a store that reads the KV (an engine packs before its blocks are reused)."""
+        chunk = session.chunk_size
+        keys, todo = unheld if unheld is not None else self.unheld(session, tokens)
         if isinstance(source, (list, tuple)):
             blobs = [_core.pack_chunk(source, start, count, session.fingerprint, key) for start, count, key in todo]
         else:

@@ -258,12 +258,18 @@ class Engine:
         if self.chunks.remote is not None:
             self.chunks.remote.claims.renew(keys, owner, ttl)
 
-    def pack(self, session: ModelSession, tokens, source) -> Packed:
+    def pack(self, session: ModelSession, tokens, source, unheld: tuple | None = None) -> Packed:
         """The part of a save that reads the KV: the chunks of ``tokens`` no local tier holds, sealed
         from ``source`` (HF per-layer CPU tensors, or an engine's :class:`kdn.engine.targets.PagedBlocks`,
         gathered straight into the blobs), for :meth:`save` to file later (an engine packs before
-        it reuses its blocks, and stores from another thread)."""
-        return self.chunks.pack(session, tokens, source)
+        it reuses its blocks, and stores from another thread). ``unheld``: what :meth:`unheld` said
+        when ``source`` was copied out (default: asked now)."""
+        return self.chunks.pack(session, tokens, source, unheld)
+
+    def unheld(self, session: ModelSession, tokens) -> tuple[list, list]:
+        """``(keys, todo)``: the keys of the chunks a save of ``tokens`` files, and ``(start, count,
+        key)`` of those no local tier holds (what :meth:`pack` seals)."""
+        return self.chunks.unheld(session, tokens)
 
     def save(self, session: ModelSession, tokens, kv, served: Served | None = None) -> int:
         """Store the KV of ``tokens`` (HF per-layer CPU tensors, or what :meth:`pack` made of them)

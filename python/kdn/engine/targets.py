@@ -176,6 +176,21 @@ class HFLayers:
         _core.unpack_chunks(blobs, self.kv[2 * first:2 * end], num_tokens, first, layers)
 
 
+class HostSpan:
+    """Sequence positions ``[first, ...)`` of a request's KV in host memory (``kv``: HF per-layer
+    tensors, :meth:`PagedBlocks.copy_out`): a source whose ``pack`` seals chunks anywhere, e.g. on a
+    store thread after the engine has reused the blocks the span came from."""
+
+    def __init__(self, first: int, kv: list[torch.Tensor]):
+        self.first, self.kv = first, kv
+
+    def pack(self, chunks: list, fingerprint: bytes) -> list:
+        """Sealed raw blobs of ``chunks`` (``(start, count, key)``, within the span), named by their
+        sequence positions."""
+        return [_core.pack_chunk(self.kv, start - self.first, count, fingerprint, key, position=start)
+                for start, count, key in chunks]
+
+
 class PagedBlocks:
     """One request's KV in an engine's paged blocks (``layers``: one tensor per layer, read and
     written by ``layout``, :mod:`kdn.engine.paged`): a target from sequence position ``start`` on,
@@ -238,10 +253,17 @@ class PagedBlocks:
         if self.device.type == "cpu":
             return _core.pack_chunks_paged(self.layers, self.block_ids, chunks, fingerprint,
                                            layout=self.layout.as_dict())
-        # only the span of the chunks to store (a served prompt stores its new tail, not what it was served)
-        first, kv = self.emit(min(start for start, _, _ in chunks), max(start + count for start, count, _ in chunks))
-        return [_core.pack_chunk(kv, start - first, count, fingerprint, key, position=start)
-                for start, count, key in chunks]
+        return self.copy_out(chunks).pack(chunks, fingerprint)
+
+    def copy_out(self, chunks: list) -> HostSpan:
+        """The span of sequence positions ``chunks`` (``(start, count, key)``) cover, copied out of the
+        blocks (on a GPU to pinned host memory, in one device-to-host copy): what a store seals
+        later, from another thread, once the blocks are the engine's again. Only that span: a
+        served prompt stores its new tail, not what it was served."""
+        if not chunks:
+            return HostSpan(0, [])
+        return HostSpan(*self.emit(min(start for start, _, _ in chunks),
+                                   max(start + count for start, count, _ in chunks)))
 
     def emit(self, start: int, end: int) -> tuple[int, list[torch.Tensor]]:
         """``(first, kv)``: tokens ``[first, end)`` (``first``: ``start`` rounded down to a block) as HF

@@ -1,12 +1,14 @@
 """The vLLM connector's worker half: loads chunks into vLLM's paged blocks before the forward that
 needs them (whole or layer by layer, or in the background before the request is scheduled: vLLM's
 asynchronous KV load), reports what could not be loaded, and stores finished prompts:
-sealed straight from the blocks before they are reused, filed from a background thread
+copied out of the blocks before they are reused (sealed straight from CPU blocks; a GPU's span
+to pinned host memory, sealed on the store thread), filed from a background thread
 (:mod:`kdn.integrations.vllm`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import queue
 import re
@@ -193,13 +195,18 @@ class WorkerSide:
                     self.engine.save(session, np.asarray(spec.tokens, dtype=np.uint32), [], served)  # refused
                     metrics.count(refused_stores=1)
                 continue  # else kdn served this prompt: it holds its KV already
-            # copies: the blocks are vLLM's to reuse once this returns. The chunks to store are sealed
-            # straight from the blocks (those a local tier holds already are skipped); the store
-            # thread files them
+            # copies: the blocks are vLLM's to reuse once this returns. The chunks to store (those no
+            # local tier holds) are sealed straight from CPU blocks; a GPU's are copied to pinned host
+            # memory in one device-to-host copy, and sealed by the store thread, which files them
             began = time.perf_counter()
             tokens = np.asarray(spec.tokens, dtype=np.uint32)
             blocks = PagedBlocks(self._blocks, self._layout, spec.block_ids)
-            packed = self.engine.pack(session, tokens, blocks) if store else None
+            packed = None
+            if store and blocks.device.type == "cuda":  # copied out in the step, sealed on the store thread
+                unheld = self.engine.unheld(session, tokens)
+                packed = functools.partial(self.engine.pack, session, tokens, blocks.copy_out(unheld[1]), unheld)
+            elif store:
+                packed = self.engine.pack(session, tokens, blocks)
             first, kv = blocks.emit(*check) if check is not None else (0, None)
             metrics.count(gather_seconds=time.perf_counter() - began)
             self._start_saver()
@@ -229,6 +236,8 @@ class WorkerSide:
                         metrics.count(verify_checks=1, verify_mismatches=0 if verdict else 1)
                 if packed is None:
                     continue
+                if callable(packed):  # a GPU engine's span, copied out of its blocks: sealed here
+                    packed = packed()
                 stored = self.engine.save(session, tokens, packed, served)
                 flushing = time.perf_counter()
                 self.engine.flush()
