@@ -8,7 +8,8 @@ pinned ``torch`` host-to-device copy of the KV's bytes; the chunks decoded on th
 memory (``_core.decode_chunks``); a whole load into vLLM's packed GPU blocks (``PagedBlocks.receive``:
 staging, copy, paged copy), cold (its first: the pinned staging is allocated) and warm; the same
 blobs copied into the buffer pool's page-locked blocks (what a CUDA engine's tiers hold: the
-locking's cost) and loaded from there (one DMA per chunk, no host copy); int8 and int4 chunks
+locking's cost), on 4 KiB and on huge pages, their DMAs alone and whole loads from there (one DMA
+per chunk, no host copy), and the paged copies alone; int8 and int4 chunks
 (decoded by the CUDA decoder; GB/s of the KV they decode to); a layer-wise
 load (each layer group a new list of the same chunks, as the stream hands them; its device decodes
 counted); a store's gather of the last chunk (a served prompt's new tail) and of the whole prompt.
@@ -97,17 +98,35 @@ def main() -> None:
     row("whole load into the blocks, warm", timed(synced(receive), args.repeats))
     if device.type == "cuda":  # what a CUDA engine's tiers hold (pin_host_memory): blobs in page-locked blocks
         _core.buffer_pool_lock_pages(True)
-        t0 = time.perf_counter()
-        locked = [_core.buffer_join([b]) for b in blobs]  # a copy each, into blocks locked as they are handed out
-        row("blobs copied into page-locked pool blocks", time.perf_counter() - t0,
-            locked=sum(_core.host_memory_locked(b) for b in locked), pool=_core.buffer_pool_stats())
+        slab = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+        stream = torch.cuda.current_stream().cuda_stream
+        for pages, huge in (("4 KiB", False), ("huge", True)):  # the pool's blocks on either kind of page
+            _core.buffer_pool_huge_pages(huge)
+            t0 = time.perf_counter()
+            locked = [_core.buffer_join([b]) for b in blobs]  # a copy each, into blocks locked as they are handed out
+            row(f"blobs copied into page-locked pool blocks ({pages} pages)", time.perf_counter() - t0,
+                locked=sum(_core.host_memory_locked(b) for b in locked), pool=_core.buffer_pool_stats())
+            row(f"  their DMAs alone ({pages} pages)",
+                timed(synced(lambda: _core.upload_raw_chunks_cuda(locked, slab, stream)), args.repeats))
 
-        def receive_locked() -> None:
-            PagedBlocks(layers, layout, ids).receive(None, locked, n)
+            def receive_locked() -> None:
+                PagedBlocks(layers, layout, ids).receive(None, locked, n)
 
-        synced(receive_locked)()
-        row("whole load into the blocks, page-locked raw chunks", timed(synced(receive_locked), args.repeats))
-        del locked
+            synced(receive_locked)()
+            row(f"whole load into the blocks, page-locked raw chunks ({pages} pages)",
+                timed(synced(receive_locked), args.repeats))
+            del locked
+        chunks = list(slab.split(CHUNK * LAYERS * 2 * HEADS * DIM))
+        chunks = [c.view(LAYERS, 2, -1, HEADS, DIM) for c in chunks]
+
+        def paged_copies() -> None:  # what a whole load does after its DMAs: one paged copy per chunk
+            for i, c in enumerate(chunks):
+                _core.paged_copy_cuda(layers, np.asarray(ids, dtype=np.int64), c, 0, i * CHUNK, c.shape[2], False,
+                                      layout=layout.as_dict(), stream=stream)
+
+        row(f"  the paged copies alone ({len(chunks)} chunks, device to device)", timed(synced(paged_copies),
+                                                                                      args.repeats))
+        del slab, chunks
     for spec in args.codecs.split(",") if args.codecs else []:  # coded chunks: fewer bytes over the link
         coded = [codecs.encode(b, spec) for b in blobs]
         moved = sum(len(b) for b in coded)
