@@ -135,6 +135,28 @@ def test_page_locking_without_a_device_is_refused_once_and_leaves_blocks_usable(
     assert _core.buffer_pool_stats()["lock_failures"] == after["lock_failures"]  # turned off: not asked again
 
 
+def test_an_engine_asks_for_page_locking_only_for_a_model_on_a_cuda_device_and_only_if_configured():
+    """``Engine.serving_on`` (the vLLM worker over GPU blocks, an HF model on the GPU): the pool is
+    asked to page-lock for a CUDA device unless ``pin_host_memory=False``; never for the CPU. Without a
+    device the ask is refused once (counted) and the blocks stay pageable."""
+    import torch
+
+    from kdn import KDN, KDNConfig
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device locks the blocks (test_gpu.py checks what it uploads)")
+
+    def asks(config: KDNConfig, device: str) -> int:
+        before = _core.buffer_pool_stats()["lock_failures"]
+        KDN(config).engine.serving_on(torch.device(device))
+        _core.Buffer(bytes(1 << 20))  # a pooled block: locked if the pool was asked (here: refused)
+        return _core.buffer_pool_stats()["lock_failures"] - before
+
+    assert asks(KDNConfig(), "cpu") == 0
+    assert asks(KDNConfig(pin_host_memory=False), "cuda") == 0
+    assert asks(KDNConfig(), "cuda") == 1
+
+
 def test_host_arrays_are_writable_and_blobs_are_not():
     import torch
 

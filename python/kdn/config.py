@@ -67,11 +67,12 @@ class KDNConfig:
             and counted, so ``store`` never waits for the disk (default 512 MiB).
         disk_read_threads: threads reading chunk files in parallel (default 4).
         disk_fsync: fsync each file before it is renamed into place (default True).
-        pin_host_memory: on a CUDA engine (the vLLM connector over GPU blocks), page-lock kdn's
-            pooled host buffers (the memory tier's blobs, disk reads) as they are allocated, so
-            that a hit's raw chunks go to the device by DMA straight from where the tier holds them
-            (no host copy; the link's full speed). Default True; the locked bytes are the memory
-            tier's and the pool's (``kdn._core.buffer_pool_stats()``).
+        pin_host_memory: once kdn serves a model on a CUDA device (the vLLM connector over GPU
+            blocks, or an HF model read on the GPU), page-lock kdn's pooled host buffers (the memory
+            tier's blobs, disk reads) as they are allocated, so that a hit's raw chunks go to the
+            device by DMA straight from where the tier holds them (no host copy; the link's full
+            speed). Default True; the locked bytes are the memory tier's and the pool's
+            (``kdn._core.buffer_pool_stats()``).
         remote_url: a Redis / Valkey store shared by processes and machines, or None (default):
             ``redis://[user:password@]host:port[/db]``, ``rediss://`` (TLS),
             ``redis+cluster://host:port`` (any node of a Redis Cluster), ``unix:///path``.

@@ -25,6 +25,7 @@ import dataclasses
 import threading
 from collections.abc import Callable
 
+from kdn import _core
 from kdn._core import InvalidInputError
 from kdn.engine.audit import AuditReport
 from kdn.engine.audit import audit as audit_stored
@@ -154,6 +155,13 @@ class Engine:
         """The engine's view of a live model: KV layout, fingerprint, prefix and segment keys, in the
         config's tenant (``namespace``, ``secret``) and, when given, the tenant ``namespace`` within it."""
         return self.sessions.of(model).within(namespace)
+
+    def serving_on(self, device) -> None:
+        """A model this engine serves computes on ``device`` (a ``torch.device``): on a CUDA device (with
+        ``config.pin_host_memory``) kdn's pooled host buffers are page-locked from now on, so a
+        hit's raw chunks go to the device by DMA straight from the tiers' blobs."""
+        if device.type == "cuda" and self.config.pin_host_memory:
+            _core.buffer_pool_lock_pages(True)
 
     def checkpoint_session(self, layout, fingerprint: bytes) -> ModelSession:
         """The session of a model known by its checkpoint's ``fingerprint``

@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kdn import _core
 from kdn._core import InvalidInputError
 from kdn.engine import Engine, ModelSession
 from kdn.engine.paged import PagedLayout, vllm_layout
@@ -49,8 +48,7 @@ class WorkerSide:
         # kdn's C++ core copies chunks in and out of the blocks by the strides that describe them
         # (kdn.engine.paged, kdn/paged.h); on a GPU with the CUDA twin, on vLLM's current stream
         self._blocks = [t for _, t in ordered]
-        if self._blocks[0].device.type == "cuda" and engine.config.pin_host_memory:
-            _core.buffer_pool_lock_pages(True)  # hits upload straight from the tiers' blobs (kdn/host_memory.h)
+        engine.serving_on(self._blocks[0].device)  # on a GPU: hits upload straight from the tiers' blobs
         self._errors: set[int] = set()
         self._served: dict[str, Served] = {}  # what kdn served each running request
         self._streams: list = []  # (load spec, LayerStream) of this step's layer-wise loads
