@@ -1,5 +1,6 @@
 """Memory-tier eviction (LRU, S3-FIFO), pins with TTL and memory accounting against reference models."""
 
+import os
 import random
 import time
 
@@ -133,6 +134,27 @@ def test_page_locking_without_a_device_is_refused_once_and_leaves_blocks_usable(
     assert not _core.host_memory_locked(blob) and bytes(blob) == bytes(range(256)) * 4096
     _core.Buffer(bytes(1 << 20))
     assert _core.buffer_pool_stats()["lock_failures"] == after["lock_failures"]  # turned off: not asked again
+
+
+def test_the_pools_large_blocks_ask_for_huge_pages_unless_told_not_to():
+    """Blocks of 2 MiB or more ask the kernel for transparent huge pages (a fresh block fills with a
+    fault per 2 MiB: bench_fresh_pages); KDN_BUFFER_POOL_HUGE_PAGES=0 or buffer_pool_huge_pages(False)
+    turns it off; either way the bytes are the bytes."""
+    import subprocess
+    import sys
+
+    assert _core.buffer_pool_stats()["huge_pages"]
+    code = ("from kdn import _core; b = _core.Buffer(bytes(range(256)) * 16384); "
+            "print(_core.buffer_pool_stats()['huge_pages'], bytes(b) == bytes(range(256)) * 16384)")
+    env = {**os.environ, "KDN_BUFFER_POOL_HUGE_PAGES": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stderr
+    _core.buffer_pool_huge_pages(False)
+    try:
+        assert bytes(_core.Buffer(bytes(range(256)) * 16384)) == bytes(range(256)) * 16384
+        assert not _core.buffer_pool_stats()["huge_pages"]
+    finally:
+        _core.buffer_pool_huge_pages(True)
 
 
 def test_an_engine_asks_for_page_locking_only_for_a_model_on_a_cuda_device_and_only_if_configured():

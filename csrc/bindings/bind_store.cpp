@@ -231,6 +231,8 @@ void bind_store(py::module_& m) {
     d["locked_bytes"] = st.locked_bytes;
     d["locked_blocks"] = st.locked_blocks;
     d["lock_failures"] = st.lock_failures;
+    d["huge_pages"] = st.huge_pages;
+    d["lock_pages"] = st.lock_pages;
     return d;
   });
   m.def("buffer_pool_huge_pages", &buffer_pool_huge_pages, py::arg("on"),

@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <new>
+#include <string>
 #include <unordered_set>
 
 #if defined(__linux__)
@@ -29,6 +30,8 @@ struct Pool {
   Pool() {
     const char* env = std::getenv("KDN_BUFFER_POOL_BYTES");
     stats.limit_bytes = env ? std::strtoull(env, nullptr, 10) : (1ull << 30);
+    const char* huge = std::getenv("KDN_BUFFER_POOL_HUGE_PAGES");  // "0": 4 KiB pages only
+    huge_pages = !(huge && std::string(huge) == "0");
   }
   void shrink_to(uint64_t limit) {  // caller holds mutex; frees the largest blocks first
     while (stats.idle_bytes > limit && !idle.empty()) {
@@ -163,7 +166,10 @@ void buffer_pool_trim() {
 BufferPoolStats buffer_pool_stats() {
   Pool& P = pool();
   std::lock_guard<std::mutex> lock(P.mutex);
-  return P.stats;
+  BufferPoolStats st = P.stats;
+  st.huge_pages = P.huge_pages;
+  st.lock_pages = P.lock_pages;
+  return st;
 }
 
 }  // namespace kdn

@@ -22,9 +22,9 @@ OPTIONAL_SECONDS = ("remote_ttl", "ttft_deadline")
 # KDN_ variables that are not settings: read by the package, its tests, benchmarks and CI scripts
 # (tests/test_code_rules.py fails when one of those reads a KDN_ variable missing here).
 OTHER_ENV = frozenset({
-    "KDN_CONFIG", "KDN_SHARED", "KDN_DATA", "KDN_CUDA", "KDN_BUFFER_POOL_BYTES", "KDN_REQUIRE_SERVERS",
-    "KDN_REQUIRE_DATA", "KDN_REQUIRE_VLLM", "KDN_REQUIRE_QWEN", "KDN_VLLM_PYTHON", "KDN_VLLM_VENV",
-    "KDN_APT_PACKAGES", "KDN_BENCH_DIR", "KDN_SGLANG_WHEEL", "KDN_SGLANG_PATH", "KDN_COSTS",
+    "KDN_CONFIG", "KDN_SHARED", "KDN_DATA", "KDN_CUDA", "KDN_BUFFER_POOL_BYTES", "KDN_BUFFER_POOL_HUGE_PAGES",
+    "KDN_REQUIRE_SERVERS", "KDN_REQUIRE_DATA", "KDN_REQUIRE_VLLM", "KDN_REQUIRE_QWEN", "KDN_VLLM_PYTHON",
+    "KDN_VLLM_VENV", "KDN_APT_PACKAGES", "KDN_BENCH_DIR", "KDN_SGLANG_WHEEL", "KDN_SGLANG_PATH", "KDN_COSTS",
     "KDN_LMCACHE_SITE", "KDN_COMMIT"})
 _warned_env: set[str] = set()
 

@@ -81,6 +81,7 @@ def build_info() -> dict:
     """Version, CUDA build facts, threads, and the versions of torch / transformers / numpy."""
     from kdn import __version__, _core, codecs
 
+    pool = _core.buffer_pool_stats()
     info = {
         "kdn": __version__,
         "cuda_compiled": _core.cuda_compiled(),
@@ -90,10 +91,11 @@ def build_info() -> dict:
         "eviction_policies": ", ".join(_core.eviction_policies()),
         "codecs": ", ".join(codecs.NAMES)
         + (" (int*, cachegen, kvtc also decode on CUDA)" if _core.cuda_compiled() else ""),
-        "buffer_pool_limit": f"{_core.buffer_pool_stats()['limit_bytes'] >> 20} MiB (KDN_BUFFER_POOL_BYTES)",
-        # Page-locked blocks only pay off for host->GPU copies, which need a device and a pooled
-        # pinned arena (planned with layer-wise GPU delivery); until then tiers use pageable memory.
-        "page_locked_host_memory": "not used (pageable pooled buffers)",
+        "buffer_pool_limit": f"{pool['limit_bytes'] >> 20} MiB (KDN_BUFFER_POOL_BYTES)",
+        "buffer_pool_huge_pages": "on" if pool["huge_pages"] else "off (KDN_BUFFER_POOL_HUGE_PAGES=0)",
+        # the pool's blocks are page-locked once kdn serves a model on a CUDA device (pin_host_memory)
+        "page_locked_host_memory": f"{pool['locked_bytes'] >> 20} MiB in {pool['locked_blocks']} blocks"
+        + (f", {pool['lock_failures']} refused" if pool["lock_failures"] else ""),
         "python": platform.python_version(),
         "torch": installed_version("torch"),
         "transformers": installed_version("transformers"),

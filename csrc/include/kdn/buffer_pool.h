@@ -20,6 +20,7 @@ constexpr size_t kMinPooledBytes = 256u << 10;
 struct BufferPoolStats {
   uint64_t idle_bytes = 0, idle_blocks = 0, limit_bytes = 0, reused = 0, allocated = 0;
   uint64_t locked_bytes = 0, locked_blocks = 0, lock_failures = 0;  // page-locked for the device
+  bool huge_pages = true, lock_pages = false;  // what new blocks get
 };
 
 // Returns a block of at least `size` bytes and its real size in *capacity; throws std::bad_alloc.
@@ -32,7 +33,8 @@ void buffer_pool_trim();                     // frees every idle block
 // a block stays locked until freed. A refusal (no device, a lock limit) turns it off again
 // (stats: lock_failures). Costs the driver's time once per block, not per use.
 void buffer_pool_lock_pages(bool on);
-void buffer_pool_huge_pages(bool on);  // whether new blocks of 2 MiB or more ask for huge pages (default true)
+// Whether new blocks of 2 MiB or more ask for huge pages (default true; KDN_BUFFER_POOL_HUGE_PAGES=0: no).
+void buffer_pool_huge_pages(bool on);
 BufferPoolStats buffer_pool_stats();
 
 }  // namespace kdn
