@@ -24,14 +24,12 @@ struct Pool {
   std::mutex mutex;
   std::multimap<size_t, uint8_t*> idle;  // capacity -> block
   std::unordered_set<uint8_t*> locked;    // blocks page-locked for the device
-  bool lock_pages = false;
-  bool huge_pages = true;
-  BufferPoolStats stats;
+  BufferPoolStats stats;                  // also what new blocks get: huge_pages, lock_pages
   Pool() {
     const char* env = std::getenv("KDN_BUFFER_POOL_BYTES");
     stats.limit_bytes = env ? std::strtoull(env, nullptr, 10) : (1ull << 30);
     const char* huge = std::getenv("KDN_BUFFER_POOL_HUGE_PAGES");  // "0": 4 KiB pages only
-    huge_pages = !(huge && std::string(huge) == "0");
+    stats.huge_pages = !(huge && std::string(huge) == "0");
   }
   void shrink_to(uint64_t limit) {  // caller holds mutex; frees the largest blocks first
     while (stats.idle_bytes > limit && !idle.empty()) {
@@ -63,12 +61,12 @@ uint8_t* lock_if_asked(uint8_t* block, size_t capacity) {
   Pool& P = pool();
   {
     std::lock_guard<std::mutex> lock(P.mutex);
-    if (!P.lock_pages || P.locked.count(block)) return block;
+    if (!P.stats.lock_pages || P.locked.count(block)) return block;
   }
   const bool ok = host_memory_lock(block, capacity);
   std::lock_guard<std::mutex> lock(P.mutex);
   if (!ok) {
-    P.lock_pages = false;
+    P.stats.lock_pages = false;
     ++P.stats.lock_failures;
     return block;
   }
@@ -90,6 +88,7 @@ uint8_t* pool_acquire(size_t size, size_t* capacity) {
   size_t rounded = (size + kGranule - 1) / kGranule * kGranule;
   Pool& P = pool();
   uint8_t* reused = nullptr;
+  bool huge = false;
   {
     std::lock_guard<std::mutex> lock(P.mutex);
     auto it = P.idle.lower_bound(rounded);
@@ -102,17 +101,13 @@ uint8_t* pool_acquire(size_t size, size_t* capacity) {
       P.idle.erase(it);
     } else {
       ++P.stats.allocated;
+      huge = P.stats.huge_pages && rounded >= kHugePage;
     }
   }
   if (reused) return lock_if_asked(reused, *capacity);
   // page-aligned, so that no two blocks share a page (page-locking works by pages); a block of
   // huge pages' size or more is aligned to them and asks for them: a fresh block is filled with a
-  // page fault per 2 MiB instead of per 4 KiB (bench_tiers: 'pack ... into new blobs')
-  bool huge;
-  {
-    std::lock_guard<std::mutex> lock(P.mutex);
-    huge = P.huge_pages && rounded >= kHugePage;
-  }
+  // page fault per 2 MiB instead of per 4 KiB (benchmarks/bench_fresh_pages.py)
   void* p = nullptr;
   if (posix_memalign(&p, huge ? kHugePage : 4096, rounded) != 0 || !p) throw std::bad_alloc();
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
@@ -141,13 +136,13 @@ void pool_release(uint8_t* block, size_t capacity) {
 void buffer_pool_huge_pages(bool on) {
   Pool& P = pool();
   std::lock_guard<std::mutex> lock(P.mutex);
-  P.huge_pages = on;
+  P.stats.huge_pages = on;
 }
 
 void buffer_pool_lock_pages(bool on) {
   Pool& P = pool();
   std::lock_guard<std::mutex> lock(P.mutex);
-  P.lock_pages = on;
+  P.stats.lock_pages = on;
 }
 
 void buffer_pool_set_limit(uint64_t bytes) {
@@ -166,10 +161,7 @@ void buffer_pool_trim() {
 BufferPoolStats buffer_pool_stats() {
   Pool& P = pool();
   std::lock_guard<std::mutex> lock(P.mutex);
-  BufferPoolStats st = P.stats;
-  st.huge_pages = P.huge_pages;
-  st.lock_pages = P.lock_pages;
-  return st;
+  return P.stats;
 }
 
 }  // namespace kdn
