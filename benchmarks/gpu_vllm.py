@@ -15,8 +15,10 @@ weights). Steps, each engine in its own process (tests/vllm_engine.py), results 
           A's store and compares with its own prefill (bf16: the served KV's error to an fp32
           prefill over its own prefill's error, about 1 when exact)
   ttft    per context length: vLLM alone, vLLM's prefix cache (same engine), kdn's memory tier (same
-          engine) and kdn's disk tier in a new engine; each timed request is a new question after a
-          stored context, one new token; kdn's load seconds against its bytes (effective GB/s)
+          engine: async loads, in-step loads, pageable blobs) and kdn's disk tier in a new engine;
+          each timed request is a new question after a stored context (its store landed first),
+          one new token; the storing miss and when its store landed; kdn's load seconds against its
+          bytes (effective GB/s) and where they went (the load thread's queue, the host, the device)
 
     python benchmarks/gpu_vllm.py --out gpu_out --device cuda --tokenizer .gpu/tokenizer
     python benchmarks/gpu_vllm.py --out /tmp/rehearsal --device cpu --python VENV_PYTHON --shapes tiny \\
@@ -198,12 +200,17 @@ def ttft(args, shape: str, model: Path, work: Path) -> dict:
         files[name].write_text(json.dumps(prompts))
     memory = {"memory_bytes": args.kdn_memory}
     disk = {"disk_dir": str(work / "ttft-kv"), "disk_queue_bytes": "16GiB"}  # a 32K 8B prompt is 4.3 GB
+    # kdn's engines wait after each prompt (untimed, recorded) until its store has landed: a GPU store
+    # is sealed on the store thread after its prompt, and a question asked meanwhile waits for it
+    landed = "--drain-between"
     runs = {"vllm alone": engine(args, model, files["all"], None, max_tokens=1),
             "vllm prefix cache": engine(args, model, files["all"], None, "--prefix-caching", max_tokens=1),
-            "kdn memory": engine(args, model, files["all"], memory, max_tokens=1),  # its blobs page-locked
+            "kdn memory": engine(args, model, files["all"], memory, landed, max_tokens=1),  # blobs page-locked
+            "kdn memory, in step": engine(args, model, files["all"], {**memory, "vllm_load": "step"}, landed,
+                                          max_tokens=1),  # the hit's own step, not async's extra steps
             "kdn memory, pageable": engine(args, model, files["all"], {**memory, "pin_host_memory": False},
-                                           max_tokens=1)}  # before: staged through pinned memory
-    engine(args, model, files["warm"], disk, max_tokens=1)  # stores
+                                           landed, max_tokens=1)}  # before: staged through pinned memory
+    stored = engine(args, model, files["warm"], disk, landed, max_tokens=1)
     runs["kdn disk, new engine"] = engine(args, model, files["timed"], {**disk, "memory_bytes": "1MiB"},
                                           max_tokens=1)
     bytes_per_token = 2 * SHAPES[shape]["num_hidden_layers"] * SHAPES[shape]["num_key_value_heads"] * \
@@ -219,6 +226,13 @@ def ttft(args, shape: str, model: Path, work: Path) -> dict:
             picked = results[2 * i:2 * i + 2] if name.startswith("kdn disk") else results[3 * i + 1:3 * i + 3]
             row[name] = {key: [r.get(key) for r in picked]
                          for key in ("seconds", "cached_tokens", "tokens", "logprobs")}
+            # the context's first prompt (a miss; kdn's store it) and how long after it its store landed
+            if name.startswith("kdn disk"):  # stored by the engine before it
+                first = stored["results"][i] if "error" not in stored else None
+            else:
+                first = results[3 * i]
+            if first is not None:
+                row[name]["storing"] = {"seconds": first["seconds"], "landed_after": first.get("drain_seconds")}
         rows.append(row)
     load = {name: out["stats"].get("connector", {}) for name, out in runs.items()
             if name.startswith("kdn") and "error" not in out}
@@ -308,6 +322,11 @@ def main() -> None:
                 cells = [f"{name} {1e3 * min(v['seconds']):.0f}-{1e3 * max(v['seconds']):.0f} ms"
                          for name, v in row.items() if isinstance(v, dict) and "seconds" in v]
                 print(f"  {row['tokens']:>6} tokens: " + "; ".join(cells), flush=True)
+                print("         storing (a miss): " + "; ".join(
+                    f"{name} {1e3 * v['storing']['seconds']:.0f} ms" + (
+                        f", landed {1e3 * v['storing']['landed_after']:.0f} ms later"
+                        if v["storing"].get("landed_after") is not None else "")
+                    for name, v in row.items() if isinstance(v, dict) and "storing" in v), flush=True)
             print(f"  kdn loads: {result['load']}; errors: {result['errors']}", flush=True)
     record["finished"] = time.strftime("%FT%T%z")
     save()

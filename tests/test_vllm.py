@@ -125,6 +125,9 @@ def test_a_new_engine_process_hits_what_another_stored(setup, stored, reference,
     connector = out["stats"]["connector"]
     assert connector["loads"] == 2 and connector["loaded_tokens"] >= 2 * 1500 and connector["load_errors"] == 0
     assert out["stats"][tier]["hits"] > 0
+    # in-step loads: all on the host here (no queue, no device), all within the load's seconds
+    assert 0 < connector["load_host_seconds"] <= connector["load_seconds"]
+    assert connector["load_queue_seconds"] == 0 and connector["load_device_seconds"] == 0
 
 
 def test_lmcache_the_benchmarks_peer_answers_vllm_alones_tokens_from_a_new_engine(setup, reference, tmp_path):
@@ -177,6 +180,11 @@ def test_async_loads_serve_vllm_alones_tokens_and_recompute_a_chunk_gone_before_
     connector = out["stats"]["connector"]
     assert connector["loads"] == 2 and connector["loaded_tokens"] >= 2 * 1500 and connector["load_errors"] == 0
     assert all(r["cached_tokens"] >= 1500 for r in out["results"])
+    # an async load's seconds run from its request's admission to vLLM being told: the load thread
+    # took it up, then the host read and laid it in (no device here); both within them
+    assert 0 < connector["load_host_seconds"] and connector["load_queue_seconds"] >= 0
+    assert connector["load_queue_seconds"] + connector["load_host_seconds"] <= connector["load_seconds"]
+    assert connector["load_device_seconds"] == 0
     disk = tmp_path / "kv"
     shutil.copytree(stored["disk"], disk)
     prompts = _prompts(setup, tmp_path, [1, 0, 0])

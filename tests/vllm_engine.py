@@ -38,6 +38,9 @@ def main() -> None:
                         help="tell kdn vLLM picked this CPU attention kernel (e.g. vec16, as for head sizes "
                              "not a multiple of 32): one whose blocks kdn does not read")
     parser.add_argument("--cache-salt", default=None, help="vLLM's cache_salt of every prompt (a tenant)")
+    parser.add_argument("--drain-between", action="store_true",
+                        help="after each prompt, wait until kdn has filed its store (not timed; recorded as "
+                             "drain_seconds): the next prompt finds it landed rather than waiting for it")
     parser.add_argument("--kill-after-first", type=int, default=0,
                         help="a process to kill (SIGKILL) once the first prompt is answered: a store going down")
     args = parser.parse_args()
@@ -110,6 +113,12 @@ def main() -> None:
         if args.logprobs:  # per generated token: [[token, logprob], ...] best first
             results[-1]["logprobs"] = [sorted(([t, lp.logprob] for t, lp in step.items()), key=lambda x: -x[1])
                                        for step in out.outputs[0].logprobs or []]
+        if args.drain_between and transfer is not None and not args.transfer:
+            from kdn.integrations import vllm as connector
+
+            t0 = time.perf_counter()
+            connector.drain()
+            results[-1]["drain_seconds"] = time.perf_counter() - t0
         if args.kill_after_first and len(results) == 1:
             import signal
 

@@ -4,7 +4,9 @@ connector halves each interval (it sums them), and their Prometheus counters ``v
 from __future__ import annotations
 
 import threading
+import time
 
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 NAMES = ("lookups", "hit_tokens", "loads", "loaded_tokens", "load_errors", "stores", "stored_tokens",
@@ -15,6 +17,9 @@ NAMES = ("lookups", "hit_tokens", "loads", "loaded_tokens", "load_errors", "stor
          # CPU time, and the wall time spent waiting on the tiers' writes)
          "lookup_seconds", "load_seconds", "gather_seconds", "layer_wait_seconds", "store_seconds",
          "store_cpu_seconds", "flush_seconds",
+         # a whole load's seconds split (LoadClock): an async load waiting for the load thread,
+         # the host (lookup, reads, checks, queueing copies), a GPU's stream running its copies
+         "load_queue_seconds", "load_host_seconds", "load_device_seconds",
          # chunks each tier served to this process' loads (from the tiers' own counters)
          "memory_chunks", "disk_chunks", "remote_chunks",
          # requests that waited for another's prefill of their document (asked again later)
@@ -46,6 +51,49 @@ def increments(absolute: dict) -> dict:
         delta = {name: _totals[name] - _reported[name] for name in NAMES}
         _reported.update(_totals)
     return delta
+
+
+class LoadClock:
+    """Where one load's seconds go (the connector's ``load_*_seconds`` counters): waiting for the load
+    thread (an async load), the host (lookup, reads, checks, queueing the copies), and on a GPU the
+    engine's stream from the load's first copy to its last (CUDA events around them; other work
+    queued on that stream meanwhile counts too). A layer-wise load's copies run over the forward:
+    its device seconds are not timed (``layer_wait_seconds`` is its cost)."""
+
+    def __init__(self, stream: torch.cuda.Stream | None):
+        self.began = self._started = time.perf_counter()
+        self.stream, self.queued, self.host = stream, 0.0, 0.0
+        self._first, self._last = self._event(timing=True), None  # the copies are queued after it
+
+    def started(self) -> None:
+        """The load thread took the load up: its copies are queued after this."""
+        self._started = time.perf_counter()
+        self.queued = self._started - self.began
+        self._first = self._event(timing=True)
+
+    def issued(self, whole: bool = True) -> None:
+        """Every copy is queued (``whole``: else a layer-wise load's are still coming, not timed)."""
+        self.host = time.perf_counter() - self._started
+        if not whole:
+            self._first = None
+        self._last = self._event(timing=self._first is not None)
+
+    def _event(self, timing: bool) -> torch.cuda.Event | None:
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record(self.stream)
+        return event
+
+    def ran(self) -> bool:
+        """Whether the load's copies have run (at once on the CPU)."""
+        return self._last is None or self._last.query()
+
+    def device_seconds(self) -> float:
+        """Seconds the stream took from the first copy to the last (0 on the CPU; call once ran)."""
+        if self._first is None or self._last is None:
+            return 0.0
+        return self._first.elapsed_time(self._last) / 1e3
 
 
 class KDNStats(KVConnectorStats):

@@ -56,8 +56,9 @@ class WorkerSide:
         self._saver: threading.Thread | None = None
         # async loads (LoadSpec.before): one background thread, in order; (spec, load, event) when read
         self._before = ThreadPoolExecutor(1, thread_name_prefix="kdn-load")
-        self._loaded: list = []
+        self._loaded: list = []  # (spec, load or None, metrics.LoadClock) of async loads read and queued
         self._loaded_lock = threading.Lock()
+        self._timing: list[metrics.LoadClock] = []  # in-step loads whose copies may still run
 
     def _describe(self, layers: list[torch.Tensor]) -> PagedLayout:
         """One layout for every layer's tensor, checked against the model and vLLM's block size."""
@@ -85,19 +86,21 @@ class WorkerSide:
             if spec.before:
                 self._load_before(spec)
                 continue
-            began = time.perf_counter()
             served = self._served.setdefault(spec.req_id, Served())
             tokens = np.asarray(spec.tokens, dtype=np.uint32)
             blocks = PagedBlocks(self._blocks, self._layout, spec.block_ids, spec.start)
+            clock = metrics.LoadClock(blocks.stream)
             # layer-wise when the engine streams: layers arrive while the model computes the ones before
             load = self.engine.load(self.session.within(spec.namespace), tokens, spec.end, blocks,
-                                    lambda _, blocks=blocks: blocks, began, spec.found)
+                                    lambda _, blocks=blocks: blocks, clock.began, spec.found)
+            clock.issued(whole=load.stream is None)
             served.lossy |= load.lossy  # a stream's is known when it ends (_finish_streams)
             if load.stream is not None:
                 self._streams.append((spec, load))
-            self._account(spec, served, load.hit, began, stale_step=True)
+            self._account(spec, served, load.hit, clock, stale_step=True)
 
-    def _account(self, spec: LoadSpec, served: Served | None, hit: int, began: float, stale_step: bool) -> None:
+    def _account(self, spec: LoadSpec, served: Served | None, hit: int, clock: metrics.LoadClock,
+                 stale_step: bool) -> None:
         """A load of ``spec`` that served ``hit`` tokens: what the request was served, counted; tokens
         short of the lookup's are reported (evicted or unusable since: vLLM recomputes their blocks)."""
         upto = min(hit, spec.end)
@@ -106,44 +109,58 @@ class WorkerSide:
             if upto < spec.end:
                 self._load_failed(spec, max(upto, spec.start), "evicted or damaged since the lookup", stale_step)
         metrics.count(loads=1, loaded_tokens=max(0, upto - spec.start), hit_tokens=max(0, upto - spec.start),
-                      load_seconds=time.perf_counter() - began)
+                      load_seconds=time.perf_counter() - clock.began, load_queue_seconds=clock.queued,
+                      load_host_seconds=clock.host)
+        if clock.ran():
+            metrics.count(load_device_seconds=clock.device_seconds())
+        else:  # an in-step load's copies run behind this call: timed once they have (_count_devices)
+            self._timing.append(clock)
+
+    def _count_devices(self) -> None:
+        """Count the device seconds of the in-step loads whose copies have run."""
+        waiting = []
+        for clock in self._timing:
+            if clock.ran():
+                metrics.count(load_device_seconds=clock.device_seconds())
+            else:
+                waiting.append(clock)
+        self._timing = waiting
 
     def _load_before(self, spec: LoadSpec) -> None:
         """Start an async load: read and laid into the blocks by the load thread, on the GPU on this
         (the engine's) stream; reported by :meth:`get_finished` once its copies have run."""
         self._served[spec.req_id] = Served()  # the request starts here: its step will not restart it
         blocks = PagedBlocks(self._blocks, self._layout, spec.block_ids, spec.start)
-        began = time.perf_counter()
+        clock = metrics.LoadClock(blocks.stream)
 
         def load() -> None:
+            clock.started()
             try:
                 done = self.engine.load(self.session.within(spec.namespace), np.asarray(spec.tokens, dtype=np.uint32),
-                                        spec.end, blocks, None, began, spec.found)
+                                        spec.end, blocks, None, clock.began, spec.found)
             except Exception as exc:  # reported as a failed load: vLLM recomputes the request's blocks
                 log.warning("kdn: an async load failed (%s)", exc)
                 done = None
-            event = None
-            if blocks.stream is not None:
-                event = torch.cuda.Event()
-                event.record(blocks.stream)
+            clock.issued()
             with self._loaded_lock:
-                self._loaded.append((spec, done, event, began))
+                self._loaded.append((spec, done, clock))
 
         self._before.submit(load)
 
     def _report_loaded(self) -> set[str]:
         """The async loads whose copies have run: counted, their failures reported; their request ids."""
+        self._count_devices()
         ready, waiting = [], []
         with self._loaded_lock:
             for item in self._loaded:
-                (ready if item[2] is None or item[2].query() else waiting).append(item)
+                (ready if item[2].ran() else waiting).append(item)
             self._loaded = waiting
-        for spec, done, _, began in ready:
+        for spec, done, clock in ready:
             served = self._served.get(spec.req_id)  # None: the request ended (aborted) while it loaded
             if served is not None:
                 served.lossy |= done is not None and done.lossy
             # no step ran on these blocks: a failure's recomputed prefill is stored
-            self._account(spec, served, done.hit if done is not None else 0, began, stale_step=False)
+            self._account(spec, served, done.hit if done is not None else 0, clock, stale_step=False)
         return {spec.req_id for spec, *_ in ready}
 
     def _load_failed(self, spec: LoadSpec, start: int, why: str, stale_step: bool = True) -> None:
