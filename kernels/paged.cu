@@ -76,21 +76,21 @@ bool rows_aligned(const KvShape& chunk_shape, const PagedLayout& paged, void* co
 
 }  // namespace
 
-Status paged_copy_cuda(const KvShape& chunk_shape, const PagedLayout& paged, void* const* layers,
-                       const int64_t* block_ids, int64_t num_block_ids, void* chunk, int64_t elem_size, int64_t from,
-                       int64_t position, int64_t count, CopyDirection dir, uintptr_t stream) {
-  if (elem_size != 4 && elem_size != 2) return Status::Fail("paged_copy_cuda: unsupported element size");
+namespace {
+
+// Checks one copy's positions against the blocks (on the host: the kernel trusts them) and queues its
+// kernel on `s`; `dev_layers` and `dev_ids` are the uploaded copies of `layers` and `block_ids`.
+Status launch_paged_copy(const KvShape& chunk_shape, const PagedLayout& paged, void* const* layers,
+                         void* const* dev_layers, const int64_t* block_ids, const int64_t* dev_ids,
+                         int64_t num_block_ids, void* chunk, int64_t elem_size, int64_t from, int64_t position,
+                         int64_t count, CopyDirection dir, cudaStream_t s) {
   if (count == 0) return Status::Ok();
   if ((position + count - 1) / paged.block_size >= num_block_ids)
     return Status::Fail("paged_copy_cuda: positions beyond the blocks given");
   for (int64_t b = position / paged.block_size; b <= (position + count - 1) / paged.block_size; ++b)
-    if (block_ids[b] < 0 || block_ids[b] >= paged.num_blocks)  // checked on the host: the kernel trusts them
+    if (block_ids[b] < 0 || block_ids[b] >= paged.num_blocks)
       return Status::Fail("paged_copy_cuda: block id " + std::to_string(block_ids[b]) + " outside [0, " +
                           std::to_string(paged.num_blocks) + ")");
-  auto s = reinterpret_cast<cudaStream_t>(stream);
-  DeviceStaging staged(s, {{layers, size_t(paged.layers) * sizeof(void*)},
-                           {block_ids, size_t(num_block_ids) * sizeof(int64_t)}});
-  if (staged.error() != cudaSuccess) return failed(staged.error(), "paged_copy_cuda");
   const int64_t total = chunk_shape.layers * 2 * count * chunk_shape.kv_heads * chunk_shape.head_dim;
   const int threads = 256;
   if (rows_aligned(chunk_shape, paged, layers, chunk, elem_size)) {
@@ -98,20 +98,46 @@ Status paged_copy_cuda(const KvShape& chunk_shape, const PagedLayout& paged, voi
     auto* kernel = pieces < (int64_t(1) << 31) && position + count < (int64_t(1) << 31)
                        ? paged_copy_rows_kernel<uint32_t>
                        : paged_copy_rows_kernel<int64_t>;
-    kernel<<<grid_for(pieces, threads), threads, 0, s>>>(chunk_shape, paged, staged.part<void* const>(0),
-                                                         staged.part<const int64_t>(1), static_cast<uint8_t*>(chunk),
-                                                         elem_size, from, position, count, dir);
-    return finish(s, "paged_copy_cuda");
+    kernel<<<grid_for(pieces, threads), threads, 0, s>>>(chunk_shape, paged, dev_layers, dev_ids,
+                                                         static_cast<uint8_t*>(chunk), elem_size, from, position,
+                                                         count, dir);
+  } else if (elem_size == 4) {
+    paged_copy_kernel<uint32_t><<<grid_for(total, threads), threads, 0, s>>>(
+        chunk_shape, paged, dev_layers, dev_ids, static_cast<uint32_t*>(chunk), from, position, count, dir);
+  } else {
+    paged_copy_kernel<uint16_t><<<grid_for(total, threads), threads, 0, s>>>(
+        chunk_shape, paged, dev_layers, dev_ids, static_cast<uint16_t*>(chunk), from, position, count, dir);
   }
-  const int blocks = grid_for(total, threads);
-  if (elem_size == 4)
-    paged_copy_kernel<uint32_t><<<blocks, threads, 0, s>>>(chunk_shape, paged, staged.part<void* const>(0),
-                                                           staged.part<const int64_t>(1),
-                                                           static_cast<uint32_t*>(chunk), from, position, count, dir);
-  else
-    paged_copy_kernel<uint16_t><<<blocks, threads, 0, s>>>(chunk_shape, paged, staged.part<void* const>(0),
-                                                           staged.part<const int64_t>(1),
-                                                           static_cast<uint16_t*>(chunk), from, position, count, dir);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? Status::Ok() : failed(err, "paged_copy_cuda");
+}
+
+}  // namespace
+
+Status paged_copy_cuda(const KvShape& chunk_shape, const PagedLayout& paged, void* const* layers,
+                       const int64_t* block_ids, int64_t num_block_ids, void* chunk, int64_t elem_size, int64_t from,
+                       int64_t position, int64_t count, CopyDirection dir, uintptr_t stream) {
+  return paged_copy_many_cuda(paged, layers, block_ids, num_block_ids, {{chunk_shape, chunk, from, position, count}},
+                              elem_size, dir, stream);
+}
+
+Status paged_copy_many_cuda(const PagedLayout& paged, void* const* layers, const int64_t* block_ids,
+                            int64_t num_block_ids, const std::vector<PagedCopy>& copies, int64_t elem_size,
+                            CopyDirection dir, uintptr_t stream) {
+  if (elem_size != 4 && elem_size != 2) return Status::Fail("paged_copy_cuda: unsupported element size");
+  bool any = false;
+  for (const PagedCopy& c : copies) any |= c.count > 0;
+  if (!any) return Status::Ok();
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  DeviceStaging staged(s, {{layers, size_t(paged.layers) * sizeof(void*)},
+                           {block_ids, size_t(num_block_ids) * sizeof(int64_t)}});
+  if (staged.error() != cudaSuccess) return failed(staged.error(), "paged_copy_cuda");
+  for (const PagedCopy& c : copies) {
+    const Status st = launch_paged_copy(c.chunk_shape, paged, layers, staged.part<void* const>(0), block_ids,
+                                        staged.part<const int64_t>(1), num_block_ids, c.chunk, elem_size, c.from,
+                                        c.position, c.count, dir, s);
+    if (!st.ok) return st;  // the copies queued before it still run; the staging is freed after them
+  }
   return finish(s, "paged_copy_cuda");
 }
 

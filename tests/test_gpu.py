@@ -125,6 +125,19 @@ def test_paged_copies_on_the_device_equal_the_cpu_oracle_in_every_layout(kind, d
     assert torch.equal(back[:, :, 5:65].cpu(), chunk[:, :, 5:65])
     with pytest.raises(Exception, match="outside"):  # a block id the kernel would write out of bounds
         _core.paged_copy_cuda(gpu, np.array([0, 99, 1, 2, 3], dtype=np.int64), back, 0, 0, 70, False, layout=layout)
+    # a load's chunks in one call (ids uploaded once, one wait): what a call per chunk lays, on both sides
+    parts = [torch.randn(layers, 2, n, heads, dim).to(dtype) for n in (32, 32, 20)]
+    copies = [(parts[0], 5, 5, 27), (parts[1], 0, 32, 32), (parts[2], 0, 64, 20)]
+    for t in cpu + gpu:
+        t.zero_()
+    _core.paged_copy_chunks_cpu(cpu, ids, copies, False, layout=layout)
+    _core.paged_copy_chunks_cuda(gpu, ids, [(c.cuda(), *rest) for c, *rest in copies], False, layout=layout,
+                                 stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert all(torch.equal(g.cpu(), c) for g, c in zip(gpu, cpu))
+    with pytest.raises(Exception, match="outside"):  # the third copy's block id: refused, the others ran
+        _core.paged_copy_chunks_cuda(gpu, np.array([0, 1, 2, 3, 99], dtype=np.int64),
+                                     [(c.cuda(), *rest) for c, *rest in copies], False, layout=layout)
 
 
 @pytest.mark.parametrize("kind", ["vec", "packed-LBHNC", "packed-LBNHC", "kv-first", "blocks-first"])

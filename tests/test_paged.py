@@ -264,6 +264,23 @@ def test_the_bound_paged_copy_is_the_unpack_and_gather_the_connector_uses(kind):
     assert all(torch.equal(a, b) for a, b in zip(by_unpack, by_copy))
     with pytest.raises(ValueError, match="CUDA tensors"):
         _core.paged_copy_cuda(by_copy, ids, codecs.decode(blob).contiguous(), 0, 0, 64, False, layout=layout)
+    # a load's chunks in one call (one GIL release; on CUDA one upload of the ids, one wait): the same
+    # bytes as a call per chunk, and a bad copy anywhere in the list is refused before any runs
+    halves = [_core.pack_chunk(kv, start, 32, FP, bytes(16)) for start in (0, 32)]
+    chunks = [codecs.decode(b).contiguous() for b in halves]
+    at_once = engine_layers(kind, layers, num_blocks, heads, block_size, dim, element_type(kind))
+    _core.paged_copy_chunks_cpu(at_once, ids, [(chunks[0], 3, 3, 29), (chunks[1], 0, 32, 32)], False, layout=layout)
+    assert all(torch.equal(a, b) for a, b in zip(by_unpack, at_once))
+    _core.paged_copy_chunks_cpu(at_once, ids, [], False, layout=layout)  # nothing to copy
+    for copy, why in (((chunks[1], 0, 32), "each copy is"), ((chunks[1], 30, 32, 4), "outside the chunk"),
+                      ((torch.zeros(3), 0, 0, 1), "chunk must be")):
+        spoiled = engine_layers(kind, layers, num_blocks, heads, block_size, dim, element_type(kind))
+        with pytest.raises(ValueError, match=why):
+            _core.paged_copy_chunks_cpu(spoiled, ids, [(chunks[0], 0, 0, 32), copy], False, layout=layout)
+        assert not any(t.any() for t in spoiled)
+    back = torch.empty_like(chunks[1])
+    _core.paged_copy_chunks_cpu(at_once, ids, [(back, 0, 32, 32)], True, layout=layout)  # and out of the blocks
+    assert torch.equal(back, chunks[1])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -302,6 +319,10 @@ def test_chunks_sealed_straight_from_the_blocks_are_the_bytes_packed_from_the_mo
     assert PagedBlocks(paged, layout, block_ids).copy_out([]).pack([], FP) == []
     with pytest.raises(ValueError, match="position"):
         _core.pack_chunk(span.kv, 0, 16, FP, bytes(16), position=-2)
+    with pytest.raises(ValueError, match="outside the cache"):  # a chunk before the span's first position
+        _core.pack_chunks(span.kv, [(32, 16, bytes(16))], FP, 48)
+    with pytest.raises(ValueError, match="each chunk is"):
+        _core.pack_chunks(span.kv, [(48, 16)], FP, 48)
     with pytest.raises(ValueError, match="block"):  # positions beyond the request's blocks
         _core.pack_chunks_paged(paged, torch.tensor(block_ids).numpy(), [(80, 32, bytes(16))], FP,
                                 layout=layout.as_dict())

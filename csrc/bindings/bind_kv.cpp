@@ -137,6 +137,47 @@ PagedLayers paged_layers(const py::sequence& layers, const py::object& layout,
   return out;
 }
 
+// The paged copies of one paged_copy_* call: each (chunk, start, position, count) of `copies` checked,
+// then all run with the GIL released once (kdn/paged.h).
+void paged_copies(const std::string& fn, DeviceType device, const py::sequence& layers,
+                  const py::array_t<int64_t, py::array::c_style>& block_ids, const py::list& copies, bool to_chunk,
+                  const py::object& layout, uintptr_t stream) {
+  PagedLayers paged = paged_layers(layers, layout, device);
+  KDN_CHECK_INPUT(block_ids.ndim() == 1, fn + ": block_ids must be 1-D");
+  std::vector<HeldView> chunks;
+  std::vector<PagedCopy> todo;
+  for (const py::handle item : copies) {
+    const auto t = item.cast<py::tuple>();
+    KDN_CHECK_INPUT(t.size() == 4, fn + ": each copy is (chunk, start, position, count)");
+    chunks.push_back(view_from_object(t[0], "chunk"));
+    const TensorView& v = chunks.back().view;
+    KDN_CHECK_INPUT(v.device == device && v.is_contiguous() && v.writable && v.dtype == paged.dtype && v.ndim == 5 &&
+                        v.shape[0] == paged.layout.layers && v.shape[1] == 2 && v.shape[3] == paged.layout.kv_heads &&
+                        v.shape[4] == paged.layout.head_dim,
+                    fn + ": chunk must be a contiguous writable tensor [layers, 2, tokens, kv_heads, head_dim] "
+                         "on the blocks' device in their dtype, got " + v.shape_str());
+    const auto from = t[1].cast<int64_t>(), position = t[2].cast<int64_t>(), count = t[3].cast<int64_t>();
+    KDN_CHECK_INPUT(from >= 0 && count >= 0 && from + count <= v.shape[2] && position >= 0,
+                    fn + ": token range outside the chunk");
+    todo.push_back({KvShape{paged.layout.layers, v.shape[2], paged.layout.kv_heads, paged.layout.head_dim}, v.data,
+                    from, position, count});
+  }
+  const CopyDirection dir = to_chunk ? CopyDirection::kCacheToChunk : CopyDirection::kChunkToCache;
+  const int64_t elem = dtype_size(paged.dtype);
+  Status st;
+  {
+    py::gil_scoped_release release;
+    if (device == DeviceType::kCUDA)
+      st = paged_copy_many_cuda(paged.layout, paged.ptrs.data(), block_ids.data(), block_ids.shape(0), todo, elem,
+                                dir, stream);
+    else
+      for (const PagedCopy& c : todo)
+        paged_copy_cpu(c.chunk_shape, paged.layout, paged.ptrs.data(), block_ids.data(), block_ids.shape(0), c.chunk,
+                       elem, c.from, c.position, c.count, dir, default_num_threads());
+  }
+  if (!st.ok) throw Error(fn + ": " + st.message, __FILE__, __LINE__);
+}
+
 DType dtype_arg(const std::string& dtype) {
   if (dtype == "float16") return DType::kFloat16;
   if (dtype == "bfloat16") return DType::kBFloat16;
@@ -172,6 +213,34 @@ void bind_kv(py::module_& m) {
       py::arg("position") = -1,
       "Pack tokens [start, start+count) of a per-layer KV list into one raw blob at sequence position "
       "`position` (default: start; a list that begins later in the sequence names where).");
+
+  m.def(
+      "pack_chunks",
+      [](const py::sequence& kv, const py::list& chunks, py::handle fingerprint, int64_t first) {
+        KvViews v = kv_views(kv, false);
+        KDN_CHECK_INPUT(v.device == DeviceType::kCPU, "pack_chunks: tensors must be on the CPU");
+        KDN_CHECK_INPUT(first >= 0, "pack_chunks: first must be a sequence position");
+        const Key128 fp = key_arg(fingerprint, "fingerprint");
+        std::vector<std::tuple<int64_t, int64_t, Key128>> todo;
+        for (const py::handle item : chunks) {
+          const auto t = item.cast<py::tuple>();
+          KDN_CHECK_INPUT(t.size() == 3, "pack_chunks: each chunk is (start, count, key)");
+          todo.emplace_back(t[0].cast<int64_t>(), t[1].cast<int64_t>(), key_arg(t[2], "key"));
+        }
+        std::vector<BufferPtr> out;
+        {
+          // one release for every chunk: a thread that takes the GIL back once per chunk waits a
+          // switch interval (5 ms) each time while another thread runs Python (vLLM's engine loop)
+          py::gil_scoped_release release;
+          for (const auto& [start, count, key] : todo)
+            out.push_back(pack_chunk(KvShape{v.layers, v.seq, v.heads, v.dim}, v.table(), v.dtype, start - first, count,
+                                     fp, key, default_num_threads(), start));
+        }
+        return out;
+      },
+      py::arg("kv"), py::arg("chunks"), py::arg("fingerprint"), py::arg("first") = 0,
+      "Sealed raw blobs of `chunks` ((start, count, key) each: sequence positions [start, start + count)) of a\n"
+      "per-layer KV list holding positions [first, ...): pack_chunk for each, in one call.");
 
   m.def(
       "verify_chunks",
@@ -359,48 +428,39 @@ void bind_kv(py::module_& m) {
       "layers [first_layer, ...) of the blobs' `layers` only (layer-wise delivery; only those planes are read).");
 
   // paged_copy_cpu / paged_copy_cuda: a canonical chunk tensor <-> an engine's paged blocks (any layout
-  // given as strides, kdn/paged.h); the same checks, then the CPU oracle or its CUDA twin.
-  auto bind_paged_copy = [&m](const char* name, DeviceType device, const char* doc) {
+  // given as strides, kdn/paged.h); the same checks, then the CPU oracle or its CUDA twin. The
+  // paged_copy_chunks_* forms take many chunks in one call (a load's): one GIL release, one wait.
+  for (const DeviceType device : {DeviceType::kCPU, DeviceType::kCUDA}) {
+    const bool cuda = device == DeviceType::kCUDA;
+    const char* one = cuda ? "paged_copy_cuda" : "paged_copy_cpu";
+    const char* many = cuda ? "paged_copy_chunks_cuda" : "paged_copy_chunks_cpu";
     m.def(
-        name,
-        [name, device](const py::sequence& layers, py::array_t<int64_t, py::array::c_style> block_ids,
-                       py::handle chunk, int64_t from, int64_t position, int64_t count, bool to_chunk,
-                       const py::object& layout, uintptr_t stream) {
-          const std::string fn(name);
-          PagedLayers paged = paged_layers(layers, layout, device);
-          HeldView c = view_from_object(chunk, "chunk");
-          const TensorView& v = c.view;
-          KDN_CHECK_INPUT(v.device == device && v.is_contiguous() && v.writable && v.dtype == paged.dtype &&
-                              v.ndim == 5 && v.shape[0] == paged.layout.layers && v.shape[1] == 2 &&
-                              v.shape[3] == paged.layout.kv_heads && v.shape[4] == paged.layout.head_dim,
-                          fn + ": chunk must be a contiguous writable tensor [layers, 2, tokens, kv_heads, head_dim] "
-                               "on the blocks' device in their dtype, got " + v.shape_str());
-          KDN_CHECK_INPUT(block_ids.ndim() == 1, fn + ": block_ids must be 1-D");
-          KDN_CHECK_INPUT(from >= 0 && count >= 0 && from + count <= v.shape[2] && position >= 0,
-                          fn + ": token range outside the chunk");
-          const KvShape shape{paged.layout.layers, v.shape[2], paged.layout.kv_heads, paged.layout.head_dim};
-          const CopyDirection dir = to_chunk ? CopyDirection::kCacheToChunk : CopyDirection::kChunkToCache;
-          Status st;
-          {
-            py::gil_scoped_release release;
-            if (device == DeviceType::kCUDA)
-              st = paged_copy_cuda(shape, paged.layout, paged.ptrs.data(), block_ids.data(), block_ids.shape(0), v.data,
-                                   dtype_size(paged.dtype), from, position, count, dir, stream);
-            else
-              paged_copy_cpu(shape, paged.layout, paged.ptrs.data(), block_ids.data(), block_ids.shape(0), v.data,
-                             dtype_size(paged.dtype), from, position, count, dir, default_num_threads());
-          }
-          if (!st.ok) throw Error(fn + ": " + st.message, __FILE__, __LINE__);
+        one,
+        [one, device](const py::sequence& layers, py::array_t<int64_t, py::array::c_style> block_ids,
+                      py::handle chunk, int64_t from, int64_t position, int64_t count, bool to_chunk,
+                      const py::object& layout, uintptr_t stream) {
+          py::list copies;
+          copies.append(py::make_tuple(chunk, from, position, count));
+          paged_copies(one, device, layers, block_ids, copies, to_chunk, layout, stream);
         },
         py::arg("layers"), py::arg("block_ids"), py::arg("chunk"), py::arg("start"), py::arg("position"),
-        py::arg("count"), py::arg("to_chunk"), py::arg("layout") = py::none(), py::arg("stream") = 0, doc);
-  };
-  bind_paged_copy("paged_copy_cpu", DeviceType::kCPU,
-                  "CPU copy of chunk tokens [start, start + count) <-> sequence positions [position, ...) of paged\n"
-                  "blocks (`layout`: a strides dict, None for vLLM's CPU 'vec'; the oracle of paged_copy_cuda).");
-  bind_paged_copy("paged_copy_cuda", DeviceType::kCUDA,
-                  "CUDA twin of paged_copy_cpu: blocks and chunk on the device, block_ids on the host (uploaded);\n"
-                  "stream: cudaStream_t as an int.");
+        py::arg("count"), py::arg("to_chunk"), py::arg("layout") = py::none(), py::arg("stream") = 0,
+        cuda ? "CUDA twin of paged_copy_cpu: blocks and chunk on the device, block_ids on the host (uploaded);\n"
+               "stream: cudaStream_t as an int. Returns once the copy has run."
+             : "CPU copy of chunk tokens [start, start + count) <-> sequence positions [position, ...) of paged\n"
+               "blocks (`layout`: a strides dict, None for vLLM's CPU 'vec'; the oracle of paged_copy_cuda).");
+    m.def(
+        many,
+        [many, device](const py::sequence& layers, py::array_t<int64_t, py::array::c_style> block_ids,
+                       const py::list& copies, bool to_chunk, const py::object& layout, uintptr_t stream) {
+          paged_copies(many, device, layers, block_ids, copies, to_chunk, layout, stream);
+        },
+        py::arg("layers"), py::arg("block_ids"), py::arg("copies"), py::arg("to_chunk"),
+        py::arg("layout") = py::none(), py::arg("stream") = 0,
+        "paged_copy_* of each (chunk, start, position, count) in `copies`, in one call: the GIL released\n"
+        "once (a thread taking it back once per chunk waits a switch interval each time while another\n"
+        "runs Python) and, on CUDA, the layer pointers and block ids uploaded once, one wait at the end.");
+  }
 
   // kv_copy_cpu / kv_copy_cuda: the same checks, then the CPU oracle or its CUDA twin.
   auto bind_copy = [&m](const char* name, DeviceType device, const char* doc) {

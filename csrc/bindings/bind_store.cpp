@@ -307,10 +307,10 @@ void bind_store(py::module_& m) {
                                                         "Host-memory blob store (thread-safe); see kdn/memory_store.h.")
       .def(py::init<uint64_t, std::string>(), py::arg("capacity_bytes"), py::arg("policy") = "lru")
       .def("put", [](MemoryStore& s, py::handle key, py::handle blob) {
+            // keeps the GIL (microseconds; nothing under the store's lock takes it): a thread that
+            // let it go would wait a switch interval (5 ms) for it back while vLLM's loop runs Python
             Key128 k = key_arg(key, "key");
-            BufferPtr buf = buffer_from_object(blob);
-            py::gil_scoped_release release;
-            return s.put(k, std::move(buf));
+            return s.put(k, buffer_from_object(blob));
           }, py::arg("key"), py::arg("blob"))
       .def("get", [](MemoryStore& s, py::handle key) -> py::object {
             BufferPtr buf = s.get(key_arg(key, "key"));
@@ -369,10 +369,8 @@ void bind_store(py::module_& m) {
             return s.put(k, buf);
           }, py::arg("key"), py::arg("blob"))
       .def("put_async", [](DiskStore& s, py::handle key, py::handle blob) {
-            Key128 k = key_arg(key, "key");
-            BufferPtr buf = buffer_from_object(blob);
-            py::gil_scoped_release release;
-            return s.put_async(k, buf);
+            Key128 k = key_arg(key, "key");  // queued (or dropped when full), never waits: keeps the GIL
+            return s.put_async(k, buffer_from_object(blob));
           }, py::arg("key"), py::arg("blob"))
       .def("flush", [](DiskStore& s, double timeout) {
             if (timeout < 0) {

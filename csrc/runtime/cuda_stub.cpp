@@ -14,6 +14,10 @@ Status paged_copy_cuda(const KvShape&, const PagedLayout&, void* const*, const i
                        int64_t, int64_t, CopyDirection, uintptr_t) {
   return Status::Fail("kdn was built without CUDA");
 }
+Status paged_copy_many_cuda(const PagedLayout&, void* const*, const int64_t*, int64_t, const std::vector<PagedCopy>&,
+                            int64_t, CopyDirection, uintptr_t) {
+  return Status::Fail("kdn was built without CUDA");
+}
 Status rope_shift_cuda(const RopeShift&, void* const*, const int64_t*, DType, const float*, uintptr_t) {
   return Status::Fail("kdn was built without CUDA");
 }

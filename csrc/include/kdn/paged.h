@@ -14,6 +14,8 @@
 //     with strides (token_tile_stride, token), a dim index likewise (dim_tile, dim_tile_stride, dim).
 #pragma once
 
+#include <vector>
+
 #include "kdn/kv_copy.h"
 #include "kdn/kv_layout.h"
 
@@ -68,8 +70,22 @@ void paged_copy_cpu(const KvShape& chunk_shape, const PagedLayout& paged, void* 
                     int64_t position, int64_t count, CopyDirection dir, int threads);
 
 // CUDA twin: `layers` and `block_ids` are host arrays (uploaded), the tensors and the chunk device memory.
+// Returns once the copy has run on `stream`.
 Status paged_copy_cuda(const KvShape& chunk_shape, const PagedLayout& paged, void* const* layers,
                        const int64_t* block_ids, int64_t num_block_ids, void* chunk, int64_t elem_size, int64_t from,
                        int64_t position, int64_t count, CopyDirection dir, uintptr_t stream);
+
+// One copy of a batch: tokens [from, from + count) of a canonical chunk <-> positions [position, ...).
+struct PagedCopy {
+  KvShape chunk_shape;
+  void* chunk;
+  int64_t from, position, count;
+};
+
+// paged_copy_cuda for many chunks (a load's): the layer pointers and block ids uploaded once, one
+// kernel per copy, one wait for them all at the end (not one per chunk).
+Status paged_copy_many_cuda(const PagedLayout& paged, void* const* layers, const int64_t* block_ids,
+                            int64_t num_block_ids, const std::vector<PagedCopy>& copies, int64_t elem_size,
+                            CopyDirection dir, uintptr_t stream);
 
 }  // namespace kdn

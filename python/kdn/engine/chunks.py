@@ -247,7 +247,7 @@ class ChunkIO:
         chunk = session.chunk_size
         keys, todo = unheld if unheld is not None else self.unheld(session, tokens)
         if isinstance(source, (list, tuple)):
-            blobs = [_core.pack_chunk(source, start, count, session.fingerprint, key) for start, count, key in todo]
+            blobs = _core.pack_chunks(source, todo, session.fingerprint)
         else:
             blobs = source.pack(todo, session.fingerprint)
         return Packed(keys, {start // chunk: blob for (start, _, _), blob in zip(todo, blobs)})

@@ -186,9 +186,8 @@ class HostSpan:
 
     def pack(self, chunks: list, fingerprint: bytes) -> list:
         """Sealed raw blobs of ``chunks`` (``(start, count, key)``, within the span), named by their
-        sequence positions."""
-        return [_core.pack_chunk(self.kv, start - self.first, count, fingerprint, key, position=start)
-                for start, count, key in chunks]
+        sequence positions (one call: a store thread takes the GIL back once, not once per chunk)."""
+        return _core.pack_chunks(self.kv, chunks, fingerprint, self.first) if chunks else []
 
 
 class PagedBlocks:
@@ -234,15 +233,17 @@ class PagedBlocks:
                 shape = (len(self.layers), self.layout.kv_heads, self.layout.head_dim, self.layers[0].dtype)
                 self._decoded = (list(blobs), num_tokens, _device_chunks(blobs, num_tokens, *shape, self.device))
                 self.decodes += 1
-            stream, pos = self.stream.cuda_stream, 0
-            layout = self.layout.as_dict()
+            copies, pos = [], 0
             for chunk in self._decoded[2]:
                 tokens = chunk.shape[2]
                 lo, hi = max(pos, self.start), min(pos + tokens, num_tokens)
                 if hi > lo:
-                    _core.paged_copy_cuda(self.layers[first:end], self.block_ids, chunk[first:end], lo - pos, lo,
-                                          hi - lo, False, layout=layout, stream=stream)
+                    copies.append((chunk[first:end], lo - pos, lo, hi - lo))
                 pos += tokens
+            # in one call: a delivery thread takes the GIL back once, not once per chunk (each time a
+            # switch interval while vLLM's loop runs Python), and waits once for all the copies
+            _core.paged_copy_chunks_cuda(self.layers[first:end], self.block_ids, copies, False,
+                                         layout=self.layout.as_dict(), stream=self.stream.cuda_stream)
 
     def pack(self, chunks: list, fingerprint: bytes) -> list:
         """Sealed raw blobs of ``chunks`` (``(start, count, key)``: sequence positions [start, start +
