@@ -120,8 +120,8 @@ def main() -> None:
               + f"   Python-spin / C-spin {med['python'] / med['c']:.2f}x", flush=True)
     for job in ("seal", "lay"):
         before, after = rows[f"{job}, a call per chunk"]["median"], rows[f"{job}, one call"]["median"]
-        print(f"{job}: one call vs a call per chunk while the loop runs Python: {before['python'] / after['python']:.2f}x "
-              f"faster", flush=True)
+        print(f"{job}: one call vs a call per chunk while the loop runs Python: "
+              f"{before['python'] / after['python']:.2f}x faster", flush=True)
     record = {"tokens": n, "chunks": len(todo), "switch_interval_s": sys.getswitchinterval(), "rows": rows}
     print(f"wrote {save_result(Path(args.out) / 'bench_gil.json', record)}")
 
