@@ -137,6 +137,17 @@ PagedLayers paged_layers(const py::sequence& layers, const py::object& layout,
   return out;
 }
 
+// (start, count, key) tuples as chunk spans; `fn` names the caller in errors.
+std::vector<ChunkSpan> chunk_spans(const py::list& chunks, const std::string& fn) {
+  std::vector<ChunkSpan> out;
+  for (const py::handle item : chunks) {
+    const auto t = item.cast<py::tuple>();
+    KDN_CHECK_INPUT(t.size() == 3, fn + ": each chunk is (start, count, key)");
+    out.push_back({t[0].cast<int64_t>(), t[1].cast<int64_t>(), key_arg(t[2], "key")});
+  }
+  return out;
+}
+
 // The paged copies of one paged_copy_* call: each (chunk, start, position, count) of `copies` checked,
 // then all run with the GIL released once (kdn/paged.h).
 void paged_copies(const std::string& fn, DeviceType device, const py::sequence& layers,
@@ -219,24 +230,13 @@ void bind_kv(py::module_& m) {
       [](const py::sequence& kv, const py::list& chunks, py::handle fingerprint, int64_t first) {
         KvViews v = kv_views(kv, false);
         KDN_CHECK_INPUT(v.device == DeviceType::kCPU, "pack_chunks: tensors must be on the CPU");
-        KDN_CHECK_INPUT(first >= 0, "pack_chunks: first must be a sequence position");
         const Key128 fp = key_arg(fingerprint, "fingerprint");
-        std::vector<std::tuple<int64_t, int64_t, Key128>> todo;
-        for (const py::handle item : chunks) {
-          const auto t = item.cast<py::tuple>();
-          KDN_CHECK_INPUT(t.size() == 3, "pack_chunks: each chunk is (start, count, key)");
-          todo.emplace_back(t[0].cast<int64_t>(), t[1].cast<int64_t>(), key_arg(t[2], "key"));
-        }
-        std::vector<BufferPtr> out;
-        {
-          // one release for every chunk: a thread that takes the GIL back once per chunk waits a
-          // switch interval (5 ms) each time while another thread runs Python (vLLM's engine loop)
-          py::gil_scoped_release release;
-          for (const auto& [start, count, key] : todo)
-            out.push_back(pack_chunk(KvShape{v.layers, v.seq, v.heads, v.dim}, v.table(), v.dtype, start - first, count,
-                                     fp, key, default_num_threads(), start));
-        }
-        return out;
+        const std::vector<ChunkSpan> todo = chunk_spans(chunks, "pack_chunks");
+        // one release for every chunk: a thread that takes the GIL back once per chunk waits a
+        // switch interval (5 ms) each time while another thread runs Python (vLLM's engine loop)
+        py::gil_scoped_release release;
+        return pack_chunks(KvShape{v.layers, v.seq, v.heads, v.dim}, v.table(), v.dtype, todo, fp, first,
+                           default_num_threads());
       },
       py::arg("kv"), py::arg("chunks"), py::arg("fingerprint"), py::arg("first") = 0,
       "Sealed raw blobs of `chunks` ((start, count, key) each: sequence positions [start, start + count)) of a\n"
@@ -313,20 +313,10 @@ void bind_kv(py::module_& m) {
         PagedLayers paged = paged_layers(layers, layout);
         KDN_CHECK_INPUT(block_ids.ndim() == 1, "pack_chunks_paged: block_ids must be 1-D");
         const Key128 fp = key_arg(fingerprint, "fingerprint");
-        std::vector<std::tuple<int64_t, int64_t, Key128>> todo;
-        for (const py::handle item : chunks) {
-          const auto t = item.cast<py::tuple>();
-          KDN_CHECK_INPUT(t.size() == 3, "pack_chunks_paged: each chunk is (start, count, key)");
-          todo.emplace_back(t[0].cast<int64_t>(), t[1].cast<int64_t>(), key_arg(t[2], "key"));
-        }
-        std::vector<BufferPtr> out;
-        {
-          py::gil_scoped_release release;
-          for (const auto& [start, count, key] : todo)
-            out.push_back(pack_chunk_paged(paged.layout, paged.ptrs.data(), block_ids.data(), block_ids.shape(0),
-                                           paged.dtype, start, count, fp, key, default_num_threads()));
-        }
-        return out;
+        const std::vector<ChunkSpan> todo = chunk_spans(chunks, "pack_chunks_paged");
+        py::gil_scoped_release release;
+        return pack_chunks_paged(paged.layout, paged.ptrs.data(), block_ids.data(), block_ids.shape(0), paged.dtype,
+                                 todo, fp, default_num_threads());
       },
       py::arg("layers"), py::arg("block_ids"), py::arg("chunks"), py::arg("fingerprint"), py::arg("layout") = py::none(),
       "Sealed raw blobs of `chunks` ((start, count, key) each: sequence positions [start, start + count)) gathered\n"

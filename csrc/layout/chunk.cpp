@@ -67,6 +67,40 @@ BufferPtr pack_chunk_paged(const PagedLayout& paged, void* const* layers, const 
   return sealed(std::move(blob));
 }
 
+namespace {
+
+// Runs pack(i, inner_threads) for chunks [0, n): side by side when there are several (a chunk's copy
+// and checksum on one thread), a lone chunk's rows over every thread.
+template <typename Pack>
+std::vector<BufferPtr> pack_each(size_t n, int threads, Pack pack) {
+  std::vector<BufferPtr> out(n);
+  const int inner = std::max<int>(1, threads / static_cast<int>(std::max<size_t>(n, 1)));
+  parallel_for(static_cast<int64_t>(n), threads, [&](int64_t i) { out[i] = pack(i, inner); });
+  return out;
+}
+
+}  // namespace
+
+std::vector<BufferPtr> pack_chunks(const KvShape& shape, const KvTable& table, DType dtype,
+                                   const std::vector<ChunkSpan>& chunks, const Key128& fingerprint, int64_t first,
+                                   int threads) {
+  KDN_CHECK_INPUT(first >= 0, "pack_chunks: first must be a sequence position");
+  return pack_each(chunks.size(), threads, [&](int64_t i, int inner) {
+    const ChunkSpan& c = chunks[i];
+    return pack_chunk(shape, table, dtype, c.start - first, c.count, fingerprint, c.key, inner, c.start);
+  });
+}
+
+std::vector<BufferPtr> pack_chunks_paged(const PagedLayout& paged, void* const* layers, const int64_t* block_ids,
+                                         int64_t num_block_ids, DType dtype, const std::vector<ChunkSpan>& chunks,
+                                         const Key128& fingerprint, int threads) {
+  return pack_each(chunks.size(), threads, [&](int64_t i, int inner) {
+    const ChunkSpan& c = chunks[i];
+    return pack_chunk_paged(paged, layers, block_ids, num_block_ids, dtype, c.start, c.count, fingerprint, c.key,
+                            inner);
+  });
+}
+
 Status check_chunk_header(const BlobHeader& h, const ChunkExpect& e, const Key128& key, uint32_t position,
                           uint32_t tokens) {
   if (h.kind != kBlobKindKV) return Status::Fail("blob is not a KV chunk (kind " + std::to_string(h.kind) + ")");

@@ -40,6 +40,22 @@ BufferPtr pack_chunk_paged(const PagedLayout& paged, void* const* layers, const 
                            int64_t num_block_ids, DType dtype, int64_t start, int64_t count, const Key128& fingerprint,
                            const Key128& key, int threads);
 
+// One chunk of a store: sequence positions [start, start + count), filed under `key`.
+struct ChunkSpan {
+  int64_t start, count;
+  Key128 key;
+};
+
+// pack_chunk for each of `chunks` (the tensors in `table` hold positions [first, ...)), or
+// pack_chunk_paged for each when `paged` is given: several chunks side by side, one thread each
+// (their checksums too), a single chunk's rows over `threads`.
+std::vector<BufferPtr> pack_chunks(const KvShape& shape, const KvTable& table, DType dtype,
+                                   const std::vector<ChunkSpan>& chunks, const Key128& fingerprint, int64_t first,
+                                   int threads);
+std::vector<BufferPtr> pack_chunks_paged(const PagedLayout& paged, void* const* layers, const int64_t* block_ids,
+                                         int64_t num_block_ids, DType dtype, const std::vector<ChunkSpan>& chunks,
+                                         const Key128& fingerprint, int threads);
+
 // OK if a parsed header is a KV chunk of `tokens` tokens at `position` of the expected model under `key`.
 Status check_chunk_header(const BlobHeader& h, const ChunkExpect& e, const Key128& key, uint32_t position,
                           uint32_t tokens);
