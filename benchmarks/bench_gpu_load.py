@@ -9,7 +9,9 @@ memory (``_core.decode_chunks``); a whole load into vLLM's packed GPU blocks (``
 staging, copy, paged copy), cold (its first: the pinned staging is allocated) and warm; the same
 blobs copied into the buffer pool's page-locked blocks (what a CUDA engine's tiers hold: the
 locking's cost), on 4 KiB and on huge pages, their DMAs alone and whole loads from there (one DMA
-per chunk, no host copy), and the paged copies alone; int8 and int4 chunks
+per chunk, no host copy; also on a thread while the main thread is idle or spins in Python, as an
+async load runs beside vLLM's engine loop), and the paged copies alone (one call; a call per chunk
+before; each also on a thread beside a Python loop); int8 and int4 chunks
 (decoded by the CUDA decoder; GB/s of the KV they decode to); a layer-wise
 load (each layer group a new list of the same chunks, as the stream hands them; its device decodes
 counted); a store's gather of the last chunk (a served prompt's new tail) and of the whole prompt.
@@ -21,12 +23,14 @@ counted); a store's gather of the last chunk (a served prompt's new tail) and of
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from bench_gil import on_a_thread
 from kdn import _core, codecs
 from kdn.engine.paged import vllm_layout
 from kdn.engine.targets import PagedBlocks
@@ -115,17 +119,30 @@ def main() -> None:
             synced(receive_locked)()
             row(f"whole load into the blocks, page-locked raw chunks ({pages} pages)",
                 timed(synced(receive_locked), args.repeats))
+            if huge:  # an async load: on kdn's thread while vLLM's engine loop runs Python (bench_gil.py)
+                for mode in ("idle", "python"):
+                    row(f"  the same on a thread, the main thread {'spinning in Python' if mode == 'python' else mode}",
+                        statistics.median(on_a_thread(synced(receive_locked), mode) for _ in range(args.repeats)))
             del locked
         chunks = list(slab.split(CHUNK * LAYERS * 2 * HEADS * DIM))
         chunks = [c.view(LAYERS, 2, -1, HEADS, DIM) for c in chunks]
 
-        def paged_copies() -> None:  # what a whole load does after its DMAs: one paged copy per chunk
-            for i, c in enumerate(chunks):
-                _core.paged_copy_cuda(layers, np.asarray(ids, dtype=np.int64), c, 0, i * CHUNK, c.shape[2], False,
-                                      layout=layout.as_dict(), stream=stream)
+        block_ids = np.asarray(ids, dtype=np.int64)
+        copies = [(c, 0, i * CHUNK, c.shape[2]) for i, c in enumerate(chunks)]
 
-        row(f"  the paged copies alone ({len(chunks)} chunks, device to device)", timed(synced(paged_copies),
-                                                                                      args.repeats))
+        def paged_copies() -> None:  # what a whole load does after its DMAs: the chunks' paged copies, one call
+            _core.paged_copy_chunks_cuda(layers, block_ids, copies, False, layout=layout.as_dict(), stream=stream)
+
+        def paged_copy_each() -> None:  # before: a call per chunk (ids uploaded and the stream waited for each)
+            for copy in copies:
+                _core.paged_copy_cuda(layers, block_ids, *copy, False, layout=layout.as_dict(), stream=stream)
+
+        row(f"  the paged copies alone ({len(chunks)} chunks, device to device, one call)",
+            timed(synced(paged_copies), args.repeats))
+        row("  the same, a call per chunk (before)", timed(synced(paged_copy_each), args.repeats))
+        for name, fn in (("one call", paged_copies), ("a call per chunk", paged_copy_each)):
+            row(f"  the paged copies, {name}, on a thread while the main thread spins in Python",
+                statistics.median(on_a_thread(synced(fn), "python") for _ in range(args.repeats)))
         del slab, chunks
     for spec in args.codecs.split(",") if args.codecs else []:  # coded chunks: fewer bytes over the link
         coded = [codecs.encode(b, spec) for b in blobs]
