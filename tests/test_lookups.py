@@ -42,13 +42,16 @@ def test_the_worker_answers_and_a_gone_or_failing_worker_is_no_answer(tmp_path, 
 
     client = LookupClient(path, timeout=1.0)
     assert client.lookup(np.arange(40), 39) is None  # no worker yet
-    server = LookupServer(path, lookup)
+    ended = [["req-1", "req-é"], [], [], [], ["x" * 2000]]  # the stores that ended before each answer
+    server = LookupServer(path, lookup, lambda: ended.pop(0) if ended else [])
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
     assert client.lookup(np.arange(40), 39) == held(32) and tokens_of(client.lookup(np.arange(5), 4)) == 0
+    assert client.take_ended() == ["req-1", "req-é"] and client.take_ended() == []  # told with the answers
     assert client.lookup(np.arange(40), 36) == held(36, last_tokens=20)  # the keys travel: the load reads them
     assert seen[0] == (list(range(40)), 39)
     assert tokens_of(client.lookup(np.arange(40), 39, "tenant-b")) == 8  # the request's tenant reaches the worker
     assert client.lookup(np.arange(40), 13) is None  # the worker's lookup raised: no answer
+    assert client.take_ended() == ["x" * lookups.MAX_ID_BYTES]  # told even then; an id cut to its bound
     assert tokens_of(client.lookup(np.arange(100), 99)) == 96  # and it keeps serving
     server.close()
     assert client.lookup(np.arange(40), 39) is None

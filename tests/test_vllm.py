@@ -455,6 +455,16 @@ def test_the_worker_loads_what_the_scheduler_found_without_looking_again(schedul
     assert c["chunks_hashed"] <= 3 + 1  # 620 tokens: 2 full chunks and a partial one, each hashed once (+1)
 
 
+@pytest.mark.parametrize("worker", ["here", "elsewhere"])
+def test_a_store_that_cannot_land_holds_no_one(scheduled, worker):
+    """A prompt's chunks fit no tier: the next question of its document is scheduled in the next step
+    and prefilled by the engine (it waited STORE_GRACE_S, 10 s, for a store that never came), whether
+    the scheduler asks the worker of its process or is told through the worker's lookup server."""
+    r = scheduled["store_not_landed" + ("_worker_elsewhere" if worker == "elsewhere" else "")]
+    assert r["second_step"] == ["b"] and r["second_loads"] == [] and r["stored"] == 0
+    assert r["waits"] == 0 and r["seconds"] < 5
+
+
 def test_a_step_completing_the_prefill_that_outlasts_the_grace_still_holds_the_second(scheduled):
     s = scheduled["in_flight_slow_step"]
     assert s["first_step"] == ["a"] and s["second_step"] == [] and s["third_step"] == ["b"]

@@ -36,6 +36,8 @@ def main() -> None:
     results["verified_hit"] = verified_hit(args.model)
     results["in_flight"] = in_flight(args.model)
     results["in_flight_slow_step"] = in_flight_slow_step(args.model)
+    results["store_not_landed"] = store_not_landed(args.model)
+    results["store_not_landed_worker_elsewhere"] = store_not_landed(args.model, worker_elsewhere=True)
     results["gpu_layouts"] = gpu_layouts(args.model)
     if args.redis:
         results["claimed_elsewhere"] = claimed_elsewhere(args.model, args.redis)
@@ -447,6 +449,37 @@ def in_flight_slow_step(model: str) -> dict:
     return {"first_step": one.fresh, "second_step": two.fresh, "third_step": three.fresh,
             "third_loads": [[s.req_id, s.start, s.end] for s in three.loads],
             **_exact(h, doc + _tokens(20, 35), truth2)}
+
+
+def store_not_landed(model: str, worker_elsewhere: bool = False) -> dict:
+    """A prompt whose store cannot land (its chunks fit no tier: a full or tiny memory tier): the next
+    question of its document is scheduled at once, prefilled by the engine, not held STORE_GRACE_S
+    (10 s) for a store that never comes. ``worker_elsewhere``: the scheduler is told so through the
+    worker's lookup server, as when vLLM runs the worker in another process."""
+    process = importlib.import_module("kdn.integrations.vllm.process")
+    here = process.worker_here
+    if worker_elsewhere:
+        process.worker_here = lambda engine: False  # the scheduler asks the worker's socket
+    try:
+        return _store_not_landed(model)
+    finally:
+        process.worker_here = here
+
+
+def _store_not_landed(model: str) -> dict:
+    import time
+
+    h = Harness(model, chunk_size=256, memory_bytes="1MiB")  # an 11.8 MB chunk fits no tier
+    doc = _tokens(600, 41)
+    truth = _random_kv(h, 620, 42)
+    h.request("a", doc + _tokens(20, 43))
+    h.step({"a": truth})
+    h.request("b", doc + _tokens(20, 44))
+    began, waits = time.monotonic(), h.connector.stats()["connector"]["in_flight_waits"]
+    second, _ = h.step({"a": truth, "b": truth})
+    return {"second_step": second.fresh, "second_loads": [[s.req_id, s.start, s.end] for s in second.loads],
+            "seconds": time.monotonic() - began, "stored": h.stored(doc + _tokens(20, 44))[0],
+            "waits": h.connector.stats()["connector"]["in_flight_waits"] - waits}
 
 
 def claimed_partly_stored(model: str, url: str) -> dict:

@@ -6,7 +6,9 @@ worker answers.
 
 One request: ``u32 tokens, u32 limit, u32 namespace bytes`` (``0xFFFFFFFF``: none), the namespace
 (UTF-8: the request's tenant, vLLM's ``cache_salt``), then the token ids (u32 each); the reply:
-``i64`` leading tokens held (``-1``: the worker could not look up).
+``i64`` leading tokens held (``-1``: the worker could not look up), ``u32`` the last chunk's tokens,
+``u32`` keys, the keys (16 bytes each), then ``u32`` requests whose store has ended since the last
+reply (landed, refused or failed: the scheduler waits no more for them), each ``u16`` bytes + its id.
 
 Trust: the socket's folder must be a real directory (not a symlink) owned by this user and closed to
 others; one another local user created first is never used (a private folder in this user's home
@@ -40,6 +42,9 @@ _REPLY = struct.Struct("<qII")  # hit (-1: could not look up; _NOT_SERVING), the
 _NOT_SERVING = -2  # the hit a worker that refused vLLM's KV layout answers: it will load and store nothing
 MAX_TOKENS = 1 << 24  # a request asking about more tokens is not a prompt: the connection is dropped
 MAX_CONNECTIONS = 64  # a vLLM scheduler keeps one
+MAX_ENDED = 4096  # ended stores a worker remembers for its scheduler, and one reply may carry
+MAX_ID_BYTES = 1024  # a vLLM request id's bytes
+_COUNT, _ID = struct.Struct("<I"), struct.Struct("<H")
 IDLE_S = 600.0  # a connection silent this long is dropped (its client reconnects)
 _warned_squat: set = set()
 _FAILED = object()  # no answer (as opposed to the worker's "could not look up")
@@ -96,11 +101,13 @@ class WorkerNotServing(RuntimeError):
 
 
 class LookupServer:
-    """Answers lookups with ``lookup(tokens, limit, namespace) -> int`` from a thread per connection;
-    once ``serving`` is False (its worker refused the engine) every answer says so."""
+    """Answers lookups with ``lookup(tokens, limit, namespace) -> Prefix`` from a thread per
+    connection, each answer with the requests ``ended()`` says have had their store end since; once
+    ``serving`` is False (its worker refused the engine) every answer says so."""
 
-    def __init__(self, path: str, lookup: Callable[[np.ndarray, int, str | None], Prefix]):
-        self.path, self._lookup, self.serving = path, lookup, True
+    def __init__(self, path: str, lookup: Callable[[np.ndarray, int, str | None], Prefix],
+                 ended: Callable[[], list[str]] = list):
+        self.path, self._lookup, self._ended, self.serving = path, lookup, ended, True
         if os.path.exists(path):
             os.unlink(path)  # a socket left by an engine that died: nobody listens on it
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -148,6 +155,8 @@ class LookupServer:
             except Exception as e:  # a failed lookup is a miss for the asker, never a dead server
                 log.warning("kdn: a lookup for the scheduler failed (%s: %s)", type(e).__name__, e)
                 reply = _REPLY.pack(-1, 0, 0)
+            ids = [i.encode()[:MAX_ID_BYTES] for i in self._ended()[-MAX_ENDED:]]
+            reply += _COUNT.pack(len(ids)) + b"".join(_ID.pack(len(i)) + i for i in ids)
             try:
                 conn.sendall(reply)
             except OSError:
@@ -176,6 +185,13 @@ class LookupClient:
         self._conn: socket.socket | None = None
         self._lock = threading.Lock()
         self._warned = False
+        self._ended: list[str] = []  # the stores the worker said have ended, until take_ended
+
+    def take_ended(self) -> list[str]:
+        """The requests whose store the worker's answers said has ended since the last call."""
+        with self._lock:
+            ended, self._ended = self._ended, []
+        return ended
 
     def lookup(self, tokens: np.ndarray, limit: int, namespace: str | None = None) -> Prefix | None:
         """What the worker holds of ``tokens`` in ``namespace`` (at most ``limit`` tokens: the keys
@@ -210,6 +226,14 @@ class LookupClient:
             if n > limit + 1:  # every key serves at least one token: not a reply of kdn's server
                 raise ConnectionError(f"a lookup reply of {n} keys for at most {limit} tokens")
             keys = _read_exactly(self._conn, 16 * n)
+            (count,) = _COUNT.unpack(_read_exactly(self._conn, _COUNT.size))
+            if count > MAX_ENDED:
+                raise ConnectionError(f"a lookup reply naming {count} ended stores")
+            for _ in range(count):
+                (size,) = _ID.unpack(_read_exactly(self._conn, _ID.size))
+                if size > MAX_ID_BYTES:
+                    raise ConnectionError(f"a request id of {size} bytes")
+                self._ended.append(_read_exactly(self._conn, size).decode(errors="replace"))
         except (OSError, ConnectionError) as e:
             if self._conn is not None:
                 self._conn.close()

@@ -35,7 +35,7 @@ def serve_lookups(path: str, engine: Engine, session: ModelSession) -> None:
                 metrics.count(lookups=1)
                 return engine.find(session.within(namespace), tokens, limit)
 
-            _lookup_servers[path] = LookupServer(path, lookup)
+            _lookup_servers[path] = LookupServer(path, lookup, lambda: ended_stores(engine))
 
 
 def refuse_lookups(path: str) -> None:
@@ -54,6 +54,12 @@ def add_worker(worker) -> None:
 def worker_here(engine: Engine) -> bool:
     """Whether a worker half of this process holds ``engine`` (then its tiers are the scheduler's)."""
     return any(w.engine is engine for w in list(_workers))
+
+
+def ended_stores(engine: Engine) -> list[str]:
+    """The requests whose store the workers of this process holding ``engine`` have ended (landed,
+    refused or failed) since the last call: the scheduler waits no more for them."""
+    return [r for w in list(_workers) if w.engine is engine for r in w.ended_stores()]
 
 
 def tier_stats() -> list[dict]:

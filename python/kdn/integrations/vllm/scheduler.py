@@ -60,6 +60,7 @@ class SchedulerSide:
         # req_id -> [prompt tokens, prefill completed at (None: running, _COMPLETING), claimed keys, salt];
         # kept STORE_GRACE_S past its request's end, while its store lands
         self._admitted: dict[str, list] = {}
+        self._stores_ended: set[str] = set()  # requests whose store the worker says has ended since
         self._claims: dict[str, list[bytes]] = {}  # req_id -> the chunks it will compute (claimed)
         self._salts: dict[str, str | None] = {}  # req_id -> its cache_salt (its tenant)
         self._renewed = 0.0  # when the claims of running prefills were last renewed
@@ -83,6 +84,9 @@ class SchedulerSide:
                 log.warning("kdn: %s; requests run without kdn", e)
                 self.not_serving = True
                 return 0, False
+            self._stores_ended.update(self._lookups.take_ended())  # told with the answer
+        else:
+            self._stores_ended.update(process.ended_stores(self.engine))
         if found is None:
             found = self.engine.find(session, tokens, len(tokens) - 1)
             metrics.count(lookups=1)
@@ -106,11 +110,16 @@ class SchedulerSide:
         with a remote store, one another engine claimed there. Then this request waits for that KV
         to be stored, so the document is prefilled once (at most ``IN_FLIGHT_WAIT_S``); otherwise
         it has claimed the chunk it will compute (until ``STORE_GRACE_S`` after it finishes: its
-        stores to a remote tier are queued, and a claim dropped at once let another engine miss)."""
+        stores to a remote tier are queued, and a claim dropped at once let another engine miss).
+        A finished request in this engine holds others until its store lands or the worker says it
+        has ended (a store that cannot land holds no one), at most ``STORE_GRACE_S``."""
         need = hit + session.chunk_size
         now = time.monotonic()
         for done in [r for r, (_, at, _, _) in self._admitted.items() if at is not None and now - at > STORE_GRACE_S]:
             del self._admitted[done]  # prefilled and stored (or refused) already: nothing to wait for
+        for done in [r for r in self._stores_ended if r in self._admitted]:
+            del self._admitted[done]  # its store landed, or never will (refused, a full tier): wait no more
+        self._stores_ended.clear()
         busy, keys = False, []
         salt = self._salts.get(req_id)
         if need < len(tokens):

@@ -7,6 +7,7 @@ to pinned host memory, sealed on the store thread), filed from a background thre
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -28,6 +29,7 @@ from kdn.engine.served import Served
 from kdn.engine.stream import DeliveryError
 from kdn.engine.targets import PagedBlocks
 from kdn.integrations.vllm import metrics
+from kdn.integrations.vllm.lookups import MAX_ENDED
 from kdn.integrations.vllm.specs import KDNConnectorMetadata, LoadSpec
 from kdn.layout import ModelLayout
 
@@ -59,6 +61,11 @@ class WorkerSide:
         self._loaded: list = []  # (spec, load or None, metrics.LoadClock) of async loads read and queued
         self._loaded_lock = threading.Lock()
         self._timing: list[metrics.LoadClock] = []  # in-step loads whose copies may still run
+        # requests whose store has ended (landed, refused or failed), until the scheduler asks
+        # (ended_stores, in this process or through the lookup server): a store that cannot land
+        # holds no one; the oldest are forgotten when nobody asks
+        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._ended_lock = threading.Lock()
 
     def _describe(self, layers: list[torch.Tensor]) -> PagedLayout:
         """One layout for every layer's tensor, checked against the model and vLLM's block size."""
@@ -209,6 +216,7 @@ class WorkerSide:
                 if served.unstorable() is not None:
                     self.engine.save(session, np.asarray(spec.tokens, dtype=np.uint32), [], served)  # refused
                     metrics.count(refused_stores=1)
+                self._store_ended(spec.req_id)
                 continue  # else kdn served this prompt: it holds its KV already
             # copies: the blocks are vLLM's to reuse once this returns. The chunks to store (those no
             # local tier holds) are sealed straight from CPU blocks; a GPU's are copied to pinned host
@@ -225,7 +233,7 @@ class WorkerSide:
             first, kv = blocks.emit(*check) if check is not None else (0, None)
             metrics.count(gather_seconds=time.perf_counter() - began)
             self._start_saver()
-            self._saves.put((session, tokens, first, kv, dataclasses.replace(served), check, packed))
+            self._saves.put((spec.req_id, session, tokens, first, kv, dataclasses.replace(served), check, packed))
         for served in self._served.values():
             served.failed = False  # vLLM recomputes what failed: the recomputed prefill is stored
 
@@ -241,8 +249,9 @@ class WorkerSide:
             if item is None:
                 return
             began, cpu = time.perf_counter(), time.thread_time()
+            req_id = item[0]
             try:
-                session, tokens, first, kv, served, check, packed = item
+                _, session, tokens, first, kv, served, check, packed = item
                 if check is not None:
                     verdict = self.engine.verify(session, tokens, check, [t[:, :, check[0] - first:check[1] - first]
                                                                         for t in kv], served.lossy)
@@ -265,7 +274,20 @@ class WorkerSide:
             except Exception as exc:  # storing is best effort; the request is answered already
                 log.warning("kdn: storing a prompt's KV failed (%s)", exc)
             finally:
+                self._store_ended(req_id)
                 self._saves.task_done()
+
+    def _store_ended(self, req_id: str) -> None:
+        with self._ended_lock:
+            self._ended[req_id] = None
+            while len(self._ended) > MAX_ENDED:  # no scheduler here asks (vLLM's other process has it)
+                self._ended.popitem(last=False)
+
+    def ended_stores(self) -> list[str]:
+        """The requests whose store has ended (landed, refused or failed) since the last call."""
+        with self._ended_lock:
+            ended, self._ended = list(self._ended), collections.OrderedDict()
+        return ended
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """The requests whose async loads ended since the last call (their failures are reported by
