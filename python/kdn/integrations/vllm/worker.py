@@ -56,7 +56,7 @@ class WorkerSide:
         self._streams: list = []  # (load spec, LayerStream) of this step's layer-wise loads
         self._saves: queue.Queue = queue.Queue(maxsize=8)
         self._saver: threading.Thread | None = None
-        # async loads (LoadSpec.before): one background thread, in order; (spec, load, event) when read
+        # async loads (LoadSpec.before): one background thread, in order
         self._before = ThreadPoolExecutor(1, thread_name_prefix="kdn-load")
         self._loaded: list = []  # (spec, load or None, metrics.LoadClock) of async loads read and queued
         self._loaded_lock = threading.Lock()
