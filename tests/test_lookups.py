@@ -12,7 +12,8 @@ import pytest
 
 from kdn.engine import Prefix
 from kdn.integrations.vllm import lookups
-from kdn.integrations.vllm.lookups import LookupClient, LookupServer, WorkerNotServing, socket_path
+from kdn.integrations.vllm.lookups import LookupClient, LookupServer, WorkerNotServing, request_digest, socket_path
+from kdn.keys import request_scope
 
 
 def held(n: int, last_tokens: int = 0) -> Prefix:
@@ -30,10 +31,10 @@ def test_the_worker_answers_and_a_gone_or_failing_worker_is_no_answer(tmp_path, 
     assert path != socket_path("engine-b|store")  # one socket per vLLM engine and store
     seen = []
 
-    def lookup(tokens, limit, namespace):
+    def lookup(tokens, limit, scope):
         seen.append((tokens.tolist(), limit))
-        if namespace is not None:
-            return held(len(namespace))
+        if scope is not None:
+            return held(scope[0] % 16 + 1)
         if limit == 13:
             raise RuntimeError("the worker's tiers failed")
         if limit == 36:
@@ -42,16 +43,24 @@ def test_the_worker_answers_and_a_gone_or_failing_worker_is_no_answer(tmp_path, 
 
     client = LookupClient(path, timeout=1.0)
     assert client.lookup(np.arange(40), 39) is None  # no worker yet
-    ended = [["req-1", "req-é"], [], [], [], ["x" * 2000]]  # the stores that ended before each answer
+    long_ids = ["x" * 2000, "é" * 600 + "a", "é" * 600 + "b"]  # past any bound; cut inside a character
+    ended = [["req-1", "req-é"], [], [], [], long_ids]  # the stores that ended before each answer
     server = LookupServer(path, lookup, lambda: ended.pop(0) if ended else [])
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
     assert client.lookup(np.arange(40), 39) == held(32) and tokens_of(client.lookup(np.arange(5), 4)) == 0
-    assert client.take_ended() == ["req-1", "req-é"] and client.take_ended() == []  # told with the answers
+    assert client.take_ended() == [request_digest("req-1"), request_digest("req-é")]  # told with the answers
+    assert client.take_ended() == []
     assert client.lookup(np.arange(40), 36) == held(36, last_tokens=20)  # the keys travel: the load reads them
     assert seen[0] == (list(range(40)), 39)
-    assert tokens_of(client.lookup(np.arange(40), 39, "tenant-b")) == 8  # the request's tenant reaches the worker
+    scope = request_scope("tenant-b")
+    assert tokens_of(client.lookup(np.arange(40), 39, scope)) == scope[0] % 16 + 1  # the request's scope reaches it
     assert client.lookup(np.arange(40), 13) is None  # the worker's lookup raised: no answer
-    assert client.take_ended() == ["x" * lookups.MAX_ID_BYTES]  # told even then; an id cut to its bound
+    assert client.take_ended() == [request_digest(i) for i in long_ids]  # told even then; each id whole
+    other = LookupClient(path, timeout=1.0)  # a second client of the worker: told every ended store too
+    assert tokens_of(other.lookup(np.arange(5), 4)) == 0
+    assert other.take_ended() == [request_digest(i) for i in ["req-1", "req-é", *long_ids]]
+    assert client.take_ended() == []  # not told twice
+    other.close()
     assert tokens_of(client.lookup(np.arange(100), 99)) == 96  # and it keeps serving
     server.close()
     assert client.lookup(np.arange(40), 39) is None
@@ -90,11 +99,11 @@ def test_an_answer_beyond_the_limit_is_clamped_and_a_silent_connection_dropped(t
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setattr(lookups, "IDLE_S", 0.3)
     path = socket_path("engine-a|store")
-    server = LookupServer(path, lambda tokens, limit, namespace: held(5))
+    server = LookupServer(path, lambda tokens, limit, scope: held(5))
     client = LookupClient(path, timeout=1.0)
     assert tokens_of(client.lookup(np.arange(6), 5)) == 5
-    clamped = LookupServer(socket_path("engine-b|store"), lambda tokens, limit, namespace: Prefix([b"k" * 16], 4096))
-    flood = LookupServer(socket_path("engine-c|store"), lambda tokens, limit, namespace: held(4096))
+    clamped = LookupServer(socket_path("engine-b|store"), lambda tokens, limit, scope: Prefix([b"k" * 16], 4096))
+    flood = LookupServer(socket_path("engine-c|store"), lambda tokens, limit, scope: held(4096))
     asking = [LookupClient(socket_path(f"engine-{name}|store"), timeout=1.0) for name in "bc"]
     assert tokens_of(asking[0].lookup(np.arange(6), 5)) == 5  # more than it was asked: clamped
     assert asking[1].lookup(np.arange(6), 5) is None  # 256 keys for 5 tokens: not a reply of kdn's
@@ -108,5 +117,33 @@ def test_an_answer_beyond_the_limit_is_clamped_and_a_silent_connection_dropped(t
     time.sleep(0.5)  # the client's kept connection went idle too: it reconnects, one answer
     assert tokens_of(client.lookup(np.arange(6), 5)) == 5
     silent.close()
+    client.close()
+    server.close()
+
+
+def test_idle_connections_never_lock_the_scheduler_out_and_long_requests_are_bounded(tmp_path, monkeypatch):
+    """Issue 62: ``MAX_CONNECTIONS`` idle connections (another process of this user) make room for a
+    new one (the one idle longest is closed), and a request over ``MAX_TOKENS`` is dropped unread."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setattr(lookups, "MAX_CONNECTIONS", 8)
+    path = socket_path("engine-a|store")
+    server = LookupServer(path, lambda tokens, limit, scope: held(min(limit, 16)))
+    idle = []
+    for _ in range(8):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        idle.append(s)
+    time.sleep(0.2)
+    client = LookupClient(path, timeout=2.0)
+    assert tokens_of(client.lookup(np.arange(40), 39)) == 16  # served: an idle one made room
+    idle[0].settimeout(2)
+    assert idle[0].recv(1) == b""  # the oldest idle connection was closed
+    huge = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    huge.settimeout(2)
+    huge.connect(path)
+    huge.sendall(lookups._REQUEST.pack(lookups.MAX_TOKENS + 1, 1, lookups._NO_SCOPE))
+    assert huge.recv(1) == b""  # dropped before a byte of its tokens was read
+    for s in (*idle, huge):
+        s.close()
     client.close()
     server.close()

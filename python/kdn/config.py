@@ -334,10 +334,15 @@ class KDNConfig:
 
 
 def check_namespace(namespace, what: str = "namespace") -> str:
-    """``namespace`` if it is a usable tenant name (a non-empty string of at most 1024 characters)."""
+    """``namespace`` if it is a usable tenant name (a non-empty string of at most 1024 characters,
+    encodable as UTF-8: no lone surrogates)."""
     if not isinstance(namespace, str) or not 0 < len(namespace) <= 1024:
         raise InvalidInputError(f"{what} must be a non-empty string of at most 1024 characters (or None), "
-                                f"got {namespace!r}")
+                                f"got {namespace!r:.200}")
+    try:
+        namespace.encode()
+    except UnicodeEncodeError as e:
+        raise InvalidInputError(f"{what} is not valid text ({e.reason} at position {e.start})") from None
     return namespace
 
 

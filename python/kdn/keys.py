@@ -187,6 +187,96 @@ def tenant_fingerprint(fingerprint: bytes, namespace: str | None = None, key: by
     return _core.blake3(body, 16, key=key) if key else _core.blake3(body, 16)
 
 
+def _field(data: bytes | None) -> bytes:
+    """A length-prefixed field (u32 length, ``0xFFFFFFFF`` for none): fields never run into each other."""
+    if data is None:
+        return b"\xff\xff\xff\xff"
+    return np.uint32(len(data)).tobytes() + data
+
+
+def request_scope(tenant: str | None = None, adapter: bytes | None = None, inputs: bytes = b"") -> bytes | None:
+    """16-byte id of what, beyond its tokens, a request's KV depends on: its ``tenant`` (vLLM's
+    ``cache_salt``, the facade's per-call ``namespace=``: any string, surrogates included), its LoRA
+    ``adapter`` (the fingerprint of its weights, :func:`adapter_fingerprint`) and its other
+    ``inputs`` (multimodal hashes and positions, as bytes); None when there is none of them.
+    :meth:`kdn.engine.ModelSession.within` derives a session's keys from it, so two requests share KV
+    only when all three agree. The same tenant string is the same scope in every face.
+
+    Example:
+        >>> request_scope() is None, request_scope("acme") == request_scope("acme"), len(request_scope("acme"))
+        (True, True, 16)
+        >>> request_scope("acme") != request_scope("acme", adapter=bytes(16))
+        True
+    """
+    if tenant is None and adapter is None and not inputs:
+        return None
+    name = None if tenant is None else tenant.encode("utf-8", "surrogatepass")
+    return _core.blake3(b"kdn/scope\0" + _field(name) + _field(adapter) + _field(inputs), 16)
+
+
+def scoped_fingerprint(fingerprint: bytes, scope: bytes) -> bytes:
+    """The fingerprint a request ``scope``'s keys derive from (:func:`request_scope`), inside the
+    root ``fingerprint`` (a model's, in a config's tenant): no config namespace shares it."""
+    return _core.blake3(b"kdn/within\0" + fingerprint + scope, 16)
+
+
+_ADAPTER_CONFIG_IGNORED = {"base_model_name_or_path", "revision", "inference_mode", "peft_version", "auto_mapping"}
+
+
+def adapter_fingerprint(folder) -> bytes:
+    """16-byte identity of the PEFT / LoRA adapter saved in ``folder`` (what vLLM's ``LoRARequest``
+    names by ``lora_path``): BLAKE3 over its ``adapter_config.json`` (parsed, less where it came
+    from) and every other file's name and bytes, in name order. Its weights, not its name or id: two
+    adapters with one name differ, one adapter under two names is the same. An InvalidInputError
+    when the folder holds no adapter."""
+    from pathlib import Path
+
+    import blake3
+
+    folder = Path(folder)
+    config_path = folder / "adapter_config.json"
+    try:
+        config = json.loads(config_path.read_text())
+        files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != "adapter_config.json")
+    except (OSError, ValueError) as e:
+        raise InvalidInputError(f"{folder} holds no readable adapter (adapter_config.json): {e}") from None
+    if not isinstance(config, dict) or not files:
+        raise InvalidInputError(f"{folder} holds no adapter weights beside adapter_config.json")
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    h.update(b"kdn/adapter\0")
+    kept = {k: v for k, v in config.items() if k not in _ADAPTER_CONFIG_IGNORED}
+    h.update(json.dumps(kept, sort_keys=True, default=str).encode())
+    for path in files:
+        if path.suffix.lower() in (".md", ".txt"):
+            continue  # a model card
+        h.update(b"\0" + path.name.encode("utf-8", "surrogatepass") + b"\0")
+        try:
+            h.update_mmap(str(path))
+        except OSError as e:
+            raise InvalidInputError(f"cannot read the adapter file {path}: {e}") from None
+    return h.digest(16)
+
+
+def adapter_state(model) -> bytes:
+    """Which of an HF PEFT model's adapters compute (b"" for a model without adapter layers): every
+    adapter layer's active adapters, whether adapters are disabled (``disable_adapter()``) and which
+    are merged. :func:`model_fingerprint` covers every adapter's weights (they are in the state
+    dict) but not which of them run; kdn's HF sessions fold this in, so a switch changes the keys."""
+    import sys
+
+    if "peft" not in sys.modules:  # a model with PEFT layers imported peft
+        return b""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    parts = []
+    for name, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            active = module.active_adapters
+            parts.append(f"{name}|{sorted(active) if isinstance(active, list) else active}|"
+                         f"{bool(module.disable_adapters)}|{sorted(module.merged_adapters)}")
+    return "\n".join(parts).encode()
+
+
 SEGMENT_KEY_VERSION = 1
 
 

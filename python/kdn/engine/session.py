@@ -10,8 +10,18 @@ import weakref
 import numpy as np
 
 from kdn import _core
+from kdn._core import InvalidInputError
 from kdn.config import check_namespace
-from kdn.keys import model_fingerprint, prefix_keys, segment_key, tenant_fingerprint, token_array
+from kdn.keys import (
+    adapter_state,
+    model_fingerprint,
+    prefix_keys,
+    request_scope,
+    scoped_fingerprint,
+    segment_key,
+    tenant_fingerprint,
+    token_array,
+)
 from kdn.layout import ModelLayout
 
 ROOT = bytes(16)  # the parent key of a prompt's first chunk
@@ -82,25 +92,34 @@ class ModelSession:
     recent: RecentKeys = dataclasses.field(default_factory=RecentKeys, init=False, compare=False, repr=False)
     _tenants: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
-    def within(self, namespace: str | None) -> ModelSession:
-        """This session for the tenant ``namespace`` inside it (vLLM's ``cache_salt``, the facade's
-        per-call ``namespace=``): keys from :func:`kdn.keys.tenant_fingerprint`, so nothing is
-        shared with another namespace; ``None``: this session itself.
+    def within(self, scope: str | bytes | None) -> ModelSession:
+        """This session for one request's scope inside it: a tenant name (the facade's per-call
+        ``namespace=``, checked: a non-empty string) or a 16-byte scope id
+        (:func:`kdn.keys.request_scope`: a vLLM request's ``cache_salt``, LoRA adapter and multimodal
+        inputs; never refused). Keys from :func:`kdn.keys.scoped_fingerprint`, so nothing is shared
+        with another scope, nor with a config's ``namespace`` of the same name; ``None``: this
+        session itself.
 
         Example:
             >>> session = kdn.KDN(kdn.KDNConfig(chunk_size=16)).session(model)
             >>> session.within(None) is session, session.within("tenant-b").fingerprint != session.fingerprint
             (True, True)
+            >>> session.within("tenant-b") is session.within(request_scope("tenant-b"))
+            True
         """
-        if namespace is None:
+        if scope is None:
             return self
-        tenant = self._tenants.get(namespace)
+        if isinstance(scope, str):
+            scope = request_scope(check_namespace(scope))
+        elif not isinstance(scope, bytes) or len(scope) != 16:
+            raise InvalidInputError(f"namespace must be a non-empty string (a tenant name) or a 16-byte request_scope "
+                                    f"id, got {scope!r:.80}")
+        tenant = self._tenants.get(scope)
         if tenant is None:
-            check_namespace(namespace)
-            tenant = dataclasses.replace(self, fingerprint=tenant_fingerprint(self.fingerprint, namespace))
+            tenant = dataclasses.replace(self, fingerprint=scoped_fingerprint(self.fingerprint, scope))
             if len(self._tenants) >= 4096:  # many short-lived tenants: forget the oldest
                 self._tenants.pop(next(iter(self._tenants)))
-            self._tenants[namespace] = tenant
+            self._tenants[scope] = tenant
         return tenant
 
     def tokens(self, token_ids) -> np.ndarray:
@@ -143,6 +162,9 @@ class Sessions:
 
     def of(self, model) -> ModelSession:
         fingerprint = tenant_fingerprint(model_fingerprint(model), self.namespace, self._key)
+        adapters = adapter_state(model)  # a PEFT model: which of its adapters compute is in the keys too
+        if adapters:
+            fingerprint = _core.blake3(b"kdn/adapters\0" + fingerprint + adapters, 16)
         session = self._by_model.get(model)
         if session is None or session.fingerprint != fingerprint:
             session = ModelSession(ModelLayout.of(model), fingerprint, self.chunk_size, self.probe_step)

@@ -4,16 +4,20 @@ tiers never sees what the worker holds in memory. The worker serves lookups on a
 folder only its user can open); the scheduler asks it, and falls back to its own tiers when no
 worker answers.
 
-One request: ``u32 tokens, u32 limit, u32 namespace bytes`` (``0xFFFFFFFF``: none), the namespace
-(UTF-8: the request's tenant, vLLM's ``cache_salt``), then the token ids (u32 each); the reply:
-``i64`` leading tokens held (``-1``: the worker could not look up), ``u32`` the last chunk's tokens,
-``u32`` keys, the keys (16 bytes each), then ``u32`` requests whose store has ended since the last
-reply (landed, refused or failed: the scheduler waits no more for them), each ``u16`` bytes + its id.
+One request: ``u32 tokens, u32 limit, u32 scope bytes`` (``0xFFFFFFFF``: none, else 16), the scope
+(:func:`kdn.keys.request_scope` of the request's salt, adapter and inputs), then the token ids (u32
+each); the reply: ``i64`` leading tokens held (``-1``: the worker could not look up), ``u32`` the last
+chunk's tokens, ``u32`` keys, the keys (16 bytes each), then ``u32`` requests whose store has ended
+(landed, refused or failed: the scheduler waits no more for them), each the 16-byte
+:func:`request_digest` of its id: the last ``MAX_ENDED`` the worker reported, each told once to
+every connection (two clients of one worker do not take each other's).
 
 Trust: the socket's folder must be a real directory (not a symlink) owned by this user and closed to
 others; one another local user created first is never used (a private folder in this user's home
 is used instead, and a warning names the squatted one). Answers are clamped to the limit asked; a
-connection that stays silent is dropped, and the server holds at most ``MAX_CONNECTIONS``.
+connection that stays silent is dropped, and the server holds at most ``MAX_CONNECTIONS`` (a new
+one closes the one idle longest: idle connections never lock the scheduler out); at most
+``MAX_LARGE`` requests over ``LARGE_TOKENS`` tokens are read at once.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import stat
 import struct
 import tempfile
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,15 +42,16 @@ from kdn.engine import Prefix
 log = logging.getLogger("kdn")
 
 _REQUEST = struct.Struct("<III")
-_NO_NAMESPACE = 0xFFFFFFFF
-MAX_NAMESPACE_BYTES = 4096
+_NO_SCOPE = 0xFFFFFFFF
+SCOPE_BYTES = 16
 _REPLY = struct.Struct("<qII")  # hit (-1: could not look up; _NOT_SERVING), the last chunk's tokens, keys that follow
 _NOT_SERVING = -2  # the hit a worker that refused vLLM's KV layout answers: it will load and store nothing
-MAX_TOKENS = 1 << 24  # a request asking about more tokens is not a prompt: the connection is dropped
+MAX_TOKENS = 1 << 22  # a request asking about more tokens is not a prompt: the connection is dropped
+LARGE_TOKENS, MAX_LARGE = 1 << 16, 2  # requests this long are read two at a time (bounded memory)
 MAX_CONNECTIONS = 64  # a vLLM scheduler keeps one
 MAX_ENDED = 4096  # ended stores a worker remembers for its scheduler, and one reply may carry
-MAX_ID_BYTES = 1024  # a vLLM request id's bytes
-_COUNT, _ID = struct.Struct("<I"), struct.Struct("<H")
+_COUNT = struct.Struct("<I")
+ID_DIGEST_BYTES = 16
 IDLE_S = 600.0  # a connection silent this long is dropped (its client reconnects)
 _warned_squat: set = set()
 _FAILED = object()  # no answer (as opposed to the worker's "could not look up")
@@ -100,12 +107,18 @@ class WorkerNotServing(RuntimeError):
     or stored, so the scheduler must neither count on a hit nor wait for a store."""
 
 
-class LookupServer:
-    """Answers lookups with ``lookup(tokens, limit, namespace) -> Prefix`` from a thread per
-    connection, each answer with the requests ``ended()`` says have had their store end since; once
-    ``serving`` is False (its worker refused the engine) every answer says so."""
+def request_digest(request_id: str) -> bytes:
+    """The 16 bytes that name a request id on the wire (any length, any characters)."""
+    return hashlib.blake2b(request_id.encode("utf-8", "surrogatepass"), digest_size=ID_DIGEST_BYTES).digest()
 
-    def __init__(self, path: str, lookup: Callable[[np.ndarray, int, str | None], Prefix],
+
+class LookupServer:
+    """Answers lookups with ``lookup(tokens, limit, scope) -> Prefix`` from a thread per
+    connection, each answer with the requests ``ended()`` says have had their store end (each told
+    once to each connection); once ``serving`` is False (its worker refused the engine) every
+    answer says so."""
+
+    def __init__(self, path: str, lookup: Callable[[np.ndarray, int, bytes | None], Prefix],
                  ended: Callable[[], list[str]] = list):
         self.path, self._lookup, self._ended, self.serving = path, lookup, ended, True
         if os.path.exists(path):
@@ -114,7 +127,11 @@ class LookupServer:
         self._sock.bind(path)
         os.chmod(path, 0o600)
         self._sock.listen(8)
-        self._conns: set = set()
+        self._conns: dict = {}  # connection -> when it last asked
+        self._lock = threading.Lock()
+        self._recent: deque = deque(maxlen=MAX_ENDED)  # (sequence number, digest) of ended stores
+        self._seq = 0
+        self._large = threading.BoundedSemaphore(MAX_LARGE)
         threading.Thread(target=self._accept, name="kdn-lookups", daemon=True).start()
 
     def _accept(self) -> None:
@@ -123,40 +140,67 @@ class LookupServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
-            if len(self._conns) >= MAX_CONNECTIONS:
-                conn.close()
-                continue
+            with self._lock:
+                if len(self._conns) >= MAX_CONNECTIONS:  # the one idle longest makes room
+                    idle = min(self._conns, key=self._conns.get)
+                    self._conns.pop(idle)
+                    try:
+                        idle.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                self._conns[conn] = time.monotonic()
             conn.settimeout(IDLE_S)
-            self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="kdn-lookup", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             self._answer(conn)
-        self._conns.discard(conn)
+        with self._lock:
+            self._conns.pop(conn, None)
+
+    def _ended_since(self, told: int) -> tuple[list[bytes], int]:
+        """The digests of stores ended after sequence number ``told``, and the last number."""
+        with self._lock:
+            for request_id in self._ended():
+                self._seq += 1
+                self._recent.append((self._seq, request_digest(request_id)))
+            return [d for seq, d in self._recent if seq > told], self._seq
+
+    def _read_request(self, conn: socket.socket):
+        n, limit, size = _REQUEST.unpack(_read_exactly(conn, _REQUEST.size))
+        if n > MAX_TOKENS or size not in (_NO_SCOPE, SCOPE_BYTES):
+            return None
+        scope = None if size == _NO_SCOPE else _read_exactly(conn, size)
+        if n <= LARGE_TOKENS:
+            return np.frombuffer(_read_exactly(conn, 4 * n), dtype=np.uint32), limit, scope
+        with self._large:
+            return np.frombuffer(_read_exactly(conn, 4 * n), dtype=np.uint32), limit, scope
 
     def _answer(self, conn: socket.socket) -> None:
+        told = 0
         while True:
             try:
-                n, limit, size = _REQUEST.unpack(_read_exactly(conn, _REQUEST.size))
-                if n > MAX_TOKENS or (size != _NO_NAMESPACE and size > MAX_NAMESPACE_BYTES):
-                    return
-                namespace = None if size == _NO_NAMESPACE else _read_exactly(conn, size).decode()
-                tokens = np.frombuffer(_read_exactly(conn, 4 * n), dtype=np.uint32)
-            except (OSError, ConnectionError, UnicodeDecodeError):
+                asked = self._read_request(conn)
+            except (OSError, ConnectionError):
                 return
+            if asked is None:
+                return
+            tokens, limit, scope = asked
+            with self._lock:
+                if conn in self._conns:
+                    self._conns[conn] = time.monotonic()
             try:
                 if not self.serving:
                     raise WorkerNotServing
-                found = self._lookup(tokens, limit, namespace)
+                found = self._lookup(tokens, limit, scope)
                 reply = _REPLY.pack(found.tokens, found.last_tokens, len(found.keys)) + b"".join(found.keys)
             except WorkerNotServing:
                 reply = _REPLY.pack(_NOT_SERVING, 0, 0)
             except Exception as e:  # a failed lookup is a miss for the asker, never a dead server
                 log.warning("kdn: a lookup for the scheduler failed (%s: %s)", type(e).__name__, e)
                 reply = _REPLY.pack(-1, 0, 0)
-            ids = [i.encode()[:MAX_ID_BYTES] for i in self._ended()[-MAX_ENDED:]]
-            reply += _COUNT.pack(len(ids)) + b"".join(_ID.pack(len(i)) + i for i in ids)
+            digests, told = self._ended_since(told)
+            reply += _COUNT.pack(len(digests)) + b"".join(digests)
             try:
                 conn.sendall(reply)
             except OSError:
@@ -165,7 +209,9 @@ class LookupServer:
     def close(self) -> None:
         """Stop listening and drop every connection (as the worker's exit would)."""
         self._sock.close()
-        for conn in list(self._conns):
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -185,25 +231,27 @@ class LookupClient:
         self._conn: socket.socket | None = None
         self._lock = threading.Lock()
         self._warned = False
-        self._ended: list[str] = []  # the stores the worker said have ended, until take_ended
+        self._ended: list[bytes] = []  # the stores the worker said have ended, until take_ended
 
-    def take_ended(self) -> list[str]:
-        """The requests whose store the worker's answers said has ended since the last call."""
+    def take_ended(self) -> list[bytes]:
+        """The :func:`request_digest` of each request whose store the worker's answers said has
+        ended since the last call."""
         with self._lock:
             ended, self._ended = self._ended, []
         return ended
 
-    def lookup(self, tokens: np.ndarray, limit: int, namespace: str | None = None) -> Prefix | None:
-        """What the worker holds of ``tokens`` in ``namespace`` (at most ``limit`` tokens: the keys
+    def lookup(self, tokens: np.ndarray, limit: int, scope: bytes | None = None) -> Prefix | None:
+        """What the worker holds of ``tokens`` in ``scope`` (16 bytes, :func:`kdn.keys.request_scope`;
+        at most ``limit`` tokens: the keys
         of the chunks that serve them, which its load reads without looking again), or None when no
         worker answers or it could not look up. Raises :class:`WorkerNotServing` when the worker
         refused the engine."""
         tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
         limit = max(0, min(int(limit), len(tokens)))
-        name = b"" if namespace is None else namespace.encode()
-        if len(name) > MAX_NAMESPACE_BYTES:
+        if len(tokens) > MAX_TOKENS or (scope is not None and len(scope) != SCOPE_BYTES):
             return None
-        request = _REQUEST.pack(len(tokens), limit, _NO_NAMESPACE if namespace is None else len(name)) + name
+        scope = scope or b""
+        request = _REQUEST.pack(len(tokens), limit, len(scope) if scope else _NO_SCOPE) + scope
         request += tokens.tobytes()
         with self._lock:
             if self._conn is not None:  # a kept connection the server dropped (idle): one more try
@@ -229,11 +277,8 @@ class LookupClient:
             (count,) = _COUNT.unpack(_read_exactly(self._conn, _COUNT.size))
             if count > MAX_ENDED:
                 raise ConnectionError(f"a lookup reply naming {count} ended stores")
-            for _ in range(count):
-                (size,) = _ID.unpack(_read_exactly(self._conn, _ID.size))
-                if size > MAX_ID_BYTES:
-                    raise ConnectionError(f"a request id of {size} bytes")
-                self._ended.append(_read_exactly(self._conn, size).decode(errors="replace"))
+            ended = _read_exactly(self._conn, ID_DIGEST_BYTES * count)
+            self._ended += [ended[i:i + ID_DIGEST_BYTES] for i in range(0, len(ended), ID_DIGEST_BYTES)]
         except (OSError, ConnectionError) as e:
             if self._conn is not None:
                 self._conn.close()

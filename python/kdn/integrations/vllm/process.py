@@ -31,9 +31,9 @@ def serve_lookups(path: str, engine: Engine, session: ModelSession) -> None:
     """Start this process' lookup server for its worker's store (once per socket)."""
     with _lock:
         if path not in _lookup_servers:
-            def lookup(tokens, limit, namespace):  # counted here: this process' counters reach vLLM's /metrics
+            def lookup(tokens, limit, scope):  # counted here: this process' counters reach vLLM's /metrics
                 metrics.count(lookups=1)
-                return engine.find(session.within(namespace), tokens, limit)
+                return engine.find(session.within(scope), tokens, limit)
 
             _lookup_servers[path] = LookupServer(path, lookup, lambda: ended_stores(engine))
 

@@ -14,7 +14,8 @@ import numpy as np
 
 from kdn.engine import Engine, ModelSession, Prefix
 from kdn.integrations.vllm import metrics, process
-from kdn.integrations.vllm.lookups import LookupClient, WorkerNotServing
+from kdn.integrations.vllm.lookups import LookupClient, WorkerNotServing, request_digest
+from kdn.integrations.vllm.scope import Scopes, Unservable
 from kdn.integrations.vllm.specs import KDNConnectorMetadata, LoadSpec, SaveSpec
 
 log = logging.getLogger("kdn")
@@ -34,7 +35,7 @@ class _Request:
     tokens: list
     block_ids: list
     check: tuple | None = None  # (start, end): hit tokens held back to be verified
-    namespace: str | None = None  # its cache_salt: a tenant shares KV only within it
+    scope: bytes | None = None  # its salt, adapter and inputs (kdn.keys.request_scope): KV is shared only within it
 
 
 def claim_owner(engine_id: str) -> str:
@@ -57,12 +58,14 @@ class SchedulerSide:
         self._checks: dict[str, tuple] = {}  # req_id -> (start, end) of a hit held back for verification
         self._found: dict[str, Prefix] = {}  # req_id -> what its last lookup found
         self._waiting: dict[str, float] = {}  # req_id -> since when it waits for another's prefill
-        # req_id -> [prompt tokens, prefill completed at (None: running, _COMPLETING), claimed keys, salt];
+        # req_id -> [prompt tokens, prefill completed at (None: running, _COMPLETING), claimed keys, scope];
         # kept STORE_GRACE_S past its request's end, while its store lands
         self._admitted: dict[str, list] = {}
-        self._stores_ended: set[str] = set()  # requests whose store the worker says has ended since
+        self._stores_ended: set[bytes] = set()  # request_digest of requests whose store the worker says has ended
         self._claims: dict[str, list[bytes]] = {}  # req_id -> the chunks it will compute (claimed)
-        self._salts: dict[str, str | None] = {}  # req_id -> its cache_salt (its tenant)
+        self._scopes: dict[str, bytes | None] = {}  # req_id -> its scope (salt, adapter, inputs)
+        self._unserved: set[str] = set()  # requests kdn cannot key (prompt embeddings, ...): nothing loaded or stored
+        self.scopes = Scopes()
         self._renewed = 0.0  # when the claims of running prefills were last renewed
         self._requests: dict[str, _Request] = {}
         self._local: dict[str, int] = {}  # req_id -> tokens vLLM's own prefix cache holds (at its lookup)
@@ -72,21 +75,27 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.not_serving:
             return 0, False
+        try:
+            scope = self.scopes.of(request)  # salt, LoRA adapter, multimodal inputs: all in the keys
+        except Unservable as e:
+            self._unserved.add(request.request_id)
+            self.scopes.warn_once(request.request_id, str(e))
+            return 0, False
         tokens = np.asarray(request.prompt_token_ids or [], dtype=np.uint32)
-        salt = self._salts[request.request_id] = getattr(request, "cache_salt", None) or None
-        session = self.session.within(salt)  # vLLM's cache_salt: tenants never share KV
+        self._scopes[request.request_id] = scope
+        session = self.session.within(scope)
         began = time.perf_counter()
         found = None  # the last token is computed: limit len - 1
         if not process.worker_here(self.engine):  # ask the worker's process: its memory tier is its own
             try:
-                found = self._lookups.lookup(tokens, len(tokens) - 1, salt)
+                found = self._lookups.lookup(tokens, len(tokens) - 1, scope)
             except WorkerNotServing as e:
                 log.warning("kdn: %s; requests run without kdn", e)
                 self.not_serving = True
                 return 0, False
             self._stores_ended.update(self._lookups.take_ended())  # told with the answer
         else:
-            self._stores_ended.update(process.ended_stores(self.engine))
+            self._stores_ended.update(map(request_digest, process.ended_stores(self.engine)))
         if found is None:
             found = self.engine.find(session, tokens, len(tokens) - 1)
             metrics.count(lookups=1)
@@ -117,14 +126,14 @@ class SchedulerSide:
         now = time.monotonic()
         for done in [r for r, (_, at, _, _) in self._admitted.items() if at is not None and now - at > STORE_GRACE_S]:
             del self._admitted[done]  # prefilled and stored (or refused) already: nothing to wait for
-        for done in [r for r in self._stores_ended if r in self._admitted]:
+        for done in [r for r in self._admitted if request_digest(r) in self._stores_ended]:
             del self._admitted[done]  # its store landed, or never will (refused, a full tier): wait no more
         self._stores_ended.clear()
         busy, keys = False, []
-        salt = self._salts.get(req_id)
+        scope = self._scopes.get(req_id)
         if need < len(tokens):
-            for other_id, (other, _, _, other_salt) in self._admitted.items():
-                if (other_id != req_id and other_salt == salt and len(other) >= need
+            for other_id, (other, _, _, other_scope) in self._admitted.items():
+                if (other_id != req_id and other_scope == scope and len(other) >= need
                         and np.array_equal(other[:need], tokens[:need])):
                     busy = True
                     break
@@ -143,15 +152,17 @@ class SchedulerSide:
         return False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if request.request_id in self._unserved:
+            return
         # admitted: the next request's lookup in this very step sees that this one prefills its prompt
         keys = self._claims.pop(request.request_id, [])  # claimed at its lookup: renewed when it finishes
         self._admitted[request.request_id] = [np.asarray(request.prompt_token_ids or [], dtype=np.uint32), None, keys,
-                                              self._salts.get(request.request_id)]
+                                              self._scopes.get(request.request_id)]
         if num_external_tokens > 0 and self.loads_async:  # loaded now; vLLM schedules it once loaded
             req_id, local = request.request_id, self._local.get(request.request_id, 0)
             end = local + num_external_tokens
             self._before.append(LoadSpec(req_id, list(request.prompt_token_ids or [])[:end], local, end,
-                                         list(blocks.get_block_ids()[0]), self._salts.get(req_id),
+                                         list(blocks.get_block_ids()[0]), self._scopes.get(req_id),
                                          self._found.pop(req_id, None), before=True))
             self._loaded_before.add(req_id)
         elif num_external_tokens > 0:
@@ -163,9 +174,11 @@ class SchedulerSide:
         self._renew_claims()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self._unserved:
+                continue
             req = self._requests[new.req_id] = _Request(list(new.prompt_token_ids or []), list(new.block_ids[0]),
                                                         self._checks.pop(new.req_id, None),
-                                                        self._salts.get(new.req_id))
+                                                        self._scopes.get(new.req_id))
             if new.req_id not in self._loaded_before:  # else what its async load served stays known
                 meta.fresh.append(new.req_id)
             self._loaded_before.discard(new.req_id)
@@ -173,7 +186,7 @@ class SchedulerSide:
             if external:
                 start = new.num_computed_tokens - external
                 meta.loads.append(LoadSpec(new.req_id, req.tokens[:new.num_computed_tokens], start,
-                                           new.num_computed_tokens, req.block_ids, req.namespace,
+                                           new.num_computed_tokens, req.block_ids, req.scope,
                                            self._found.pop(new.req_id, None)))
             self._maybe_save(meta, new.req_id, new.num_computed_tokens, scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
@@ -197,7 +210,7 @@ class SchedulerSide:
             if external:  # resumed after preemption with a fresh load
                 done = cached.num_computed_tokens[i]
                 meta.loads.append(LoadSpec(req_id, req.tokens[:done], done - external, done, req.block_ids,
-                                           req.namespace, self._found.pop(req_id, None)))
+                                           req.scope, self._found.pop(req_id, None)))
             self._maybe_save(meta, req_id, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
         return meta
 
@@ -227,11 +240,12 @@ class SchedulerSide:
         if req_id in self._admitted:
             self._admitted[req_id][1] = _COMPLETING
         meta.saves.append(SaveSpec(req_id, req.tokens, req.block_ids[: -(-n // self.block_size)], check,
-                                   req.namespace))
+                                   req.scope))
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
-        self._salts.pop(request.request_id, None)
+        self._scopes.pop(request.request_id, None)
+        self._unserved.discard(request.request_id)
         self._pending.pop(request.request_id, None)
         self._checks.pop(request.request_id, None)
         self._found.pop(request.request_id, None)

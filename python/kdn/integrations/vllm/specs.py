@@ -9,15 +9,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclasses.dataclass
 class LoadSpec:
-    """Load tokens [start, end) of ``tokens`` from kdn into ``block_ids`` (the request's tenant:
-    its ``cache_salt``, None for none)."""
+    """Load tokens [start, end) of ``tokens`` from kdn into ``block_ids``, in the request's ``scope``
+    (:func:`kdn.keys.request_scope` of its salt, adapter and inputs; None for none)."""
 
     req_id: str
     tokens: list
     start: int
     end: int
     block_ids: list
-    namespace: str | None = None
+    scope: bytes | None = None
     found: object = None  # what the scheduler's lookup found (a kdn.engine.Prefix): loaded without a second lookup
     before: bool = False  # loaded before the request is scheduled (vLLM's async KV load), reported when done
 
@@ -31,7 +31,7 @@ class SaveSpec:
     tokens: list
     block_ids: list
     check: tuple | None = None
-    namespace: str | None = None
+    scope: bytes | None = None
 
 
 @dataclasses.dataclass

@@ -98,7 +98,7 @@ class WorkerSide:
             blocks = PagedBlocks(self._blocks, self._layout, spec.block_ids, spec.start)
             clock = metrics.LoadClock(blocks.stream)
             # layer-wise when the engine streams: layers arrive while the model computes the ones before
-            load = self.engine.load(self.session.within(spec.namespace), tokens, spec.end, blocks,
+            load = self.engine.load(self.session.within(spec.scope), tokens, spec.end, blocks,
                                     lambda _, blocks=blocks: blocks, clock.began, spec.found)
             clock.issued(whole=load.stream is None)
             served.lossy |= load.lossy  # a stream's is known when it ends (_finish_streams)
@@ -143,7 +143,7 @@ class WorkerSide:
         def load() -> None:
             clock.started()
             try:
-                done = self.engine.load(self.session.within(spec.namespace), np.asarray(spec.tokens, dtype=np.uint32),
+                done = self.engine.load(self.session.within(spec.scope), np.asarray(spec.tokens, dtype=np.uint32),
                                         spec.end, blocks, None, clock.began, spec.found)
             except Exception as exc:  # reported as a failed load: vLLM recomputes the request's blocks
                 log.warning("kdn: an async load failed (%s)", exc)
@@ -206,7 +206,7 @@ class WorkerSide:
         self._finish_streams()  # every load of this step has ended: the rule below sees its failures
         for spec in meta.saves:
             n = len(spec.tokens)
-            session = self.session.within(spec.namespace)
+            session = self.session.within(spec.scope)
             served = self._served.get(spec.req_id) or Served()
             if spec.check is not None:
                 served.checked = spec.check[1] - spec.check[0]
