@@ -279,6 +279,63 @@ def test_a_cache_salt_is_a_tenant_that_an_hf_namespace_of_the_same_name_shares(s
         assert r["hit_tokens"] >= 1500 and r["max_logit_diff"] < 1e-3
 
 
+@pytest.fixture(scope="module")
+def adapters(smollm2, tmp_path_factory) -> list[str]:
+    """Two random rank-8 LoRA adapters of SmolLM2 on q/k/v/o, saved by PEFT (large enough that each
+    answers other tokens than the base model and than each other)."""
+    import copy
+
+    import torch
+
+    peft = pytest.importorskip("peft")
+    folders = []
+    for seed in (1, 2):
+        config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        model = peft.get_peft_model(copy.deepcopy(smollm2[0]), config)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        folder = tmp_path_factory.mktemp(f"adapter-{seed}")
+        model.save_pretrained(folder)
+        folders.append(str(folder))
+    return folders
+
+
+def test_a_lora_request_is_served_only_its_adapters_kv_across_engines(setup, adapters, tmp_path):
+    """Issue 62: an engine with ``enable_lora`` stores a document for the base model, then a question
+    with adapter A is served nothing of it (vLLM alone's tokens under A); a new engine on the same
+    store serves A's question from A's stored KV, B's from nothing, the base model's from the base's:
+    every answer vLLM alone's for its adapter."""
+    python, folder, _ = setup
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    document = (Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()
+    doc = tokenizer(document).input_ids[:700]
+    p0, p1 = (doc + tokenizer(q).input_ids for q in QUESTIONS)
+    a, b = adapters
+
+    def ask(prompts: list, plan: list, kdn_config: dict | None) -> list:
+        path = tmp_path / f"prompts-{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps(prompts))
+        config = ["--kdn", json.dumps(kdn_config)] if kdn_config is not None else []
+        out = run(python, "vllm_engine.py", "--model", folder, "--prompts", str(path), "--lora-plan",
+                  json.dumps(plan), *config)
+        return [(r["tokens"], r["cached_tokens"]) for r in out["results"]]
+
+    alone = [t for t, _ in ask([p0, p1, p0, p1, p0], [a, a, b, b, None], None)]
+    a0, a1, b0, b1, base0 = alone
+    assert len({tuple(t) for t in (a0, b0, base0)}) == 3  # the adapters change the answer
+    disk = {"disk_dir": str(tmp_path / "kv")}
+    first = ask([p0, p1], [None, a], disk)
+    assert first == [(base0, 0), (a1, 0)]  # A's question is not served the base model's document
+    second = ask([p0, p1, p0], [a, b, None], disk)  # a new engine
+    assert [t for t, _ in second] == [a0, b1, base0]
+    assert second[0][1] >= 512 and second[1][1] == 0 and second[2][1] >= 512
+
+
 def test_an_unknown_setting_stops_the_engine_with_did_you_mean(setup):
     python, folder, prompts = setup
     proc = subprocess.run([python, str(HERE / "vllm_engine.py"), "--model", folder, "--prompts", prompts,
@@ -503,6 +560,17 @@ def test_a_cache_salt_is_a_tenant(scheduled):
     t = scheduled["salted"]
     assert t["first"] == ["a"] and t["others"] == ["b", "n"] and t["others_loads"] == 0
     assert t["same_loads"] == [["c", 0, 600]] and t["held"] == {"tenant-a": 600, "tenant-b": 600, "none": 600}
+
+
+def test_an_adapter_or_a_salt_is_served_only_its_own_kv_and_no_salt_stops_the_engine(scheduled):
+    """Issue 62: a LoRA request is not served the base model's KV (nor another adapter's), the same
+    adapter files under another name and id are; salts of 2,000 characters or with a lone surrogate
+    are tenants (stored, served within), not an exception into vLLM's scheduler. What each stored
+    reads back exactly in its own scope."""
+    t = scheduled["scoped"]
+    assert t["served"] == {"base": [], "a": [], "a-renamed": [[0, 600]], "b": [], "base-again": [[0, 600]],
+                           "long-1": [], "long-2": [[0, 600]], "odd-1": [], "odd-2": [[0, 600]]}
+    assert t["stored"] == {name: {"stored_tokens": 512, "equal_to_truth": True} for name in ("base", "a", "b", "long")}
 
 
 @pytest.mark.parametrize("shape", ["HND", "NHD", "kv-first", "blocks-first"])

@@ -38,6 +38,9 @@ def main() -> None:
                         help="tell kdn vLLM picked this CPU attention kernel (e.g. vec16, as for head sizes "
                              "not a multiple of 32): one whose blocks kdn does not read")
     parser.add_argument("--cache-salt", default=None, help="vLLM's cache_salt of every prompt (a tenant)")
+    parser.add_argument("--lora-plan", default="",
+                        help="JSON list, one per prompt: the LoRA adapter folder it is asked with, or null "
+                             "(the base model); any adapter turns on enable_lora")
     parser.add_argument("--drain-between", action="store_true",
                         help="after each prompt, wait until kdn has filed its store (not timed; recorded as "
                              "drain_seconds): the next prompt finds it landed rather than waiting for it")
@@ -97,6 +100,9 @@ def main() -> None:
     t0 = time.perf_counter()
     gpu = ({"attention_backend": "FLASH_ATTN", "gpu_memory_utilization": args.gpu_memory_utilization}
            if args.device == "cuda" else {})
+    plan = json.loads(args.lora_plan) if args.lora_plan else []
+    if any(plan):
+        gpu.update(enable_lora=True, max_loras=2, max_lora_rank=8)
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=args.prefix_caching,
               kv_transfer_config=transfer, max_model_len=args.max_model_len, seed=0, **gpu)
     load_s = time.perf_counter() - t0
@@ -104,10 +110,16 @@ def main() -> None:
     results = []
     with open(args.prompts) as f:
         prompts = json.load(f)
-    for ids in prompts:
+    adapters: dict = {}  # folder -> its LoRARequest (one id per folder)
+    for i, ids in enumerate(prompts):
         t0 = time.perf_counter()
         prompt = TokensPrompt(prompt_token_ids=ids, **({"cache_salt": args.cache_salt} if args.cache_salt else {}))
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        lora = plan[i] if i < len(plan) else None
+        if lora is not None and lora not in adapters:
+            from vllm.lora.request import LoRARequest
+
+            adapters[lora] = LoRARequest(f"adapter-{len(adapters) + 1}", len(adapters) + 1, lora)
+        out = llm.generate([prompt], params, use_tqdm=False, lora_request=adapters.get(lora))[0]
         results.append({"tokens": list(out.outputs[0].token_ids), "seconds": time.perf_counter() - t0,
                         "cached_tokens": out.num_cached_tokens})
         if args.logprobs:  # per generated token: [[token, logprob], ...] best first

@@ -63,14 +63,16 @@ class Harness:
         self.connector = connector
         self.scheduler_module = importlib.import_module("kdn.integrations.vllm.scheduler")  # its waits and leases
 
-    def request(self, req_id: str, tokens: list, max_tokens: int = 4, cache_salt: str | None = None):
+    def request(self, req_id: str, tokens: list, max_tokens: int = 4, cache_salt: str | None = None,
+                lora=None):
+        """Add a request (``lora``: a vLLM ``LoRARequest``)."""
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0)
         params.update_from_generation_config({}, 0)
         request = Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=params,
-                          pooling_params=None, cache_salt=cache_salt)
+                          pooling_params=None, cache_salt=cache_salt, lora_request=lora)
         self.scheduler.add_request(request)
         return request
 
@@ -147,11 +149,12 @@ class Harness:
         self.worker.engine.save = held
         return gate
 
-    def stored(self, tokens: list):
-        """(hit, KV) of ``tokens`` as an exact reader of the store sees it."""
+    def stored(self, tokens: list, scope: bytes | None = None):
+        """(hit, KV) of ``tokens`` as an exact reader of the store sees it (in a request ``scope``)."""
         from kdn.engine import HFTarget
 
-        kv, hit = self.io.read(self.session, np.asarray(tokens, dtype=np.uint32), len(tokens), HFTarget())
+        kv, hit = self.io.read(self.session.within(scope), np.asarray(tokens, dtype=np.uint32), len(tokens),
+                               HFTarget())
         return hit, kv
 
 
@@ -187,8 +190,8 @@ def random_tokens(n: int, seed: int) -> list:
     return np.random.default_rng(seed).integers(10, 40000, n).tolist()
 
 
-def stored_exactly(h: Harness, tokens: list, truth: list) -> dict:
-    """What an exact reader of the store gets of ``tokens``, against their true KV."""
-    hit, kv = h.stored(tokens)
+def stored_exactly(h: Harness, tokens: list, truth: list, scope: bytes | None = None) -> dict:
+    """What an exact reader of the store gets of ``tokens`` (in a request ``scope``), against their true KV."""
+    hit, kv = h.stored(tokens, scope)
     equal = hit > 0 and all(torch.equal(a, b[:, :, :hit]) for a, b in zip(kv, truth))
     return {"stored_tokens": hit, "equal_to_truth": bool(equal)}

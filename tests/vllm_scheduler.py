@@ -43,6 +43,7 @@ def main() -> None:
         results["carried_lookup"] = carried_lookup(args.model, args.redis)
     results["store_down"] = store_down(args.model)
     results["salted"] = salted(args.model)
+    results["scoped"] = scoped(args.model)
     print("KDN-RESULT " + json.dumps(results), flush=True)
 
 
@@ -431,6 +432,51 @@ def salted(model: str) -> dict:
             "same_loads": [[s.req_id, s.start, s.end] for s in same.loads],
             "held": {salt or "none": lookup(h.session.within(salt), tokens, 600)
                      for salt in ("tenant-a", "tenant-b", None)}}
+
+
+def scoped(model: str) -> dict:
+    """Issue 62: what vLLM puts in a block hash is in kdn's keys. A base request stores a document; a
+    request with LoRA adapter A (by its files) is not served it and stores its own; the same files
+    under another name and id are served A's; adapter B (other files) is served neither. A salt of
+    2,000 characters and one holding a lone surrogate are tenants like any other (stored, then served
+    within), never an exception into vLLM's scheduler."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from vllm.lora.request import LoRARequest
+
+    folder = Path(tempfile.mkdtemp())
+    for name, seed in (("a", 1), ("b", 2)):  # what kdn reads of an adapter: its files
+        (folder / name).mkdir()
+        (folder / name / "adapter_config.json").write_text('{"r": 8, "target_modules": ["q_proj"]}')
+        (folder / name / "adapter_model.safetensors").write_bytes(bytes(random_tokens(64, seed)[i] % 256
+                                                                         for i in range(64)))
+    shutil.copytree(folder / "a", folder / "a-copy")
+    h = Harness(model, chunk_size=256)
+    doc = random_tokens(600, 90)
+    truth = {name: random_kv(h, 620, 91 + i) for i, name in enumerate(("base", "a", "b", "long", "odd"))}
+    served = {}
+
+    def ask(req_id: str, truth_of: str, **kw) -> None:
+        h.request(req_id, doc + random_tokens(20, 100 + len(served)), **kw)
+        meta, _ = h.step({req_id: truth[truth_of]})
+        served[req_id] = [[s.start, s.end] for s in meta.loads]
+
+    ask("base", "base")
+    ask("a", "a", lora=LoRARequest("adapter-a", 1, str(folder / "a")))
+    ask("a-renamed", "a", lora=LoRARequest("another-name", 7, str(folder / "a-copy")))
+    ask("b", "b", lora=LoRARequest("adapter-b", 2, str(folder / "b")))
+    ask("base-again", "base")
+    for salt, name in (("s" * 2000, "long"), ("odd \udc80 salt", "odd")):
+        ask(f"{name}-1", name, cache_salt=salt)
+        ask(f"{name}-2", name, cache_salt=salt)
+    from kdn.keys import adapter_fingerprint, request_scope
+
+    scopes = {"base": None, "a": request_scope(adapter=adapter_fingerprint(folder / "a")),
+              "b": request_scope(adapter=adapter_fingerprint(folder / "b")), "long": request_scope("s" * 2000)}
+    return {"served": served, "stored": {name: stored_exactly(h, doc[:512], truth[name], scope)
+                                         for name, scope in scopes.items()}}
 
 
 if __name__ == "__main__":
