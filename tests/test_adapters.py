@@ -46,7 +46,7 @@ def test_each_active_adapter_is_served_only_its_own_kv_exactly(tmp_path):
             yield "base", None
         model.set_adapter("first")
 
-    seen = {}
+    seen = {}  # logits are compared within float32 noise (1e-4): another adapter is off by O(1)
     for name, _ in states():
         reference, full = full_prefill(model, ids)
         seen[name] = reference
@@ -56,7 +56,7 @@ def test_each_active_adapter_is_served_only_its_own_kv_exactly(tmp_path):
         assert hit == 4 * CHUNK
         with torch.inference_mode():
             logits = model(ids[:, hit:], past_key_values=kv).logits[0, -1]
-        torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)  # float32 noise; another adapter is off by O(1)
+        torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(seen["first"], seen["second"]) and not torch.allclose(seen["first"], seen["base"])
     cache.flush()
     other = lora_model()  # a new process: the same weights, "second" active
@@ -65,7 +65,7 @@ def test_each_active_adapter_is_served_only_its_own_kv_exactly(tmp_path):
     assert hit == 4 * CHUNK
     with torch.inference_mode():
         logits = other(ids[:, hit:], past_key_values=kv).logits[0, -1]
-    torch.testing.assert_close(logits, seen["second"], rtol=1e-4, atol=1e-4)  # float32 noise; another adapter is off by O(1)
+    torch.testing.assert_close(logits, seen["second"], rtol=1e-4, atol=1e-4)
 
 
 def test_an_adapter_is_keyed_by_its_files_not_its_name(tmp_path):
