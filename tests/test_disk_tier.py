@@ -69,15 +69,26 @@ def test_capacity_is_never_exceeded_on_disk(tmp_path):
     assert store.stats()["rejected"] == 1 and store.stats()["evictions"] == 25
 
 
-def test_restart_with_a_smaller_capacity_keeps_the_newest(tmp_path):
+def test_opening_a_folder_with_a_smaller_capacity_deletes_nothing(tmp_path):
+    """Issue 62: a process opening a shared folder with a smaller capacity indexes the newest files
+    that fit and deletes none (another process's files stay readable); sparse chunk-named files are
+    not blobs and are skipped; only its own writes evict, from what it indexed."""
     store = _core.DiskStore(str(tmp_path), 100 * BLOB)
     for i in range(10):
         store.put(key(i), blob_for(i))
         os.utime(store.path_of(key(i)), (1000 + i, 1000 + i))
     del store
-    store = _core.DiskStore(str(tmp_path), 4 * BLOB)
-    assert [i for i in range(10) if store.contains(key(i))] == [6, 7, 8, 9]
-    assert len(blob_files(tmp_path)) == 4
+    sparse = tmp_path / key(50).hex()[:2] / f"{key(50).hex()}.kdnb"
+    sparse.parent.mkdir(exist_ok=True)
+    with open(sparse, "wb") as f:
+        f.truncate(1 << 30)  # 1 GiB of nothing
+    small = _core.DiskStore(str(tmp_path), 4 * BLOB)
+    assert len(blob_files(tmp_path)) == 11 and small.stats()["evictions"] == 0 and sparse.exists()
+    assert small.used_bytes == 4 * BLOB and small.stats()["unindexed"] == 7  # the newest 4 indexed
+    assert all(small.get(key(i)) is not None for i in range(10))  # every file still served
+    assert small.get(key(50)) is None  # read as a blob: damaged (a writer of that key deletes it)
+    assert small.put(key(20), blob_for(20))  # its own write evicts from what it indexed, nothing else
+    assert small.used_bytes <= 4 * BLOB and len(blob_files(tmp_path)) == 10
 
 
 def test_disk_full_degrades_to_not_stored_with_one_warning(tmp_path, caplog):

@@ -251,3 +251,30 @@ def test_kdn_verify_that_checked_nothing_says_so_and_fails(stories, tmp_path, ca
     assert main(["verify", folder, "--model", "stories260k", "--chunk-size", "32"]) == 1
     err = capsys.readouterr().err
     assert "checked nothing" in err and "chunk_size == probe_step" in err
+
+
+def test_no_audit_and_no_smaller_capacity_deletes_a_keyed_tenants_files(stories, tmp_path, capsys, monkeypatch):
+    """Issue 62: ``kdn verify`` without the tenant's secret reads its files as another key's (a miss,
+    checked nothing) and deletes none; with ``KDN_SECRET`` it verifies them (and deletes none); a
+    process opening the folder with a 4 KiB capacity (a fraction of what it holds), and
+    ``verify --disk-bytes 4KiB``, delete nothing either."""
+    from kdn.cli import main
+
+    model, _ = stories
+    folder = tmp_path / "kv"
+    _stored_store(model, {"disk_dir": str(folder), "secret": "the tenant's secret"})
+
+    def files():
+        return sorted(p.name for p in folder.glob("??/*.kdnb"))
+
+    before = files()
+    assert len(before) > 4 and sum(p.stat().st_size for p in folder.glob("??/*.kdnb")) > 16 * 4096
+    monkeypatch.delenv("KDN_SECRET", raising=False)
+    assert main(["verify", str(folder), "--model", "stories260k", "--chunk-size", "32"]) == 1
+    assert "checked nothing" in capsys.readouterr().err and files() == before
+    KDN(KDNConfig(chunk_size=32, disk_dir=str(folder), disk_bytes="4KiB"))
+    assert files() == before
+    monkeypatch.setenv("KDN_SECRET", "the tenant's secret")
+    for extra in ([], ["--disk-bytes", "4KiB"]):
+        assert main(["verify", str(folder), "--model", "stories260k", "--chunk-size", "32", *extra]) == 0
+        assert "0 differ" in capsys.readouterr().out and files() == before

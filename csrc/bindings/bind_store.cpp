@@ -350,18 +350,18 @@ void bind_store(py::module_& m) {
                                                     "Local-disk blob store (thread-safe); see kdn/disk_store.h.")
       .def(py::init([](const std::string& dir, uint64_t capacity, const std::string& policy, uint64_t queue_bytes,
                        int read_threads, bool fsync, int codec, uint32_t codec_params, py::bytes mac_key,
-                       bool group_shared) {
+                       bool group_shared, bool read_only) {
              codec_require(codec, codec_params);
              KDN_CHECK_INPUT(read_threads >= 1 && read_threads <= 256, "DiskStore: read_threads must be in [1, 256]");
              DiskStoreOptions o{dir, capacity, policy, queue_bytes, read_threads, fsync, static_cast<uint8_t>(codec),
-                                codec_params, std::string(mac_key), group_shared};
+                                codec_params, std::string(mac_key), group_shared, read_only};
              py::gil_scoped_release release;  // the index rebuild scans the directory
              return std::make_shared<DiskStore>(o);
            }),
            py::arg("dir"), py::arg("capacity_bytes"), py::arg("policy") = "lru",
            py::arg("queue_bytes") = 512ull << 20, py::arg("read_threads") = 4, py::arg("fsync") = true,
            py::arg("codec") = 0, py::arg("codec_params") = 0, py::arg("mac_key") = py::bytes(),
-           py::arg("group_shared") = false)
+           py::arg("group_shared") = false, py::arg("read_only") = false)
       .def("put", [](DiskStore& s, py::handle key, py::handle blob) {
             Key128 k = key_arg(key, "key");
             BufferPtr buf = buffer_from_object(blob);
@@ -441,6 +441,8 @@ void bind_store(py::module_& m) {
         d["corrupt"] = st.corrupt;
         d["dropped"] = st.dropped;
         d["adopted"] = st.adopted;
+        d["foreign"] = st.foreign;
+        d["unindexed"] = st.unindexed;
         d["vanished"] = st.vanished;
         d["queued_entries"] = st.queued_entries;
         d["queued_bytes"] = st.queued_bytes;

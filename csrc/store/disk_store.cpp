@@ -99,9 +99,10 @@ bool read_at(int fd, uint8_t* data, size_t size, size_t offset, const std::strin
 // Reads a blob file: its header first, so a file whose size disagrees with its header (a foreign,
 // sparse or truncated file) is rejected before anything is allocated for it. Never follows a
 // symlink. nullptr with *missing set if it does not exist, or with *error set.
-// *bad is set when the file exists but is not a blob of this tier (size, header or tag wrong).
+// *bad is set when the file exists but is damaged (size or header wrong); *foreign when it is a
+// well-formed blob file of another key (tagged without a key here, untagged or failing the tag with one).
 BufferPtr read_file(const std::string& path, const std::string& mac_key, bool* missing, bool* bad,
-                   std::string* error) {
+                   bool* foreign, std::string* error) {
   const uint64_t tag_bytes = mac_key.empty() ? 0 : kMacBytes;
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) {
@@ -125,6 +126,10 @@ BufferPtr read_file(const std::string& path, const std::string& mac_key, bool* m
   } else if (Status hs = blob_parse_header(head, kBlobHeaderBytes, &h); !hs.ok) {
     *bad = true;
     *error = "blob file " + path + ": " + hs.message;
+  } else if (blob_total_bytes(h) + (tag_bytes ? 0 : kMacBytes) == static_cast<uint64_t>(st.st_size)) {
+    *foreign = true;
+    *error = "blob file " + path + (tag_bytes ? " has no keyed tag (written without a secret)"
+                                              : " carries a keyed tag (a tenant with a secret wrote it)");
   } else if (blob_total_bytes(h) + tag_bytes != static_cast<uint64_t>(st.st_size)) {
     *bad = true;
     *error = "blob file " + path + " has " + std::to_string(st.st_size) + " bytes, its header says " +
@@ -137,7 +142,7 @@ BufferPtr read_file(const std::string& path, const std::string& mac_key, bool* m
         (tag_bytes && !read_at(fd, tag, kMacBytes, buf->size(), path, error))) {
       buf.reset();
     } else if (tag_bytes && !mac_matches(mac_key, buf->data(), buf->size(), tag)) {
-      *bad = true;
+      *foreign = true;
       *error = "blob file " + path + " fails its keyed tag (written without the secret, or altered)";
       buf.reset();
     }
@@ -164,7 +169,7 @@ DiskStore::DiskStore(DiskStoreOptions options)
   }
   Status st = make_private_dir(options_.dir + "/tmp");
   if (!st.ok) throw InputError("DiskStore: " + st.message, __FILE__, __LINE__);
-  remove_stale_temporaries();
+  if (!options_.read_only) remove_stale_temporaries();
   rebuild_index();
   try {
     writer_ = std::thread([this] { writer_loop(); });
@@ -211,7 +216,7 @@ bool DiskStore::file_present(const Key128& key) const {
 
 bool DiskStore::held_locked(const Key128& key) {
   if (pending_.count(key)) return true;
-  if (!index_.contains(key)) return false;
+  if (foreign_.count(key) || !index_.contains(key)) return false;
   if (file_present(key)) return true;
   index_.erase(key);  // another process evicted or removed it: the index must not claim it
   ++stats_.vanished;
@@ -254,25 +259,31 @@ void DiskStore::rebuild_index() {
       Key128 key;
       if (name.size() != 32 + std::strlen(kSuffix) || name.substr(32) != kSuffix || !key_from_hex(name.substr(0, 32), &key))
         continue;
+      struct stat st;
+      if (::lstat(f->path().c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;  // symlinks are not blobs
+      const uint64_t bytes = static_cast<uint64_t>(st.st_size);
+      const bool sparse = bytes > (1u << 20) && static_cast<uint64_t>(st.st_blocks) * 512 < bytes / 2;
+      if (bytes < kBlobHeaderBytes + kBlobTrailerBytes || bytes > kMaxBlobFileBytes || sparse) {
+        ++stats_.unindexed;  // not a blob this store could have written: left alone
+        continue;
+      }
       std::error_code ec3;
-      const auto status = f->symlink_status(ec3);
-      if (ec3 || !fs::is_regular_file(status)) continue;  // symlinks and other oddities are not blobs
-      uint64_t bytes = f->file_size(ec3);
       auto mtime = f->last_write_time(ec3);
-      if (!ec3 && bytes >= kBlobHeaderBytes + kBlobTrailerBytes) found.push_back({mtime, key, bytes});
+      if (!ec3) found.push_back({mtime, key, bytes});
     }
   }
-  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime < b.mtime; });
-  std::vector<Key128> victims;
-  for (const auto& f : found) adopt_locked(f.key, f.bytes, &victims);  // oldest first: newest survive
-  unlink_keys(victims);
+  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime > b.mtime; });
+  for (const auto& f : found) adopt_locked(f.key, f.bytes);  // newest first, while they fit: nothing evicted
 }
 
-bool DiskStore::adopt_locked(const Key128& key, uint64_t bytes, std::vector<Key128>* victims) {
+bool DiskStore::adopt_locked(const Key128& key, uint64_t bytes) {
   if (index_.contains(key)) return true;
-  size_t before = victims->size();
-  if (!index_.make_room(bytes, victims)) return false;
-  stats_.evictions += victims->size() - before;
+  if (index_.used_bytes() + bytes > index_.capacity()) {
+    ++stats_.unindexed;
+    return false;
+  }
+  std::vector<Key128> none;
+  if (!index_.make_room(bytes, &none) || !none.empty()) return false;  // cannot happen: it fits
   index_.insert(key, bytes);
   ++stats_.adopted;
   return true;
@@ -373,6 +384,7 @@ bool DiskStore::write_blob(const Key128& key, const BufferPtr& queued) {
   } else if (!index_.contains(key)) {  // removed or evicted while being written
     ::unlink(path_of(key).c_str());
   } else {
+    foreign_.erase(key);  // the rename replaced another key's file: this store's own now
     ++stats_.writes;
   }
   return written.ok;
@@ -387,6 +399,7 @@ Key128 DiskStore::file_key(const Key128& key, const BufferPtr& blob) const {
 
 bool DiskStore::put(const Key128& given_key, const BufferPtr& blob) {
   KDN_CHECK(blob != nullptr, "DiskStore.put: blob is null");
+  if (options_.read_only) return false;
   const Key128 key = file_key(given_key, blob);
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -398,6 +411,7 @@ bool DiskStore::put(const Key128& given_key, const BufferPtr& blob) {
 
 bool DiskStore::put_async(const Key128& given_key, const BufferPtr& blob) {
   KDN_CHECK(blob != nullptr, "DiskStore.put_async: blob is null");
+  if (options_.read_only) return false;
   const Key128 key = file_key(given_key, blob);
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -455,34 +469,38 @@ BufferPtr DiskStore::get(const Key128& key) {
     }
   }
   std::string path = path_of(key), error;
-  bool missing = is_symlink(path.substr(0, path.rfind('/'))), corrupt = false;  // a planted shard link: a miss
-  BufferPtr blob = missing ? nullptr : read_file(path, options_.mac_key, &missing, &corrupt, &error);
-  if (corrupt) {
-    error = "corrupt blob file (deleted): " + error;
-    if (!is_symlink(path.substr(0, path.rfind('/')))) ::unlink(path.c_str());
-  } else if (blob) {
+  bool missing = is_symlink(path.substr(0, path.rfind('/'))), corrupt = false, foreign = false;  // a planted shard link: a miss
+  BufferPtr blob = missing ? nullptr : read_file(path, options_.mac_key, &missing, &corrupt, &foreign, &error);
+  if (blob) {
     BlobHeader h;
     Status st = blob_parse(blob->data(), blob->size(), /*verify_checksum=*/true, &h);
     if (st.ok && h.key == key) {
       blob->mark_verified();
     } else {
-      error = "corrupt blob file " + path + " (deleted): " + (st.ok ? "key differs from its name" : st.message);
+      error = "corrupt blob file " + path + ": " + (st.ok ? "key differs from its name" : st.message);
       blob.reset();
       corrupt = true;
-      ::unlink(path.c_str());
     }
   }
-  std::vector<Key128> victims;
+  if (corrupt && !options_.read_only && !is_symlink(path.substr(0, path.rfind('/')))) {
+    ::unlink(path.c_str());
+    error += " (deleted)";
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (blob) {
       if (index_.contains(key)) index_.touch(key);
-      else adopt_locked(key, file_bytes(*blob), &victims);
+      else adopt_locked(key, file_bytes(*blob));
       ++stats_.hits;
     } else {
-      if (!pending_.count(key)) index_.erase(key);  // gone (another process evicted it) or corrupt
+      if (!pending_.count(key)) index_.erase(key);  // gone (another process evicted it), corrupt or foreign
       ++stats_.misses;
-      if (corrupt) {  // counted once, as corrupt; `errors` counts failed I/O
+      if (foreign) {  // not this store's to judge or delete: a miss until this store writes the key
+        if (foreign_.size() >= (1u << 16)) foreign_.clear();
+        foreign_.insert(key);
+        ++stats_.foreign;
+        stats_.last_error = error;
+      } else if (corrupt) {  // counted once, as corrupt; `errors` counts failed I/O
         ++stats_.corrupt;
         stats_.last_error = error;
       } else if (!missing) {
@@ -490,7 +508,6 @@ BufferPtr DiskStore::get(const Key128& key) {
       }
     }
   }
-  unlink_keys(victims);
   return blob;
 }
 
@@ -504,17 +521,13 @@ bool DiskStore::contains(const Key128& key) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (held_locked(key)) return true;
+    if (foreign_.count(key)) return false;
   }
   struct stat st;
   if (!file_present(key) || ::lstat(path_of(key).c_str(), &st) != 0) return false;
-  std::vector<Key128> victims;  // written by another process since start-up: adopt it
-  bool adopted;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    adopted = adopt_locked(key, static_cast<uint64_t>(st.st_size), &victims);
-  }
-  unlink_keys(victims);
-  return adopted;
+  std::lock_guard<std::mutex> lock(mutex_);  // written by another process since start-up: adopted if it fits
+  adopt_locked(key, static_cast<uint64_t>(st.st_size));
+  return true;
 }
 
 int64_t DiskStore::count_prefix(const std::vector<Key128>& keys) {
@@ -529,6 +542,7 @@ bool DiskStore::remove(const Key128& key) {
     std::lock_guard<std::mutex> lock(mutex_);
     known = index_.erase(key);
     known = pending_.erase(key) != 0 || known;  // a queued write of it is skipped
+    foreign_.erase(key);
   }
   bool unlinked = ::unlink(path_of(key).c_str()) == 0;
   return known || unlinked;
@@ -555,6 +569,7 @@ void DiskStore::clear() {
   flush();  // a write in progress finishes, then finds its key gone and deletes its file
   std::lock_guard<std::mutex> lock(mutex_);
   index_.clear();
+  foreign_.clear();
   std::error_code ec;
   for (fs::directory_iterator shard(options_.dir, ec), end; !ec && shard != end; shard.increment(ec)) {
     std::error_code ec1;

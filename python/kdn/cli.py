@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ver.add_argument("--chunk-size", type=int, default=256, help="the chunk size the store was written with")
     ver.add_argument("--dtype", default=None, choices=[None, "float32", "float16", "bfloat16"])
     ver.add_argument("--seed", type=int, default=0, help="which prompts --sample picks")
+    ver.add_argument("--disk-bytes", default=None, help="the disk tier's capacity (default: what the folder holds "
+                                                        "+ 16 GiB); verify only reads: it deletes nothing but --drop")
     dep = sub.add_parser("deposit", help="store documents' KV (and edited forms) into a store, resumably")
     dep.add_argument("source", help="a folder of .txt/.md files, or a JSONL file ({\"text\": ...} per line; "
                                     "\"emphasize\": [[start, end], ...] or \"auto\" for --edit steer)")
@@ -90,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="store only the --edit kvzip forms (and each document's partial last chunk): less space; "
                           "exact readers miss the documents")
     dep.add_argument("--chunk-size", type=int, default=256)
+    dep.add_argument("--disk-bytes", default=None, help="the disk tier's capacity, e.g. 64GiB (default: what the "
+                                                        "folder holds + 16 GiB: nothing of it is evicted)")
     dep.add_argument("--dtype", default=None, choices=[None, "float32", "float16", "bfloat16"])
     args = parser.parse_args(argv)
 
@@ -140,20 +144,40 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def store_config(store: str, chunk_size: int, writes: bool = False):
+def store_config(store: str, chunk_size: int, writes: bool = False, disk_bytes=None):
     """The KDNConfig of a command that works on one store: a remote URL, or a disk folder (created
-    and written through with ``writes``, else only read). An InvalidInputError for anything else."""
+    and written through with ``writes``, else only read: nothing in it is deleted), with the other
+    settings from the environment (``KDN_SECRET``, ``KDN_NAMESPACE``, ...). ``disk_bytes``: the
+    folder's capacity (default: what it holds + 16 GiB, so that nothing in it is evicted). An
+    InvalidInputError for anything else."""
     from kdn import KDNConfig
     from kdn._core import InvalidInputError
+    from kdn.config_sources import GiB, parse_bytes
 
     if "://" in store:
-        return KDNConfig(remote_url=store, chunk_size=chunk_size, memory_bytes="1GiB")
+        return KDNConfig.load(remote_url=store, chunk_size=chunk_size, memory_bytes="1GiB")
     if writes:
         os.makedirs(store, exist_ok=True)
     if os.path.isdir(store):
-        return KDNConfig(disk_dir=store, chunk_size=chunk_size, memory_bytes="1GiB",
-                         write_policy="write-through" if writes else "memory-only")
+        capacity = parse_bytes(disk_bytes, "--disk-bytes") if disk_bytes is not None else folder_bytes(store) + 16 * GiB
+        return KDNConfig.load(disk_dir=store, chunk_size=chunk_size, memory_bytes="1GiB", disk_bytes=capacity,
+                              write_policy="write-through" if writes else "memory-only")
     raise InvalidInputError(f"{store} is neither a folder nor a store URL")
+
+
+def folder_bytes(folder: str) -> int:
+    """The bytes the blob files in a disk tier's ``folder`` take (what is allocated: sparse files
+    count for what they hold)."""
+    from pathlib import Path
+
+    total = 0
+    for path in Path(folder).glob("??/*.kdnb"):
+        try:
+            st = path.lstat()
+        except OSError:
+            continue
+        total += min(st.st_size, st.st_blocks * 512)
+    return total
 
 
 def run_deposit_command(args) -> int:
@@ -176,7 +200,7 @@ def run_deposit_command(args) -> int:
         why = unknown_model(args.model)
         if why:
             return fail(why)
-        cache = KDN(store_config(args.store, args.chunk_size, writes=True))
+        cache = KDN(store_config(args.store, args.chunk_size, writes=True, disk_bytes=args.disk_bytes))
     except KDNError as e:
         return fail(str(e))
     except Exception as e:  # noqa: BLE001 - an unreachable store (connection refused, auth, timeout)
@@ -227,7 +251,7 @@ def run_verify_command(args) -> int:
         return fail(f"--sample must be a positive number of prompts, got {args.sample}")
     store = args.store
     try:
-        cache = KDN(store_config(store, args.chunk_size))
+        cache = KDN(store_config(store, args.chunk_size, disk_bytes=args.disk_bytes))
         tier = cache.disk if cache.disk is not None else cache.remote
         keys = list(tier.keys())
     except KDNError as e:

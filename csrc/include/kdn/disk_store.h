@@ -8,15 +8,23 @@
 //   file, removed by the next store that opens the directory once its writer is dead.
 // * Every read checks the header and the file size first (nothing is allocated for a file whose
 //   size disagrees with its header), then the XXH64 checksum and key; with a `mac_key` also the
-//   keyed BLAKE3 tag that follows the blob in the file. A corrupt file is deleted and reported as
-//   a miss (counted as `corrupt`).
+//   keyed BLAKE3 tag that follows the blob in the file. A damaged file (its header, size,
+//   checksum or key wrong) is deleted and reported as a miss (counted as `corrupt`); a well-formed
+//   blob file of another key (tagged when this store has no key, untagged or failing the tag when
+//   it has one: a keyed tenant's, or a forgery) is a miss counted as `foreign` and never deleted,
+//   nor counted as held until this store writes that key itself (the rename replaces it).
+// * `read_only` (an audit, a reader that never writes the disk): nothing is ever written or
+//   unlinked implicitly (no damaged file deleted, no temporary swept); only remove() and clear().
 // * Trust: files are created 0600 and directories 0700 (0660 / 2770 with `group_shared`); a
 //   symlink inside the tier (a shard directory or a blob file) is never followed: reads, writes,
 //   eviction and clear() skip it. The index never claims a file that is gone: a lookup of an
 //   indexed key re-checks that its file exists, so another process's eviction is seen at once.
-// * The index (keys, sizes, eviction order by file mtime) is rebuilt at start-up; keys written by
-//   another process after that are adopted on first lookup. The capacity is enforced by this
-//   process's view (processes sharing a directory should use the same capacity).
+// * The index (keys, sizes, eviction order by file mtime) is rebuilt at start-up, newest first;
+//   keys written by another process after that are adopted on first lookup. Adopting never
+//   evicts: files beyond this store's capacity stay on disk, readable and unindexed, so opening a
+//   shared directory with a smaller capacity deletes nothing; sparse files (allocated far below
+//   their size) are not blobs and are skipped. Only this process's writes make room, evicting
+//   from what it indexed (processes sharing a directory should use the same capacity).
 // * No method throws for I/O: failures (disk full, permission denied, a vanished directory)
 //   make the write "not stored", are counted in `errors` and remembered in `last_error`;
 //   missing directories are re-created on the next write.
@@ -33,6 +41,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "kdn/blob.h"
@@ -53,11 +62,14 @@ struct DiskStoreOptions {
   uint32_t codec_params = 0;  // thread for put_async (kdn/codec.h)
   std::string mac_key;        // 32 bytes: files end with a keyed BLAKE3 tag of the blob; empty: off
   bool group_shared = false;  // files 0660 and directories 2770 instead of 0600 / 0700
+  bool read_only = false;     // never writes nor unlinks a file implicitly (see the contract)
 };
 
 struct DiskStats : TierStats {
   uint64_t writes = 0, errors = 0, corrupt = 0, dropped = 0, adopted = 0;
   uint64_t vanished = 0;  // indexed files found gone (another process evicted them)
+  uint64_t foreign = 0;   // reads of well-formed blob files of another key (kept, misses)
+  uint64_t unindexed = 0; // files found but not indexed: beyond this store's capacity, or sparse
   uint64_t queued_entries = 0, queued_bytes = 0;
   std::string last_error;
 };
@@ -95,10 +107,10 @@ class DiskStore {
   Key128 file_key(const Key128& key, const BufferPtr& blob) const;     // see put
   bool write_blob(const Key128& key, const BufferPtr& blob);  // key already in pending_
   Status write_file(const Key128& key, const BufferPtr& blob);
-  bool adopt_locked(const Key128& key, uint64_t bytes, std::vector<Key128>* victims);
+  bool adopt_locked(const Key128& key, uint64_t bytes);  // indexed if it fits; never evicts
   void unlink_keys(const std::vector<Key128>& keys);
   bool file_present(const Key128& key) const;
-  uint64_t file_bytes(const Buffer& blob) const;     // what the blob's file takes (tag included)        // a regular file (not a symlink) of blob size
+  uint64_t file_bytes(const Buffer& blob) const;     // what the blob's file takes (tag included)
   Status make_private_dir(const std::string& path) const;  // 0700 (2770 group-shared); never a symlink
   bool held_locked(const Key128& key);               // pending, or indexed with its file present
   void record_error(const std::string& error);
@@ -109,6 +121,7 @@ class DiskStore {
   std::condition_variable queue_cv_, idle_cv_;
   TierIndex index_;
   std::unordered_map<Key128, BufferPtr, Key128Hash> pending_;  // queued or being written
+  std::unordered_set<Key128, Key128Hash> foreign_;  // keys whose file is another key's blob (not held)
   std::deque<std::pair<Key128, BufferPtr>> queue_;
   uint64_t queued_bytes_ = 0;
   bool writing_ = false, stop_ = false;

@@ -22,7 +22,13 @@ class DiskTier(StoreTier):
     * ``put`` queues the blob for a background writer and returns at once (write-behind); it is
       readable through ``get`` immediately. ``put(..., wait=True)`` writes synchronously.
     * Writes are atomic (temporary file, fsync, rename): readers in any process see a whole blob
-      or none. Every read verifies the checksum and key; a corrupt file is deleted and is a miss.
+      or none. Every read verifies the checksum and key; a damaged file is deleted and is a miss;
+      a well-formed blob of another key (a keyed tenant's, read without its secret) is a miss,
+      counted as ``foreign``, and never deleted.
+    * Nothing another process wrote is deleted by opening the directory: files beyond
+      ``capacity_bytes`` stay on disk unindexed (``stats()["unindexed"]``); only this process's
+      writes evict. ``read_only`` (a reader that never writes the disk: ``write_policy="memory-only"``,
+      ``kdn verify``): nothing is written or deleted but by ``remove`` and ``clear``.
     * Never raises for I/O: disk full, permission denied or a vanished directory make a write
       "not stored", counted in ``stats()["errors"]``; one warning per kind of failure is logged.
     * Blobs are written coded with ``codec`` (:mod:`kdn.codecs`), encoded by the background
@@ -50,12 +56,12 @@ class DiskTier(StoreTier):
 
     def __init__(self, directory: str, capacity_bytes: int, policy: str = "lru", queue_bytes: int = 512 << 20,
                  read_threads: int = 4, fsync: bool = True, codec: str = "raw", mac_key: bytes = b"",
-                 group_shared: bool = False):
+                 group_shared: bool = False, read_only: bool = False):
         c = codecs.parse(codec)
         self.codec = c.spec
         _check_owner(directory, group_shared)
         self._store = _core.DiskStore(str(directory), capacity_bytes, policy, queue_bytes, read_threads, fsync,
-                                      c.id, c.params, mac_key, group_shared)
+                                      c.id, c.params, mac_key, group_shared, read_only)
         self._warned: set[str] = set()
         at_exit(self, "flush")
 

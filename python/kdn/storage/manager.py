@@ -22,7 +22,7 @@ def build_tiers(config: KDNConfig) -> list[Tier]:
     if config.disk_dir is not None:
         tiers.append(DiskTier(config.disk_dir, config.disk_bytes, config.disk_policy, config.disk_queue_bytes,
                               config.disk_read_threads, config.disk_fsync, config.disk_codec, config.mac_key(),
-                              config.disk_shared))
+                              config.disk_shared, read_only=config.write_policy == "memory-only"))
     if config.remote_url is not None:
         from kdn.storage.remote import RemoteTier  # needs redis-py only when asked for
 
