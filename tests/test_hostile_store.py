@@ -267,3 +267,28 @@ def test_a_planted_value_costs_its_prompt_one_miss_and_no_other_prompt_anything(
     with torch.inference_mode():
         logits = tiny_llama(a[:, hit:], past_key_values=kv).logits[0, -1]
     torch.testing.assert_close(logits, full_prefill(tiny_llama, a)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("delivery", ["layerwise", "whole"])
+def test_a_planted_value_is_repaired_by_the_first_generate_on_either_delivery(tiny_llama, redis_server, delivery):
+    """Issue 62: 42 bytes under a prompt's first chunk; the first generate (layer-wise streams, the
+    default, read values in ranges) counts it corrupt, computes the prompt and replaces the value;
+    the next reader is served the whole prompt, a full prefill's logits."""
+    config = KDNConfig(chunk_size=CHUNK, remote_url=redis_server.url, delivery=delivery)
+    writer = KDN(config)
+    writer.remote.clear()
+    a = random_ids(tiny_llama, 6 * CHUNK + 1, seed=13)
+    writer.store(tiny_llama, a, full_prefill(tiny_llama, a)[1])
+    writer.flush()
+    first = writer.chunk_keys(tiny_llama, a)[0]
+    writer.remote.transport.put([(writer.remote.redis_key(first), b"x" * 42)], None)
+    reader = KDN(config)
+    reader.generate(tiny_llama, a, max_new_tokens=2, do_sample=False)
+    reader.flush()
+    stats = reader.stats()["remote"]
+    assert reader.last_generate["hit_tokens"] == 0 and stats["corrupt"] == 1 and stats["replaced"] == 1
+    kv, hit = KDN(config).retrieve(tiny_llama, a, limit=a.shape[1] - 1)
+    assert hit == 6 * CHUNK
+    with torch.inference_mode():
+        logits = tiny_llama(a[:, hit:], past_key_values=kv).logits[0, -1]
+    torch.testing.assert_close(logits, full_prefill(tiny_llama, a)[0], rtol=1e-5, atol=1e-5)

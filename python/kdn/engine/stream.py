@@ -270,7 +270,7 @@ class Deliverer:
         if values is None:
             return []
         self.estimates.observe_rtt(time.perf_counter() - t0)
-        opened = []
+        opened, unusable = [], []
         for c, key in enumerate(keys):
             index = first + c
             tokens = found.last_tokens if index == len(found.keys) - 1 and found.last_tokens else chunk
@@ -280,9 +280,13 @@ class Deliverer:
                 if not remote.whole_value(prefix) or prefix[4:6] == b"\x01\x00":
                     return None  # split into parts by the store, or blob format 1 (no section sums): read whole
                 levels.append(self._level(session, spec, codecs.address(key, spec), prefix, tail, index, tokens))
+                if prefix and levels[-1] is None:
+                    unusable.append(codecs.address(key, spec))
             if all(lv is None for lv in levels):
                 break
             opened.append(levels)
+        if unusable:  # a value under our name we cannot stream: the tier judges it whole (counted as corrupt,
+            remote.get_many(unusable)  # remembered), so that this process' next store replaces it
         return opened
 
     @staticmethod
