@@ -187,6 +187,25 @@ def test_a_claim_kdn_would_not_write_holds_no_one(redis_server, forge):
     assert 0 < int(redis_server.cli("PTTL", name).stdout) <= 5000
 
 
+def test_with_a_secret_a_claim_written_without_it_holds_no_one(redis_server):
+    """Issue 62: in keyed mode a claim carries a tag of its name and owner; "mallory" writing a
+    claim as an unkeyed kdn would (a printable owner, a 5 s lease) is not honoured (removed), while
+    another keyed engine's claim is."""
+    from kdn.storage.remote import RemoteTier
+
+    secret = KDNConfig(secret="the fleet's secret").mac_key()
+    keyed = RemoteTier(redis_server.url, timeout=TIMEOUT, mac_key=secret)
+    keyed.clear()
+    name = keyed.claims.name(key(2))
+    keyed.transport.client.set(name, b"mallory", px=5000)
+    assert keyed.claims.claim(key(2), "engine-a", ttl=5) is True and keyed.stats()["bad_claims"] == 1
+    other = RemoteTier(redis_server.url, timeout=TIMEOUT, mac_key=secret)
+    assert other.claims.claim(key(2), "engine-b", ttl=5) is False  # engine-a's signed claim holds
+    assert other.claims.claimant(key(2)) == "engine-a"
+    plain = RemoteTier(redis_server.url, timeout=TIMEOUT)
+    assert plain.claims.claimant(key(2)) is None  # unkeyed readers do not take a tagged value for an owner
+
+
 def manifest(parts: int, total: int) -> bytes:
     return struct.pack("<4sIIQ", b"KDNM", 2, parts, total)
 

@@ -555,6 +555,15 @@ def test_a_claim_is_a_lease_renewed_while_its_prefill_runs_and_lapsing_when_its_
     assert lease["b2_while_claim_live"] == [] and lease["b2_after_lease"] == ["b2"]
 
 
+def test_a_claim_anyone_can_write_holds_a_request_a_few_leases_not_two_minutes(scheduled):
+    """Issue 62: a planted kdn-format claim (30 s, "mallory") holds a request until its claimant has
+    stored nothing for CLAIM_PROGRESS_LEASES leases (0.9 s here), not IN_FLIGHT_WAIT_S (120 s);
+    the request then computes and stores the document exactly."""
+    t = scheduled["squatted_claim"]
+    assert t["waited_steps"] >= 1 and t["bound_seconds"] <= t["held_seconds"] < t["bound_seconds"] + 3, t
+    assert t["stored_tokens"] == 620 and t["equal_to_truth"], t
+
+
 def test_a_cache_salt_is_a_tenant(scheduled):
     """Issue 46: other salts (and none) compute; the same salt loads."""
     t = scheduled["salted"]

@@ -40,6 +40,7 @@ def main() -> None:
         results["claimed_partly_stored"] = claimed_partly_stored(args.model, args.redis)
         results["forged_claim"] = forged_claim(args.model, args.redis)
         results["claim_lease"] = claim_lease(args.model, args.redis)
+        results["squatted_claim"] = squatted_claim(args.model, args.redis)
         results["carried_lookup"] = carried_lookup(args.model, args.redis)
     results["store_down"] = store_down(args.model)
     results["salted"] = salted(args.model)
@@ -366,6 +367,34 @@ def forged_claim(model: str, url: str) -> dict:
     first, _ = h.step({"a": truth})
     return {"first_step": first.fresh, "bad_claims": h.io.remote.stats()["bad_claims"],
             "claimed_by": h.io.remote.claims.claimant(key), "owner": h.worker.owner, **stored_exactly(h, doc, truth)}
+
+
+def squatted_claim(model: str, url: str) -> dict:
+    """Issue 62: "mallory" writes a claim as kdn writes one (a printable owner, a lease kdn would
+    take) on a document's first chunk, computable from the model and a shared system prompt. A
+    request waits on it at most ``CLAIM_PROGRESS_LEASES`` leases with nothing of its prompt stored
+    meanwhile, then computes and stores the document exactly (it waited ``IN_FLIGHT_WAIT_S``)."""
+    import time
+
+    h = Harness(model, chunk_size=256, remote_url=url)
+    h.io.remote.clear()
+    lease = h.scheduler_module.CLAIM_LEASE_S
+    h.scheduler_module.CLAIM_LEASE_S = 0.3
+    try:
+        doc = random_tokens(600, 111) + random_tokens(20, 112)
+        truth = random_kv(h, 620, 113)
+        key = h.worker.engine.computing_keys(h.session, np.asarray(doc, dtype=np.uint32), 0)[0]
+        h.io.remote.transport.client.set(h.io.remote.claims.name(key), b"mallory", px=30_000)
+        h.request("a", doc)
+        start, steps = time.monotonic(), 0
+        while "a" not in h.step({"a": truth})[0].fresh and time.monotonic() - start < 20:
+            steps += 1
+            time.sleep(0.1)
+        held = time.monotonic() - start
+        bound = 0.3 * h.scheduler_module.CLAIM_PROGRESS_LEASES
+        return {"held_seconds": held, "waited_steps": steps, "bound_seconds": bound, **stored_exactly(h, doc, truth)}
+    finally:
+        h.scheduler_module.CLAIM_LEASE_S = lease
 
 
 def claim_lease(model: str, url: str) -> dict:

@@ -20,11 +20,29 @@ _OWNER = re.compile(rb"[\x21-\x7e]{1,200}")
 class Claims:
     """Claims filed through ``transport`` under names starting ``prefix``; each call runs through
     ``call(fn, default)`` (the tier's breaker and error accounting: ``default`` when the store cannot
-    be used). ``bad``: claims kdn would not write, found and removed."""
+    be used). ``bad``: claims kdn would not write, found and removed. With ``mac_key`` (a secret's,
+    32 bytes) each claim carries a keyed tag of its name and owner: one written without the secret
+    is not honoured (removed, counted as bad)."""
 
-    def __init__(self, transport, prefix: str, call):
-        self.transport, self._prefix, self._call = transport, prefix, call
+    def __init__(self, transport, prefix: str, call, mac_key: bytes = b""):
+        self.transport, self._prefix, self._call, self._mac_key = transport, prefix, call, mac_key
         self.bad = 0
+
+    def _value(self, name: str, owner: str) -> bytes:
+        """What a claim of ``owner`` under ``name`` holds: the owner, and with a key its tag."""
+        if not self._mac_key:
+            return owner.encode()
+        from kdn import _core
+
+        tag = _core.blake3(b"kdn/claim\0" + name.encode() + b"\0" + owner.encode(), 16, key=self._mac_key)
+        return owner.encode() + b" " + tag.hex().encode()
+
+    def _owner(self, name: str, held: bytes) -> str | None:
+        """The owner a stored claim value names, if kdn (with this tier's key) wrote it."""
+        owner = held.split(b" ", 1)[0] if self._mac_key else held
+        if not _OWNER.fullmatch(owner):
+            return None
+        return owner.decode() if self._value(name, owner.decode()) == held else None
 
     def name(self, key: bytes) -> str:
         return f"{self._prefix}claim:{key.hex()}"
@@ -50,14 +68,15 @@ class Claims:
         ttl_ms = max(1, round(ttl * 1000))
 
         def run():
-            won = self.transport.supports_put_if_absent and self.transport.put_if_absent(name, owner.encode(), ttl_ms)
+            won = self.transport.supports_put_if_absent and self.transport.put_if_absent(
+                name, self._value(name, owner), ttl_ms)
             if not won:
                 held = self._live_claim(name)
                 if held is not None and held != owner:
                     return False
             rest = [] if won else [name]  # renewed by its owner (or a plain write)
             if rest or also:
-                self.transport.put([(n, owner.encode()) for n in rest + [self.name(k) for k in also]], ttl_ms)
+                self.transport.put([(n, self._value(n, owner)) for n in rest + [self.name(k) for k in also]], ttl_ms)
             return True
 
         return self._call(run, None)
@@ -72,13 +91,14 @@ class Claims:
         left = self.transport.expiry([name])[0]
         if left == -2:  # expired since it was read
             return None
-        if _OWNER.fullmatch(held) and (left is None or 0 < left <= CLAIM_MAX_TTL_S * 1000):
-            return held.decode()
+        owner = self._owner(name, held)
+        if owner is not None and (left is None or 0 < left <= CLAIM_MAX_TTL_S * 1000):
+            return owner
         self.bad += 1
         if self.bad == 1:
             log.warning("kdn remote tier: removed a claim kdn would not write (%s, %s ms to live); claims are "
-                        "leases of at most %g s",
-                        "a printable owner" if _OWNER.fullmatch(held) else "an unreadable owner", left, CLAIM_MAX_TTL_S)
+                        "leases of at most %g s", "a claim of this tier" if owner is not None else
+                        "an owner or tag this tier did not write", left, CLAIM_MAX_TTL_S)
         self.transport.delete([name])
         return None
 
@@ -87,9 +107,9 @@ class Claims:
         write: claims are hints); False when the store cannot be used."""
         if not keys or not self.transport.supports_ttl:
             return True  # nothing claimed on a store whose values cannot expire
-        value, ttl_ms = owner.encode(), max(1, round(min(ttl, CLAIM_MAX_TTL_S) * 1000))
-        return bool(self._call(lambda: self.transport.put([(self.name(k), value) for k in keys], ttl_ms)
-                               or True, False))
+        ttl_ms = max(1, round(min(ttl, CLAIM_MAX_TTL_S) * 1000))
+        items = [(self.name(k), self._value(self.name(k), owner)) for k in keys]
+        return bool(self._call(lambda: self.transport.put(items, ttl_ms) or True, False))
 
     def claimant(self, key: bytes) -> str | None:
         """The owner of a live claim on chunk ``key``, or None (none, one kdn ignores, or the store is down)."""

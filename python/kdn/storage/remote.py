@@ -88,7 +88,7 @@ class RemoteTier(Tier):
         self._queued_bytes, self._sending = 0, False
         self._cv = threading.Condition()
         self._bad: dict[str, bytes] = {}  # name -> digest of an unverifiable value read there (to repair)
-        self.claims = Claims(self.transport, f"kdn:{FORMAT}:", self._call)  # which engine computes a chunk
+        self.claims = Claims(self.transport, f"kdn:{FORMAT}:", self._call, self._mac_key)  # who computes a chunk
         self._check_connection()
         self._writer = threading.Thread(target=self._write_loop, name="kdn-remote-writer", daemon=True)
         self._writer.start()

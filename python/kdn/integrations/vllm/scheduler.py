@@ -25,8 +25,11 @@ log = logging.getLogger("kdn")
 # (its last step executed, not scheduled: a step may take longer than this on a loaded host) is
 # waited on this long more, while its store lands. A claim in the remote store is a lease of
 # CLAIM_LEASE_S that its engine renews while the prefill runs: a claim whose engine died, or that
-# nobody renews, stops holding anyone within seconds; a store that cannot be used holds no one.
+# nobody renews, stops holding anyone within seconds; a store that cannot be used holds no one. A
+# claim is a hint anyone who can name the chunk may write: a request waiting on another engine's
+# claim computes once CLAIM_PROGRESS_LEASES leases pass with nothing more of its prompt stored.
 IN_FLIGHT_WAIT_S, STORE_GRACE_S, CLAIM_LEASE_S = 120.0, 10.0, 5.0
+CLAIM_PROGRESS_LEASES = 3
 _COMPLETING = float("inf")  # an admitted request whose prefill's last step is scheduled, not yet run
 
 
@@ -57,7 +60,8 @@ class SchedulerSide:
         self._pending: dict[str, int] = {}  # req_id -> external tokens to load
         self._checks: dict[str, tuple] = {}  # req_id -> (start, end) of a hit held back for verification
         self._found: dict[str, Prefix] = {}  # req_id -> what its last lookup found
-        self._waiting: dict[str, float] = {}  # req_id -> since when it waits for another's prefill
+        # req_id -> [since when it waits for another's prefill, since when nothing more was stored, hit then]
+        self._waiting: dict[str, list] = {}
         # req_id -> [prompt tokens, prefill completed at (None: running, _COMPLETING), claimed keys, scope];
         # kept STORE_GRACE_S past its request's end, while its store lands
         self._admitted: dict[str, list] = {}
@@ -129,7 +133,7 @@ class SchedulerSide:
         for done in [r for r in self._admitted if request_digest(r) in self._stores_ended]:
             del self._admitted[done]  # its store landed, or never will (refused, a full tier): wait no more
         self._stores_ended.clear()
-        busy, keys = False, []
+        busy, claimed, keys = False, False, []
         scope = self._scopes.get(req_id)
         if need < len(tokens):
             for other_id, (other, _, _, other_scope) in self._admitted.items():
@@ -140,11 +144,16 @@ class SchedulerSide:
             keys = self.engine.computing_keys(session, tokens, hit)
             if not busy and keys:  # claimed now, at lookup: of two engines asked at once, one computes
                 # False: another engine's live claim; None (the store cannot tell): computes now
-                busy = self.engine.claim(keys, self.owner, CLAIM_LEASE_S) is False
+                busy = claimed = self.engine.claim(keys, self.owner, CLAIM_LEASE_S) is False
         if busy:
-            first = self._waiting.setdefault(req_id, now)
-            if now - first < IN_FLIGHT_WAIT_S:
+            waited = self._waiting.setdefault(req_id, [now, now, hit])
+            if hit > waited[2]:  # more of it was stored meanwhile: its claimant is making progress
+                waited[1:] = [now, hit]
+            stalled = claimed and now - waited[1] >= CLAIM_PROGRESS_LEASES * CLAIM_LEASE_S
+            if now - waited[0] < IN_FLIGHT_WAIT_S and not stalled:
                 return True
+            if stalled:
+                metrics.count(stalled_claims=1)
             keys = []  # waited long enough: computes it too, without a claim
         self._claims[req_id] = keys
         if self._waiting.pop(req_id, None) is not None:
