@@ -160,3 +160,62 @@ def test_bad_settings_are_typed_errors_with_a_hint(monkeypatch):
 def test_numpy_token_ids_still_work(tiny_llama, stored):
     cache, ids = stored
     assert cache.lookup(tiny_llama, np.asarray(ids[0])) == 3 * CHUNK
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"remote_timeout": 1e-9}, "remote_timeout"), ({"remote_retry_seconds": 1e-9}, "remote_retry_seconds"),
+    ({"remote_part_bytes": 1}, "remote_part_bytes"), ({"memory_bytes": "9" * 400}, "memory_bytes"),
+    ({"memory_bytes": "9" * 30}, "1 EiB"), ({"namespace": "bad \udc80"}, "namespace"), ({"namespace": ["x"]}, "namespace"),
+])
+def test_issue_62_settings_are_one_line_typed_errors(settings, match):
+    with pytest.raises(InvalidInputError, match=match):
+        KDNConfig(**settings)
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:99999/0", "redis://127.0.0.1:6379/abc"])
+def test_a_bad_port_or_database_is_a_typed_error(url):
+    with pytest.raises(InvalidInputError, match="remote_url"):
+        KDN(KDNConfig(remote_url=url))
+
+
+@pytest.mark.parametrize("variable, value, ok", [
+    ("KDN_ENCRYPT", "true", None), ("KDN_PROBE_STEP", "8", 8), ("KDN_BUFFER_POOL_BYTES", "garbage", False),
+    ("KDN_BUFFER_POOL_BYTES", "-1", False), ("KDN_BUFFER_POOL_BYTES", "512MiB", 512 << 20),
+    ("KDN_BUFFER_POOL_HUGE_PAGES", "no", False), ("KDN_BUFFER_POOL_HUGE_PAGES", "maybe", "error"),
+])
+def test_every_setting_can_come_from_the_environment_and_a_bad_one_says_so(monkeypatch, variable, value, ok):
+    """``KDN_ENCRYPT`` and ``KDN_PROBE_STEP`` are read (they were refused); the buffer pool's variables
+    are checked and applied when an engine starts (``garbage`` was 0, ``-1`` was 2^64 - 1, ``no`` was on)."""
+    limit, huge = _core.buffer_pool_stats()["limit_bytes"], _core.buffer_pool_stats()["huge_pages"]
+    monkeypatch.setenv(variable, value)
+    try:
+        if variable == "KDN_ENCRYPT":
+            with pytest.raises(InvalidInputError, match="needs a secret"):  # read as True: it needs one
+                KDNConfig.from_env()
+            assert KDNConfig.from_env(secret="a long enough secret").encrypt is True
+        elif variable == "KDN_PROBE_STEP":
+            assert KDNConfig.from_env().probe_step == ok
+        elif ok is False and variable == "KDN_BUFFER_POOL_BYTES" or ok == "error":
+            with pytest.raises(InvalidInputError, match=variable):
+                KDN(KDNConfig())
+        else:
+            KDN(KDNConfig())
+            stats = _core.buffer_pool_stats()
+            assert (stats["limit_bytes"] if variable == "KDN_BUFFER_POOL_BYTES" else stats["huge_pages"]) == ok
+    finally:
+        _core.buffer_pool_set_limit(limit)
+        _core.buffer_pool_huge_pages(huge)
+
+
+def test_a_negative_limit_and_kdns_own_flat_kv_list(tiny_llama, stored):
+    """``retrieve(limit=-1)`` is a typed error (it was a miss); ``store`` takes the flat
+    ``[k0, v0, k1, v1, ...]`` list :func:`kdn.layout.cache_to_kv_list` makes (it raised IndexError)."""
+    from kdn.layout import cache_to_kv_list
+
+    cache, ids = stored
+    with pytest.raises(InvalidInputError, match="limit"):
+        cache.retrieve(tiny_llama, ids, limit=-1)
+    fresh = KDN(KDNConfig(chunk_size=CHUNK))
+    assert fresh.store(tiny_llama, ids, cache_to_kv_list(full_prefill(tiny_llama, ids)[1])) == 3 * CHUNK
+    with pytest.raises(InvalidInputError, match="even number"):
+        fresh.store(tiny_llama, ids, cache_to_kv_list(full_prefill(tiny_llama, ids)[1])[:-1])

@@ -134,12 +134,12 @@ def test_process_b_reads_exactly_what_process_a_stored(tiny_llama, mooncake):
 
 
 def test_values_split_into_parts_and_removed(tiny_llama, mooncake):
-    kdn = mooncake.open(remote_part_bytes=1000)  # a chunk is ~4.2 KB: a manifest and 5 parts
+    kdn = mooncake.open(remote_part_bytes=1024)  # a chunk is ~4.2 KB: a manifest and 5 parts
     ids = random_ids(tiny_llama, 33, seed=22)
     _, reference = full_prefill(tiny_llama, ids)
     kdn.store(tiny_llama, ids, reference)
     kdn.flush()
-    reader = mooncake.open(remote_part_bytes=1000)
+    reader = mooncake.open(remote_part_bytes=1024)
     cache, hit = reader.retrieve(tiny_llama, ids, limit=32)
     assert hit == 32
     for got, want in zip(cache_to_kv_list(cache), cache_to_kv_list(reference)):

@@ -278,3 +278,25 @@ def test_no_audit_and_no_smaller_capacity_deletes_a_keyed_tenants_files(stories,
     for extra in ([], ["--disk-bytes", "4KiB"]):
         assert main(["verify", str(folder), "--model", "stories260k", "--chunk-size", "32", *extra]) == 0
         assert "0 differ" in capsys.readouterr().out and files() == before
+
+
+def test_kdn_verify_skips_a_chain_of_token_ids_outside_the_vocabulary(stories, tmp_path, capsys):
+    """Issue 62: a pointer planted with token ids no model has (a well-formed chain otherwise) is
+    reported and not recomputed (it was a 71-line traceback); the honest prompts are verified."""
+    import numpy as np
+
+    from kdn.cli import main
+    from kdn.engine.session import ROOT
+
+    model, _ = stories
+    folder = str(tmp_path / "kv")
+    kdn, _ = _stored_store(model, {"disk_dir": folder})
+    session = kdn.session(model)
+    oov = np.arange(model.config.vocab_size + 10, model.config.vocab_size + 42, dtype=np.uint32)
+    probe = session.probe_keys(ROOT, oov)[0]
+    assert kdn.engine.tiers.put(probe, _core.pack_pointer(session.fingerprint, probe,
+                                                          session.chunk_key(ROOT, oov), 0, oov))
+    kdn.flush()
+    assert main(["verify", folder, "--model", "stories260k", "--chunk-size", "32"]) == 0
+    captured = capsys.readouterr()
+    assert "1 prompts with token ids outside the model's vocabulary" in captured.out and "Traceback" not in captured.err

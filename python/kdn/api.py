@@ -326,10 +326,12 @@ class KDN:
 
 def _limit(limit, n: int, where: str) -> int:
     """The token cap of a lookup or retrieve: ``n - 1`` by default (the last token is the model's),
-    else ``limit`` clamped to [0, n]; a limit that is not a whole number is an InvalidInputError."""
+    else ``limit`` clamped to n; a limit that is not a whole non-negative number is an InvalidInputError."""
     if limit is None:
         return max(0, n - 1)
     if isinstance(limit, bool) or not isinstance(limit, numbers.Integral):
         if not (isinstance(limit, float) and limit.is_integer()):
             raise InvalidInputError(f"{where}: limit must be a whole number of tokens or None, got {limit!r}")
-    return max(0, min(int(limit), n))
+    if limit < 0:
+        raise InvalidInputError(f"{where}: limit must be a non-negative number of tokens or None, got {limit!r}")
+    return min(int(limit), n)

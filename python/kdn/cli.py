@@ -273,7 +273,8 @@ def run_verify_command(args) -> int:
     print(f"{report.entries} entries, {report.prompts} stored prompts rebuilt from their pointers, "
           f"{report.checked} recomputed, {report.compared} chunks compared: {len(report.mismatches)} differ "
           f"(largest honest difference {report.worst:.2g}); {report.unreached} chunks no pointer reaches, "
-          "not checked")
+          "not checked" + (f"; {report.invalid} prompts with token ids outside the model's vocabulary (no model "
+                           "wrote them), not checked" if report.invalid else ""))
     for key in report.mismatches:
         print(f"  mismatch {key.hex()}" + (" (dropped)" if key in report.dropped else ""))
     if report.checked == 0:  # nothing was compared: not a pass

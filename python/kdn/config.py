@@ -213,6 +213,8 @@ class KDNConfig:
                 raise InvalidInputError(f"KDNConfig.{name} must be a positive integer, got {value!r}")
             if name in SIZE_FIELDS and value > MAX_BYTES:
                 raise InvalidInputError(f"KDNConfig.{name}={value} is larger than 1 EiB; is it a typo?")
+            if value < sources.MIN_BYTES.get(name, 0):
+                raise InvalidInputError(f"KDNConfig.{name}={value}: at least {sources.MIN_BYTES[name]} bytes")
         if self.disk_read_threads > MAX_READ_THREADS:
             raise InvalidInputError(f"KDNConfig.disk_read_threads={self.disk_read_threads}: at most "
                                     f"{MAX_READ_THREADS} (reads are bounded by the disk, not by threads)")
@@ -240,7 +242,7 @@ class KDNConfig:
         if self.encrypt and self.secret is None:
             raise InvalidInputError("KDNConfig.encrypt=True needs a secret (its keys derive from it): set "
                                     "KDNConfig.secret or $KDN_SECRET")
-        for name in ("disk_fsync", "disk_shared", "encrypt", "pin_host_memory"):
+        for name in sources.BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"KDNConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.namespace is not None:
@@ -253,6 +255,8 @@ class KDNConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise InvalidInputError(f"KDNConfig.{name} must be a positive number of seconds, got {value!r}")
+            if value < sources.MIN_SECONDS.get(name, 0):
+                raise InvalidInputError(f"KDNConfig.{name}={value!r}: at least {sources.MIN_SECONDS[name]} s")
         if self.remote_ttl is not None and self.remote_ttl < 0.001:
             raise InvalidInputError(f"KDNConfig.remote_ttl={self.remote_ttl!r}: at least 0.001 s (the store "
                                     "expires values in milliseconds), or None to keep them")

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import warnings
+from fractions import Fraction
 from pathlib import Path
 
 from kdn._core import InvalidInputError
@@ -19,6 +20,10 @@ SIZE_FIELDS = ("memory_bytes", "disk_bytes", "disk_queue_bytes", "remote_part_by
 INT_FIELDS = ("chunk_size", "disk_read_threads", "layer_group")
 SECONDS_FIELDS = ("remote_timeout", "remote_ttl", "remote_retry_seconds", "ttft_deadline")
 OPTIONAL_SECONDS = ("remote_ttl", "ttft_deadline")
+BOOL_FIELDS = ("disk_fsync", "disk_shared", "encrypt", "pin_host_memory")
+# the least a setting may be: below it a value is a typo, or stops kdn from doing its work
+MIN_SECONDS = {"remote_timeout": 0.001, "remote_retry_seconds": 0.05}
+MIN_BYTES = {"remote_part_bytes": 1024}
 # KDN_ variables that are not settings: read by the package, its tests, benchmarks and CI scripts
 # (tests/test_code_rules.py fails when one of those reads a KDN_ variable missing here).
 OTHER_ENV = frozenset({
@@ -29,15 +34,47 @@ OTHER_ENV = frozenset({
 _warned_env: set[str] = set()
 
 
+MAX_TEXT_BYTES = 1 << 60  # a byte size written as text beyond 1 EiB is a typo
+
+
 def parse_bytes(value, name: str = "size") -> int:
     """A byte count from an int or a string such as ``"512MiB"``, ``"4 GB"`` or ``"1_000"``."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    if isinstance(value, str):
+    if isinstance(value, str) and len(value) <= 64:
         m = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
         if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1).replace("_", "")) * _UNITS[m.group(2).lower()])
-    raise InvalidInputError(f"{name}={value!r} is not a byte size (examples: 1048576, '512MiB', '4GB')")
+            number = Fraction(m.group(1).replace("_", "")) * _UNITS[m.group(2).lower()]  # exact, no overflow
+            if number <= MAX_TEXT_BYTES:
+                return int(number)
+            raise InvalidInputError(f"{name}={value!r} is larger than 1 EiB; is it a typo?")
+    raise InvalidInputError(f"{name}={value!r:.80} is not a byte size (examples: 1048576, '512MiB', '4GB')")
+
+
+BOOLEAN_TEXT = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+                "off": False}
+
+
+def parse_bool(raw: str, where: str) -> bool:
+    """A boolean written as text (1/0, true/false, yes/no, on/off)."""
+    lowered = raw.strip().lower()
+    if lowered not in BOOLEAN_TEXT:
+        raise InvalidInputError(f"{where}={raw!r:.80} is not a boolean (true/false)")
+    return BOOLEAN_TEXT[lowered]
+
+
+def apply_process_env() -> None:
+    """Check the process-wide ``KDN_BUFFER_POOL_*`` variables (read by the C++ buffer pool) and
+    apply them: a byte size (``"512MiB"`` too) and a boolean; a bad value is an InvalidInputError
+    (the pool alone would read ``garbage`` as 0 and ``-1`` as 2^64 - 1)."""
+    from kdn import _core
+
+    raw = os.environ.get("KDN_BUFFER_POOL_BYTES")
+    if raw is not None:
+        _core.buffer_pool_set_limit(parse_bytes(raw, "KDN_BUFFER_POOL_BYTES"))
+    raw = os.environ.get("KDN_BUFFER_POOL_HUGE_PAGES")
+    if raw is not None:
+        _core.buffer_pool_huge_pages(parse_bool(raw, "KDN_BUFFER_POOL_HUGE_PAGES"))
 
 
 def unknown(name: str, where: str, fields: list[str]) -> InvalidInputError:
@@ -68,18 +105,15 @@ def from_text(name: str, raw: str, where: str):
             return json.loads(raw) if raw.strip() else {}
         except ValueError:
             raise InvalidInputError(f"{where}={raw!r} is not a JSON object of options") from None
-    if name in INT_FIELDS:
+    if name in INT_FIELDS or name == "probe_step":
         try:
             return int(raw)
         except ValueError:
             raise InvalidInputError(f"{where}={raw!r} is not an integer") from None
     if name in SIZE_FIELDS:
         return parse_bytes(raw, where)
-    if name in ("disk_fsync", "disk_shared", "pin_host_memory"):
-        lowered = raw.strip().lower()
-        if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-            raise InvalidInputError(f"{where}={raw!r} is not a boolean (true/false)")
-        return lowered in ("1", "true", "yes", "on")
+    if name in BOOL_FIELDS:
+        return parse_bool(raw, where)
     if name == "verify_fraction":
         try:
             return float(raw)

@@ -89,13 +89,21 @@ def prefill_cache(model, ids: torch.Tensor, **kwargs):
 
 
 def cache_to_kv_list(cache) -> list[torch.Tensor]:
-    """Flatten a DynamicCache (or legacy tuple of (k, v)) into [k0, v0, k1, v1, ...].
+    """Flatten a DynamicCache (or legacy tuple of (k, v), or this function's own flat list) into
+    [k0, v0, k1, v1, ...].
 
     Each tensor is [batch, kv_heads, seq, head_dim] as HF stores it.
     """
     if hasattr(cache, "layers"):
         pairs = [(layer.keys, layer.values) for layer in cache.layers]
+    elif isinstance(cache, (tuple, list)) and cache and all(isinstance(t, torch.Tensor) for t in cache):
+        if len(cache) % 2:
+            raise InvalidInputError(f"past_key_values as a flat list holds [k0, v0, k1, v1, ...]: an even number "
+                                    f"of tensors, got {len(cache)}")
+        pairs = list(zip(cache[0::2], cache[1::2]))
     elif isinstance(cache, (tuple, list)):
+        if not all(isinstance(kv, (tuple, list)) and len(kv) >= 2 for kv in cache):
+            raise InvalidInputError("past_key_values as a tuple holds one (k, v) pair per layer")
         pairs = [(kv[0], kv[1]) for kv in cache]
     else:
         raise InvalidInputError(

@@ -31,7 +31,9 @@ class AuditReport:
     chunks, ``mismatches`` (keys of chunks that differ from the recomputation), ``dropped`` (keys
     removed, with ``drop``), ``worst`` (the largest plane error of an honest chunk), ``unreached``
     (this model's chunks that no rebuilt prompt reaches: a chunk whose tokens leave an earlier stored
-    chunk's only in its last ``probe_step`` tokens has no pointer of its own, and is not checked)."""
+    chunk's only in its last ``probe_step`` tokens has no pointer of its own, and is not checked),
+    ``invalid`` (rebuilt prompts holding token ids outside the model's vocabulary: no model wrote
+    them, none is recomputed)."""
 
     entries: int = 0
     unreached: int = 0
@@ -41,6 +43,7 @@ class AuditReport:
     mismatches: list = dataclasses.field(default_factory=list)
     dropped: list = dataclasses.field(default_factory=list)
     worst: float = 0.0
+    invalid: int = 0
 
 
 def stored_prompts(io: ChunkIO, session: ModelSession, keys) -> tuple[list[np.ndarray], int, int]:
@@ -97,7 +100,11 @@ def audit(io: ChunkIO, session: ModelSession, model, keys, sample: int | None = 
     tolerance = EXACT_TOLERANCE.get(session.layout.torch_dtype, 6e-2)
     device = next(model.parameters()).device
     size = session.chunk_size
+    vocab = session.layout.vocab_size
     for tokens in (progress or iter)(chosen):
+        if tokens.size and int(tokens.max()) >= vocab:
+            report.invalid += 1
+            continue
         stored, hit = io.read(session, tokens, len(tokens))
         if hit == 0:
             continue

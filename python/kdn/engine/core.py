@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from kdn import _core
 from kdn._core import InvalidInputError
+from kdn.config_sources import apply_process_env
 from kdn.engine.audit import AuditReport
 from kdn.engine.audit import audit as audit_stored
 from kdn.engine.chunks import ChunkIO, Packed, Prefix
@@ -85,6 +86,7 @@ class Engine:
     _registry_lock = threading.Lock()
 
     def __init__(self, config, tiers: TierManager | None = None):
+        apply_process_env()  # KDN_BUFFER_POOL_*: checked (a bad value is one typed error) and applied
         self.config = config
         self.chunks = ChunkIO(tiers if tiers is not None else TierManager(config))
         self.delivery = Deliverer(self.chunks, config)

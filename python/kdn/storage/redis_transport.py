@@ -42,7 +42,7 @@ class RedisTransport(RemoteTransport):
             from redis.cluster import RedisCluster
         except ImportError:
             raise InvalidInputError("the remote tier needs redis-py: pip install 'kdn[redis]'") from None
-        scheme = urllib.parse.urlsplit(url).scheme
+        scheme = _check_url(url)
         self.cluster = scheme.endswith("+cluster")
         options = dict(socket_timeout=timeout, socket_connect_timeout=timeout)
         if self.cluster:
@@ -153,6 +153,22 @@ class RedisTransport(RemoteTransport):
         if self._direct is not None:
             self._direct.close()
         self.client.close()
+
+
+def _check_url(url: str) -> str:
+    """The scheme of a Redis URL whose port and database are usable; else one InvalidInputError."""
+    from kdn.urls import redact
+
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port outside [0, 65535] or not a number
+        query = {k: v[-1] for k, v in urllib.parse.parse_qs(parts.query).items()}
+        db = query.get("db", "0" if parts.scheme == "unix" else parts.path.strip("/") or "0")
+        if not db.isdigit():
+            raise ValueError(f"database {db!r} is not a number")
+    except ValueError as e:
+        raise InvalidInputError(f"remote_url {redact(url)!r}: {e}") from None
+    return parts.scheme
 
 
 class _Direct:
