@@ -165,7 +165,8 @@ def test_numpy_token_ids_still_work(tiny_llama, stored):
 @pytest.mark.parametrize("settings, match", [
     ({"remote_timeout": 1e-9}, "remote_timeout"), ({"remote_retry_seconds": 1e-9}, "remote_retry_seconds"),
     ({"remote_part_bytes": 1}, "remote_part_bytes"), ({"memory_bytes": "9" * 400}, "memory_bytes"),
-    ({"memory_bytes": "9" * 30}, "1 EiB"), ({"namespace": "bad \udc80"}, "namespace"), ({"namespace": ["x"]}, "namespace"),
+    ({"memory_bytes": "9" * 30}, "1 EiB"), ({"namespace": "bad \udc80"}, "namespace"),
+    ({"namespace": ["x"]}, "namespace"),
 ])
 def test_issue_62_settings_are_one_line_typed_errors(settings, match):
     with pytest.raises(InvalidInputError, match=match):
