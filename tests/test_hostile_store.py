@@ -60,6 +60,23 @@ def test_a_trickling_server_is_cut_off_at_the_calls_deadline():
         assert time.monotonic() - start < TIMEOUT * 1.1 and tier.stats()["state"] == "down"
 
 
+def test_a_server_that_answers_ping_but_drips_its_values_stays_skipped():
+    """Issue 62: the breaker probes with a small read, not a PING alone: a store that answers PING
+    at once but drips GETs is not brought back every probe (callers would lose a timeout each
+    time); once it answers reads again, it is."""
+    with HostileRedis("honest", delay=0.2) as server:
+        tier = RemoteTier(server.url, timeout=TIMEOUT, retry_seconds=0.05)
+        server.mode = "trickle"
+        assert tier.get_many([key(1)]) == [None] and tier.stats()["state"] == "down"
+        time.sleep(10 * 0.05 + 2 * TIMEOUT)
+        assert tier.stats()["state"] == "down" and tier.stats()["errors"] == 1
+        server.mode = "honest"
+        deadline = time.monotonic() + 2 * TIMEOUT + 1.0
+        while tier.stats()["state"] != "ok" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tier.stats()["state"] == "ok"
+
+
 def test_lookups_and_claims_on_a_trickling_server_end_at_the_deadline_too():
     """EXISTS (every lookup) and claims go through the same client as reads: a server that starts
     trickling after start-up costs a lookup or a claim the timeout, not the trickle."""

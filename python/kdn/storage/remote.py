@@ -82,7 +82,7 @@ class RemoteTier(Tier):
                                     "values (it evicts them itself); leave remote_ttl None")
         self.cluster = self.transport.cluster
         self.transport.max_value_bytes = part_bytes  # no value this tier writes is larger (part of the protocol)
-        self._breaker = Breaker(url, retry_seconds, self.transport.ping)
+        self._breaker = Breaker(url, retry_seconds, self._probe)
         self._stats = collections.Counter()
         self._queue: collections.deque = collections.deque()
         self._queued_bytes, self._sending = 0, False
@@ -122,6 +122,12 @@ class RemoteTier(Tier):
         if self._stats["corrupt"] == 1:
             log.warning("kdn remote tier: unusable value for chunk %s (a miss): %s", key.hex(), why)
         return None
+
+    def _probe(self) -> None:
+        """The breaker's probe: a ping and a small read, through the path values take (a store that
+        answers PING but drips its values stays skipped)."""
+        self.transport.ping()
+        self.transport.get([f"kdn:{FORMAT}:probe"])
 
     # -- guarded calls --------------------------------------------------------------------------
     def _call(self, fn, default):
