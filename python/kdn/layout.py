@@ -85,6 +85,8 @@ def prefill_cache(model, ids: torch.Tensor, **kwargs):
     """The cache of one forward over ``ids`` when only its KV is wanted: the logits of the last
     position alone are computed (every position's is a vocabulary-wide row: 1.2 GB of fp32 for 2K
     tokens of Qwen2.5's 151,936-token vocabulary, and the output head's multiply-adds)."""
+    if CACHE_ARG not in kwargs and "past_key_values" not in kwargs:
+        kwargs.update(cache_arg(full_cache(model)))
     return output_cache(model(ids, use_cache=True, logits_to_keep=1, **kwargs))
 
 
@@ -142,10 +144,26 @@ def check_kv_matches(layout: ModelLayout, kv: list[torch.Tensor], num_tokens: in
             raise InvalidInputError(f"cache holds {t.shape[2]} tokens but {num_tokens} token ids were given")
 
 
+def windowed(config) -> bool:
+    """Whether a model of HF ``config`` has sliding-window layers (Mistral-style, or Gemma's
+    alternating sliding and full layers), whose HF cache keeps only each window's last tokens."""
+    cache = DynamicCache(config=config)
+    return any(type(layer) is not DynamicLayer for layer in cache.layers)
+
+
+def full_cache(model: torch.nn.Module) -> DynamicCache | None:
+    """A cache that keeps every token of every layer, for a model with sliding-window layers (None
+    for another model: its own cache does). The model still attends within each layer's window (its
+    masks come from its config, not from the cache): what kdn stores is then the prompt's KV at
+    every position, as a later hit that ends anywhere needs it."""
+    return DynamicCache() if windowed(model.config) else None
+
+
 def kv_list_to_cache(model: torch.nn.Module, kv: list[torch.Tensor]) -> DynamicCache:
-    """Build a DynamicCache for ``model`` that holds the tensors of ``kv`` without copying them."""
+    """Build a DynamicCache for ``model`` that holds the tensors of ``kv`` without copying them
+    (every layer a plain one for a model with sliding windows: :func:`full_cache`)."""
     cache = DynamicCache(config=model.config)
-    if len(cache.layers) != len(kv) // 2:
+    if len(cache.layers) != len(kv) // 2 or windowed(model.config):
         cache = DynamicCache()
     for i in range(len(kv) // 2):
         k, v = kv[2 * i], kv[2 * i + 1]

@@ -11,7 +11,7 @@ from transformers.generation.streamers import BaseStreamer
 from kdn._core import InvalidInputError
 from kdn.delivery import DeliveryError, load_cache
 from kdn.engine import Engine, Load
-from kdn.layout import CACHE_ARG, cache_arg, cache_to_kv_list, kv_list_to_cache, output_cache, prefill_cache
+from kdn.layout import CACHE_ARG, cache_arg, cache_to_kv_list, full_cache, kv_list_to_cache, output_cache, prefill_cache
 
 log = logging.getLogger("kdn")
 
@@ -118,6 +118,8 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
         if rows > 1:  # beams / several sequences: generate expands the prompt, so the cache too
             cache.batch_repeat_interleave(rows)
         generate_kwargs.update(cache_arg(cache))
+    else:  # a model with sliding windows keeps its whole prompt, to be stored
+        generate_kwargs.update(cache_arg(full_cache(model)))
     first_forward: list = []
     hook = model.register_forward_hook(lambda *_: first_forward.append(time.perf_counter()))
     try:
@@ -132,6 +134,7 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
         log.warning("kdn: delivering the stored KV failed (%s); the prompt is recomputed", exc)
         load.finish()
         generate_kwargs.pop(CACHE_ARG, None)
+        generate_kwargs.update(cache_arg(full_cache(model)))
         hit, stream, load, first_forward[:] = 0, None, Load(), []
         started = time.perf_counter()
         out = model.generate(ids, return_dict_in_generate=True, use_cache=True, **generate_kwargs)

@@ -1,0 +1,63 @@
+"""The models people serve beyond plain full attention (issue 63), in the HF facade: sliding-window
+models (Mistral-style, every layer windowed; Gemma 3's five sliding layers to one full) store and
+hit prompts far longer than their window, and every hit is a full prefill's logits."""
+
+import pytest
+import torch
+import transformers
+
+from conftest import full_prefill, random_ids
+from kdn import KDN, KDNConfig
+from kdn.layout import cache_to_kv_list, prefill_cache, windowed
+
+CHUNK = 16
+WINDOW = 24
+
+
+def sliding(family: str):
+    """A small random-weight model of ``family`` with a 24-token window."""
+    torch.manual_seed(0)
+    shape = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, sliding_window=WINDOW, max_position_embeddings=1024)
+    if family == "mistral":
+        config = transformers.MistralConfig(num_hidden_layers=3, **shape)
+    else:
+        config = transformers.Gemma3TextConfig(num_hidden_layers=6, **shape)  # layers 0-4 sliding, 5 full
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_a_sliding_window_model_stores_and_hits_prompts_longer_than_its_window(family, tmp_path):
+    """A 5-window prompt: the first generate stores it (every layer's KV at every position: a hit
+    ending anywhere needs the window before it), the second is a hit with the model's own tokens,
+    and a new process's exact read of it gives a full prefill's logits, at the end of the prompt and
+    at a shorter prefix (a hit ending mid-document)."""
+    model = sliding(family)
+    assert windowed(model.config)
+    ids = random_ids(model, 5 * WINDOW + 3, seed=1)
+    expected = model.generate(ids, max_new_tokens=4, do_sample=False)
+    cache = KDN(KDNConfig(chunk_size=CHUNK, disk_dir=str(tmp_path / "kv")))
+    for hit in (0, (ids.shape[1] - 1) // CHUNK * CHUNK):
+        out = cache.generate(model, ids, max_new_tokens=4, do_sample=False)
+        assert torch.equal(out, expected) and cache.last_generate["hit_tokens"] == hit
+    cache.flush()
+    reader = KDN(KDNConfig(chunk_size=CHUNK, disk_dir=str(tmp_path / "kv")))
+    for prompt in (ids, ids[:, :3 * CHUNK + 5]):
+        kv, hit = reader.retrieve(model, prompt)
+        assert hit == (prompt.shape[1] - 1) // CHUNK * CHUNK
+        with torch.inference_mode():
+            logits = model(prompt[:, hit:], past_key_values=kv).logits[0, -1]
+        torch.testing.assert_close(logits, full_prefill(model, prompt)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_stored_kv_of_a_sliding_layer_is_its_kv_at_every_position():
+    """What kdn prefills for storing keeps every position of a sliding layer (HF's own cache keeps the
+    window's last tokens only): row for row, the KV the model computes for each prefix."""
+    model = sliding("gemma3")
+    ids = random_ids(model, 4 * WINDOW, seed=2)
+    kept = cache_to_kv_list(prefill_cache(model, ids))
+    assert all(t.shape[2] == ids.shape[1] for t in kept)
+    own = cache_to_kv_list(full_prefill(model, ids)[1])
+    assert own[0].shape[2] < ids.shape[1]  # HF's sliding layer: the window only
+    for a, b in zip(kept, cache_to_kv_list(prefill_cache(model, ids[:, :2 * WINDOW]))):
+        torch.testing.assert_close(a[:, :, :2 * WINDOW], b, rtol=1e-5, atol=1e-5)
