@@ -336,6 +336,37 @@ def test_a_lora_request_is_served_only_its_adapters_kv_across_engines(setup, ada
     assert second[0][1] >= 512 and second[1][1] == 0 and second[2][1] >= 512
 
 
+def test_a_sliding_window_model_is_served_from_a_new_engine_and_read_back_exactly(setup, tmp_path):
+    """Issue 63: Gemma 3 (five sliding layers of 128 tokens to one full, random weights): vLLM
+    allocates its sliding layers as full ones when the connector is not hybrid-aware, kdn stores every
+    layer's KV of a 700-token prompt; a new engine is served it (vLLM alone's tokens), a load that
+    fails part-way is recomputed (vLLM alone's tokens again), and an HF reader of the stored bytes gets
+    this model's own prefill of every layer at every position."""
+    from transformers import AutoTokenizer
+
+    from model_families import gemma3_config, save_random
+
+    python, smollm2_folder, _ = setup
+    folder = save_random(gemma3_config(window=128), smollm2_folder, tmp_path / "gemma3")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    doc = tokenizer((Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()).input_ids[:700]
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([doc + tokenizer(q).input_ids for q in QUESTIONS]))
+    family = (python, folder, str(prompts))
+    alone = [r["tokens"] for r in engine(family)["results"]]
+    assert len({t for r in alone for t in r}) > 2  # the weights are scaled until the tokens vary
+    disk = str(tmp_path / "kv")
+    first = engine(family, {"disk_dir": disk})
+    assert [r["tokens"] for r in first["results"]] == alone and first["stats"]["connector"]["stores"] >= 1
+    second = engine(family, {"disk_dir": disk})
+    assert [r["tokens"] for r in second["results"]] == alone
+    assert [r["cached_tokens"] >= 512 for r in second["results"]] == [True, True]
+    failed = engine(family, {"disk_dir": disk}, "--drop-chunk-at-lookup", "1:1")
+    assert [r["tokens"] for r in failed["results"]] == alone and failed["stats"]["connector"]["load_errors"] >= 1
+    for r in _exact_reader(family, str(prompts), disk):
+        assert r["hit_tokens"] >= 512 and r["kv_max_diff"] < 1e-4 and r["max_logit_diff"] < 1e-3
+
+
 def test_an_unknown_setting_stops_the_engine_with_did_you_mean(setup):
     python, folder, prompts = setup
     proc = subprocess.run([python, str(HERE / "vllm_engine.py"), "--model", folder, "--prompts", prompts,
@@ -399,7 +430,7 @@ def engine(hf=None, use_mla=False, groups=("FullAttentionSpec",), model=folder):
     return unsupported_reason(config, NS(kv_cache_groups=specs))
 print(json.dumps({
     "plain": engine(),
-    "sliding": engine(NS(sliding_window=4096)),
+    "sliding": engine(NS(sliding_window=4096)),  # mixed layers, allocated as full by vLLM: served
     "sliding_off": engine(NS(sliding_window=4096, use_sliding_window=False)),
     "mla": engine(use_mla=True),
     "hybrid": engine(groups=("FullAttentionSpec", "MambaSpec")),
@@ -414,9 +445,10 @@ def test_models_kdn_cannot_serve_are_named_and_served_nothing(setup):
     proc = subprocess.run([python, "-c", REFUSALS, folder], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     why = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert why["plain"] is None and why["sliding_off"] is None
-    assert "sliding-window" in why["sliding"] and "MLA" in why["mla"] and "hybrid" in why["hybrid"]
-    assert "SlidingWindowSpec" in why["swa_group"] and "not a local HF checkpoint" in why["hub_name"]
+    assert why["plain"] is None and why["sliding_off"] is None and why["sliding"] is None
+    assert "MLA" in why["mla"] and "hybrid" in why["hybrid"] and "MambaSpec" in why["hybrid"]
+    assert "SlidingWindowSpec" in why["swa_group"] and "Mistral-style" in why["swa_group"]
+    assert "not a local HF checkpoint" in why["hub_name"]
 
 
 KERNEL_WRITES = """

@@ -56,6 +56,13 @@ def main() -> None:
         result = {"hit_tokens": hit}
         if fp32 is not None and hit:  # before the suffix below extends the cache
             result["kv_error_vs_own_prefill"] = _kv_error_ratio(cache, model, fp32, ids[:, :hit])
+        if hit:  # every layer's KV at every served position against this model's own prefill of them
+            from kdn.layout import cache_to_kv_list, prefill_cache
+
+            with torch.inference_mode():
+                own = cache_to_kv_list(prefill_cache(model, ids[:, :hit]))
+            result["kv_max_diff"] = max(float((a[:, :, :hit].float() - b.float()).abs().max())
+                                        for a, b in zip(cache_to_kv_list(cache), own))
         with torch.inference_mode():
             full = model(ids, logits_to_keep=1).logits[0, -1]
             served = model(ids[:, hit:], past_key_values=cache, logits_to_keep=1).logits[0, -1] if hit else full

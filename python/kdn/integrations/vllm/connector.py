@@ -29,16 +29,19 @@ log = logging.getLogger("kdn")
 def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
     """Why kdn cannot serve this engine's model, or None."""
     model = vllm_config.model_config
-    hf = model.hf_text_config
     if getattr(model, "use_mla", False):
         return "MLA attention (latent KV) is not supported"
-    if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
-        return "sliding-window attention is not supported (its KV is not a plain prefix)"
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if len(groups) > 1:
-        return "hybrid models (several KV cache groups: mamba or mixed attention) are not supported"
-    if groups and type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec":
-        return f"{type(groups[0].kv_cache_spec).__name__} layers are not supported (full attention only)"
+        return ("hybrid models (several KV cache groups: " + ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+                + ") are not supported")
+    spec = type(groups[0].kv_cache_spec).__name__ if groups else "FullAttentionSpec"
+    if spec == "SlidingWindowSpec":
+        return ("SlidingWindowSpec layers (every layer windowed, Mistral-style) are not supported: vLLM keeps only "
+                "each window's blocks, and kdn stores whole prompts; models mixing sliding and full layers (Gemma) "
+                "are served")
+    if spec != "FullAttentionSpec":
+        return f"{spec} layers are not supported (full attention, and sliding layers vLLM allocates as full, only)"
     folder = Path(model.model)
     if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
         return f"{model.model} is not a local HF checkpoint folder (kdn fingerprints the checkpoint's files)"

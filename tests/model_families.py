@@ -1,0 +1,39 @@
+"""Small random-weight checkpoints of the model families beyond plain full attention (issue 63),
+saved with SmolLM2's tokenizer so a vLLM engine can serve them: greedy tokens must equal vLLM
+alone's whatever the weights, and the weights are scaled up until those tokens vary."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import transformers
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def gemma3_config(window: int = 128) -> transformers.PretrainedConfig:
+    """Gemma 3's text model, small: five sliding layers (``window`` tokens) to one full, twice."""
+    return transformers.Gemma3TextConfig(
+        vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=window, max_position_embeddings=8192,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def save_random(config, tokenizer_folder, folder, scale: float = 4.0, seed: int = 0) -> str:
+    """A random-weight model of ``config`` (its linear weights ``scale`` times the initializer's, so
+    that greedy decoding does not repeat one token) saved in fp32 to ``folder`` beside the tokenizer
+    files of ``tokenizer_folder``; the folder's path."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.mul_(scale)
+    folder = Path(folder)
+    model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer_folder) / name).exists():
+            shutil.copy(Path(tokenizer_folder) / name, folder / name)
+    return str(folder)
