@@ -37,3 +37,13 @@ def save_random(config, tokenizer_folder, folder, scale: float = 4.0, seed: int 
         if (Path(tokenizer_folder) / name).exists():
             shutil.copy(Path(tokenizer_folder) / name, folder / name)
     return str(folder)
+
+
+def deepseek_v2_config() -> transformers.PretrainedConfig:
+    """DeepSeek-V2's attention (MLA: a 512-dim latent and a 64-dim RoPE key per token, the only head
+    size vLLM's MLA kernels take), small everywhere else; dense MLPs."""
+    return transformers.DeepseekV2Config(
+        vocab_size=49152, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+        qk_nope_head_dim=64, v_head_dim=64, first_k_dense_replace=4, n_routed_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=0)

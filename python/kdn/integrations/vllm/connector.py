@@ -29,8 +29,6 @@ log = logging.getLogger("kdn")
 def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
     """Why kdn cannot serve this engine's model, or None."""
     model = vllm_config.model_config
-    if getattr(model, "use_mla", False):
-        return "MLA attention (latent KV) is not supported"
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if len(groups) > 1:
         return ("hybrid models (several KV cache groups: " + ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
@@ -40,12 +38,25 @@ def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
         return ("SlidingWindowSpec layers (every layer windowed, Mistral-style) are not supported: vLLM keeps only "
                 "each window's blocks, and kdn stores whole prompts; models mixing sliding and full layers (Gemma) "
                 "are served")
-    if spec != "FullAttentionSpec":
-        return f"{spec} layers are not supported (full attention, and sliding layers vLLM allocates as full, only)"
+    if spec == "MLAAttentionSpec" and not getattr(model, "use_mla", False):
+        return "an MLAAttentionSpec on a model vLLM does not run as MLA"
+    if getattr(model, "use_mla", False) and _on_cpu():
+        return ("MLA on vLLM's CPU platform: its CPU_MLA backend prefills without a cached context (vLLM turns "
+                "prefix caching off there), so a hit's remaining tokens would be computed without the prefix; "
+                "kdn serves MLA models on GPU MLA backends")
+    if spec not in ("FullAttentionSpec", "MLAAttentionSpec"):
+        return (f"{spec} layers are not supported (full attention, MLA, and sliding layers vLLM allocates as full, "
+                "only)")
     folder = Path(model.model)
     if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
         return f"{model.model} is not a local HF checkpoint folder (kdn fingerprints the checkpoint's files)"
     return None
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def loads_async(config: KDNConfig, vllm_config) -> bool:
@@ -130,6 +141,8 @@ class KDNConnector(KVConnectorBase_V1):
     def attention_kernel(self, layer: torch.Tensor) -> str:
         """Whose blocks ``layer`` is: the CPU kernel vLLM picked (``"vec"``, ``"vec16"``, ``"amx"``, ...)
         or ``"gpu"`` for a CUDA tensor (every GPU backend hands connectors the same views)."""
+        if self.session.layout.latent:  # an MLA model's latent cache, on any device
+            return "mla"
         if layer.device.type == "cpu":
             return cpu_attention_isa(self._vllm_config, self.session.layout)
         return "gpu" if layer.is_cuda else layer.device.type
