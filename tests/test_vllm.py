@@ -609,6 +609,17 @@ def test_a_claim_is_a_lease_renewed_while_its_prefill_runs_and_lapsing_when_its_
     assert lease["b2_while_claim_live"] == [] and lease["b2_after_lease"] == ["b2"]
 
 
+def test_a_request_asks_kdn_to_keep_its_prompt_or_to_store_nothing(scheduled):
+    """Issue 64: ``kv_transfer_params`` ``{"kdn": {"retain": 60}}`` stores and pins the prompt's chunks
+    in the worker's memory; ``{"store": false}`` stores nothing; a retain kdn cannot use is ignored."""
+    t = scheduled["retained"]
+    assert t["kept"]["saves"] == 1 and t["kept"]["stored_tokens"] >= 512 and t["kept"]["retained_chunks"] == 2
+    assert t["kept"]["pinned_bytes"] > 0
+    assert t["ephemeral"] == {"saves": 0, "stored_tokens": 0, "retained_chunks": 0,
+                              "pinned_bytes": t["kept"]["pinned_bytes"]}
+    assert t["bad"]["saves"] == 1 and t["bad"]["stored_tokens"] >= 512 and t["bad"]["retained_chunks"] == 0
+
+
 def test_a_claim_anyone_can_write_holds_a_request_a_few_leases_not_two_minutes(scheduled):
     """Issue 62: a planted kdn-format claim (30 s, "mallory") holds a request until its claimant has
     stored nothing for CLAIM_PROGRESS_LEASES leases (0.9 s here), not IN_FLIGHT_WAIT_S (120 s);

@@ -64,12 +64,13 @@ class Harness:
         self.scheduler_module = importlib.import_module("kdn.integrations.vllm.scheduler")  # its waits and leases
 
     def request(self, req_id: str, tokens: list, max_tokens: int = 4, cache_salt: str | None = None,
-                lora=None):
-        """Add a request (``lora``: a vLLM ``LoRARequest``)."""
+                lora=None, transfer: dict | None = None):
+        """Add a request (``lora``: a vLLM ``LoRARequest``; ``transfer``: its ``kv_transfer_params``)."""
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0,
+                                extra_args={"kv_transfer_params": transfer} if transfer is not None else None)
         params.update_from_generation_config({}, 0)
         request = Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=params,
                           pooling_params=None, cache_salt=cache_salt, lora_request=lora)

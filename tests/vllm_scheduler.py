@@ -45,6 +45,7 @@ def main() -> None:
     results["store_down"] = store_down(args.model)
     results["salted"] = salted(args.model)
     results["scoped"] = scoped(args.model)
+    results["retained"] = retained(args.model)
     print("KDN-RESULT " + json.dumps(results), flush=True)
 
 
@@ -506,6 +507,27 @@ def scoped(model: str) -> dict:
               "b": request_scope(adapter=adapter_fingerprint(folder / "b")), "long": request_scope("s" * 2000)}
     return {"served": served, "stored": {name: stored_exactly(h, doc[:512], truth[name], scope)
                                          for name, scope in scopes.items()}}
+
+
+def retained(model: str) -> dict:
+    """Issue 64: ``kv_transfer_params={"kdn": {"retain": 60}}`` pins the stored prompt in the worker's
+    memory; ``{"store": false}`` is served and stores nothing; a value kdn cannot use is ignored
+    (stored, not pinned), never an exception into vLLM's scheduler."""
+    from kdn.integrations.vllm import metrics
+
+    h = Harness(model, chunk_size=256)
+    memory = h.worker.engine.tier("memory")
+    out = {}
+    for name, transfer, seed in (("kept", {"kdn": {"retain": 60}}, 120), ("ephemeral", {"kdn": {"store": False}}, 121),
+                                 ("bad", {"kdn": {"retain": "forever"}}, 122)):
+        doc = random_tokens(600, seed)
+        before = metrics.totals()["retained_chunks"]
+        h.request(name, doc, transfer=transfer)
+        meta, _ = h.step({name: random_kv(h, 600, seed)})
+        out[name] = {"saves": len(meta.saves), "stored_tokens": h.stored(doc)[0],
+                     "retained_chunks": metrics.totals()["retained_chunks"] - before,
+                     "pinned_bytes": memory.stats()["pinned_bytes"]}
+    return out
 
 
 if __name__ == "__main__":

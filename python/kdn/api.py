@@ -97,9 +97,11 @@ class KDN:
         tokens = session.tokens(token_ids)
         return self.engine.lookup(session, tokens, _limit(limit, len(tokens), "lookup"))
 
-    def store(self, model, token_ids, past_key_values, namespace: str | None = None) -> int:
+    def store(self, model, token_ids, past_key_values, namespace: str | None = None,
+              retain: float | None = None) -> int:
         """Store the KV of ``token_ids`` from ``past_key_values`` (its full chunks, and a tail of at
-        least ``config.probe_step`` tokens).
+        least ``config.probe_step`` tokens); ``retain``: seconds to keep it pinned in memory, within
+        the operator's bound (:meth:`kdn.engine.Engine.check_retention`: refused before storing).
 
         ``past_key_values`` is the model's cache (DynamicCache or tuple of (k, v)) for at least
         ``len(token_ids)`` tokens, batch 1. Chunks already stored are skipped (idempotent).
@@ -110,7 +112,12 @@ class KDN:
         tokens = session.tokens(token_ids)
         kv = cache_to_kv_list(past_key_values)
         check_kv_matches(session.layout, kv, len(tokens))
-        return self.engine.save(session, tokens, [t.cpu() for t in kv])
+        if retain is not None:
+            self.engine.check_retention(session, len(tokens), retain)
+        stored = self.engine.save(session, tokens, [t.cpu() for t in kv])
+        if retain is not None:
+            self.engine.retain(session, tokens, retain)
+        return stored
 
     def retrieve(self, model, token_ids, limit: int | None = None, edits=None, namespace: str | None = None):
         """Fetch the stored KV of the longest stored prefix of ``token_ids``.

@@ -156,6 +156,11 @@ class KDNConfig:
             chunk keys, and its chunks are dropped from every tier. Default 0 (off) in the library;
             **0.01 is the recommended value in production**: it watches a shared store's correctness
             for the cost of 16 recomputed tokens per hundred hits.
+        retain_fraction, retain_max_seconds: the operator's bound on what requests may keep: a
+            request's retention (the facade's ``retain=`` seconds, a vLLM request's
+            ``kv_transfer_params={"kdn": {"retain": seconds}}``) pins its prompt in the memory tier for
+            at most ``retain_max_seconds`` (default 3600), and is refused while pins would hold more
+            than ``retain_fraction`` of the memory tier (default 0.25): no tenant pins the tier full.
 
     Sources, later wins: defaults, a YAML file, ``KDN_<FIELD>`` environment variables, keyword
     arguments (:meth:`load`).
@@ -198,6 +203,8 @@ class KDNConfig:
     ttft_deadline: float | None = None
     delivery_levels: tuple = ()
     verify_fraction: float = 0.0
+    retain_fraction: float = 0.25
+    retain_max_seconds: float = 3600.0
     disk_shared: bool = False
     secret: str | None = dataclasses.field(default=None, repr=False)
     namespace: str | None = None
@@ -227,11 +234,12 @@ class KDNConfig:
         if self.layer_group > MAX_LAYER_GROUP:
             raise InvalidInputError(f"KDNConfig.layer_group={self.layer_group} is too large (max {MAX_LAYER_GROUP}; "
                                     "a value at or above the model's layer count is one group)")
-        value = self.verify_fraction
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-            raise InvalidInputError(f"KDNConfig.verify_fraction must be a number in [0, 1] (0.01 is recommended "
-                                    f"in production), got {value!r}")
-        object.__setattr__(self, "verify_fraction", float(value))
+        for name in sources.FRACTION_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                hint = " (0.01 is recommended in production)" if name == "verify_fraction" else ""
+                raise InvalidInputError(f"KDNConfig.{name} must be a number in [0, 1]{hint}, got {value!r}")
+            object.__setattr__(self, name, float(value))
         if self.chunk_size > 1 << 20:
             raise InvalidInputError(f"KDNConfig.chunk_size={self.chunk_size} is too large (max 1048576)")
         for name, choices in (("memory_policy", EVICTION_POLICIES), ("disk_policy", EVICTION_POLICIES),

@@ -18,7 +18,8 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": KiB, "m": 1000**2, "mb": 
           "g": 1000**3, "gb": 1000**3, "gib": GiB, "t": 1000**4, "tb": 1000**4, "tib": TiB}
 SIZE_FIELDS = ("memory_bytes", "disk_bytes", "disk_queue_bytes", "remote_part_bytes", "remote_queue_bytes")
 INT_FIELDS = ("chunk_size", "disk_read_threads", "layer_group")
-SECONDS_FIELDS = ("remote_timeout", "remote_ttl", "remote_retry_seconds", "ttft_deadline")
+SECONDS_FIELDS = ("remote_timeout", "remote_ttl", "remote_retry_seconds", "ttft_deadline", "retain_max_seconds")
+FRACTION_FIELDS = ("verify_fraction", "retain_fraction")
 OPTIONAL_SECONDS = ("remote_ttl", "ttft_deadline")
 BOOL_FIELDS = ("disk_fsync", "disk_shared", "encrypt", "pin_host_memory")
 # the least a setting may be: below it a value is a typo, or stops kdn from doing its work
@@ -114,7 +115,7 @@ def from_text(name: str, raw: str, where: str):
         return parse_bytes(raw, where)
     if name in BOOL_FIELDS:
         return parse_bool(raw, where)
-    if name == "verify_fraction":
+    if name in FRACTION_FIELDS:
         try:
             return float(raw)
         except ValueError:

@@ -315,6 +315,31 @@ class Engine:
             n += 1
         return n
 
+    def check_retention(self, session: ModelSession, tokens: int, seconds) -> float:
+        """The seconds a request may keep a prompt of ``tokens`` tokens pinned in memory (what it asked,
+        at most ``config.retain_max_seconds``), or an InvalidInputError that says why not: not a
+        positive number, or the memory tier's pins would then hold more than ``config.retain_fraction``
+        of it (its full chunks counted raw, an upper bound)."""
+        config = self.config
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise InvalidInputError(f"retain: a positive number of seconds, got {seconds!r}")
+        need = tokens // session.chunk_size * session.chunk_size * session.layout.bytes_per_token()
+        pinned = self.tiers.memory.stats()["pinned_bytes"]
+        bound = config.retain_fraction * config.memory_bytes
+        if pinned + need > bound:
+            raise InvalidInputError(f"retain: refused: {need / 2**10:.0f} KiB more pinned would hold "
+                                    f"{(pinned + need) / 2**10:.0f} KiB of memory, over the operator's bound of "
+                                    f"{bound / 2**10:.0f} KiB (retain_fraction={config.retain_fraction:g} of "
+                                    f"memory_bytes)")
+        return min(float(seconds), config.retain_max_seconds)
+
+    def retain(self, session: ModelSession, tokens, seconds) -> int:
+        """Pin what a request asked to keep (:meth:`check_retention`): the stored full chunks of
+        ``tokens``, in memory, for the seconds allowed; how many chunks were pinned."""
+        tokens = session.tokens(tokens)
+        ttl = self.check_retention(session, len(tokens), seconds)
+        return self.pin(session.prefix_keys(tokens), ttl)
+
     def unpin(self, keys: list[bytes]) -> int:
         """Make the chunks ``keys`` evictable again; how many were pinned."""
         return sum(self.tiers.unpin(k) for k in keys)

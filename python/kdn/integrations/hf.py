@@ -79,7 +79,11 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
             call accepts (:mod:`kdn.edits`, e.g. ``"kvzip:keep=0.3"``), served when stored (the exact
             cache otherwise); nothing computed over an edited cache is stored; and ``namespace``:
             the tenant this call reads and stores in (within ``KDNConfig.namespace``; the same
-            string as a vLLM request's ``cache_salt`` shares KV with it, and nothing else does).
+            string as a vLLM request's ``cache_salt`` shares KV with it, and nothing else does);
+            ``retain``: seconds to keep the prompt's KV pinned in memory after this call (bounded
+            by the operator's ``KDNConfig.retain_max_seconds`` and ``retain_fraction``: a request
+            beyond the bound is an InvalidInputError before anything is computed); ``store=False``:
+            an ephemeral request, served what is stored and storing nothing.
 
     Returns ``(output, stats)``: what ``model.generate`` returns (``sequences`` tensor, or the dict
     output when ``return_dict_in_generate=True``, which then also carries ``kdn_stats``) and
@@ -110,8 +114,15 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
     rows = _rows_per_prompt(model, generate_kwargs)
     edits = generate_kwargs.pop("edits", None)
     namespace = generate_kwargs.pop("namespace", None)
+    retain, keep = generate_kwargs.pop("retain", None), generate_kwargs.pop("store", True)
+    if not isinstance(keep, bool):
+        raise InvalidInputError(f"generate: store must be True or False, got {keep!r}")
     started = time.perf_counter()
     session = engine.session(model, namespace)
+    if retain is not None:  # refused before anything is computed, not after
+        if not keep:
+            raise InvalidInputError("generate: retain= keeps what a request stores; with store=False nothing is")
+        engine.check_retention(session, ids.shape[1], retain)
     cache, load = load_cache(engine, model, session.tokens(ids[0]), ids.shape[1] - 1, edits, started, namespace)
     hit, stream = load.hit, load.stream
     if cache is not None:
@@ -155,12 +166,14 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
         if final is not None and rows == 1 and hit:
             verdict = _verify_hit(engine, session, model, ids, hit, cache_to_kv_list(final), record.lossy)
             record.suspect = verdict is False
-        if final is not None and rows == 1:
+        if final is not None and keep and rows == 1:
             n_kv = final.get_seq_length()
             engine.save(session, session.tokens(out.sequences[0, :n_kv]), [t.cpu() for t in cache_to_kv_list(final)],
                         record)
-        elif final is not None:  # rows diverge after the prompt (and beams reorder): store the prompt
+        elif final is not None and keep:  # rows diverge after the prompt (and beams reorder): store the prompt
             engine.save(session, session.tokens(ids[0]), [t[:1].cpu() for t in cache_to_kv_list(final)], record)
+        if retain is not None and final is not None:
+            stats["retained_chunks"] = engine.retain(session, ids[0], retain)
     except Exception as exc:  # storing is best effort; the answer is already computed
         log.warning("kdn: storing the generated KV failed (%s); the result is returned unchanged", exc)
     if want_dict:

@@ -24,7 +24,10 @@ NAMES = ("lookups", "hit_tokens", "loads", "loaded_tokens", "load_errors", "stor
          "memory_chunks", "disk_chunks", "remote_chunks",
          # requests that waited for another's prefill of their document (asked again later); waits
          # ended because another engine's claim made no progress for CLAIM_PROGRESS_LEASES leases
-         "in_flight_waits", "stalled_claims")
+         "in_flight_waits", "stalled_claims",
+         # chunks kept pinned as requests asked (kv_transfer_params retain), and retentions refused by
+         # the operator's bound (retain_fraction)
+         "retained_chunks", "refused_retentions")
 
 _lock = threading.Lock()
 _totals = dict.fromkeys(NAMES, 0)

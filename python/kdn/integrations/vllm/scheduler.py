@@ -69,6 +69,7 @@ class SchedulerSide:
         self._claims: dict[str, list[bytes]] = {}  # req_id -> the chunks it will compute (claimed)
         self._scopes: dict[str, bytes | None] = {}  # req_id -> its scope (salt, adapter, inputs)
         self._unserved: set[str] = set()  # requests kdn cannot key (prompt embeddings, ...): nothing loaded or stored
+        self._retention: dict[str, tuple] = {}  # req_id -> (seconds to keep it pinned or None, whether to store it)
         self.scopes = Scopes()
         self._renewed = 0.0  # when the claims of running prefills were last renewed
         self._requests: dict[str, _Request] = {}
@@ -87,6 +88,7 @@ class SchedulerSide:
             return 0, False
         tokens = np.asarray(request.prompt_token_ids or [], dtype=np.uint32)
         self._scopes[request.request_id] = scope
+        self._retention[request.request_id] = retention = self.retention_of(request)
         session = self.session.within(scope)
         began = time.perf_counter()
         found = None  # the last token is computed: limit len - 1
@@ -106,9 +108,10 @@ class SchedulerSide:
         metrics.count(lookup_seconds=time.perf_counter() - began)
         hit = found.tokens
         self._found[request.request_id] = found  # the worker's load reads these chunks, without a second lookup
-        if self._prefilled_elsewhere(request.request_id, tokens, hit, session):
+        if self._prefilled_elsewhere(request.request_id, tokens, hit, session, claims=retention[1]):
             return None, False  # vLLM skips the request this step and asks again
-        span = self.engine.sample_check(hit - num_computed_tokens)  # verified: vLLM computes the last ones
+        # verified: vLLM computes the last ones (an ephemeral request stores nothing, checks nothing)
+        span = self.engine.sample_check(hit - num_computed_tokens) if retention[1] else 0
         if span:
             self._checks[request.request_id] = (hit - span, hit)
         else:
@@ -117,7 +120,24 @@ class SchedulerSide:
         external = max(0, hit - span - num_computed_tokens)
         return external, self.loads_async and external > 0
 
-    def _prefilled_elsewhere(self, req_id: str, tokens: np.ndarray, hit: int, session: ModelSession) -> bool:
+    def retention_of(self, request) -> tuple:
+        """What a request asks kdn to keep (``kv_transfer_params={"kdn": {"retain": seconds, "store":
+        false}}``): ``(seconds or None, store)``; a value kdn cannot use is logged once and ignored
+        (request content never raises into vLLM)."""
+        params = getattr(request, "kv_transfer_params", None)
+        asked = params.get("kdn") if isinstance(params, dict) else None
+        if not isinstance(asked, dict):
+            return None, True
+        retain, store = asked.get("retain"), asked.get("store", True)
+        ok_retain = retain is None or (isinstance(retain, (int, float)) and not isinstance(retain, bool) and retain > 0)
+        if not ok_retain or not isinstance(store, bool):
+            self.scopes.warn_once(request.request_id, f"kv_transfer_params: kdn's retain must be positive seconds "
+                                                      f"and store a boolean, got {asked!r:.200} (ignored)")
+            return None, True
+        return (float(retain) if retain is not None and store else None), store
+
+    def _prefilled_elsewhere(self, req_id: str, tokens: np.ndarray, hit: int, session: ModelSession,
+                             claims: bool = True) -> bool:
         """Whether another request is computing at least one more chunk of this prompt than kdn
         holds (two questions of one document arriving together): one admitted in this engine, or,
         with a remote store, one another engine claimed there. Then this request waits for that KV
@@ -141,7 +161,7 @@ class SchedulerSide:
                         and np.array_equal(other[:need], tokens[:need])):
                     busy = True
                     break
-            keys = self.engine.computing_keys(session, tokens, hit)
+            keys = self.engine.computing_keys(session, tokens, hit) if claims else []  # an ephemeral one: none
             if not busy and keys:  # claimed now, at lookup: of two engines asked at once, one computes
                 # False: another engine's live claim; None (the store cannot tell): computes now
                 busy = claimed = self.engine.claim(keys, self.owner, CLAIM_LEASE_S) is False
@@ -161,8 +181,8 @@ class SchedulerSide:
         return False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        if request.request_id in self._unserved:
-            return
+        if request.request_id in self._unserved or not self._retention.get(request.request_id, (None, True))[1]:
+            return  # nothing of it will be stored: nobody waits for it
         # admitted: the next request's lookup in this very step sees that this one prefills its prompt
         keys = self._claims.pop(request.request_id, [])  # claimed at its lookup: renewed when it finishes
         self._admitted[request.request_id] = [np.asarray(request.prompt_token_ids or [], dtype=np.uint32), None, keys,
@@ -246,15 +266,19 @@ class SchedulerSide:
         if not computed < n <= computed + scheduled:
             return
         check = req.check if req.check is not None and computed <= req.check[0] else None
+        retain, store = self._retention.get(req_id, (None, True))
+        if not store:
+            return  # an ephemeral request: served, never stored
         if req_id in self._admitted:
             self._admitted[req_id][1] = _COMPLETING
         meta.saves.append(SaveSpec(req_id, req.tokens, req.block_ids[: -(-n // self.block_size)], check,
-                                   req.scope))
+                                   req.scope, retain))
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
         self._scopes.pop(request.request_id, None)
         self._unserved.discard(request.request_id)
+        self._retention.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
         self._checks.pop(request.request_id, None)
         self._found.pop(request.request_id, None)

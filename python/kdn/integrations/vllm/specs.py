@@ -32,6 +32,7 @@ class SaveSpec:
     block_ids: list
     check: tuple | None = None
     scope: bytes | None = None
+    retain: float | None = None  # seconds the request asked its prompt be kept pinned (kv_transfer_params)
 
 
 @dataclasses.dataclass

@@ -66,6 +66,7 @@ class WorkerSide:
         # holds no one; the oldest are forgotten when nobody asks
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._ended_lock = threading.Lock()
+        self._warned_retention = False
 
     def _describe(self, layers: list[torch.Tensor]) -> PagedLayout:
         """One layout for every layer's tensor, checked against the model and vLLM's block size."""
@@ -216,8 +217,10 @@ class WorkerSide:
                 if served.unstorable() is not None:
                     self.engine.save(session, np.asarray(spec.tokens, dtype=np.uint32), [], served)  # refused
                     metrics.count(refused_stores=1)
+                elif spec.retain:  # kdn served this prompt: it holds its KV already, kept as asked
+                    self._retain(session, spec.tokens, spec.retain)
                 self._store_ended(spec.req_id)
-                continue  # else kdn served this prompt: it holds its KV already
+                continue
             # copies: the blocks are vLLM's to reuse once this returns. The chunks to store (those no
             # local tier holds) are sealed straight from CPU blocks; a GPU's are copied to pinned host
             # memory in one device-to-host copy, and sealed by the store thread, which files them
@@ -233,7 +236,8 @@ class WorkerSide:
             first, kv = blocks.emit(*check) if check is not None else (0, None)
             metrics.count(gather_seconds=time.perf_counter() - began)
             self._start_saver()
-            self._saves.put((spec.req_id, session, tokens, first, kv, dataclasses.replace(served), check, packed))
+            self._saves.put((spec.req_id, session, tokens, first, kv, dataclasses.replace(served), check, packed,
+                             spec.retain))
         for served in self._served.values():
             served.failed = False  # vLLM recomputes what failed: the recomputed prefill is stored
 
@@ -251,7 +255,7 @@ class WorkerSide:
             began, cpu = time.perf_counter(), time.thread_time()
             req_id = item[0]
             try:
-                _, session, tokens, first, kv, served, check, packed = item
+                _, session, tokens, first, kv, served, check, packed, retain = item
                 if check is not None:
                     verdict = self.engine.verify(session, tokens, check, [t[:, :, check[0] - first:check[1] - first]
                                                                         for t in kv], served.lossy)
@@ -269,6 +273,8 @@ class WorkerSide:
                     done = time.perf_counter()
                     metrics.count(stores=1, stored_tokens=stored, store_seconds=done - began,
                                   flush_seconds=done - flushing, store_cpu_seconds=time.thread_time() - cpu)
+                    if retain:
+                        self._retain(session, tokens, retain)
                 else:
                     metrics.count(refused_stores=1)
             except Exception as exc:  # storing is best effort; the request is answered already
@@ -276,6 +282,17 @@ class WorkerSide:
             finally:
                 self._store_ended(req_id)
                 self._saves.task_done()
+
+    def _retain(self, session, tokens, seconds: float) -> None:
+        """Keep a stored prompt pinned as its request asked, within the operator's bound (a refusal
+        is counted as ``refused_retentions`` and logged once, never raised into vLLM)."""
+        try:
+            metrics.count(retained_chunks=self.engine.retain(session, np.asarray(tokens, dtype=np.uint32), seconds))
+        except InvalidInputError as e:
+            metrics.count(refused_retentions=1)
+            if not self._warned_retention:
+                self._warned_retention = True
+                log.warning("kdn: a request's retention was refused (%s)", e)
 
     def _store_ended(self, req_id: str) -> None:
         with self._ended_lock:
