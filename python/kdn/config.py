@@ -18,6 +18,7 @@ from kdn.config_sources import (  # noqa: F401 - the names users import from kdn
     KiB,
     MiB,
     TiB,
+    check_namespace,
     parse_bytes,
 )
 from kdn.urls import redact
@@ -276,12 +277,12 @@ class KDNConfig:
             except InvalidInputError as e:
                 raise InvalidInputError(f"KDNConfig.{name}: {e}") from None
         for name in ("accept_codecs", "delivery_levels"):
-            object.__setattr__(self, name, _codec_list(name, getattr(self, name)))
+            object.__setattr__(self, name, sources.codec_list(name, getattr(self, name)))
         for spec in self.delivery_levels:
             if not codecs.parse(spec).lossy:
                 raise InvalidInputError(f"KDNConfig.delivery_levels: {spec!r} is exact; the exact level (remote_codec) "
                                         "is always first, list the lossy levels after it")
-        object.__setattr__(self, "remote_options", _options(self.remote_options))
+        object.__setattr__(self, "remote_options", sources.option_pairs(self.remote_options))
         if self.remote_url is not None and (not isinstance(self.remote_url, str) or "://" not in self.remote_url):
             raise InvalidInputError("KDNConfig.remote_url must be a URL such as redis://127.0.0.1:6379/0 (its scheme "
                                     f"is checked when the tiers are built), got {redact(str(self.remote_url))!r}")
@@ -343,47 +344,6 @@ class KDNConfig:
 
         specs = (self.memory_codec, self.disk_codec, self.remote_codec, *self.accept_codecs)
         return tuple(dict.fromkeys(s for s in specs if codecs.parse(s).lossy))
-
-
-def check_namespace(namespace, what: str = "namespace") -> str:
-    """``namespace`` if it is a usable tenant name (a non-empty string of at most 1024 characters,
-    encodable as UTF-8: no lone surrogates)."""
-    if not isinstance(namespace, str) or not 0 < len(namespace) <= 1024:
-        raise InvalidInputError(f"{what} must be a non-empty string of at most 1024 characters (or None), "
-                                f"got {namespace!r:.200}")
-    try:
-        namespace.encode()
-    except UnicodeEncodeError as e:
-        raise InvalidInputError(f"{what} is not valid text ({e.reason} at position {e.start})") from None
-    return namespace
-
-
-def _options(value) -> tuple:
-    """Sorted ``(name, value)`` pairs from a mapping (or pairs): a config stays hashable."""
-    if value is None:
-        return ()
-    try:
-        pairs = sorted(dict(value).items())
-    except (TypeError, ValueError):
-        raise InvalidInputError(f"KDNConfig.remote_options must be a mapping of option names to values, "
-                                f"got {value!r}") from None
-    if not all(isinstance(name, str) for name, _ in pairs):
-        raise InvalidInputError(f"KDNConfig.remote_options: option names are strings, got {[n for n, _ in pairs]}")
-    return tuple(pairs)
-
-
-def _codec_list(name: str, value) -> tuple:
-    """A tuple of canonical codec specs from a list or a comma-separated string."""
-    from kdn import codecs
-
-    if isinstance(value, str):
-        value = [a for a in (s.strip() for s in value.split(",")) if a]
-    if not isinstance(value, (list, tuple)):
-        raise InvalidInputError(f"KDNConfig.{name} must be a list of codec specs, got {value!r}")
-    try:
-        return tuple(dict.fromkeys(codecs.parse(a).spec for a in value))
-    except InvalidInputError as e:
-        raise InvalidInputError(f"KDNConfig.{name}: {e}") from None
 
 
 def _field_names() -> list[str]:

@@ -152,3 +152,44 @@ def yaml_values(path, fields: list[str]) -> dict:
         if name not in fields:
             raise unknown(str(name), str(path), fields)
     return dict(data)
+
+
+def check_namespace(namespace, what: str = "namespace") -> str:
+    """``namespace`` if it is a usable tenant name (a non-empty string of at most 1024 characters,
+    encodable as UTF-8: no lone surrogates)."""
+    if not isinstance(namespace, str) or not 0 < len(namespace) <= 1024:
+        raise InvalidInputError(f"{what} must be a non-empty string of at most 1024 characters (or None), "
+                                f"got {namespace!r:.200}")
+    try:
+        namespace.encode()
+    except UnicodeEncodeError as e:
+        raise InvalidInputError(f"{what} is not valid text ({e.reason} at position {e.start})") from None
+    return namespace
+
+
+def option_pairs(value) -> tuple:
+    """Sorted ``(name, value)`` pairs from a mapping (or pairs): a config stays hashable."""
+    if value is None:
+        return ()
+    try:
+        pairs = sorted(dict(value).items())
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"KDNConfig.remote_options must be a mapping of option names to values, "
+                                f"got {value!r}") from None
+    if not all(isinstance(name, str) for name, _ in pairs):
+        raise InvalidInputError(f"KDNConfig.remote_options: option names are strings, got {[n for n, _ in pairs]}")
+    return tuple(pairs)
+
+
+def codec_list(name: str, value) -> tuple:
+    """A tuple of canonical codec specs from a list or a comma-separated string."""
+    from kdn import codecs
+
+    if isinstance(value, str):
+        value = [a for a in (s.strip() for s in value.split(",")) if a]
+    if not isinstance(value, (list, tuple)):
+        raise InvalidInputError(f"KDNConfig.{name} must be a list of codec specs, got {value!r}")
+    try:
+        return tuple(dict.fromkeys(codecs.parse(a).spec for a in value))
+    except InvalidInputError as e:
+        raise InvalidInputError(f"KDNConfig.{name}: {e}") from None
