@@ -260,21 +260,26 @@ def test_an_hf_process_and_a_vllm_engine_serve_each_other(setup, stored, referen
     assert out["stats"]["connector"]["loaded_tokens"] >= 2 * 1500
 
 
-def test_a_cache_salt_is_a_tenant_that_an_hf_namespace_of_the_same_name_shares(setup, reference, tmp_path):
-    """Issue 46: vLLM's ``cache_salt`` isolates tenants in kdn as in vLLM's own prefix cache. An engine
-    whose requests carry ``cache_salt="tenant-a"`` stores and hits within that tenant; an HF process
-    in namespace "tenant-b" on the same store misses the document (and stores its own); one in
-    namespace "tenant-a" is served it (fp32 logits within 1e-3 of a full prefill)."""
+def test_a_cache_salt_is_the_scope_an_hf_call_of_the_same_name_shares_and_no_config_namespace(setup, reference,
+                                                                                                tmp_path):
+    """Issues 46 and 62: vLLM's ``cache_salt`` isolates tenants in kdn as in vLLM's own prefix cache. An
+    engine whose requests carry ``cache_salt="tenant-a"`` stores and hits within that scope; an HF
+    process calling with ``namespace="tenant-b"`` misses the document (and stores its own), as does
+    one configured with ``KDNConfig(namespace="tenant-a")`` (a name a client chooses never reaches
+    a config namespace); one calling with ``namespace="tenant-a"`` is served it (fp32 logits within
+    1e-3 of a full prefill)."""
     python, folder, prompts = setup
     disk = str(tmp_path / "salted")
     out = engine(setup, {"disk_dir": disk}, "--cache-salt", "tenant-a")
     assert [r["tokens"] for r in out["results"]] == reference
     assert out["stats"]["connector"]["loaded_tokens"] >= 1500  # the second prompt, within tenant-a
-    other = run(python, "vllm_hf.py", "--model", folder, "--prompts", prompts, "--kdn",
-                json.dumps({"disk_dir": disk, "namespace": "tenant-b"}))["results"]
-    assert other[0]["hit_tokens"] == 0 and other[1]["hit_tokens"] >= 1500  # its own store, not tenant-a's
+    for other in (["--namespace", "tenant-b"], []):
+        config = {"disk_dir": disk, **({} if other else {"namespace": "tenant-a"})}
+        got = run(python, "vllm_hf.py", "--model", folder, "--prompts", prompts, "--kdn", json.dumps(config),
+                  *other)["results"]
+        assert got[0]["hit_tokens"] == 0 and got[1]["hit_tokens"] >= 1500  # its own store, not tenant-a's
     same = run(python, "vllm_hf.py", "--model", folder, "--prompts", prompts, "--kdn",
-               json.dumps({"disk_dir": disk, "namespace": "tenant-a"}))["results"]
+               json.dumps({"disk_dir": disk}), "--namespace", "tenant-a")["results"]
     for r in same:
         assert r["hit_tokens"] >= 1500 and r["max_logit_diff"] < 1e-3
 

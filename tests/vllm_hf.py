@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--namespace", default=None, help="the per-call namespace (a vLLM cache_salt's scope)")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -52,7 +53,7 @@ def main() -> None:
         prompts = json.load(f)
     for ids in prompts:
         ids = torch.tensor([ids], device=args.device)
-        cache, hit = kdn.retrieve(model, ids, limit=ids.shape[1] - 1)
+        cache, hit = kdn.retrieve(model, ids, limit=ids.shape[1] - 1, namespace=args.namespace)
         result = {"hit_tokens": hit}
         if fp32 is not None and hit:  # before the suffix below extends the cache
             result["kv_error_vs_own_prefill"] = _kv_error_ratio(cache, model, fp32, ids[:, :hit])
@@ -66,7 +67,7 @@ def main() -> None:
         with torch.inference_mode():
             full = model(ids, logits_to_keep=1).logits[0, -1]
             served = model(ids[:, hit:], past_key_values=cache, logits_to_keep=1).logits[0, -1] if hit else full
-        out = kdn.generate(model, ids, max_new_tokens=args.max_tokens, do_sample=False)
+        out = kdn.generate(model, ids, max_new_tokens=args.max_tokens, do_sample=False, namespace=args.namespace)
         result.update(tokens=out[0, ids.shape[1]:].tolist(), max_logit_diff=float((served - full).abs().max()))
         results.append(result)
     kdn.flush()
