@@ -341,23 +341,32 @@ def test_a_lora_request_is_served_only_its_adapters_kv_across_engines(setup, ada
     assert second[0][1] >= 512 and second[1][1] == 0 and second[2][1] >= 512
 
 
+def _family(setup, config, folder) -> tuple:
+    """(vLLM python, checkpoint folder, prompts file) for a random-weight model of ``config`` saved in
+    ``folder`` (tests/model_families.py), asked the setup's two questions over 700 document tokens."""
+    from transformers import AutoTokenizer
+
+    from model_families import save_random
+
+    python, smollm2_folder, _ = setup
+    save_random(config, smollm2_folder, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    doc = tokenizer((Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()).input_ids[:700]
+    prompts = Path(folder).parent / f"{Path(folder).name}-prompts.json"
+    prompts.write_text(json.dumps([doc + tokenizer(q).input_ids for q in QUESTIONS]))
+    return python, str(folder), str(prompts)
+
+
 def test_a_sliding_window_model_is_served_from_a_new_engine_and_read_back_exactly(setup, tmp_path):
     """Issue 63: Gemma 3 (five sliding layers of 128 tokens to one full, random weights): vLLM
     allocates its sliding layers as full ones when the connector is not hybrid-aware, kdn stores every
     layer's KV of a 700-token prompt; a new engine is served it (vLLM alone's tokens), a load that
     fails part-way is recomputed (vLLM alone's tokens again), and an HF reader of the stored bytes gets
     this model's own prefill of every layer at every position."""
-    from transformers import AutoTokenizer
+    from model_families import gemma3_config
 
-    from model_families import gemma3_config, save_random
-
-    python, smollm2_folder, _ = setup
-    folder = save_random(gemma3_config(window=128), smollm2_folder, tmp_path / "gemma3")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    doc = tokenizer((Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()).input_ids[:700]
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps([doc + tokenizer(q).input_ids for q in QUESTIONS]))
-    family = (python, folder, str(prompts))
+    family = _family(setup, gemma3_config(window=128), tmp_path / "gemma3")
+    prompts = family[2]
     alone = [r["tokens"] for r in engine(family)["results"]]
     assert len({t for r in alone for t in r}) > 2  # the weights are scaled until the tokens vary
     disk = str(tmp_path / "kv")
@@ -368,7 +377,7 @@ def test_a_sliding_window_model_is_served_from_a_new_engine_and_read_back_exactl
     assert [r["cached_tokens"] >= 512 for r in second["results"]] == [True, True]
     failed = engine(family, {"disk_dir": disk}, "--drop-chunk-at-lookup", "1:1")
     assert [r["tokens"] for r in failed["results"]] == alone and failed["stats"]["connector"]["load_errors"] >= 1
-    for r in _exact_reader(family, str(prompts), disk):
+    for r in _exact_reader(family, prompts, disk):
         assert r["hit_tokens"] >= 512 and r["kv_max_diff"] < 1e-4 and r["max_logit_diff"] < 1e-3
 
 
@@ -377,17 +386,9 @@ def test_an_mla_model_on_vllms_cpu_platform_is_named_and_answers_as_vllm_alone(s
     whose CPU_MLA backend prefills without a cached context: kdn names that and serves the engine
     nothing (its latent layout is laid and gathered exactly in tests/test_paged.py; GPU MLA backends
     are served), so both engines answer vLLM alone's tokens."""
-    from transformers import AutoTokenizer
+    from model_families import deepseek_v2_config
 
-    from model_families import deepseek_v2_config, save_random
-
-    python, smollm2_folder, _ = setup
-    folder = save_random(deepseek_v2_config(), smollm2_folder, tmp_path / "deepseek-v2")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    doc = tokenizer((Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()).input_ids[:700]
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps([doc + tokenizer(q).input_ids for q in QUESTIONS]))
-    family = (python, folder, str(prompts))
+    family = _family(setup, deepseek_v2_config(), tmp_path / "deepseek-v2")
     alone = [r["tokens"] for r in engine(family)["results"]]
     for _ in range(2):
         out = engine(family, {"disk_dir": str(tmp_path / "kv")})
