@@ -276,7 +276,7 @@ void DiskStore::rebuild_index() {
   for (const auto& f : found) adopt_locked(f.key, f.bytes);  // newest first, while they fit: nothing evicted
 }
 
-bool DiskStore::adopt_locked(const Key128& key, uint64_t bytes) {
+bool DiskStore::adopt_locked(const Key128& key, uint64_t bytes, uint64_t owner) {
   if (index_.contains(key)) return true;
   if (index_.used_bytes() + bytes > index_.capacity()) {
     ++stats_.unindexed;
@@ -284,7 +284,7 @@ bool DiskStore::adopt_locked(const Key128& key, uint64_t bytes) {
   }
   std::vector<Key128> none;
   if (!index_.make_room(bytes, &none) || !none.empty()) return false;  // cannot happen: it fits
-  index_.insert(key, bytes);
+  index_.insert(key, bytes, owner);
   ++stats_.adopted;
   return true;
 }
@@ -371,7 +371,7 @@ bool DiskStore::write_blob(const Key128& key, const BufferPtr& queued) {
         return false;
       }
       stats_.evictions += victims.size();
-      index_.insert(key, file_bytes(*blob));
+      index_.insert(key, file_bytes(*blob), owner_of_blob(blob->data(), blob->size()));
     }
   }
   unlink_keys(victims);
@@ -490,7 +490,7 @@ BufferPtr DiskStore::get(const Key128& key) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (blob) {
       if (index_.contains(key)) index_.touch(key);
-      else adopt_locked(key, file_bytes(*blob));
+      else adopt_locked(key, file_bytes(*blob), owner_of_blob(blob->data(), blob->size()));
       ++stats_.hits;
     } else {
       if (!pending_.count(key)) index_.erase(key);  // gone (another process evicted it), corrupt or foreign

@@ -26,7 +26,7 @@ bool MemoryStore::put(const Key128& key, BufferPtr blob) {
       blobs_.erase(it);
     }
     stats_.evictions += victims.size();
-    index_.insert(key, blob->size());
+    index_.insert(key, blob->size(), owner_of_blob(blob->data(), blob->size()));
     if (was_pinned) index_.pin(key, 0);
     blobs_[key] = std::move(blob);
     spill = spill_;

@@ -1,42 +1,81 @@
 // Key, size, pin and eviction-order bookkeeping shared by the tiers (contract in kdn/tier_index.h).
 #include "kdn/tier_index.h"
 
+#include <algorithm>
+#include <cstring>
+
+#include "kdn/blob.h"
 #include "kdn/common.h"
 
 namespace kdn {
 
 TierIndex::TierIndex(uint64_t capacity_bytes, const std::string& policy)
-    : capacity_(capacity_bytes), policy_(make_eviction_policy(policy, capacity_bytes)) {}
+    : capacity_(capacity_bytes), policy_name_(policy) {
+  make_eviction_policy(policy, capacity_bytes);  // an unknown policy name throws here, not at the first insert
+}
 
-void TierIndex::touch(const Key128& key) { policy_->touch(key); }
+EvictionPolicy& TierIndex::policy_of(const Key128& key) { return *owners_.at(owner_of_.at(key)).policy; }
+
+void TierIndex::touch(const Key128& key) {
+  auto it = owner_of_.find(key);
+  if (it != owner_of_.end()) owners_.at(it->second).policy->touch(key);
+}
+
+bool TierIndex::pop_fair_victim(Key128* victim) {
+  // owners by how far over their fair share they are, furthest first; the first with an evictable entry gives it
+  std::vector<std::pair<int64_t, Owner*>> order;
+  const int64_t share = static_cast<int64_t>(capacity_ / std::max<size_t>(1, owners_.size()));
+  for (auto& [id, owner] : owners_) order.emplace_back(static_cast<int64_t>(owner.used) - share, &owner);
+  std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (auto& [over, owner] : order)
+    if (owner->policy->pop_victim(victim)) return true;
+  return false;
+}
+
+void TierIndex::forget(const Key128& key, uint64_t bytes) {
+  auto it = owner_of_.find(key);
+  auto owner = owners_.find(it->second);
+  owner->second.used -= bytes;
+  if (owner->second.used == 0) owners_.erase(owner);  // holds nothing: no longer shares the tier
+  owner_of_.erase(it);
+  used_ -= bytes;
+  sizes_.erase(key);
+}
 
 bool TierIndex::make_room(uint64_t bytes, std::vector<Key128>* victims) {
   expire_pins();
   if (bytes > capacity_ - pinned_bytes_) return false;
   Key128 victim;
-  while (used_ + bytes > capacity_ && policy_->pop_victim(&victim)) {
-    used_ -= sizes_.at(victim);
-    sizes_.erase(victim);
+  while (used_ + bytes > capacity_ && pop_fair_victim(&victim)) {
+    forget(victim, sizes_.at(victim));
     victims->push_back(victim);
   }
   return used_ + bytes <= capacity_;
 }
 
-void TierIndex::insert(const Key128& key, uint64_t bytes) {
+void TierIndex::insert(const Key128& key, uint64_t bytes, uint64_t owner) {
   KDN_CHECK(!contains(key), "TierIndex.insert: key already present");
   sizes_[key] = bytes;
   used_ += bytes;
-  policy_->insert(key, bytes);
+  owner_of_[key] = owner;
+  Owner& o = owners_[owner];
+  if (!o.policy) o.policy = make_eviction_policy(policy_name_, capacity_);
+  o.used += bytes;
+  o.policy->insert(key, bytes);
 }
 
 bool TierIndex::erase(const Key128& key) {
   auto it = sizes_.find(key);
   if (it == sizes_.end()) return false;
   if (pins_.erase(key)) pinned_bytes_ -= it->second;
-  else policy_->erase(key);
-  used_ -= it->second;
-  sizes_.erase(it);
+  else policy_of(key).erase(key);
+  forget(key, it->second);
   return true;
+}
+
+uint64_t TierIndex::owner_bytes(uint64_t owner) const {
+  auto it = owners_.find(owner);
+  return it == owners_.end() ? 0 : it->second.used;
 }
 
 bool TierIndex::pin(const Key128& key, double ttl_seconds) {
@@ -49,7 +88,7 @@ bool TierIndex::pin(const Key128& key, double ttl_seconds) {
   if (ttl_seconds > 0 && ttl_seconds < room * 0.5)
     deadline = now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(ttl_seconds));
   if (!pins_.count(key)) {
-    policy_->erase(key);
+    policy_of(key).erase(key);
     pinned_bytes_ += it->second;
   }
   pins_[key] = deadline;
@@ -62,7 +101,7 @@ bool TierIndex::unpin(const Key128& key) {
   pins_.erase(it);
   uint64_t bytes = sizes_.at(key);
   pinned_bytes_ -= bytes;
-  policy_->insert(key, bytes);
+  policy_of(key).insert(key, bytes);
   return true;
 }
 
@@ -76,7 +115,8 @@ void TierIndex::expire_pins() {
 }
 
 void TierIndex::clear() {
-  policy_->clear();
+  owners_.clear();
+  owner_of_.clear();
   sizes_.clear();
   pins_.clear();
   used_ = pinned_bytes_ = 0;
@@ -95,6 +135,14 @@ std::vector<Key128> TierIndex::keys() const {
   out.reserve(sizes_.size());
   for (const auto& kv : sizes_) out.push_back(kv.first);
   return out;
+}
+
+uint64_t owner_of_blob(const uint8_t* data, size_t size) {
+  BlobHeader h;
+  if (!blob_parse_header(data, size, &h).ok) return 0;
+  uint64_t owner;
+  std::memcpy(&owner, h.fingerprint.data(), sizeof(owner));
+  return owner;
 }
 
 }  // namespace kdn

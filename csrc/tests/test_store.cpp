@@ -50,6 +50,40 @@ TEST(TierIndex, LruEvictsInReferenceOrder) {
   }
 }
 
+class TierIndexFairness : public ::testing::TestWithParam<const char*> {};
+
+// A tenant (owner 2) streaming never-repeated entries evicts its own, not the working set another
+// tenant (owner 1) keeps within its fair share; with room to spare nothing of either is evicted.
+TEST_P(TierIndexFairness, AFloodingOwnerEvictsItsOwnEntriesFirst) {
+  TierIndex index(10 * 100, GetParam());
+  std::vector<Key128> victims;
+  for (uint32_t i = 0; i < 4; ++i) {
+    ASSERT_TRUE(index.make_room(100, &victims));
+    index.insert(key(i), 100, /*owner=*/1);
+  }
+  for (uint32_t i = 1000; i < 1500; ++i) {  // owner 2's flood
+    ASSERT_TRUE(index.make_room(100, &victims));
+    index.insert(key(i), 100, /*owner=*/2);
+    for (uint32_t hot = 0; hot < 4; ++hot) ASSERT_TRUE(index.contains(key(hot))) << "flood entry " << i;
+    ASSERT_LE(index.used_bytes(), index.capacity());
+  }
+  EXPECT_EQ(index.owners(), 2u);
+  EXPECT_EQ(index.owner_bytes(1), 400u);
+  EXPECT_EQ(index.owner_bytes(2), 600u);
+  for (const auto& v : victims) EXPECT_GE(v[0] | (v[1] << 8), 1000) << "an owner-1 entry was evicted";
+  victims.clear();
+  // owner 1 growing past its share meets owner 2 at the fair split: each keeps about half
+  for (uint32_t i = 4; i < 9; ++i) {
+    ASSERT_TRUE(index.make_room(100, &victims));
+    index.insert(key(i), 100, /*owner=*/1);
+  }
+  EXPECT_EQ(index.owner_bytes(1) + index.owner_bytes(2), 1000u);
+  EXPECT_GE(index.owner_bytes(1), 500u);
+  EXPECT_GE(index.owner_bytes(2), 400u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, TierIndexFairness, ::testing::Values("lru", "s3fifo"));
+
 TEST(TierIndex, S3FifoKeepsTheHotSetThroughAScan) {
   TierIndex index(20 * 100, "s3fifo");
   std::vector<Key128> victims;

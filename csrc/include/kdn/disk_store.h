@@ -107,7 +107,7 @@ class DiskStore {
   Key128 file_key(const Key128& key, const BufferPtr& blob) const;     // see put
   bool write_blob(const Key128& key, const BufferPtr& blob);  // key already in pending_
   Status write_file(const Key128& key, const BufferPtr& blob);
-  bool adopt_locked(const Key128& key, uint64_t bytes);  // indexed if it fits; never evicts
+  bool adopt_locked(const Key128& key, uint64_t bytes, uint64_t owner = 0);  // indexed if it fits; never evicts
   void unlink_keys(const std::vector<Key128>& keys);
   bool file_present(const Key128& key) const;
   uint64_t file_bytes(const Buffer& blob) const;     // what the blob's file takes (tag included)

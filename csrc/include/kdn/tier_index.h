@@ -4,6 +4,12 @@
 // either frees enough unpinned bytes or refuses (without evicting anything) when the entry could
 // never fit beside the pinned ones. Pins may carry a time-to-live; an expired pin is released
 // (the entry becomes evictable again, as if newly inserted) the next time room is made.
+//
+// Fair sharing: every entry has an owner (a tenant: the first 8 bytes of its blob's fingerprint,
+// owner_of_blob), each owner its own eviction order. Room is made by evicting from the owner
+// furthest over its fair share (capacity / owners holding entries) first, so one tenant streaming
+// new prompts evicts its own entries, not another's working set within its share. One owner: the
+// policy's order, as before.
 #pragma once
 
 #include <chrono>
@@ -30,7 +36,7 @@ class TierIndex {
   void touch(const Key128& key);
   // Frees unpinned entries until `bytes` more fit (victims are removed and appended to `victims`).
   bool make_room(uint64_t bytes, std::vector<Key128>* victims);
-  void insert(const Key128& key, uint64_t bytes);  // the key must be absent and room made
+  void insert(const Key128& key, uint64_t bytes, uint64_t owner = 0);  // the key absent, room made
   bool erase(const Key128& key);
   // Pins a present key (ttl_seconds <= 0: until unpinned; pinning again resets the ttl).
   bool pin(const Key128& key, double ttl_seconds);
@@ -44,16 +50,31 @@ class TierIndex {
   uint64_t entries() const { return sizes_.size(); }
   uint64_t pinned_entries() const { return pins_.size(); }
   uint64_t pinned_bytes() const { return pinned_bytes_; }
+  uint64_t owners() const { return owners_.size(); }
+  uint64_t owner_bytes(uint64_t owner) const;
   std::vector<Key128> keys() const;
   void fill_sizes(TierStats* stats) const;  // entries, used/capacity/pinned bytes
 
  private:
   using Clock = std::chrono::steady_clock;
+  struct Owner {
+    std::unique_ptr<EvictionPolicy> policy;  // the owner's evictable entries, in eviction order
+    uint64_t used = 0;                       // its bytes, pinned ones included
+  };
+  EvictionPolicy& policy_of(const Key128& key);
+  bool pop_fair_victim(Key128* victim);
+  void forget(const Key128& key, uint64_t bytes);  // drop a removed entry's size and owner
   const uint64_t capacity_;
-  std::unique_ptr<EvictionPolicy> policy_;
+  const std::string policy_name_;
+  std::unordered_map<uint64_t, Owner> owners_;
+  std::unordered_map<Key128, uint64_t, Key128Hash> owner_of_;
   std::unordered_map<Key128, uint64_t, Key128Hash> sizes_;
   std::unordered_map<Key128, Clock::time_point, Key128Hash> pins_;  // deadline (max = none)
   uint64_t used_ = 0, pinned_bytes_ = 0;
 };
+
+// The owner of a blob (the first 8 bytes of its header's fingerprint: its tenant and model); 0 for
+// bytes that are not a blob.
+uint64_t owner_of_blob(const uint8_t* data, size_t size);
 
 }  // namespace kdn
