@@ -49,9 +49,9 @@ EVICTOR = """
 import sys
 from kdn import _core
 from disk_helpers import blob_for, key
-store = _core.DiskStore(sys.argv[1], 3 * len(blob_for(0)) + 10)   # B: a small tier on the same folder
-for i in range(100, 110):
-    store.put(key(i), blob_for(i))                                # its evictions delete A's files
+store = _core.DiskStore(sys.argv[1], 100 * len(blob_for(0)))     # B on the same folder
+for i in range(3):
+    store.remove(key(i))                                          # deletes A's files (as its evictions may)
 """
 
 
