@@ -44,6 +44,7 @@ def test_a_flooding_tenant_evicts_its_own_kv_not_another_tenants_working_set(tin
     rates.append(hit_rate(cache, tiny_llama, mine, "tenant-a"))
     assert rates == [1.0] * len(rates)
     assert hit_rate(cache, tiny_llama, flood[-3:], "tenant-b") == 1.0  # B keeps what fits its share
+    assert cache.stats()[tier]["tenants"] == 2
     kv, hit = cache.retrieve(tiny_llama, mine[0], namespace="tenant-a")
     with torch.inference_mode():
         logits = tiny_llama(mine[0][:, hit:], past_key_values=kv).logits[0, -1]

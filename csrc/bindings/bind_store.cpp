@@ -65,6 +65,7 @@ py::dict tier_stats_dict(const TierStats& st) {
   d["capacity_bytes"] = st.capacity_bytes;
   d["pinned_entries"] = st.pinned_entries;
   d["pinned_bytes"] = st.pinned_bytes;
+  d["tenants"] = st.tenants;  // owners holding entries: each gets a fair share of the tier
   return d;
 }
 

@@ -128,6 +128,7 @@ void TierIndex::fill_sizes(TierStats* s) const {
   s->capacity_bytes = capacity();
   s->pinned_entries = pinned_entries();
   s->pinned_bytes = pinned_bytes();
+  s->tenants = owners();
 }
 
 std::vector<Key128> TierIndex::keys() const {

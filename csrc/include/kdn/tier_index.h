@@ -26,6 +26,7 @@ namespace kdn {
 struct TierStats {
   uint64_t hits = 0, misses = 0, puts = 0, evictions = 0, rejected = 0;
   uint64_t entries = 0, used_bytes = 0, capacity_bytes = 0, pinned_entries = 0, pinned_bytes = 0;
+  uint64_t tenants = 0;  // owners holding entries (TierIndex: fair sharing)
 };
 
 class TierIndex {
