@@ -249,8 +249,8 @@ def test_an_hf_process_and_a_vllm_engine_serve_each_other(setup, stored, referen
     python, folder, prompts = setup
     hf = run(python, "vllm_hf.py", "--model", folder, "--prompts", prompts, "--kdn",
              json.dumps({"disk_dir": stored["disk"]}))["results"]
-    for r in hf:
-        assert r["hit_tokens"] >= 1500 and r["max_logit_diff"] < 1e-3
+    for r in hf:  # every layer's K and V at every stored position too, against HF's own prefill
+        assert r["hit_tokens"] >= 1500 and r["max_logit_diff"] < 1e-3 and r["kv_max_diff"] < 1e-3
     fresh = str(tmp_path / "from-hf")
     hf = run(python, "vllm_hf.py", "--model", folder, "--prompts", prompts, "--kdn",
              json.dumps({"disk_dir": fresh}))["results"]
@@ -357,28 +357,20 @@ def _family(setup, config, folder) -> tuple:
     return python, str(folder), str(prompts)
 
 
-def test_a_sliding_window_model_is_served_from_a_new_engine_and_read_back_exactly(setup, tmp_path):
-    """Issue 63: Gemma 3 (five sliding layers of 128 tokens to one full, random weights): vLLM
-    allocates its sliding layers as full ones when the connector is not hybrid-aware, kdn stores every
-    layer's KV of a 700-token prompt; a new engine is served it (vLLM alone's tokens), a load that
-    fails part-way is recomputed (vLLM alone's tokens again), and an HF reader of the stored bytes gets
-    this model's own prefill of every layer at every position."""
+def test_a_sliding_window_model_is_named_and_answers_as_vllm_alone(setup, tmp_path):
+    """Issue 63: Gemma 3 (five sliding layers of 128 tokens to one full, random weights). Served, a new
+    engine answered vLLM alone's tokens and an HF reader got every layer's KV at every position within
+    7e-6; but a load failing part-way was recomputed into wrong tokens in 1 run of 3 to 6 (never for a
+    full-attention model), so kdn names the layers and serves the engine nothing: both engines answer
+    vLLM alone's tokens, nothing is loaded or stored."""
     from model_families import gemma3_config
 
     family = _family(setup, gemma3_config(window=128), tmp_path / "gemma3")
-    prompts = family[2]
     alone = [r["tokens"] for r in engine(family)["results"]]
-    assert len({t for r in alone for t in r}) > 2  # the weights are scaled until the tokens vary
-    disk = str(tmp_path / "kv")
-    first = engine(family, {"disk_dir": disk})
-    assert [r["tokens"] for r in first["results"]] == alone and first["stats"]["connector"]["stores"] >= 1
-    second = engine(family, {"disk_dir": disk})
-    assert [r["tokens"] for r in second["results"]] == alone
-    assert [r["cached_tokens"] >= 512 for r in second["results"]] == [True, True]
-    failed = engine(family, {"disk_dir": disk}, "--drop-chunk-at-lookup", "1:1")
-    assert [r["tokens"] for r in failed["results"]] == alone and failed["stats"]["connector"]["load_errors"] >= 1
-    for r in _exact_reader(family, prompts, disk):
-        assert r["hit_tokens"] >= 512 and r["kv_max_diff"] < 1e-4 and r["max_logit_diff"] < 1e-3
+    for _ in range(2):
+        out = engine(family, {"disk_dir": str(tmp_path / "kv")})
+        assert [r["tokens"] for r in out["results"]] == alone
+        assert out["stats"]["connector"]["loads"] == 0 and out["stats"]["connector"]["stores"] == 0
 
 
 def test_an_mla_model_on_vllms_cpu_platform_is_named_and_answers_as_vllm_alone(setup, tmp_path):
@@ -458,7 +450,7 @@ def engine(hf=None, use_mla=False, groups=("FullAttentionSpec",), model=folder):
     return unsupported_reason(config, NS(kv_cache_groups=specs))
 print(json.dumps({
     "plain": engine(),
-    "sliding": engine(NS(sliding_window=4096)),  # mixed layers, allocated as full by vLLM: served
+    "sliding": engine(NS(sliding_window=4096)),
     "sliding_off": engine(NS(sliding_window=4096, use_sliding_window=False)),
     "mla": engine(use_mla=True),
     "hybrid": engine(groups=("FullAttentionSpec", "MambaSpec")),
@@ -473,7 +465,7 @@ def test_models_kdn_cannot_serve_are_named_and_served_nothing(setup):
     proc = subprocess.run([python, "-c", REFUSALS, folder], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     why = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert why["plain"] is None and why["sliding_off"] is None and why["sliding"] is None
+    assert why["plain"] is None and why["sliding_off"] is None and "sliding-window layers" in why["sliding"]
     assert "CPU_MLA" in why["mla"] and "hybrid" in why["hybrid"] and "MambaSpec" in why["hybrid"]
     assert "SlidingWindowSpec" in why["swa_group"] and "Mistral-style" in why["swa_group"]
     assert "not a local HF checkpoint" in why["hub_name"]

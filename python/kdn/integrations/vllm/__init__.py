@@ -21,10 +21,9 @@ which recomputes its blocks: never wrong KV. What is stored follows one rule
 prefill, and only when that step's loads are known to have succeeded and nothing it was served was
 lossy; after a failed load vLLM recomputes the request, and the recomputed prompt is stored then.
 With ``verify_fraction`` a sampled hit's last tokens are held back, computed by vLLM and compared
-with what kdn stores (:mod:`kdn.engine.verify`). Models mixing sliding and full layers (vLLM allocates
-them as full) and MLA models (their latent, on GPU MLA backends) are served; a model kdn cannot serve
-(every layer windowed, MLA on vLLM's CPU platform, hybrid or mamba layers, a KV layout it does not
-know) is logged once at start-up, by name, and served nothing. The
+with what kdn stores (:mod:`kdn.engine.verify`). MLA models (their latent, on GPU MLA backends) are
+served; a model kdn cannot serve (sliding-window layers, MLA on vLLM's CPU platform, hybrid or mamba
+layers, a KV layout it does not know) is logged once at start-up, by name, and served nothing. The
 blocks may be the CPU 'vec' kernel's or a GPU backend's (:func:`kdn.engine.paged.vllm_layout`); on a
 GPU, chunks are laid in and gathered out by kdn's CUDA paged copy on vLLM's current stream.
 Scheduler and worker share one kdn store per process; where vLLM runs them in different processes
