@@ -1,7 +1,9 @@
 // Process-wide pool of freed large host blocks (contract in kdn/buffer_pool.h).
 #include "kdn/buffer_pool.h"
 
+#include <cctype>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <new>
@@ -26,10 +28,16 @@ struct Pool {
   std::unordered_set<uint8_t*> locked;    // blocks page-locked for the device
   BufferPoolStats stats;                  // also what new blocks get: huge_pages, lock_pages
   Pool() {
+    // Read once, leniently: a value that is not a plain byte count keeps the default (kdn's engines check
+    // both variables and apply sizes such as "512MiB" themselves, with a typed error for a bad one).
+    stats.limit_bytes = 1ull << 30;
     const char* env = std::getenv("KDN_BUFFER_POOL_BYTES");
-    stats.limit_bytes = env ? std::strtoull(env, nullptr, 10) : (1ull << 30);
-    const char* huge = std::getenv("KDN_BUFFER_POOL_HUGE_PAGES");  // "0": 4 KiB pages only
-    stats.huge_pages = !(huge && std::string(huge) == "0");
+    if (env && *env && std::strspn(env, "0123456789") == std::strlen(env) && std::strlen(env) <= 18)
+      stats.limit_bytes = std::strtoull(env, nullptr, 10);
+    const char* huge = std::getenv("KDN_BUFFER_POOL_HUGE_PAGES");  // 0/false/no/off: 4 KiB pages only
+    std::string off = huge ? huge : "";
+    for (auto& c : off) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    stats.huge_pages = !(off == "0" || off == "false" || off == "no" || off == "off");
   }
   void shrink_to(uint64_t limit) {  // caller holds mutex; frees the largest blocks first
     while (stats.idle_bytes > limit && !idle.empty()) {
