@@ -303,6 +303,16 @@ void bind_store(py::module_& m) {
 
   m.def("buffer_live_bytes", &Buffer::live_bytes, "Bytes held by all live kdn buffers in this process.");
   m.def("eviction_policies", &eviction_policy_names);
+  m.def(
+      "owner_of_fingerprint",
+      [](const py::bytes& fingerprint) {
+        const std::string fp = fingerprint;
+        KDN_CHECK_INPUT(fp.size() >= sizeof(uint64_t), "owner_of_fingerprint: a fingerprint of at least 8 bytes");
+        uint64_t owner;
+        std::memcpy(&owner, fp.data(), sizeof(owner));
+        return owner;
+      },
+      py::arg("fingerprint"), "The tier owner (fair sharing, quotas) of the blobs a session with this fingerprint writes.");
 
   py::class_<MemoryStore, std::shared_ptr<MemoryStore>>(m, "MemoryStore",
                                                         "Host-memory blob store (thread-safe); see kdn/memory_store.h.")
@@ -330,6 +340,8 @@ void bind_store(py::module_& m) {
       .def("pin", [](MemoryStore& s, py::handle key, double ttl) { return s.pin(key_arg(key, "key"), ttl); },
            py::arg("key"), py::arg("ttl_seconds") = 0.0)
       .def("unpin", [](MemoryStore& s, py::handle key) { return s.unpin(key_arg(key, "key")); })
+      .def("set_quota", [](MemoryStore& s, uint64_t owner, uint64_t bytes) { s.set_quota(owner, bytes); }, py::arg("owner"),
+           py::arg("bytes"), "A byte quota for the blobs of `owner` (owner_of_fingerprint; 0: none).")
       .def("clear", &MemoryStore::clear, py::call_guard<py::gil_scoped_release>())
       .def("spill_to", [](MemoryStore& s, std::shared_ptr<DiskStore> disk) {
             if (!disk) return s.set_spill(nullptr);
@@ -425,6 +437,8 @@ void bind_store(py::module_& m) {
       .def("pin", [](DiskStore& s, py::handle key, double ttl) { return s.pin(key_arg(key, "key"), ttl); },
            py::arg("key"), py::arg("ttl_seconds") = 0.0)
       .def("unpin", [](DiskStore& s, py::handle key) { return s.unpin(key_arg(key, "key")); })
+      .def("set_quota", [](DiskStore& s, uint64_t owner, uint64_t bytes) { s.set_quota(owner, bytes); }, py::arg("owner"),
+           py::arg("bytes"), "A byte quota for the blobs of `owner` (owner_of_fingerprint; 0: none).")
       .def("clear", &DiskStore::clear, py::call_guard<py::gil_scoped_release>())
       .def("path_of", [](const DiskStore& s, py::handle key) { return s.path_of(key_arg(key, "key")); })
       .def("_inject_write_failures", &DiskStore::inject_write_failures, py::arg("n"),

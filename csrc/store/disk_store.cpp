@@ -365,13 +365,14 @@ bool DiskStore::write_blob(const Key128& key, const BufferPtr& queued) {
       return false;
     }
     if (!index_.contains(key)) {
-      if (!index_.make_room(file_bytes(*blob), &victims)) {
+      const uint64_t owner = owner_of_blob(blob->data(), blob->size());
+      if (!index_.make_room(file_bytes(*blob), &victims, owner)) {
         ++stats_.rejected;
         pending_.erase(key);
         return false;
       }
       stats_.evictions += victims.size();
-      index_.insert(key, file_bytes(*blob), owner_of_blob(blob->data(), blob->size()));
+      index_.insert(key, file_bytes(*blob), owner);
     }
   }
   unlink_keys(victims);
@@ -557,6 +558,11 @@ bool DiskStore::pin(const Key128& key, double ttl_seconds) {
 bool DiskStore::unpin(const Key128& key) {
   std::lock_guard<std::mutex> lock(mutex_);
   return index_.unpin(key);
+}
+
+void DiskStore::set_quota(uint64_t owner, uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  index_.set_quota(owner, bytes);
 }
 
 void DiskStore::clear() {

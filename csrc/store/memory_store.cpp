@@ -16,7 +16,8 @@ bool MemoryStore::put(const Key128& key, BufferPtr blob) {
     bool was_pinned = index_.is_pinned(key);
     if (index_.erase(key)) blobs_.erase(key);  // replace: drop the old value first
     std::vector<Key128> victims;
-    if (!index_.make_room(blob->size(), &victims)) {
+    const uint64_t owner = owner_of_blob(blob->data(), blob->size());
+    if (!index_.make_room(blob->size(), &victims, owner)) {
       ++stats_.rejected;
       return false;
     }
@@ -26,13 +27,18 @@ bool MemoryStore::put(const Key128& key, BufferPtr blob) {
       blobs_.erase(it);
     }
     stats_.evictions += victims.size();
-    index_.insert(key, blob->size(), owner_of_blob(blob->data(), blob->size()));
+    index_.insert(key, blob->size(), owner);
     if (was_pinned) index_.pin(key, 0);
     blobs_[key] = std::move(blob);
     spill = spill_;
   }
   for (const auto& [k, b] : spilled) spill(k, b);  // outside the lock; drops our references after
   return true;
+}
+
+void MemoryStore::set_quota(uint64_t owner, uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  index_.set_quota(owner, bytes);
 }
 
 BufferPtr MemoryStore::get(const Key128& key) {

@@ -21,11 +21,26 @@ void TierIndex::touch(const Key128& key) {
   if (it != owner_of_.end()) owners_.at(it->second).policy->touch(key);
 }
 
-bool TierIndex::pop_fair_victim(Key128* victim) {
-  // owners by how far over their fair share they are, furthest first; the first with an evictable entry gives it
+int64_t TierIndex::allowance(uint64_t owner) const {
+  auto quota = quotas_.find(owner);
+  if (quota != quotas_.end()) return static_cast<int64_t>(quota->second);
+  uint64_t reserved = 0, sharing = 0;  // the quotas of the owners present, and how many have none
+  for (const auto& [id, o] : owners_) {
+    auto q = quotas_.find(id);
+    if (q != quotas_.end()) reserved += q->second;
+    else ++sharing;
+  }
+  return static_cast<int64_t>((capacity_ - std::min(capacity_, reserved)) / std::max<uint64_t>(1, sharing));
+}
+
+bool TierIndex::pop_fair_victim(Key128* victim, std::optional<uint64_t> incoming, uint64_t bytes) {
+  // owners by how far over their allowance they are (the incoming owner's new bytes counted), furthest
+  // first; the first with an evictable entry gives it
   std::vector<std::pair<int64_t, Owner*>> order;
-  const int64_t share = static_cast<int64_t>(capacity_ / std::max<size_t>(1, owners_.size()));
-  for (auto& [id, owner] : owners_) order.emplace_back(static_cast<int64_t>(owner.used) - share, &owner);
+  for (auto& [id, owner] : owners_) {
+    const uint64_t used = owner.used + (incoming == id ? bytes : 0);
+    order.emplace_back(static_cast<int64_t>(used) - allowance(id), &owner);
+  }
   std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   for (auto& [over, owner] : order)
     if (owner->policy->pop_victim(victim)) return true;
@@ -42,11 +57,22 @@ void TierIndex::forget(const Key128& key, uint64_t bytes) {
   sizes_.erase(key);
 }
 
-bool TierIndex::make_room(uint64_t bytes, std::vector<Key128>* victims) {
+bool TierIndex::make_room(uint64_t bytes, std::vector<Key128>* victims, std::optional<uint64_t> owner) {
   expire_pins();
   if (bytes > capacity_ - pinned_bytes_) return false;
   Key128 victim;
-  while (used_ + bytes > capacity_ && pop_fair_victim(&victim)) {
+  auto quota = owner ? quotas_.find(*owner) : quotas_.end();
+  if (quota != quotas_.end()) {
+    auto it = owners_.find(*owner);
+    const uint64_t pinned = it == owners_.end() ? 0 : it->second.pinned;
+    if (bytes > quota->second - std::min(quota->second, pinned)) return false;
+    while (it != owners_.end() && it->second.used + bytes > quota->second && it->second.policy->pop_victim(&victim)) {
+      forget(victim, sizes_.at(victim));  // the owner's own, least wanted first
+      victims->push_back(victim);
+      it = owners_.find(*owner);
+    }
+  }
+  while (used_ + bytes > capacity_ && pop_fair_victim(&victim, owner, bytes)) {
     forget(victim, sizes_.at(victim));
     victims->push_back(victim);
   }
@@ -67,10 +93,19 @@ void TierIndex::insert(const Key128& key, uint64_t bytes, uint64_t owner) {
 bool TierIndex::erase(const Key128& key) {
   auto it = sizes_.find(key);
   if (it == sizes_.end()) return false;
-  if (pins_.erase(key)) pinned_bytes_ -= it->second;
-  else policy_of(key).erase(key);
+  if (pins_.erase(key)) {
+    pinned_bytes_ -= it->second;
+    owners_.at(owner_of_.at(key)).pinned -= it->second;
+  } else {
+    policy_of(key).erase(key);
+  }
   forget(key, it->second);
   return true;
+}
+
+void TierIndex::set_quota(uint64_t owner, uint64_t bytes) {
+  if (bytes == 0) quotas_.erase(owner);
+  else quotas_[owner] = std::min(bytes, capacity_);
 }
 
 uint64_t TierIndex::owner_bytes(uint64_t owner) const {
@@ -90,6 +125,7 @@ bool TierIndex::pin(const Key128& key, double ttl_seconds) {
   if (!pins_.count(key)) {
     policy_of(key).erase(key);
     pinned_bytes_ += it->second;
+    owners_.at(owner_of_.at(key)).pinned += it->second;
   }
   pins_[key] = deadline;
   return true;
@@ -101,6 +137,7 @@ bool TierIndex::unpin(const Key128& key) {
   pins_.erase(it);
   uint64_t bytes = sizes_.at(key);
   pinned_bytes_ -= bytes;
+  owners_.at(owner_of_.at(key)).pinned -= bytes;
   policy_of(key).insert(key, bytes);
   return true;
 }

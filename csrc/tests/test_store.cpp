@@ -82,6 +82,38 @@ TEST_P(TierIndexFairness, AFloodingOwnerEvictsItsOwnEntriesFirst) {
   EXPECT_GE(index.owner_bytes(2), 400u);
 }
 
+// An owner with a quota never holds more than it, however much room the tier has (its own least
+// wanted go first), and is allowed exactly its quota in the eviction order: owners without one
+// share what it leaves. Pins count against the quota; a blob the pins leave no room for is refused
+// without evicting anything.
+TEST_P(TierIndexFairness, AQuotaBoundsItsOwnerAndTheOthersShareTheRest) {
+  TierIndex index(10 * 100, GetParam());
+  index.set_quota(2, 300);
+  std::vector<Key128> victims;
+  for (uint32_t i = 1000; i < 1020; ++i) {  // owner 2 alone in an empty tier: still 300 bytes at most
+    ASSERT_TRUE(index.make_room(100, &victims, 2u));
+    index.insert(key(i), 100, 2);
+    ASSERT_LE(index.owner_bytes(2), 300u);
+  }
+  for (const auto& v : victims) EXPECT_LT(v[0] | (v[1] << 8), 1017) << "a recent owner-2 entry was evicted";
+  victims.clear();
+  for (uint32_t i = 0; i < 7; ++i) {  // owner 1 fills what the quota leaves, evicting nothing
+    ASSERT_TRUE(index.make_room(100, &victims, 1u));
+    index.insert(key(i), 100, 1);
+  }
+  EXPECT_TRUE(victims.empty());
+  ASSERT_TRUE(index.make_room(100, &victims, 1u));  // the tier is full: owner 2 is at its quota, owner 1 over
+  index.insert(key(7), 100, 1);
+  EXPECT_EQ(index.owner_bytes(2), 300u);
+  EXPECT_EQ(index.owner_bytes(1), 700u);
+  victims.clear();
+  for (uint32_t i = 1017; i < 1020; ++i) ASSERT_TRUE(index.pin(key(i), 0));
+  EXPECT_FALSE(index.make_room(100, &victims, 2u)) << "the pins fill owner 2's quota";
+  EXPECT_TRUE(victims.empty());
+  index.set_quota(2, 0);  // no quota: owner 2 may grow again (its fair share is half the tier)
+  EXPECT_TRUE(index.make_room(100, &victims, 2u));
+}
+
 INSTANTIATE_TEST_SUITE_P(Policies, TierIndexFairness, ::testing::Values("lru", "s3fifo"));
 
 TEST(TierIndex, S3FifoKeepsTheHotSetThroughAScan) {

@@ -162,6 +162,13 @@ class KDNConfig:
             ``kv_transfer_params={"kdn": {"retain": seconds}}``) pins its prompt in the memory tier for
             at most ``retain_max_seconds`` (default 3600), and is refused while pins would hold more
             than ``retain_fraction`` of the memory tier (default 0.25): no tenant pins the tier full.
+        quotas: per-tenant bounds on the memory and disk tiers, ``{namespace: quota}``: a fraction of
+            each tier (``0.25``) or a byte size (``"2GiB"``, capped at each tier's size). A tenant is a
+            per-call ``namespace=`` of the facade, a vLLM request's ``cache_salt`` (without a LoRA
+            adapter), for each model. A tenant at its quota evicts its own KV, least wanted first; in
+            the eviction order each tenant with a quota is allowed its quota and the tenants without
+            one share what is left fairly (a tier is shared fairly with no quota at all).
+            ``KDN_QUOTAS="a=2GiB,b=0.25"`` in the environment.
 
     Sources, later wins: defaults, a YAML file, ``KDN_<FIELD>`` environment variables, keyword
     arguments (:meth:`load`).
@@ -211,6 +218,7 @@ class KDNConfig:
     namespace: str | None = None
     encrypt: bool = False
     remote_options: tuple = ()
+    quotas: tuple = ()
 
     def __post_init__(self):
         for name in SIZE_FIELDS:
@@ -283,6 +291,7 @@ class KDNConfig:
                 raise InvalidInputError(f"KDNConfig.delivery_levels: {spec!r} is exact; the exact level (remote_codec) "
                                         "is always first, list the lossy levels after it")
         object.__setattr__(self, "remote_options", sources.option_pairs(self.remote_options))
+        object.__setattr__(self, "quotas", sources.quota_pairs(self.quotas))
         if self.remote_url is not None and (not isinstance(self.remote_url, str) or "://" not in self.remote_url):
             raise InvalidInputError("KDNConfig.remote_url must be a URL such as redis://127.0.0.1:6379/0 (its scheme "
                                     f"is checked when the tiers are built), got {redact(str(self.remote_url))!r}")

@@ -101,6 +101,8 @@ def env_values(fields: list[str]) -> dict:
 
 
 def from_text(name: str, raw: str, where: str):
+    if name == "quotas":
+        return quota_pairs(raw)
     if name == "remote_options":
         try:
             return json.loads(raw) if raw.strip() else {}
@@ -179,6 +181,49 @@ def option_pairs(value) -> tuple:
     if not all(isinstance(name, str) for name, _ in pairs):
         raise InvalidInputError(f"KDNConfig.remote_options: option names are strings, got {[n for n, _ in pairs]}")
     return tuple(pairs)
+
+
+def _fraction_or_size(text: str):
+    """``"0.25"`` -> 0.25 (a fraction); anything else stays text (a byte size, parsed later)."""
+    return float(text) if re.fullmatch(r"[0-9]*\.[0-9]+", text) else text
+
+
+def quota_pairs(value) -> tuple:
+    """Sorted ``(namespace, quota)`` pairs from a mapping (or pairs, or text ``"a=2GiB,b=0.25"`` / a JSON
+    object): a quota is a fraction in (0, 1] of each local tier (a float) or a byte size."""
+    where = "KDNConfig.quotas"
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("{"):
+            try:
+                value = json.loads(text)
+            except ValueError:
+                raise InvalidInputError(f"{where}={value!r:.80} is not a JSON object of quotas") from None
+        else:
+            value = [part.split("=", 1) for part in text.split(",") if part.strip()]
+            if not all(len(p) == 2 for p in value):
+                raise InvalidInputError(f"{where}: write quotas as namespace=quota pairs ('a=2GiB,b=0.25'), "
+                                        f"got {text!r:.80}")
+            value = {name.strip(): _fraction_or_size(q.strip()) for name, q in value}
+    try:
+        pairs = sorted(dict(value).items())
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"{where} must map tenant names to quotas, got {value!r:.80}") from None
+    out = []
+    for name, quota in pairs:
+        check_namespace(name, f"{where} key")
+        if isinstance(quota, float):
+            if not 0 < quota <= 1:
+                raise InvalidInputError(f"{where}[{name!r}]={quota!r}: a fraction of each tier in (0, 1], or a "
+                                        "byte size such as '2GiB'")
+        elif isinstance(quota, bool) or parse_bytes(quota, f"{where}[{name!r}]") <= 0:
+            raise InvalidInputError(f"{where}[{name!r}]={quota!r}: a positive byte size or a fraction in (0, 1]")
+        else:
+            quota = parse_bytes(quota, f"{where}[{name!r}]")
+        out.append((name, quota))
+    return tuple(out)
 
 
 def codec_list(name: str, value) -> tuple:

@@ -35,6 +35,7 @@ class MemoryStore {
   bool remove(const Key128& key);
   bool pin(const Key128& key, double ttl_seconds);
   bool unpin(const Key128& key);
+  void set_quota(uint64_t owner, uint64_t bytes);  // TierIndex::set_quota (0: none)
   void clear();
   void set_spill(SpillFn spill);
   std::vector<std::pair<Key128, BufferPtr>> entries() const;  // a snapshot (write-back's flush at exit)

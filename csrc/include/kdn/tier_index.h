@@ -10,10 +10,16 @@
 // furthest over its fair share (capacity / owners holding entries) first, so one tenant streaming
 // new prompts evicts its own entries, not another's working set within its share. One owner: the
 // policy's order, as before.
+//
+// Quotas: an owner may be given a byte quota (set_quota). It is a hard bound on that owner's bytes
+// (an insert over it evicts the owner's own entries first, or is refused when its pinned bytes
+// leave no room) and its share in the eviction order; owners without one share what the quotas
+// of the owners present leave.
 #pragma once
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -35,8 +41,10 @@ class TierIndex {
 
   bool contains(const Key128& key) const { return sizes_.count(key) != 0; }
   void touch(const Key128& key);
-  // Frees unpinned entries until `bytes` more fit (victims are removed and appended to `victims`).
-  bool make_room(uint64_t bytes, std::vector<Key128>* victims);
+  // Frees unpinned entries until `bytes` more of `owner` fit (victims are removed and appended to
+  // `victims`): the owner's own first while it would be over its quota, then the tier's. Refuses
+  // without evicting anything when they could never fit beside the pinned ones. No owner: no quota.
+  bool make_room(uint64_t bytes, std::vector<Key128>* victims, std::optional<uint64_t> owner = std::nullopt);
   void insert(const Key128& key, uint64_t bytes, uint64_t owner = 0);  // the key absent, room made
   bool erase(const Key128& key);
   // Pins a present key (ttl_seconds <= 0: until unpinned; pinning again resets the ttl).
@@ -53,6 +61,8 @@ class TierIndex {
   uint64_t pinned_bytes() const { return pinned_bytes_; }
   uint64_t owners() const { return owners_.size(); }
   uint64_t owner_bytes(uint64_t owner) const;
+  // A byte quota for `owner` (0: none), kept while it holds nothing; applies from its next insert.
+  void set_quota(uint64_t owner, uint64_t bytes);
   std::vector<Key128> keys() const;
   void fill_sizes(TierStats* stats) const;  // entries, used/capacity/pinned bytes
 
@@ -61,13 +71,16 @@ class TierIndex {
   struct Owner {
     std::unique_ptr<EvictionPolicy> policy;  // the owner's evictable entries, in eviction order
     uint64_t used = 0;                       // its bytes, pinned ones included
+    uint64_t pinned = 0;                     // of which pinned
   };
+  int64_t allowance(uint64_t owner) const;  // its quota, or its share of what the quotas leave
   EvictionPolicy& policy_of(const Key128& key);
-  bool pop_fair_victim(Key128* victim);
+  bool pop_fair_victim(Key128* victim, std::optional<uint64_t> incoming, uint64_t bytes);
   void forget(const Key128& key, uint64_t bytes);  // drop a removed entry's size and owner
   const uint64_t capacity_;
   const std::string policy_name_;
   std::unordered_map<uint64_t, Owner> owners_;
+  std::unordered_map<uint64_t, uint64_t> quotas_;
   std::unordered_map<Key128, uint64_t, Key128Hash> owner_of_;
   std::unordered_map<Key128, uint64_t, Key128Hash> sizes_;
   std::unordered_map<Key128, Clock::time_point, Key128Hash> pins_;  // deadline (max = none)

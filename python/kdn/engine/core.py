@@ -91,10 +91,19 @@ class Engine:
         self.chunks = ChunkIO(tiers if tiers is not None else TierManager(config))
         self.delivery = Deliverer(self.chunks, config)
         self.sessions = Sessions(config.chunk_size, min(config.probe_step, config.chunk_size),
-                                 on_new=self.chunks.load_calibration, namespace=config.namespace,
+                                 on_new=self._on_new_session, namespace=config.namespace,
                                  key=config.tenant_key())
         self.segments, self.sidecars = Segments(self.chunks.tiers), Sidecars(self.chunks.tiers)
         self.calibrations = Calibrations(self.chunks)
+
+    def _on_new_session(self, session: ModelSession) -> None:
+        """A model's first session here: its codec calibration loaded, its tenants' quotas set."""
+        self.chunks.load_calibration(session)
+        self._set_quotas(session)
+
+    def _set_quotas(self, session: ModelSession) -> None:
+        for namespace, quota in self.config.quotas:  # each tenant's blobs carry its scoped fingerprint
+            self.chunks.tiers.set_quota(session.within(namespace).fingerprint, quota)
 
     @classmethod
     def for_checkpoint(cls, config, folder, dtype, hf_config=None) -> tuple[Engine, ModelSession]:
@@ -169,8 +178,10 @@ class Engine:
         """The session of a model known by its checkpoint's ``fingerprint``
         (:func:`kdn.keys.checkpoint_fingerprint`; a vLLM scheduler has no weights), in the config's tenant."""
         config = self.config
-        return ModelSession(layout, tenant_fingerprint(fingerprint, config.namespace, config.tenant_key()),
-                            config.chunk_size, min(config.probe_step, config.chunk_size))
+        session = ModelSession(layout, tenant_fingerprint(fingerprint, config.namespace, config.tenant_key()),
+                               config.chunk_size, min(config.probe_step, config.chunk_size))
+        self._set_quotas(session)
+        return session
 
     def lookup(self, session: ModelSession, tokens, limit: int) -> int:
         """Leading tokens of ``tokens`` (at most ``limit``) a load would serve; only pointers are read."""

@@ -74,6 +74,9 @@ class Tier(abc.ABC):
     def unpin(self, key: bytes) -> bool:
         return False
 
+    def set_quota(self, owner: int, bytes: int) -> None:
+        """Bound the bytes of ``owner``'s blobs here (:meth:`kdn.storage.TierManager.set_quota`)."""
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued writes are done (at most ``timeout`` seconds); True if drained."""
         return True
@@ -119,6 +122,9 @@ class StoreTier(Tier):
 
     def unpin(self, key: bytes) -> bool:
         return self._store.unpin(key)
+
+    def set_quota(self, owner: int, bytes: int) -> None:
+        self._store.set_quota(owner, bytes)
 
     def clear(self) -> None:
         self._store.clear()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from kdn import codecs
+from kdn import _core, codecs
 from kdn._core import InvalidInputError, KDNError
 from kdn.config import KDNConfig
 from kdn.storage.base import EXIT_FLUSH_SECONDS, Tier, at_exit
@@ -224,6 +224,14 @@ class TierManager:
     def pin(self, key: bytes, ttl_seconds: float = 0.0) -> bool:
         """Pin ``key`` in every local tier that holds it (KDN.pin promotes it into memory first)."""
         return any([t.pin(a, ttl_seconds) for a in self.addresses(key) for t in self.local_tiers])
+
+    def set_quota(self, fingerprint: bytes, quota: int | float) -> None:
+        """Bound the bytes of the blobs written under ``fingerprint`` (a tenant's session) in each
+        local tier: ``quota`` a fraction of the tier (float) or a byte count (capped at its size)."""
+        owner = _core.owner_of_fingerprint(fingerprint)
+        for tier in self.local_tiers:
+            capacity = tier.stats()["capacity_bytes"]
+            tier.set_quota(owner, max(1, int(quota * capacity)) if isinstance(quota, float) else min(quota, capacity))
 
     def unpin(self, key: bytes) -> bool:
         return any([t.unpin(a) for a in self.addresses(key) for t in self.local_tiers])
