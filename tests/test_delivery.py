@@ -114,7 +114,9 @@ def test_layerwise_serves_the_same_logits_as_whole(model4, tmp_path, request, wh
         tiers["remote"] = {"remote_url": request.getfixturevalue("redis_server").url}
         store_remote(model4, ids, tiers["remote"]["remote_url"])
     else:
-        KDN(KDNConfig(chunk_size=CHUNK, **tiers[where])).store(model4, ids, cache)
+        writer = KDN(KDNConfig(chunk_size=CHUNK, **tiers[where]))
+        writer.store(model4, ids, cache)
+        writer.flush()  # its disk writes have landed before the readers open the folder
     logits = {}
     for delivery in ("whole", "layerwise"):
         reader = KDN(KDNConfig(chunk_size=CHUNK, delivery=delivery, layer_group=1, **tiers[where]))

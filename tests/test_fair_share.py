@@ -4,10 +4,10 @@ never-repeated documents at full speed does not take tenant A's working set (wit
 
 import pytest
 import torch
+from kdn._core import InvalidInputError
 
 from conftest import full_prefill, random_ids
 from kdn import KDN, KDNConfig
-from kdn._core import InvalidInputError
 
 CHUNK = 16
 PROMPT = 4 * CHUNK + 1

@@ -482,6 +482,17 @@ def test_a_request_asks_kdn_to_keep_its_prompt_or_to_store_nothing(scheduled):
     assert t["bad"]["saves"] == 1 and t["bad"]["stored_tokens"] >= 512 and t["bad"]["retained_chunks"] == 0
 
 
+def test_kv_events_announce_what_each_tier_holds_under_vllms_own_block_hashes(scheduled):
+    """Issue 64: with vLLM's KV events on, every chunk kdn files in memory (medium CPU) and on disk
+    (STORAGE) is announced once as the vLLM blocks it completes, and every eviction as their removal:
+    what the events say each tier holds is what it holds (5 documents through a memory of 2 and a disk
+    of 3); each announced block is vLLM's own event for it (hash, parent, tokens, the salt's extra key)."""
+    t = scheduled["events"]
+    assert t["matches_tiers"] and t["stored_once"] and t["same_as_vllm"], t
+    assert t["held"] == {"CPU": 8, "STORAGE": 12} and t["announced"] == 40 and t["removed_events"] == 20, t
+    assert t["salted_extra_keys"] == 2 and t["unannounced"] == 0, t
+
+
 def test_a_claim_anyone_can_write_holds_a_request_a_few_leases_not_two_minutes(scheduled):
     """Issue 62: a planted kdn-format claim (30 s, "mallory") holds a request until its claimant has
     stored nothing for CLAIM_PROGRESS_LEASES leases (0.9 s here), not IN_FLIGHT_WAIT_S (120 s);

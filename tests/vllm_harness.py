@@ -18,11 +18,22 @@ STALE = 7.0  # what a previous request left in the blocks
 class Harness:
     """vLLM's Scheduler with kdn's connector, and kdn's worker half over blocks held here."""
 
-    def __init__(self, model: str, block: int = BLOCK, gpu_shape: str | None = None, **kdn_settings):
+    def __init__(self, model: str, block: int = BLOCK, gpu_shape: str | None = None, kv_events: bool = False,
+                 **kdn_settings):
         """``gpu_shape``: the worker's blocks in one of vLLM's GPU layouts (``"HND"``, ``"NHD"``: the
         packed view in either stride order; ``"kv-first"``, ``"blocks-first"``: the older shapes), as
-        CPU tensors, the worker told they are a GPU backend's (no vLLM GPU engine here)."""
-        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+        CPU tensors, the worker told they are a GPU backend's (no vLLM GPU engine here). ``kv_events``:
+        vLLM's KV events on (and its prefix cache, whose own events are the reference), each published
+        batch kept in :attr:`published`."""
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVEventsConfig,
+            KVTransferConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -36,7 +47,8 @@ class Harness:
             scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=kdn_settings.pop("batch", 2048),
                                              max_model_len=4096, enable_chunked_prefill=True,
                                              is_encoder_decoder=False),
-            cache_config=CacheConfig(block_size=block, enable_prefix_caching=False),
+            cache_config=CacheConfig(block_size=block, enable_prefix_caching=kv_events),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
             kv_transfer_config=KVTransferConfig(kv_connector="KDNConnector",
                                                 kv_connector_module_path="kdn.integrations.vllm",
                                                 kv_role="kv_both", kv_connector_extra_config=kdn_settings,
@@ -52,6 +64,15 @@ class Harness:
         config.cache_config.num_gpu_blocks = blocks
         self.scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_config, log_stats=False,
                                    structured_output_manager=StructuredOutputManager(config), block_size=block)
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.hasher = get_request_block_hasher(block, hash_fn)  # as vLLM's engine core hashes a request's blocks
+        self.requests: dict = {}  # every request added, by id (finished ones too)
+        self.published: list = []  # KV event batches the scheduler published (kv_events)
+        self.scheduler.kv_event_publisher.publish = self.published.append
         self.gpu_shape, self.block = gpu_shape, block
         worker = connector.KDNConnector if gpu_shape is None else _told_gpu(connector.KDNConnector)
         self.worker = worker(config, KVConnectorRole.WORKER, kv_config)
@@ -73,8 +94,9 @@ class Harness:
                                 extra_args={"kv_transfer_params": transfer} if transfer is not None else None)
         params.update_from_generation_config({}, 0)
         request = Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=params,
-                          pooling_params=None, cache_salt=cache_salt, lora_request=lora)
+                          pooling_params=None, cache_salt=cache_salt, lora_request=lora, block_hasher=self.hasher)
         self.scheduler.add_request(request)
+        self.requests[req_id] = request
         return request
 
     def step(self, truth: dict, drop=None, invalid_from_worker: bool = True, drain: bool = True):
@@ -101,11 +123,14 @@ class Harness:
         if drain:
             self.connector.drain()
         ids = list(out.num_scheduled_tokens)
+        errors_out = errors if invalid_from_worker else set()
+        events = self.worker.get_kv_connector_kv_cache_events()
         result = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                    sampled_token_ids=[[5] for _ in ids], logprobs=None, prompt_logprobs_dict={},
                                    pooler_output=None,
-                                   kv_connector_output=KVConnectorOutput(invalid_block_ids=errors)
-                                   if errors and invalid_from_worker else None)
+                                   kv_connector_output=KVConnectorOutput(invalid_block_ids=errors_out,
+                                                                         kv_cache_events=events)
+                                   if errors_out or events else None)
         self.scheduler.update_from_output(out, result)
         return meta, errors
 

@@ -16,6 +16,7 @@ import os
 import numpy as np
 import torch
 
+from vllm_events import events
 from vllm_harness import Harness, random_kv, random_tokens, stored_exactly
 
 
@@ -46,6 +47,7 @@ def main() -> None:
     results["salted"] = salted(args.model)
     results["scoped"] = scoped(args.model)
     results["retained"] = retained(args.model)
+    results["events"] = events(args.model)
     print("KDN-RESULT " + json.dumps(results), flush=True)
 
 

@@ -16,6 +16,13 @@ namespace kdn {
 
 Key128 key_arg(py::handle obj, const char* what);
 
+py::list events_list(const std::vector<TierIndex::Event>& events) {
+  py::list out;
+  for (const auto& e : events)
+    out.append(py::make_tuple(e.stored, py::bytes(reinterpret_cast<const char*>(e.key.data()), e.key.size())));
+  return out;
+}
+
 BufferPtr buffer_from_object(py::handle obj) {
   if (py::isinstance<Buffer>(obj)) return obj.cast<BufferPtr>();
   ByteSpan span = bytes_from_object(obj, "blob");
@@ -342,6 +349,10 @@ void bind_store(py::module_& m) {
       .def("unpin", [](MemoryStore& s, py::handle key) { return s.unpin(key_arg(key, "key")); })
       .def("set_quota", [](MemoryStore& s, uint64_t owner, uint64_t bytes) { s.set_quota(owner, bytes); }, py::arg("owner"),
            py::arg("bytes"), "A byte quota for the blobs of `owner` (owner_of_fingerprint; 0: none).")
+      .def("record_events", &MemoryStore::record_events, py::arg("on"),
+           "Log every insert and removal from now on (off: nothing logged), for take_events.")
+      .def("take_events", [](MemoryStore& s) { return events_list(s.take_events()); },
+           "[(stored, key), ...] since the last call, in order (stored False: removed).")
       .def("clear", &MemoryStore::clear, py::call_guard<py::gil_scoped_release>())
       .def("spill_to", [](MemoryStore& s, std::shared_ptr<DiskStore> disk) {
             if (!disk) return s.set_spill(nullptr);
@@ -439,6 +450,10 @@ void bind_store(py::module_& m) {
       .def("unpin", [](DiskStore& s, py::handle key) { return s.unpin(key_arg(key, "key")); })
       .def("set_quota", [](DiskStore& s, uint64_t owner, uint64_t bytes) { s.set_quota(owner, bytes); }, py::arg("owner"),
            py::arg("bytes"), "A byte quota for the blobs of `owner` (owner_of_fingerprint; 0: none).")
+      .def("record_events", &DiskStore::record_events, py::arg("on"),
+           "Log every insert and removal from now on (off: nothing logged), for take_events.")
+      .def("take_events", [](DiskStore& s) { return events_list(s.take_events()); },
+           "[(stored, key), ...] since the last call, in order (stored False: removed).")
       .def("clear", &DiskStore::clear, py::call_guard<py::gil_scoped_release>())
       .def("path_of", [](const DiskStore& s, py::handle key) { return s.path_of(key_arg(key, "key")); })
       .def("_inject_write_failures", &DiskStore::inject_write_failures, py::arg("n"),

@@ -565,6 +565,16 @@ void DiskStore::set_quota(uint64_t owner, uint64_t bytes) {
   index_.set_quota(owner, bytes);
 }
 
+void DiskStore::record_events(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  index_.record_events(on);
+}
+
+std::vector<TierIndex::Event> DiskStore::take_events() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return index_.take_events();
+}
+
 void DiskStore::clear() {
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -41,6 +41,16 @@ void MemoryStore::set_quota(uint64_t owner, uint64_t bytes) {
   index_.set_quota(owner, bytes);
 }
 
+void MemoryStore::record_events(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  index_.record_events(on);
+}
+
+std::vector<TierIndex::Event> MemoryStore::take_events() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return index_.take_events();
+}
+
 BufferPtr MemoryStore::get(const Key128& key) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = blobs_.find(key);

@@ -55,6 +55,27 @@ void TierIndex::forget(const Key128& key, uint64_t bytes) {
   owner_of_.erase(it);
   used_ -= bytes;
   sizes_.erase(key);
+  log(false, key);
+}
+
+void TierIndex::log(bool stored, const Key128& key) {
+  if (!recording_) return;
+  if (events_.size() >= kMaxEvents) {
+    events_.pop_front();
+    ++events_dropped_;
+  }
+  events_.push_back({stored, key});
+}
+
+void TierIndex::record_events(bool on) {
+  recording_ = on;
+  if (!on) events_.clear();
+}
+
+std::vector<TierIndex::Event> TierIndex::take_events() {
+  std::vector<Event> out(events_.begin(), events_.end());
+  events_.clear();
+  return out;
 }
 
 bool TierIndex::make_room(uint64_t bytes, std::vector<Key128>* victims, std::optional<uint64_t> owner) {
@@ -88,6 +109,7 @@ void TierIndex::insert(const Key128& key, uint64_t bytes, uint64_t owner) {
   if (!o.policy) o.policy = make_eviction_policy(policy_name_, capacity_);
   o.used += bytes;
   o.policy->insert(key, bytes);
+  log(true, key);
 }
 
 bool TierIndex::erase(const Key128& key) {
@@ -152,6 +174,7 @@ void TierIndex::expire_pins() {
 }
 
 void TierIndex::clear() {
+  for (const auto& [key, bytes] : sizes_) log(false, key);
   owners_.clear();
   owner_of_.clear();
   sizes_.clear();

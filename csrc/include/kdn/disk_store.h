@@ -95,6 +95,8 @@ class DiskStore {
   bool pin(const Key128& key, double ttl_seconds);  // pins live in this process only
   bool unpin(const Key128& key);
   void set_quota(uint64_t owner, uint64_t bytes);  // TierIndex::set_quota (0: none)
+  void record_events(bool on);                      // TierIndex::record_events
+  std::vector<TierIndex::Event> take_events();
   void clear();                                     // every blob file of the directory
   void inject_write_failures(int64_t n) { inject_failures_ = n; }  // tests: next n writes fail
   DiskStats stats() const;

@@ -36,6 +36,8 @@ class MemoryStore {
   bool pin(const Key128& key, double ttl_seconds);
   bool unpin(const Key128& key);
   void set_quota(uint64_t owner, uint64_t bytes);  // TierIndex::set_quota (0: none)
+  void record_events(bool on);                      // TierIndex::record_events
+  std::vector<TierIndex::Event> take_events();
   void clear();
   void set_spill(SpillFn spill);
   std::vector<std::pair<Key128, BufferPtr>> entries() const;  // a snapshot (write-back's flush at exit)

@@ -15,9 +15,14 @@
 // (an insert over it evicts the owner's own entries first, or is refused when its pinned bytes
 // leave no room) and its share in the eviction order; owners without one share what the quotas
 // of the owners present leave.
+//
+// Events: while recording (record_events), every insert and every removal (evicted, erased,
+// cleared) is logged in order for take_events: what a KV event stream announces. At most
+// kMaxEvents wait; beyond that the oldest are dropped and counted.
 #pragma once
 
 #include <chrono>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
@@ -64,6 +69,14 @@ class TierIndex {
   // A byte quota for `owner` (0: none), kept while it holds nothing; applies from its next insert.
   void set_quota(uint64_t owner, uint64_t bytes);
   std::vector<Key128> keys() const;
+  struct Event {
+    bool stored;  // inserted; else removed
+    Key128 key;
+  };
+  static constexpr size_t kMaxEvents = 1 << 20;
+  void record_events(bool on);  // off (the default): nothing logged, what was logged dropped
+  std::vector<Event> take_events();
+  uint64_t events_dropped() const { return events_dropped_; }
   void fill_sizes(TierStats* stats) const;  // entries, used/capacity/pinned bytes
 
  private:
@@ -85,6 +98,10 @@ class TierIndex {
   std::unordered_map<Key128, uint64_t, Key128Hash> sizes_;
   std::unordered_map<Key128, Clock::time_point, Key128Hash> pins_;  // deadline (max = none)
   uint64_t used_ = 0, pinned_bytes_ = 0;
+  void log(bool stored, const Key128& key);
+  bool recording_ = false;
+  std::deque<Event> events_;
+  uint64_t events_dropped_ = 0;
 };
 
 // The owner of a blob (the first 8 bytes of its header's fingerprint: its tenant and model); 0 for

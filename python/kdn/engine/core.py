@@ -25,7 +25,7 @@ import dataclasses
 import threading
 from collections.abc import Callable
 
-from kdn import _core
+from kdn import _core, codecs
 from kdn._core import InvalidInputError
 from kdn.config_sources import apply_process_env
 from kdn.engine.audit import AuditReport
@@ -350,6 +350,23 @@ class Engine:
         tokens = session.tokens(tokens)
         ttl = self.check_retention(session, len(tokens), seconds)
         return self.pin(session.prefix_keys(tokens), ttl)
+
+    def record_tier_events(self, on: bool = True) -> None:
+        """Log what the local tiers file and remove from now on (:meth:`take_tier_events`): the
+        source of a face's KV events (a router's view of what this process holds)."""
+        self.chunks.tiers.record_events(on)
+
+    def take_tier_events(self) -> list[tuple[str, bool, bytes]]:
+        """``[(tier, stored, address), ...]`` since the last call (:meth:`kdn.storage.TierManager.take_events`);
+        an address is the chunk's key, or its lossy address (:meth:`addresses`)."""
+        return self.chunks.tiers.take_events()
+
+    def addresses(self, key: bytes) -> list[bytes]:
+        """Where the chunk ``key`` may be filed: the key itself, then the addresses of the lossy codecs
+        this process stores or accepts."""
+        config = self.config
+        lossy = [c for c in (config.memory_codec, config.disk_codec) if codecs.parse(c).lossy]
+        return list(dict.fromkeys(self.chunks.tiers.addresses(key) + [codecs.address(key, c) for c in lossy]))
 
     def unpin(self, keys: list[bytes]) -> int:
         """Make the chunks ``keys`` evictable again; how many were pinned."""

@@ -75,7 +75,18 @@ class Tier(abc.ABC):
         return False
 
     def set_quota(self, owner: int, bytes: int) -> None:
-        """Bound the bytes of ``owner``'s blobs here (:meth:`kdn.storage.TierManager.set_quota`)."""
+        """Bound the bytes of ``owner``'s blobs here (:meth:`kdn.storage.TierManager.set_quota`); a tier
+        without per-owner accounting (a remote store) ignores it."""
+        return None
+
+    def record_events(self, on: bool) -> None:
+        """Log every blob filed and removed here from now on (:meth:`take_events`); a tier that cannot
+        tell (a remote store evicts on its own) logs nothing."""
+        return None
+
+    def take_events(self) -> list:
+        """``[(stored, address), ...]`` since the last call, in order (``stored`` False: removed)."""
+        return []
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued writes are done (at most ``timeout`` seconds); True if drained."""
@@ -125,6 +136,12 @@ class StoreTier(Tier):
 
     def set_quota(self, owner: int, bytes: int) -> None:
         self._store.set_quota(owner, bytes)
+
+    def record_events(self, on: bool) -> None:
+        self._store.record_events(on)
+
+    def take_events(self) -> list:
+        return self._store.take_events()
 
     def clear(self) -> None:
         self._store.clear()

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
 from kdn.integrations.vllm import metrics, process
+from kdn.integrations.vllm.events import Announcer, TierEvents
 from kdn.integrations.vllm.lookups import LookupClient
 from kdn.integrations.vllm.scheduler import SchedulerSide, claim_owner
 from kdn.integrations.vllm.specs import KDNConnectorMetadata
@@ -90,6 +91,9 @@ class KDNConnector(KVConnectorBase_V1):
         self.engine = self.session = None  # one Engine per config and model in this process (both roles)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None  # made when vLLM registers its KV blocks
+        self._announcer: Announcer | None = None  # KV events (vLLM's --kv-events-config), scheduler side
+        events = getattr(vllm_config, "kv_events_config", None)
+        self.events_on = bool(events is not None and events.enable_kv_cache_events)
         engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None) or f"kdn-{id(self)}"
         self.owner = claim_owner(str(engine_id))  # how this engine's claims are named in a shared remote store
         if self.reason:
@@ -101,7 +105,11 @@ class KDNConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.WORKER:
             process.serve_lookups(lookups, self.engine, self.session)
             self._lookups_path = lookups
+            if self.events_on:
+                self.engine.record_tier_events(True)
             return
+        if self.events_on:
+            self._announcer = Announcer(self.engine, self.block_size)
         self._scheduler = SchedulerSide(self.engine, self.session, self.block_size, LookupClient(lookups), self.owner,
                                         loads_async(self.config, vllm_config))
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
@@ -113,6 +121,8 @@ class KDNConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._scheduler is None:
             return 0, False
+        if self._announcer is not None:
+            self._announcer.note_request(request)
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -122,12 +132,25 @@ class KDNConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         if self._scheduler is None:
             return KDNConnectorMetadata()
-        return self._scheduler.build_connector_meta(scheduler_output)
+        meta = self._scheduler.build_connector_meta(scheduler_output)
+        if self._announcer is not None:
+            for save in meta.saves:
+                self._announcer.note_store(save.req_id, self.session.within(save.scope), save.tokens)
+        return meta
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is None:
             return False, None
+        if self._announcer is not None:
+            self._announcer.forget(request.request_id)
         return self._scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output) -> None:
+        if self._announcer is not None:
+            self._announcer.add(connector_output.kv_cache_events)
+
+    def take_events(self):
+        return self._announcer.take() if self._announcer is not None else ()
 
     # -- worker side: see WorkerSide ------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -179,6 +202,12 @@ class KDNConnector(KVConnectorBase_V1):
         """Finish queued stores (they are on disk / sent when this returns)."""
         if self._worker is not None:
             self._worker.shutdown()
+
+    def get_kv_connector_kv_cache_events(self) -> TierEvents | None:
+        if self._worker is None or not self.events_on:
+            return None
+        events = self.engine.take_tier_events()
+        return TierEvents(events) if events else None
 
     # -- metrics ----------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

@@ -1,0 +1,77 @@
+"""The KV events scenario of tests/vllm_scheduler.py (issue 64): what kdn announces in vLLM's KV
+event stream against what its tiers hold and against vLLM's own events for the same blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kdn.keys import request_scope
+from vllm_harness import Harness, random_kv, random_tokens
+
+
+def events(model: str) -> dict:
+    """Issue 64: KV events. Five 256-token documents (one under a cache_salt) stored through a memory
+    tier that holds two and a disk that holds three: what kdn announces (BlockStored / BlockRemoved,
+    medium CPU for memory and STORAGE for disk) against what each tier holds at the end, and each
+    announced block against vLLM's own event for it (its prefix cache's: hash, parent, tokens, extra keys)."""
+    import tempfile
+
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    probe = Harness(model, chunk_size=64)
+    chunk_bytes = probe.session.layout.bytes_per_token() * 64 + 4096
+    h = Harness(model, kv_events=True, chunk_size=64, probe_step=0, memory_bytes=int(8.5 * chunk_bytes),
+                disk_dir=tempfile.mkdtemp(), disk_bytes=int(12.5 * chunk_bytes + (1 << 20)))
+    docs = {f"d{i}": random_tokens(256, 130 + i) for i in range(5)}
+    salts = {"d2": "tenant-a"}
+    for i, (name, doc) in enumerate(docs.items()):
+        h.request(name, doc, max_tokens=1, cache_salt=salts.get(name))
+        h.step({name: random_kv(h, 256, 140 + i)})
+    h.step({})  # one more step: the last store's events reach the scheduler
+    announced = {"CPU": {}, "STORAGE": {}}  # medium -> block hash -> times held (stored - removed)
+    stored_once, vllm_blocks, mine = True, {}, []
+    for batch in h.published:
+        for e in batch.events:
+            if isinstance(e, BlockStored) and e.medium not in announced:  # vLLM's own (its GPU blocks)
+                for j, block_hash in enumerate(e.block_hashes):
+                    vllm_blocks[block_hash] = (e.block_hashes[j - 1] if j else e.parent_block_hash,
+                                               e.token_ids[j * e.block_size:(j + 1) * e.block_size],
+                                               e.extra_keys[j] if e.extra_keys else None)
+            elif isinstance(e, BlockStored):
+                mine.append(e)
+                for block_hash in e.block_hashes:
+                    held = announced[e.medium]
+                    stored_once &= held.get(block_hash, 0) == 0
+                    held[block_hash] = held.get(block_hash, 0) + 1
+            elif isinstance(e, BlockRemoved) and e.medium in announced:
+                for block_hash in e.block_hashes:
+                    announced[e.medium][block_hash] -= 1
+    tiers = {"CPU": h.worker.engine.tier("memory"), "STORAGE": h.worker.engine.tier("disk")}
+    matches, held = True, {"CPU": 0, "STORAGE": 0}
+    for name, doc in docs.items():
+        request_hashes = _block_hashes(h, name)
+        keys = h.session.within(request_scope(salts[name]) if name in salts else None).prefix_keys(
+            np.asarray(doc, dtype=np.uint32))
+        for medium, tier in tiers.items():
+            for i, key in enumerate(keys):
+                in_tier = tier.contains(key)
+                held[medium] += in_tier
+                said = [announced[medium].get(request_hashes[2 * i + j], 0) for j in range(2)]
+                matches &= said == [int(in_tier)] * 2
+    same_as_vllm = all(
+        vllm_blocks.get(block_hash) == (e.block_hashes[j - 1] if j else e.parent_block_hash,
+                                        e.token_ids[j * e.block_size:(j + 1) * e.block_size],
+                                        e.extra_keys[j] if e.extra_keys else None)
+        for e in mine for j, block_hash in enumerate(e.block_hashes))
+    removed = sum(isinstance(e, BlockRemoved) and e.medium in announced for b in h.published for e in b.events)
+    salted_extra = [e.extra_keys for e in mine if e.extra_keys]  # vLLM keys a salt into a prompt's first block
+    return {"matches_tiers": bool(matches), "held": held, "stored_once": bool(stored_once),
+            "same_as_vllm": bool(same_as_vllm), "announced": len(mine), "removed_events": removed,
+            "salted_extra_keys": len(salted_extra), "unannounced": h.scheduler.connector._announcer.unannounced}
+
+
+def _block_hashes(h: Harness, req_id: str) -> list:
+    """vLLM's hashes of a finished request's full blocks, as its events publish them."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    return [maybe_convert_block_hash(b) for b in h.requests[req_id].block_hashes]
