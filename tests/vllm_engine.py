@@ -44,6 +44,9 @@ def main() -> None:
     parser.add_argument("--drain-between", action="store_true",
                         help="after each prompt, wait until kdn has filed its store (not timed; recorded as "
                              "drain_seconds): the next prompt finds it landed rather than waiting for it")
+    parser.add_argument("--kv-events", type=int, default=0,
+                        help="publish vLLM's KV events on this loopback port and record them (a router's view); "
+                             "an ephemeral request at the end lets the last stores' events out")
     parser.add_argument("--kill-after-first", type=int, default=0,
                         help="a process to kill (SIGKILL) once the first prompt is answered: a store going down")
     args = parser.parse_args()
@@ -103,6 +106,15 @@ def main() -> None:
     plan = json.loads(args.lora_plan) if args.lora_plan else []
     if any(plan):
         gpu.update(enable_lora=True, max_loras=2, max_lora_rank=8)
+    listener = None
+    if args.kv_events:
+        from vllm.config import KVEventsConfig
+
+        from vllm_event_listener import EventListener
+
+        listener = EventListener(args.kv_events)
+        gpu["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", topic="kv",
+                                                 endpoint=listener.endpoint)
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=args.prefix_caching,
               kv_transfer_config=transfer, max_model_len=args.max_model_len, seed=0, **gpu)
     load_s = time.perf_counter() - t0
@@ -139,6 +151,18 @@ def main() -> None:
 
                 connector.drain()  # the first prompt is stored before the store goes down
             os.kill(args.kill_after_first, signal.SIGKILL)
+    events = None
+    if listener is not None:
+        if transfer is not None:
+            from kdn.integrations import vllm as connector
+
+            connector.drain()
+        ephemeral = SamplingParams(temperature=0, max_tokens=1,
+                                   extra_args={"kv_transfer_params": {"kdn": {"store": False}}})
+        llm.generate([TokensPrompt(prompt_token_ids=[11, 12, 13])], ephemeral, use_tqdm=False)
+        time.sleep(1.0)
+        listener.close()
+        events = listener.summary()
     stats = {}
     if transfer is not None and not args.transfer:
         from kdn.integrations import vllm as connector
@@ -149,7 +173,7 @@ def main() -> None:
 
         stats["host_buffers"] = _core.buffer_pool_stats()  # page-locked on a GPU engine (pin_host_memory)
     print("KDN-RESULT " + json.dumps({"load_seconds": load_s, "results": results, "stats": stats,
-                                      "versions": versions()}), flush=True)
+                                      "versions": versions(), "events": events}), flush=True)
 
 
 def versions() -> dict:

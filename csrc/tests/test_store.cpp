@@ -116,6 +116,30 @@ TEST_P(TierIndexFairness, AQuotaBoundsItsOwnerAndTheOthersShareTheRest) {
 
 INSTANTIATE_TEST_SUITE_P(Policies, TierIndexFairness, ::testing::Values("lru", "s3fifo"));
 
+// While recording, every insert and removal (evicted, erased, cleared) is logged in order, once.
+TEST(TierIndex, EventsLogEveryInsertAndRemovalInOrder) {
+  TierIndex index(3 * 100, "lru");
+  std::vector<Key128> victims;
+  put(&index, 0, 100, &victims);  // not recording yet: not logged
+  index.record_events(true);
+  for (uint32_t i = 1; i < 5; ++i) put(&index, i, 100, &victims);  // 1, 2 fit; 3 evicts 0, 4 evicts 1
+  index.erase(key(2));
+  index.clear();  // 3 and 4
+  std::vector<std::pair<bool, uint32_t>> got;
+  for (const auto& e : index.take_events()) got.emplace_back(e.stored, e.key[0]);
+  const std::vector<std::pair<bool, uint32_t>> want = {{true, 1},  {true, 2},  {false, 0}, {true, 3}, {false, 1},
+                                                       {true, 4},  {false, 2}};
+  ASSERT_GE(got.size(), want.size() + 2);
+  const std::vector<std::pair<bool, uint32_t>> head(got.begin(), got.begin() + want.size());
+  EXPECT_EQ(head, want);
+  EXPECT_FALSE(got[want.size()].first);  // the clear's two removals, in the index's order
+  EXPECT_FALSE(got[want.size() + 1].first);
+  EXPECT_TRUE(index.take_events().empty());
+  index.record_events(false);
+  put(&index, 9, 100, &victims);
+  EXPECT_TRUE(index.take_events().empty());
+}
+
 TEST(TierIndex, S3FifoKeepsTheHotSetThroughAScan) {
   TierIndex index(20 * 100, "s3fifo");
   std::vector<Key128> victims;

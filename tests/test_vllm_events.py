@@ -1,0 +1,59 @@
+"""KV events from a running vLLM engine (issue 64): a router's subscriber on the engine's ZMQ stream
+reads what kdn announces, checked against vLLM's own events and against the disk folder it filled."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import numpy as np
+
+import test_vllm
+from test_vllm import engine
+
+setup = test_vllm.setup  # the fixture: (vLLM venv's python, SmolLM2's folder, prompts), for this module too
+CHUNK = 128  # one vLLM CPU block
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_running_engine_announces_what_kdn_files_and_evicts_as_its_disk_holds(setup, tmp_path):
+    """Four 512-token documents through kdn's memory (room for two) and disk (room for three), vLLM's
+    prefix cache on so vLLM publishes its own blocks too: every block kdn announces is vLLM's own event
+    for it (hash, parent, tokens), each chunk is announced once per tier, memory evictions are announced,
+    and the blocks the STORAGE events leave held are exactly the chunks in the disk folder."""
+    from kdn import KDNConfig
+    from kdn.engine import Engine
+
+    docs = [np.random.default_rng(300 + i).integers(100, 40000, 4 * CHUNK).tolist() for i in range(4)]
+    prompts = tmp_path / "docs.json"
+    prompts.write_text(json.dumps(docs))
+    chunk_bytes = 30 * 2 * 3 * 64 * 4 * CHUNK + 4096  # SmolLM2, fp32
+    disk = tmp_path / "kv"
+    settings = {"chunk_size": CHUNK, "probe_step": 0, "memory_bytes": int(8.5 * chunk_bytes), "disk_dir": str(disk),
+                "disk_bytes": int(12.5 * chunk_bytes) + (1 << 20)}
+    out = engine(setup, settings, "--prefix-caching", "--max-tokens", "1", "--kv-events", str(_free_port()),
+                 prompts=str(prompts))
+    events, own = out["events"]["kdn"], out["events"]["vllm"]
+    assert all(own.get(h) == [tokens, parent] for _, stored, h, tokens, parent in events if stored), "not vLLM's"
+    held = {"CPU": {}, "STORAGE": {}}
+    for medium, stored, h, *_ in events:
+        if stored:
+            assert held[medium].get(h, 0) == 0, f"{medium} announced {h} twice"
+        held[medium][h] = held[medium].get(h, 0) + (1 if stored else -1)
+        assert held[medium][h] in (0, 1)
+    by_tokens = {tuple(tokens): h for h, (tokens, _) in own.items()}
+    reader, session = Engine.for_checkpoint(KDNConfig(**settings, write_policy="memory-only"), setup[1], "float32")
+    on_disk = set()
+    for doc in docs:
+        for i, key in enumerate(session.prefix_keys(np.asarray(doc, dtype=np.uint32))):
+            if reader.tier("disk").contains(key):
+                on_disk.add(by_tokens[tuple(doc[i * CHUNK:(i + 1) * CHUNK])])
+    assert {h for h, n in held["STORAGE"].items() if n} == on_disk and len(on_disk) == 12
+    assert sum(1 for m, stored, *_ in events if m == "CPU" and stored) == 16
+    assert sum(1 for m, stored, *_ in events if m == "CPU" and not stored) >= 8  # memory evicted the first two
+    assert sum(held["CPU"].values()) == 8
