@@ -7,12 +7,13 @@ import json
 import socket
 
 import numpy as np
+import torch
 
 import test_vllm
 from test_vllm import engine
 
 setup = test_vllm.setup  # the fixture: (vLLM venv's python, SmolLM2's folder, prompts), for this module too
-CHUNK = 128  # one vLLM CPU block
+CHUNK = 128
 
 
 def _free_port() -> int:
@@ -47,13 +48,16 @@ def test_a_running_engine_announces_what_kdn_files_and_evicts_as_its_disk_holds(
         held[medium][h] = held[medium].get(h, 0) + (1 if stored else -1)
         assert held[medium][h] in (0, 1)
     by_tokens = {tuple(tokens): h for h, (tokens, _) in own.items()}
-    reader, session = Engine.for_checkpoint(KDNConfig(**settings, write_policy="memory-only"), setup[1], "float32")
+    block = len(next(iter(own.values()))[0])  # vLLM's block size: a chunk completes CHUNK // block of them
+    per_chunk = CHUNK // block
+    reader, session = Engine.for_checkpoint(KDNConfig(**settings, write_policy="memory-only"), setup[1], torch.float32)
     on_disk = set()
     for doc in docs:
         for i, key in enumerate(session.prefix_keys(np.asarray(doc, dtype=np.uint32))):
             if reader.tier("disk").contains(key):
-                on_disk.add(by_tokens[tuple(doc[i * CHUNK:(i + 1) * CHUNK])])
-    assert {h for h, n in held["STORAGE"].items() if n} == on_disk and len(on_disk) == 12
-    assert sum(1 for m, stored, *_ in events if m == "CPU" and stored) == 16
-    assert sum(1 for m, stored, *_ in events if m == "CPU" and not stored) >= 8  # memory evicted the first two
-    assert sum(held["CPU"].values()) == 8
+                on_disk.update(by_tokens[tuple(doc[j * block:(j + 1) * block])]
+                               for j in range(i * per_chunk, (i + 1) * per_chunk))
+    assert {h for h, n in held["STORAGE"].items() if n} == on_disk and len(on_disk) == 12 * per_chunk
+    assert sum(1 for m, stored, *_ in events if m == "CPU" and stored) == 16 * per_chunk
+    assert sum(1 for m, stored, *_ in events if m == "CPU" and not stored) >= 8 * per_chunk  # the first two evicted
+    assert sum(held["CPU"].values()) == 8 * per_chunk

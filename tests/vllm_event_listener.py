@@ -9,7 +9,8 @@ KDN_MEDIA = ("CPU", "STORAGE")  # kdn's memory and disk tiers; vLLM's own blocks
 
 
 class EventListener:
-    """Subscribes to ``tcp://127.0.0.1:<port>`` (topic ``kv``) from a thread until :meth:`close`."""
+    """Subscribes on ``tcp://127.0.0.1:<port>`` (topic ``kv``) from a thread until :meth:`close`: it binds,
+    and vLLM's publisher, given a host that is not a wildcard, connects to it."""
 
     def __init__(self, port: int):
         import zmq
@@ -18,7 +19,7 @@ class EventListener:
         self._socket = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"kv")
         self._socket.setsockopt(zmq.RCVTIMEO, 200)
-        self._socket.connect(self.endpoint)
+        self._socket.bind(self.endpoint)
         self.batches: list = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
