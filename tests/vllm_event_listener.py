@@ -28,7 +28,6 @@ class EventListener:
     def _run(self) -> None:
         import msgspec
         import zmq
-
         from vllm.distributed.kv_events import KVEventBatch
 
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
