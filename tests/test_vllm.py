@@ -493,6 +493,12 @@ def test_kv_events_announce_what_each_tier_holds_under_vllms_own_block_hashes(sc
     assert t["salted_extra_keys"] == 2 and t["unannounced"] == 0, t
 
 
+def test_a_hits_source_is_the_tier_that_served_it(scheduled):
+    """Issue 64: vLLM's ``CacheHitSource`` per hit: a document in kdn's memory is a ``host`` hit, one
+    only on its disk a ``disk`` hit, the counts adding up to the tokens served."""
+    assert scheduled["hit_sources"] == {"b-q": {"host": 256}, "a-q": {"disk": 256}}
+
+
 def test_a_claim_anyone_can_write_holds_a_request_a_few_leases_not_two_minutes(scheduled):
     """Issue 62: a planted kdn-format claim (30 s, "mallory") holds a request until its claimant has
     stored nothing for CLAIM_PROGRESS_LEASES leases (0.9 s here), not IN_FLIGHT_WAIT_S (120 s);

@@ -75,3 +75,33 @@ def _block_hashes(h: Harness, req_id: str) -> list:
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     return [maybe_convert_block_hash(b) for b in h.requests[req_id].block_hashes]
+
+
+def hit_sources(model: str) -> dict:
+    """Issue 64: a hit's source through vLLM's ``CacheHitSource``: document A stored, then B, through a
+    memory tier that holds one of them and a disk that holds both; B's question is served from memory,
+    A's from the disk, each hit's counts adding up to what it served."""
+    import tempfile
+
+    probe = Harness(model, chunk_size=64)
+    chunk_bytes = probe.session.layout.bytes_per_token() * 64 + 4096
+    h = Harness(model, chunk_size=64, probe_step=0, memory_bytes=int(4.5 * chunk_bytes), disk_dir=tempfile.mkdtemp())
+    seen = {}
+    connector = h.scheduler.connector
+    allocated = connector.update_state_after_alloc
+
+    def then_ask(request, blocks, n):  # where vLLM asks (its stats on: right after the allocation)
+        allocated(request, blocks, n)
+        if n:
+            sources = connector.get_external_cache_hit_sources(request, n)
+            seen[request.request_id] = {str(source.value): count for source, count in sources.items()}
+
+    connector.update_state_after_alloc = then_ask
+    docs = {"a": random_tokens(256, 150), "b": random_tokens(256, 151)}
+    for i, (name, doc) in enumerate(docs.items()):
+        h.request(name, doc, max_tokens=1)
+        h.step({name: random_kv(h, 256, 152 + i)})
+    for name in ("b", "a"):  # B's first: A's hit promotes it into memory, evicting B
+        h.request(f"{name}-q", docs[name] + random_tokens(20, 160), max_tokens=1)
+        h.step({f"{name}-q": random_kv(h, 276, 170)})
+    return seen

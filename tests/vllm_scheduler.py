@@ -16,7 +16,7 @@ import os
 import numpy as np
 import torch
 
-from vllm_events import events
+from vllm_events import events, hit_sources
 from vllm_harness import Harness, random_kv, random_tokens, stored_exactly
 
 
@@ -48,6 +48,7 @@ def main() -> None:
     results["scoped"] = scoped(args.model)
     results["retained"] = retained(args.model)
     results["events"] = events(args.model)
+    results["hit_sources"] = hit_sources(args.model)
     print("KDN-RESULT " + json.dumps(results), flush=True)
 
 

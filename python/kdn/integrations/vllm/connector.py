@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
 from kdn.integrations.vllm import metrics, process
-from kdn.integrations.vllm.events import Announcer, TierEvents
+from kdn.integrations.vllm.events import Announcer, TierEvents, hit_sources
 from kdn.integrations.vllm.lookups import LookupClient
 from kdn.integrations.vllm.scheduler import SchedulerSide, claim_owner
 from kdn.integrations.vllm.specs import KDNConnectorMetadata
@@ -144,6 +144,17 @@ class KDNConnector(KVConnectorBase_V1):
         if self._announcer is not None:
             self._announcer.forget(request.request_id)
         return self._scheduler.request_finished(request, block_ids)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        """The tiers a hit's tokens come from (vLLM's ``CacheHitSource``), where the worker's tiers are
+        in this process; else all under vLLM's default."""
+        if self._scheduler is not None and num_external_tokens and process.worker_here(self.engine):
+            start, scope = self._scheduler.hit_start(request.request_id)
+            sources = hit_sources(self.engine, self.session.within(scope), request.prompt_token_ids, start,
+                                  num_external_tokens)
+            if sum(sources.values()) == num_external_tokens:
+                return sources
+        return super().get_external_cache_hit_sources(request, num_external_tokens)
 
     def update_connector_output(self, connector_output) -> None:
         if self._announcer is not None:

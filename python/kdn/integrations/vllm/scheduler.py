@@ -120,6 +120,11 @@ class SchedulerSide:
         external = max(0, hit - span - num_computed_tokens)
         return external, self.loads_async and external > 0
 
+    def hit_start(self, req_id: str) -> tuple[int, bytes | None]:
+        """Where a request's kdn hit starts (the tokens vLLM's own prefix cache held at its lookup) and
+        its scope."""
+        return self._local.get(req_id, 0), self._scopes.get(req_id)
+
     def retention_of(self, request) -> tuple:
         """What a request asks kdn to keep (``kv_transfer_params={"kdn": {"retain": seconds, "store":
         false}}``): ``(seconds or None, store)``; a value kdn cannot use is logged once and ignored
