@@ -21,9 +21,7 @@ void TierIndex::touch(const Key128& key) {
   if (it != owner_of_.end()) owners_.at(it->second).policy->touch(key);
 }
 
-int64_t TierIndex::allowance(uint64_t owner) const {
-  auto quota = quotas_.find(owner);
-  if (quota != quotas_.end()) return static_cast<int64_t>(quota->second);
+int64_t TierIndex::unquoted_share() const {
   uint64_t reserved = 0, sharing = 0;  // the quotas of the owners present, and how many have none
   for (const auto& [id, o] : owners_) {
     auto q = quotas_.find(id);
@@ -34,12 +32,15 @@ int64_t TierIndex::allowance(uint64_t owner) const {
 }
 
 bool TierIndex::pop_fair_victim(Key128* victim, std::optional<uint64_t> incoming, uint64_t bytes) {
-  // owners by how far over their allowance they are (the incoming owner's new bytes counted), furthest
-  // first; the first with an evictable entry gives it
+  // owners by how far over their allowance (a quota, else the share the quotas leave) they are, the
+  // incoming owner's new bytes counted, furthest first; the first with an evictable entry gives it
+  const int64_t share = unquoted_share();
   std::vector<std::pair<int64_t, Owner*>> order;
   for (auto& [id, owner] : owners_) {
     const uint64_t used = owner.used + (incoming == id ? bytes : 0);
-    order.emplace_back(static_cast<int64_t>(used) - allowance(id), &owner);
+    auto quota = quotas_.find(id);
+    order.emplace_back(static_cast<int64_t>(used) - (quota != quotas_.end() ? static_cast<int64_t>(quota->second) : share),
+                       &owner);
   }
   std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   for (auto& [over, owner] : order)

@@ -86,7 +86,7 @@ class TierIndex {
     uint64_t used = 0;                       // its bytes, pinned ones included
     uint64_t pinned = 0;                     // of which pinned
   };
-  int64_t allowance(uint64_t owner) const;  // its quota, or its share of what the quotas leave
+  int64_t unquoted_share() const;  // what the quotas of the owners present leave, per owner without one
   EvictionPolicy& policy_of(const Key128& key);
   bool pop_fair_victim(Key128* victim, std::optional<uint64_t> incoming, uint64_t bytes);
   void forget(const Key128& key, uint64_t bytes);  // drop a removed entry's size and owner

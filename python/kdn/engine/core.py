@@ -25,7 +25,7 @@ import dataclasses
 import threading
 from collections.abc import Callable
 
-from kdn import _core, codecs
+from kdn import _core
 from kdn._core import InvalidInputError
 from kdn.config_sources import apply_process_env
 from kdn.engine.audit import AuditReport
@@ -362,11 +362,9 @@ class Engine:
         return self.chunks.tiers.take_events()
 
     def addresses(self, key: bytes) -> list[bytes]:
-        """Where the chunk ``key`` may be filed: the key itself, then the addresses of the lossy codecs
-        this process stores or accepts."""
-        config = self.config
-        lossy = [c for c in (config.memory_codec, config.disk_codec) if codecs.parse(c).lossy]
-        return list(dict.fromkeys(self.chunks.tiers.addresses(key) + [codecs.address(key, c) for c in lossy]))
+        """Where the chunk ``key`` may be filed: the key itself, then the lossy addresses of the codecs
+        this process stores or accepts (:meth:`kdn.storage.TierManager.addresses`)."""
+        return self.chunks.tiers.addresses(key)
 
     def unpin(self, keys: list[bytes]) -> int:
         """Make the chunks ``keys`` evictable again; how many were pinned."""

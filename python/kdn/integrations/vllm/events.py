@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
-from typing import Any
 
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
@@ -26,10 +24,10 @@ from vllm.distributed.kv_events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kdn.engine import Engine, ModelSession
 
-log = logging.getLogger("kdn")
 MEDIA = {"memory": MEDIUM_CPU, "disk": MEDIUM_STORAGE}
 KNOWN_CHUNKS = 1 << 18  # chunks whose announcement is remembered (for their removal), least recent forgotten
 
@@ -92,7 +90,7 @@ class Announcer:
     def note_request(self, request) -> None:
         if request.request_id in self._requests:  # asked again (it waits, or was preempted): the same blocks
             return
-        hashes = [_external(h) for h in getattr(request, "block_hashes", None) or []]
+        hashes = [maybe_convert_block_hash(h) for h in getattr(request, "block_hashes", None) or []]
         lora = getattr(request, "lora_request", None)
         self._requests[request.request_id] = _Blocks(hashes, getattr(lora, "adapter_id", None),
                                                      getattr(lora, "name", None), _extra_keys(request, len(hashes),
@@ -163,12 +161,6 @@ def hit_sources(engine: Engine, session: ModelSession, tokens: list, start: int,
                      if any(tier.contains(a) for a in engine.addresses(keys[i]))), CacheHitSource.EXTERNAL_UNSPECIFIED)
         counts[held] += covered
     return {source: count for source, count in counts.items() if count}
-
-
-def _external(block_hash) -> Any:
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
-    return maybe_convert_block_hash(block_hash)
 
 
 def _extra_keys(request, blocks: int, size: int) -> list | None:
