@@ -122,7 +122,7 @@ class KDNConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return 0, False
         if self._announcer is not None:
-            self._announcer.note_request(request)
+            self._announcer.safely(self._announcer.note_request, request)
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -135,7 +135,8 @@ class KDNConnector(KVConnectorBase_V1):
         meta = self._scheduler.build_connector_meta(scheduler_output)
         if self._announcer is not None:
             for save in meta.saves:
-                self._announcer.note_store(save.req_id, self.session.within(save.scope), save.tokens)
+                self._announcer.safely(self._announcer.note_store, save.req_id, self.session.within(save.scope),
+                                       save.tokens)
         return meta
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
@@ -150,8 +151,11 @@ class KDNConnector(KVConnectorBase_V1):
         in this process; else all under vLLM's default."""
         if self._scheduler is not None and num_external_tokens and process.worker_here(self.engine):
             start, scope = self._scheduler.hit_start(request.request_id)
-            sources = hit_sources(self.engine, self.session.within(scope), request.prompt_token_ids, start,
-                                  num_external_tokens)
+            try:
+                sources = hit_sources(self.engine, self.session.within(scope), request.prompt_token_ids, start,
+                                      num_external_tokens)
+            except Exception:  # noqa: BLE001 - a statistic: never an exception into vLLM's scheduler
+                sources = {}
             if sum(sources.values()) == num_external_tokens:
                 return sources
         return super().get_external_cache_hit_sources(request, num_external_tokens)

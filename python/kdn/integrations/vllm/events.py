@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
@@ -28,6 +29,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kdn.engine import Engine, ModelSession
 
+log = logging.getLogger("kdn")
 MEDIA = {"memory": MEDIUM_CPU, "disk": MEDIUM_STORAGE}
 KNOWN_CHUNKS = 1 << 18  # chunks whose announcement is remembered (for their removal), least recent forgotten
 
@@ -86,6 +88,17 @@ class Announcer:
         self._chunks: collections.OrderedDict[bytes, _Chunk] = collections.OrderedDict()
         self._raw: list = []
         self.unannounced = 0  # tier events of blobs that are no stored prompt's chunk
+        self._warned = False
+
+    def safely(self, note, *args) -> None:
+        """``note(*args)``; what a request's content makes it raise is logged once and announces nothing
+        of that request (a hook never raises into vLLM's scheduler)."""
+        try:
+            note(*args)
+        except Exception as e:  # noqa: BLE001 - any request content
+            if not self._warned:
+                self._warned = True
+                log.warning("kdn: KV events: a request's blocks not announced: %s", e)
 
     def note_request(self, request) -> None:
         if request.request_id in self._requests:  # asked again (it waits, or was preempted): the same blocks
