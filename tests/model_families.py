@@ -21,6 +21,14 @@ def gemma3_config(window: int = 128) -> transformers.PretrainedConfig:
         bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+def mistral_config(window: int = 128) -> transformers.PretrainedConfig:
+    """Mistral's attention, every layer windowed (``window`` tokens), small."""
+    return transformers.MistralConfig(
+        vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=window, max_position_embeddings=8192,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
 def save_random(config, tokenizer_folder, folder, scale: float = 4.0, seed: int = 0) -> str:
     """A random-weight model of ``config`` (its linear weights ``scale`` times the initializer's, so
     that greedy decoding does not repeat one token) saved in fp32 to ``folder`` beside the tokenizer

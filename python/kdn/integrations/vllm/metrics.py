@@ -9,7 +9,9 @@ import time
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-NAMES = ("lookups", "hit_tokens", "loads", "loaded_tokens", "load_errors", "stores", "stored_tokens",
+NAMES = ("lookups", "hit_tokens", "loads", "loaded_tokens", "load_errors",
+         # positions laid into the blocks, summed over layers (a sliding layer's: its window only)
+         "loaded_layer_tokens", "stores", "stored_tokens",
          "refused_stores", "verify_checks", "verify_mismatches",
          # where the time goes: the scheduler's lookups (its thread), loads into the blocks and gathers
          # of finished prompts out of them (the engine's thread, between forwards), the forward waiting

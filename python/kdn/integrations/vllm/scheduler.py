@@ -14,6 +14,7 @@ import numpy as np
 
 from kdn.engine import Engine, ModelSession, Prefix
 from kdn.integrations.vllm import metrics, process
+from kdn.integrations.vllm.groups import KVGroups
 from kdn.integrations.vllm.lookups import LookupClient, WorkerNotServing, request_digest
 from kdn.integrations.vllm.scope import Scopes, Unservable
 from kdn.integrations.vllm.specs import KDNConnectorMetadata, LoadSpec, SaveSpec
@@ -36,7 +37,7 @@ _COMPLETING = float("inf")  # an admitted request whose prefill's last step is s
 @dataclasses.dataclass
 class _Request:
     tokens: list
-    block_ids: list
+    block_ids: list  # one block table per KV cache group
     check: tuple | None = None  # (start, end): hit tokens held back to be verified
     scope: bytes | None = None  # its salt, adapter and inputs (kdn.keys.request_scope): KV is shared only within it
 
@@ -53,9 +54,9 @@ class SchedulerSide:
     request is scheduled (vLLM's asynchronous KV load, ``KDNConfig.vllm_load``), else in its step."""
 
     def __init__(self, engine: Engine, session: ModelSession, block_size: int, lookups: LookupClient, owner: str,
-                 loads_async: bool = False):
+                 loads_async: bool = False, groups: KVGroups | None = None):
         self.engine, self.session, self.block_size, self._lookups = engine, session, block_size, lookups
-        self.owner, self.loads_async = owner, loads_async
+        self.owner, self.loads_async, self.groups = owner, loads_async, groups or KVGroups()
         self.not_serving = False  # the worker refused the engine (its answer to a lookup): requests run without kdn
         self._pending: dict[str, int] = {}  # req_id -> external tokens to load
         self._checks: dict[str, tuple] = {}  # req_id -> (start, end) of a hit held back for verification
@@ -197,7 +198,7 @@ class SchedulerSide:
             req_id, local = request.request_id, self._local.get(request.request_id, 0)
             end = local + num_external_tokens
             self._before.append(LoadSpec(req_id, list(request.prompt_token_ids or [])[:end], local, end,
-                                         list(blocks.get_block_ids()[0]), self._scopes.get(req_id),
+                                         [list(ids) for ids in blocks.get_block_ids()], self._scopes.get(req_id),
                                          self._found.pop(req_id, None), before=True))
             self._loaded_before.add(req_id)
         elif num_external_tokens > 0:
@@ -211,7 +212,8 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self._unserved:
                 continue
-            req = self._requests[new.req_id] = _Request(list(new.prompt_token_ids or []), list(new.block_ids[0]),
+            req = self._requests[new.req_id] = _Request(list(new.prompt_token_ids or []),
+                                                        [list(ids) for ids in new.block_ids],
                                                         self._checks.pop(new.req_id, None),
                                                         self._scopes.get(new.req_id))
             if new.req_id not in self._loaded_before:  # else what its async load served stays known
@@ -232,7 +234,8 @@ class SchedulerSide:
             new_blocks = cached.new_block_ids[i]
             resumed = req_id in cached.resumed_req_ids
             if new_blocks is not None:
-                req.block_ids = list(new_blocks[0]) if resumed else req.block_ids + list(new_blocks[0])
+                req.block_ids = [list(new) if resumed else held + list(new)
+                                 for held, new in zip(req.block_ids, new_blocks)]
             admitted = self._admitted.get(req_id)
             if admitted is not None and admitted[1] == _COMPLETING and cached.num_computed_tokens[i] >= len(req.tokens):
                 admitted[1] = time.monotonic()  # the step that completed its prefill has run
@@ -266,19 +269,28 @@ class SchedulerSide:
         """A step that completes a prompt's prefill (``computed`` tokens before it, ``scheduled`` in
         it) stores it; the worker refuses it if a load of that step failed or lossy KV was served
         (:mod:`kdn.engine.served`). A prefill recomputed after a failed load, or after preemption,
-        completes again, and is stored then."""
+        completes again, and is stored then. A windowed model's prefill also stores the chunks each
+        of its steps completes (``partial``): vLLM frees a sliding layer's blocks below its window
+        as the prefill goes on, so each chunk is stored while its blocks hold it."""
         req = self._requests[req_id]
-        n = len(req.tokens)
-        if not computed < n <= computed + scheduled:
+        n, end = len(req.tokens), computed + scheduled
+        chunk = self.session.chunk_size
+        if computed < n <= end:
+            check = req.check if req.check is not None and computed <= req.check[0] else None
+        elif self.groups.windowed and end < n and end // chunk > computed // chunk:
+            n, check = end // chunk * chunk, None
+        else:
             return
-        check = req.check if req.check is not None and computed <= req.check[0] else None
         retain, store = self._retention.get(req_id, (None, True))
         if not store:
             return  # an ephemeral request: served, never stored
-        if req_id in self._admitted:
+        partial = n < len(req.tokens)
+        if req_id in self._admitted and not partial:
             self._admitted[req_id][1] = _COMPLETING
-        meta.saves.append(SaveSpec(req_id, req.tokens, req.block_ids[: -(-n // self.block_size)], check,
-                                   req.scope, retain))
+        blocks = -(-n // self.block_size)
+        meta.saves.append(SaveSpec(req_id, req.tokens[:n], [ids[:blocks] for ids in req.block_ids], check, req.scope,
+                                   None if partial else retain, partial=partial,
+                                   kept_from=self.groups.kept_from(computed, self.block_size)))
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)

@@ -9,7 +9,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclasses.dataclass
 class LoadSpec:
-    """Load tokens [start, end) of ``tokens`` from kdn into ``block_ids``, in the request's ``scope``
+    """Load tokens [start, end) of ``tokens`` from kdn into ``block_ids`` (a block table per KV cache
+    group), in the request's ``scope``
     (:func:`kdn.keys.request_scope` of its salt, adapter and inputs; None for none)."""
 
     req_id: str
@@ -24,7 +25,9 @@ class LoadSpec:
 
 @dataclasses.dataclass
 class SaveSpec:
-    """Store the KV of ``tokens`` (a prefill this step completed), held in ``block_ids``; with
+    """Store the KV of ``tokens`` (a prefill this step completed, or with ``partial`` the chunks of
+    one a step of a windowed model completed), held in ``block_ids`` (a table per KV cache group) from
+    position ``kept_from`` on (a windowed layer's blocks before it may be vLLM's again); with
     ``check = (start, end)``, first compare the rows [start, end) vLLM computed with kdn's."""
 
     req_id: str
@@ -33,6 +36,8 @@ class SaveSpec:
     check: tuple | None = None
     scope: bytes | None = None
     retain: float | None = None  # seconds the request asked its prompt be kept pinned (kv_transfer_params)
+    partial: bool = False  # the prefill goes on: its request's store has not ended
+    kept_from: int = 0
 
 
 @dataclasses.dataclass

@@ -29,23 +29,31 @@ from kdn.engine.served import Served
 from kdn.engine.stream import DeliveryError
 from kdn.engine.targets import PagedBlocks
 from kdn.integrations.vllm import metrics
+from kdn.integrations.vllm.groups import KVGroups
 from kdn.integrations.vllm.lookups import MAX_ENDED
-from kdn.integrations.vllm.specs import KDNConnectorMetadata, LoadSpec
+from kdn.integrations.vllm.specs import KDNConnectorMetadata, LoadSpec, SaveSpec
 from kdn.layout import ModelLayout
 
 log = logging.getLogger("kdn")
+_LOST = 1 << 62  # a windowed prefill that can store nothing more (WorkerSide._windowed)
 
 
 class WorkerSide:
     """The worker's half of :class:`kdn.integrations.vllm.KDNConnector` over the KV blocks vLLM
     registered (``kv_caches``: one tensor per layer, read and written by the strides of the layout
-    ``kernel(layer)`` names, :func:`kdn.engine.paged.vllm_layout`). Raises InvalidInputError when
-    the blocks are not laid out as kdn can read (then the connector serves nothing)."""
+    ``kernel(layer)`` names, :func:`kdn.engine.paged.vllm_layout`; ``groups``: vLLM's KV cache groups,
+    a block table each). Raises InvalidInputError when the blocks are not laid out as kdn can read
+    (then the connector serves nothing)."""
 
     def __init__(self, engine: Engine, session: ModelSession, block_size: int, kv_caches: dict[str, torch.Tensor],
-                 kernel: Callable[[torch.Tensor], str]):
+                 kernel: Callable[[torch.Tensor], str], groups: KVGroups | None = None):
         self.engine, self.session, self.block_size, self._kernel = engine, session, block_size, kernel
         ordered = sorted(kv_caches.items(), key=lambda item: layer_index(item[0]))
+        # each layer's KV cache group (whose block table it reads), or None: one table for all layers
+        self._layer_groups = (groups or KVGroups()).table_of([name for name, _ in ordered])
+        self._failed: set[str] = set()  # a windowed model's requests whose async load failed: recomputed whole
+        self._packed_to: dict[str, int] = {}  # a windowed prefill's request -> where its saves so far ended
+        self._warned_window = False
         self._layout: PagedLayout = self._describe([t for _, t in ordered])
         # kdn's C++ core copies chunks in and out of the blocks by the strides that describe them
         # (kdn.engine.paged, kdn/paged.h); on a GPU with the CUDA twin, on vLLM's current stream
@@ -58,7 +66,7 @@ class WorkerSide:
         self._saver: threading.Thread | None = None
         # async loads (LoadSpec.before): one background thread, in order
         self._before = ThreadPoolExecutor(1, thread_name_prefix="kdn-load")
-        self._loaded: list = []  # (spec, load or None, metrics.LoadClock) of async loads read and queued
+        self._loaded: list = []  # (spec, load or None, metrics.LoadClock, blocks) of async loads read and queued
         self._loaded_lock = threading.Lock()
         self._timing: list[metrics.LoadClock] = []  # in-step loads whose copies may still run
         # requests whose store has ended (landed, refused or failed), until the scheduler asks
@@ -90,13 +98,14 @@ class WorkerSide:
     def start_load_kv(self, meta: KDNConnectorMetadata) -> None:
         for req_id in meta.fresh:
             self._served[req_id] = Served()
+            self._packed_to.pop(req_id, None)
         for spec in meta.loads:
             if spec.before:
                 self._load_before(spec)
                 continue
             served = self._served.setdefault(spec.req_id, Served())
             tokens = np.asarray(spec.tokens, dtype=np.uint32)
-            blocks = PagedBlocks(self._blocks, self._layout, spec.block_ids, spec.start)
+            blocks = self._paged(spec.block_ids, spec.start)
             clock = metrics.LoadClock(blocks.stream)
             # layer-wise when the engine streams: layers arrive while the model computes the ones before
             load = self.engine.load(self.session.within(spec.scope), tokens, spec.end, blocks,
@@ -105,10 +114,16 @@ class WorkerSide:
             served.lossy |= load.lossy  # a stream's is known when it ends (_finish_streams)
             if load.stream is not None:
                 self._streams.append((spec, load))
-            self._account(spec, served, load.hit, clock, stale_step=True)
+            self._account(spec, served, load.hit, clock, blocks, stale_step=True)
+
+    def _paged(self, block_ids: list, start: int = 0) -> PagedBlocks:
+        """A request's blocks (``block_ids``: a table per KV cache group) as kdn's copies take them."""
+        if self._layer_groups is None:
+            return PagedBlocks(self._blocks, self._layout, block_ids[0], start)
+        return PagedBlocks(self._blocks, self._layout, block_ids, start, self._layer_groups)
 
     def _account(self, spec: LoadSpec, served: Served | None, hit: int, clock: metrics.LoadClock,
-                 stale_step: bool) -> None:
+                 blocks: PagedBlocks, stale_step: bool) -> None:
         """A load of ``spec`` that served ``hit`` tokens: what the request was served, counted; tokens
         short of the lookup's are reported (evicted or unusable since: vLLM recomputes their blocks)."""
         upto = min(hit, spec.end)
@@ -117,6 +132,7 @@ class WorkerSide:
             if upto < spec.end:
                 self._load_failed(spec, max(upto, spec.start), "evicted or damaged since the lookup", stale_step)
         metrics.count(loads=1, loaded_tokens=max(0, upto - spec.start), hit_tokens=max(0, upto - spec.start),
+                      loaded_layer_tokens=blocks.layer_tokens(upto),
                       load_seconds=time.perf_counter() - clock.began, load_queue_seconds=clock.queued,
                       load_host_seconds=clock.host)
         if clock.ran():
@@ -138,7 +154,7 @@ class WorkerSide:
         """Start an async load: read and laid into the blocks by the load thread, on the GPU on this
         (the engine's) stream; reported by :meth:`get_finished` once its copies have run."""
         self._served[spec.req_id] = Served()  # the request starts here: its step will not restart it
-        blocks = PagedBlocks(self._blocks, self._layout, spec.block_ids, spec.start)
+        blocks = self._paged(spec.block_ids, spec.start)
         clock = metrics.LoadClock(blocks.stream)
 
         def load() -> None:
@@ -151,7 +167,7 @@ class WorkerSide:
                 done = None
             clock.issued()
             with self._loaded_lock:
-                self._loaded.append((spec, done, clock))
+                self._loaded.append((spec, done, clock, blocks))
 
         self._before.submit(load)
 
@@ -163,19 +179,22 @@ class WorkerSide:
             for item in self._loaded:
                 (ready if item[2].ran() else waiting).append(item)
             self._loaded = waiting
-        for spec, done, clock in ready:
+        for spec, done, clock, blocks in ready:
             served = self._served.get(spec.req_id)  # None: the request ended (aborted) while it loaded
             if served is not None:
                 served.lossy |= done is not None and done.lossy
             # no step ran on these blocks: a failure's recomputed prefill is stored
-            self._account(spec, served, done.hit if done is not None else 0, clock, stale_step=False)
+            self._account(spec, served, done.hit if done is not None else 0, clock, blocks, stale_step=False)
         return {spec.req_id for spec, *_ in ready}
 
     def _load_failed(self, spec: LoadSpec, start: int, why: str, stale_step: bool = True) -> None:
         """Tokens [start, spec.end) of a request were not loaded: vLLM recomputes their blocks
         (``stale_step``: this step's forward ran on them, so nothing of it is stored this step)."""
-        first = start // self.block_size
-        self._errors.update(spec.block_ids[first: -(-spec.end // self.block_size)])
+        if self._layer_groups is None:
+            first = start // self.block_size
+            self._errors.update(spec.block_ids[0][first: -(-spec.end // self.block_size)])
+        else:  # a block of one group cannot be named to vLLM, nor recomputed from its middle: the whole request
+            self._failed.add(spec.req_id)
         if stale_step:
             self._served.setdefault(spec.req_id, Served()).failed = True
         log.warning("kdn: %d of %d tokens could not be loaded (%s); vLLM recomputes them", spec.end - start,
@@ -219,27 +238,49 @@ class WorkerSide:
                     metrics.count(refused_stores=1)
                 elif spec.retain:  # kdn served this prompt: it holds its KV already, kept as asked
                     self._retain(session, spec.tokens, spec.retain)
-                self._store_ended(spec.req_id)
+                if not spec.partial:
+                    self._store_ended(spec.req_id)
                 continue
             # copies: the blocks are vLLM's to reuse once this returns. The chunks to store (those no
             # local tier holds) are sealed straight from CPU blocks; a GPU's are copied to pinned host
             # memory in one device-to-host copy, and sealed by the store thread, which files them
             began = time.perf_counter()
             tokens = np.asarray(spec.tokens, dtype=np.uint32)
-            blocks = PagedBlocks(self._blocks, self._layout, spec.block_ids)
-            packed = None
+            blocks = self._paged(spec.block_ids)
+            packed = unheld = None
+            if store and (blocks.grouped or blocks.device.type == "cuda"):
+                keys, todo = self.engine.unheld(session, tokens)
+                todo = self._windowed(spec, blocks, todo) if blocks.grouped else todo
+                store, unheld = todo is not None, (keys, todo)
             if store and blocks.device.type == "cuda":  # copied out in the step, sealed on the store thread
-                unheld = self.engine.unheld(session, tokens)
                 packed = functools.partial(self.engine.pack, session, tokens, blocks.copy_out(unheld[1]), unheld)
             elif store:
-                packed = self.engine.pack(session, tokens, blocks)
+                packed = self.engine.pack(session, tokens, blocks, unheld)
             first, kv = blocks.emit(*check) if check is not None else (0, None)
             metrics.count(gather_seconds=time.perf_counter() - began)
             self._start_saver()
-            self._saves.put((spec.req_id, session, tokens, first, kv, dataclasses.replace(served), check, packed,
-                             spec.retain))
+            self._saves.put((spec, session, tokens, first, kv, dataclasses.replace(served), check, packed))
         for served in self._served.values():
             served.failed = False  # vLLM recomputes what failed: the recomputed prefill is stored
+
+    def _windowed(self, spec: SaveSpec, blocks: PagedBlocks, todo: list) -> list | None:
+        """The chunks of ``todo`` a windowed model's save packs: those its request's earlier saves did
+        not, when every layer's blocks still hold them; None: nothing more of the prompt can be stored.
+        vLLM gives a sliding layer's blocks back once the prefill is a window past them: a chunk whose
+        blocks went before it was stored (a step ended inside it more than a window past its start)
+        ends what can be stored of the prompt."""
+        done = self._packed_to.pop(spec.req_id, 0) if not spec.partial else self._packed_to.get(spec.req_id, 0)
+        todo = [c for c in todo if c[0] >= done] if done != _LOST else None
+        if todo and todo[0][0] < max(spec.kept_from, blocks.kept_from()):
+            if not self._warned_window:
+                self._warned_window = True
+                log.warning("kdn: a prefill step ended more than a sliding window into a chunk of %d tokens: the "
+                            "prompt is stored up to position %d (give vLLM's steps room for whole chunks: "
+                            "max_num_batched_tokens)", self.session.chunk_size, todo[0][0])
+            todo = None
+        if spec.partial:
+            self._packed_to[spec.req_id] = _LOST if todo is None else todo[-1][0] + todo[-1][1] if todo else done
+        return todo
 
     def _start_saver(self) -> None:
         if self._saver is None:
@@ -253,9 +294,9 @@ class WorkerSide:
             if item is None:
                 return
             began, cpu = time.perf_counter(), time.thread_time()
-            req_id = item[0]
+            spec = item[0]
             try:
-                _, session, tokens, first, kv, served, check, packed, retain = item
+                _, session, tokens, first, kv, served, check, packed = item
                 if check is not None:
                     verdict = self.engine.verify(session, tokens, check, [t[:, :, check[0] - first:check[1] - first]
                                                                         for t in kv], served.lossy)
@@ -271,16 +312,18 @@ class WorkerSide:
                 self.engine.flush()
                 if served.unstorable() is None:
                     done = time.perf_counter()
-                    metrics.count(stores=1, stored_tokens=stored, store_seconds=done - began,
+                    final = not spec.partial  # a windowed prefill's earlier chunks: counted with its last
+                    metrics.count(stores=int(final), stored_tokens=stored if final else 0, store_seconds=done - began,
                                   flush_seconds=done - flushing, store_cpu_seconds=time.thread_time() - cpu)
-                    if retain:
-                        self._retain(session, tokens, retain)
+                    if spec.retain:
+                        self._retain(session, tokens, spec.retain)
                 else:
                     metrics.count(refused_stores=1)
             except Exception as exc:  # storing is best effort; the request is answered already
                 log.warning("kdn: storing a prompt's KV failed (%s)", exc)
             finally:
-                self._store_ended(req_id)
+                if not spec.partial:
+                    self._store_ended(spec.req_id)
                 self._saves.task_done()
 
     def _retain(self, session, tokens, seconds: float) -> None:
@@ -311,7 +354,14 @@ class WorkerSide:
         the next :meth:`get_block_ids_with_load_errors`, which vLLM asks in the same step)."""
         for req_id in finished_req_ids:
             self._served.pop(req_id, None)
+            self._packed_to.pop(req_id, None)
         return self._report_loaded()
+
+    def failed_requests(self) -> set[str]:
+        """The requests whose async load failed since the last call (a windowed model's: vLLM
+        recomputes them whole)."""
+        failed, self._failed = self._failed, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()

@@ -1,0 +1,49 @@
+"""What vLLM's KV cache groups (its hybrid KV cache manager) mean for kdn: each layer's block table,
+and the sliding window below which a windowed layer's blocks are given back during a prefill."""
+
+from __future__ import annotations
+
+import dataclasses
+
+SERVED_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVGroups:
+    """``specs``: each group's KV cache spec class name; ``layers``: layer name -> its group;
+    ``window``: the smallest sliding window of a group, in tokens (None: no windowed group)."""
+
+    specs: tuple = ("FullAttentionSpec",)
+    layers: dict = dataclasses.field(default_factory=dict)
+    window: int | None = None
+
+    @classmethod
+    def of(cls, kv_cache_config) -> KVGroups:
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if not groups:
+            return cls()
+        specs = tuple(type(g.kv_cache_spec).__name__ for g in groups)
+        windows = [g.kv_cache_spec.sliding_window for g, spec in zip(groups, specs) if spec == "SlidingWindowSpec"]
+        layers = {name: i for i, g in enumerate(groups) for name in getattr(g, "layer_names", ())}
+        return cls(specs, layers, min(windows) if windows else None)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some layers keep only a window: their blocks come one table per group, with vLLM's
+        null block outside the window, and a load that fails is recomputed whole."""
+        return self.window is not None
+
+    def table_of(self, layer_names: list[str]) -> tuple | None:
+        """Each of ``layer_names``' group (in that order), or None when every layer shares one table
+        that keeps every position (what kdn's paged copies take without groups)."""
+        if len(self.specs) == 1 and not self.windowed:
+            return None
+        return tuple(self.layers[name] for name in layer_names)
+
+    def kept_from(self, computed: int, block_size: int) -> int:
+        """The first position a windowed layer still holds in a step that starts with ``computed``
+        tokens computed (vLLM frees the blocks wholly before ``computed - window + 1``); 0 when none is
+        windowed."""
+        if self.window is None:
+            return 0
+        return max(0, computed - self.window + 1) // block_size * block_size
