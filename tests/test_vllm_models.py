@@ -180,15 +180,15 @@ from types import SimpleNamespace as NS
 from kdn.integrations.vllm import unsupported_reason
 
 folder = sys.argv[1]
-def engine(hf=None, use_mla=False, groups=("FullAttentionSpec",), model=folder, window=None):
-    specs = [NS(kv_cache_spec=type(name, (), {"sliding_window": window})()) for name in groups]
+def engine(hf=None, use_mla=False, groups=("FullAttentionSpec",), model=folder, windows=None):
+    specs = [NS(kv_cache_spec=type(name, (), {"sliding_window": w})()) for name, w in zip(groups, windows or [None] * 9)]
     config = NS(model_config=NS(use_mla=use_mla, hf_text_config=hf or NS(), model=model))
     return unsupported_reason(config, NS(kv_cache_groups=specs))
 print(json.dumps({
     "plain": engine(),
-    "sliding": engine(groups=("FullAttentionSpec", "SlidingWindowSpec"), window=4096),
-    "sliding_only": engine(groups=("SlidingWindowSpec",), window=4096),
-    "hma_off": engine(groups=("FullAttentionSpec",), window=4096),
+    "sliding": engine(groups=("FullAttentionSpec", "SlidingWindowSpec"), windows=(None, 4096)),
+    "sliding_only": engine(groups=("SlidingWindowSpec",), windows=(4096,)),
+    "hma_off": engine(groups=("FullAttentionSpec",), windows=(4096,)),
     "mla": engine(use_mla=True),
     "hybrid": engine(groups=("FullAttentionSpec", "MambaSpec")),
     "hub_name": engine(model="HuggingFaceTB/SmolLM2-135M"),

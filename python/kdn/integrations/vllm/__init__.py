@@ -21,9 +21,14 @@ which recomputes its blocks: never wrong KV. What is stored follows one rule
 prefill, and only when that step's loads are known to have succeeded and nothing it was served was
 lossy; after a failed load vLLM recomputes the request, and the recomputed prompt is stored then.
 With ``verify_fraction`` a sampled hit's last tokens are held back, computed by vLLM and compared
-with what kdn stores (:mod:`kdn.engine.verify`). MLA models (their latent, on GPU MLA backends) are
-served; a model kdn cannot serve (sliding-window layers, MLA on vLLM's CPU platform, hybrid or mamba
-layers, a KV layout it does not know) is logged once at start-up, by name, and served nothing. The
+with what kdn stores (:mod:`kdn.engine.verify`). Sliding-window models (Gemma, Mistral-style, every
+layer or some) are served in vLLM's hybrid KV cache manager (a block table per KV cache group): a
+hit lays a sliding layer's KV over its window only; a windowed prefill is stored chunk by chunk, in
+the step that completes each, while its blocks hold it; its hits load before the request is
+scheduled, and one that fails is recomputed whole. MLA models (their latent, on GPU MLA backends)
+are served; a model kdn cannot serve (MLA on vLLM's CPU platform, mamba or linear-attention layers,
+sliding layers allocated as full, a KV layout it does not know) is logged once at start-up, by name,
+and served nothing. The
 blocks may be the CPU 'vec' kernel's or a GPU backend's (:func:`kdn.engine.paged.vllm_layout`); on a
 GPU, chunks are laid in and gathered out by kdn's CUDA paged copy on vLLM's current stream.
 Scheduler and worker share one kdn store per process; where vLLM runs them in different processes
@@ -33,7 +38,8 @@ private to the worker, is seen.
 
 The package, by role: :mod:`.connector` (the class vLLM instantiates; it delegates), :mod:`.scheduler`
 (lookups, in-flight waits and claims, what each step loads and stores), :mod:`.worker` (loads into
-the blocks, stores out of them), :mod:`.specs` (what one tells the other each step), :mod:`.process`
+the blocks, stores out of them), :mod:`.kv_layers` (vLLM's KV layers and their KV cache groups),
+:mod:`.specs` (what one tells the other each step), :mod:`.process`
 (what one process' connectors share), :mod:`.metrics` (counters on vLLM's /metrics) and
 :mod:`.lookups` (the scheduler's lookups answered in the worker's process).
 """

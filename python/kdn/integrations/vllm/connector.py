@@ -21,11 +21,11 @@ from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
 from kdn.integrations.vllm import metrics, process
 from kdn.integrations.vllm.events import Announcer, TierEvents, hit_sources
-from kdn.integrations.vllm.groups import SERVED_SPECS, KVGroups
+from kdn.integrations.vllm.kv_layers import SERVED_SPECS, KVGroups, cpu_attention_isa
 from kdn.integrations.vllm.lookups import LookupClient
 from kdn.integrations.vllm.scheduler import SchedulerSide, claim_owner
 from kdn.integrations.vllm.specs import KDNConnectorMetadata
-from kdn.integrations.vllm.worker import WorkerSide, cpu_attention_isa
+from kdn.integrations.vllm.worker import WorkerSide
 
 log = logging.getLogger("kdn")
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from kdn.engine import Engine, ModelSession, Prefix
 from kdn.integrations.vllm import metrics, process
-from kdn.integrations.vllm.groups import KVGroups
+from kdn.integrations.vllm.kv_layers import KVGroups
 from kdn.integrations.vllm.lookups import LookupClient, WorkerNotServing, request_digest
 from kdn.integrations.vllm.scope import Scopes, Unservable
 from kdn.integrations.vllm.specs import KDNConnectorMetadata, LoadSpec, SaveSpec

@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import logging
 import queue
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -29,10 +28,9 @@ from kdn.engine.served import Served
 from kdn.engine.stream import DeliveryError
 from kdn.engine.targets import PagedBlocks
 from kdn.integrations.vllm import metrics
-from kdn.integrations.vllm.groups import KVGroups
+from kdn.integrations.vllm.kv_layers import KVGroups, layer_index
 from kdn.integrations.vllm.lookups import MAX_ENDED
 from kdn.integrations.vllm.specs import KDNConnectorMetadata, LoadSpec, SaveSpec
-from kdn.layout import ModelLayout
 
 log = logging.getLogger("kdn")
 _LOST = 1 << 62  # a windowed prefill that can store nothing more (WorkerSide._windowed)
@@ -381,24 +379,9 @@ class WorkerSide:
         self._saves.join()
 
 
-def cpu_attention_isa(vllm_config, layout: ModelLayout) -> str:
-    """The CPU attention kernel vLLM picks for this engine ('vec', 'vec16', 'amx', 'neon', ...)."""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-    except ImportError:  # not vLLM's CPU build
-        return "unknown (not vLLM's CPU backend)"
-    return _get_attn_isa(vllm_config.model_config.dtype, vllm_config.cache_config.block_size, layout.head_dim,
-                         vllm_config.cache_config.cache_dtype)
-
-
 def _name_thread(name: str) -> None:
     """Name the calling thread for the OS (``top -H``, /proc/<pid>/task/<tid>/comm: who paid for what)."""
     try:
         Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_text(name[:15])
     except OSError:  # not Linux
         pass
-
-
-def layer_index(name: str) -> int:
-    match = re.search(r"layers\.(\d+)\.", name)
-    return int(match.group(1)) if match else 0

@@ -1,9 +1,13 @@
-"""What vLLM's KV cache groups (its hybrid KV cache manager) mean for kdn: each layer's block table,
-and the sliding window below which a windowed layer's blocks are given back during a prefill."""
+"""vLLM's KV layers as kdn reads them: a layer's index from its name, the CPU attention kernel whose
+blocks they are, and what the KV cache groups (vLLM's hybrid KV cache manager) mean: each layer's
+block table, and the sliding window below which a windowed layer's blocks are given back."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
+
+from kdn.layout import ModelLayout
 
 SERVED_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec")
 
@@ -47,3 +51,18 @@ class KVGroups:
         if self.window is None:
             return 0
         return max(0, computed - self.window + 1) // block_size * block_size
+
+
+def layer_index(name: str) -> int:
+    match = re.search(r"layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else 0
+
+
+def cpu_attention_isa(vllm_config, layout: ModelLayout) -> str:
+    """The CPU attention kernel vLLM picks for this engine ('vec', 'vec16', 'amx', 'neon', ...)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:  # not vLLM's CPU build
+        return "unknown (not vLLM's CPU backend)"
+    return _get_attn_isa(vllm_config.model_config.dtype, vllm_config.cache_config.block_size, layout.head_dim,
+                         vllm_config.cache_config.cache_dtype)
