@@ -181,7 +181,8 @@ from kdn.integrations.vllm import unsupported_reason
 
 folder = sys.argv[1]
 def engine(hf=None, use_mla=False, groups=("FullAttentionSpec",), model=folder, windows=None):
-    specs = [NS(kv_cache_spec=type(name, (), {"sliding_window": w})()) for name, w in zip(groups, windows or [None] * 9)]
+    windows = windows or [None] * len(groups)
+    specs = [NS(kv_cache_spec=type(name, (), {"sliding_window": w})()) for name, w in zip(groups, windows)]
     config = NS(model_config=NS(use_mla=use_mla, hf_text_config=hf or NS(), model=model))
     return unsupported_reason(config, NS(kv_cache_groups=specs))
 print(json.dumps({
