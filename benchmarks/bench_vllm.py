@@ -8,6 +8,8 @@ Configurations, all in one run on one machine:
   vllm-prefix     vLLM's own prefix cache, same engine for both rounds
   kdn-memory      kdn's connector, memory tier, same engine for both rounds
   kdn-disk        the warm round in one engine (stores to a disk folder), the query round in a new one
+  kdn-node        the same through the node tier (node_dir: a folder in /dev/shm, every engine of the
+                  machine's shared memory), the new engine's disk folder empty
   kdn-redis       the same through redis-server (a new engine reads what the first sent)
   kdn-mooncake    the same through a Mooncake Store (a master and a client lending the pool)
   lmcache         LMCache 0.5.6's LMCacheMPConnector and MP server at its defaults (256-token chunks):
@@ -16,7 +18,7 @@ Configurations, all in one run on one machine:
   lmcache-fs      lmcache-tuned with its fs L2 adapter, the server restarted between the rounds
                   (its L1 empty: every timed query read from the folder)
 
-The query rounds of kdn-disk, kdn-redis and kdn-mooncake run with a memory tier too small for a
+The query rounds of kdn-disk, kdn-node, kdn-redis and kdn-mooncake run with a memory tier too small for a
 chunk (1 MiB), so every timed query is served by the tier its row names; the connector's counters
 of the run are checked (a chunk served from another tier fails the run).
 
@@ -87,13 +89,13 @@ def summary(seconds: list[float]) -> dict:
 
 def served_by(tier: str, stats: dict) -> dict:
     """The connector's chunk counters; the run fails unless every chunk came from ``tier``."""
-    served = {t: stats["connector"].get(f"{t}_chunks", 0) for t in ("memory", "disk", "remote")}
+    served = {t: stats["connector"].get(f"{t}_chunks", 0) for t in ("memory", "node", "disk", "remote")}
     if not (served[tier] > 0 and sum(served.values()) == served[tier]):
         raise SystemExit(f"bench_vllm: chunks were served by other tiers than {tier}: {served}")
     return served
 
 
-def configurations(run, python: str, warm: list, query: list, prompts: list, names: set, tmp: str):
+def configurations(run, python: str, warm: list, query: list, prompts: list, names: set, tmp: str, shm: str):
     """Each configuration: a name and a function returning the timed queries' results, the stats, the
     tiers that served them and the warm round's results (its misses: each document's first question,
     prefilled and, but for vLLM alone, stored; one-engine configurations time the queries after it)."""
@@ -103,9 +105,9 @@ def configurations(run, python: str, warm: list, query: list, prompts: list, nam
         out = run(prompts, kdn, *flags)
         return out["results"][len(warm):], out["stats"], None, out["results"][:len(warm)]
 
-    def new_engine(tier, settings):
+    def new_engine(tier, settings, query_settings=None):
         misses = run(warm, settings)["results"]  # stores
-        out = run(query, {**settings, "memory_bytes": "1MiB"})
+        out = run(query, {**settings, "memory_bytes": "1MiB", **(query_settings or {})})
         return out["results"], out["stats"], served_by(tier, out["stats"]), misses
 
     def lmcache(tuned: bool, l2: bool, name: str):
@@ -137,6 +139,9 @@ def configurations(run, python: str, warm: list, query: list, prompts: list, nam
         ("vllm-prefix", lambda: one_engine(None, "--prefix-caching")),
         ("kdn-memory", lambda: one_engine({})),
         ("kdn-disk", lambda: new_engine("disk", {"disk_dir": tempfile.mkdtemp(dir=tmp)})),
+        ("kdn-node", lambda: new_engine("node", {"node_dir": tempfile.mkdtemp(dir=shm),
+                                                 "disk_dir": tempfile.mkdtemp(dir=tmp)},
+                                        {"disk_dir": tempfile.mkdtemp(dir=tmp)})),
         ("kdn-redis", lambda: new_engine("remote", {"remote_url": redis_url(), "namespace": fresh()})),
         ("kdn-mooncake", lambda: new_engine("remote", {**servers["mooncake"], "namespace": fresh()})),
         ("lmcache", lambda: lmcache(False, False, "lmcache")),
@@ -152,7 +157,7 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=4000, help="tokens per document")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every configuration, interleaved")
-    parser.add_argument("--configs", default="vllm,vllm-prefix,kdn-memory,kdn-disk,kdn-redis,kdn-mooncake,"
+    parser.add_argument("--configs", default="vllm,vllm-prefix,kdn-memory,kdn-disk,kdn-node,kdn-redis,kdn-mooncake,"
                                               "lmcache,lmcache-tuned,lmcache-fs")
     parser.add_argument("--no-lmcache", action="store_true", help="skip LMCache's configurations")
     parser.add_argument("--out", default="bench_out/vllm")
@@ -263,8 +268,10 @@ def bench_model(args, python: str, model_dir: str) -> dict:
         return out
 
     rounds: dict[str, list] = {}
-    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        table, servers = configurations(run, python, warm, query, prompts, names, tmp)
+    shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None  # the node tier's shared memory
+    with (tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir=shm_root) as shm,
+          contextlib.ExitStack() as stack):
+        table, servers = configurations(run, python, warm, query, prompts, names, tmp, shm)
         if "kdn-mooncake" in names:
             url, options = stack.enter_context(private_mooncake())
             servers["mooncake"] = {"remote_url": url, "remote_options": options}

@@ -197,3 +197,50 @@ def test_memory_returns_to_the_baseline_after_clear(tiny_llama):
     gc.collect()
     assert _core.buffer_live_bytes() == baseline
     assert _core.buffer_pool_stats()["idle_bytes"] == 0
+
+
+NODE_STORER = """
+import os, sys, torch
+from kdn import KDN, KDNConfig
+from kdn.models.tiny import tiny_model
+model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)
+kdn = KDN(KDNConfig(chunk_size=8, node_dir=sys.argv[1], disk_dir=sys.argv[2]))
+kdn.generate(model, torch.tensor([[int(t) for t in sys.argv[3].split(",")]]), max_new_tokens=1, do_sample=False)
+kdn.flush()
+print(kdn.stats()["node"]["entries"], flush=True)
+os._exit(9)  # an engine that crashes: no exit handlers, nothing handed over
+"""
+
+
+def test_engines_of_one_node_share_its_memory_tier_and_a_crash_loses_nothing(tiny_llama, tmp_path):
+    """The node tier (``node_dir``: shared memory, a tmpfs folder in production): what one process
+    prefilled is a hit for another process of the node from there, without its own disk (another
+    folder) or memory, after the first has died; the hit is a full prefill's logits."""
+    ids = random_ids(tiny_llama, 41, seed=5)
+    node = tmp_path / "node"
+    proc = python_process(NODE_STORER, str(node), str(tmp_path / "disk-a"), ",".join(map(str, ids[0].tolist())),
+                          stdout=subprocess.PIPE, text=True)
+    assert proc.communicate(timeout=120)[0].strip() == "5" and proc.returncode == 9
+    other = KDN(KDNConfig(chunk_size=CHUNK, node_dir=str(node), disk_dir=str(tmp_path / "disk-b")))
+    logits, hit = first_token_logits(tiny_llama, other, ids)
+    assert hit == 40
+    torch.testing.assert_close(logits, full_prefill(tiny_llama, ids)[0], rtol=1e-4, atol=1e-4)
+    stats = other.stats()
+    assert stats["node"]["hits"] == 5 and stats["disk"]["hits"] == 0 and stats["memory"]["entries"] == 5
+    other.flush()
+    assert other.stats()["disk"]["entries"] == 0  # a hit is promoted up (memory), not down
+
+
+def test_the_node_tier_is_shared_memory_and_not_the_disk_folder(tmp_path, monkeypatch):
+    from kdn._core import InvalidInputError
+    from kdn.config import default_node_dir
+
+    config = KDNConfig(node_dir="auto", node_bytes="64MiB")
+    assert config.node_dir == str(default_node_dir()) and str(default_node_dir()).startswith("/dev/shm/")
+    assert config.node_bytes == 64 << 20
+    with pytest.raises(InvalidInputError, match="one folder"):
+        KDNConfig(node_dir=str(tmp_path), disk_dir=str(tmp_path))
+    with pytest.raises(InvalidInputError, match="node_dir"):
+        KDNConfig(node_dir="")
+    monkeypatch.setenv("KDN_NODE_DIR", str(tmp_path / "n"))
+    assert KDNConfig.from_env().node_dir == str(tmp_path / "n")

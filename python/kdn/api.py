@@ -317,7 +317,7 @@ class KDN:
         self.close()
 
     def stats(self) -> dict:
-        """Per-tier counters: ``{"memory": {...}, "disk": {...}, "remote": {...}}`` with hits, misses,
+        """Per-tier counters: ``{"memory": {...}, "node": {...}, "disk": {...}, "remote": {...}}`` with hits, misses,
         puts, evictions, rejected, entries, used/capacity/pinned bytes (disk also: writes, errors,
         corrupt, dropped, queued bytes, last_error; remote: errors, dropped, corrupt, skipped,
         state "ok"/"down"), and ``"delivery"``: layer-wise streams, chunks streamed and recomputed,

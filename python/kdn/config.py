@@ -39,6 +39,11 @@ def default_cache_dir() -> Path:
     return Path(base) / "kdn"
 
 
+def default_node_dir() -> Path:
+    """Where ``node_dir="auto"`` puts the node tier: ``/dev/shm/kdn-<uid>`` (shared memory)."""
+    return Path("/dev/shm") / f"kdn-{os.geteuid()}"
+
+
 @dataclasses.dataclass(frozen=True)
 class KDNConfig:
     """Settings of a :class:`kdn.KDN`.
@@ -55,6 +60,13 @@ class KDNConfig:
             strings such as ``"512MiB"``.
         memory_policy: eviction order of the memory tier, ``"lru"`` (default) or ``"s3fifo"``
             (scan-resistant: one pass over many new documents does not flush the hot ones).
+        node_dir: directory of the node tier: host memory shared by every kdn process on this
+            machine (a folder on a tmpfs such as ``/dev/shm/kdn``; ``"auto"``: ``/dev/shm/kdn-<uid>``),
+            between the memory tier and the disk. Engines and data-parallel ranks of one node see
+            each other's chunks there without the disk, and what one wrote survives its crash.
+            ``None`` (default): no node tier. Files, trust and sharing as the disk tier's, without
+            fsync.
+        node_bytes: capacity of the node tier (default 8 GiB).
         disk_dir: directory of the local-disk tier; ``None`` (default) turns the tier off,
             ``"auto"`` uses :func:`default_cache_dir`. Off by default so that a library imported
             into serving code or a notebook never fills a home directory unasked; turn it on to
@@ -187,6 +199,8 @@ class KDNConfig:
     probe_step: int = 16
     memory_bytes: int = 4 * GiB
     memory_policy: str = "lru"
+    node_dir: str | None = None
+    node_bytes: int = 8 * GiB
     disk_dir: str | None = None
     disk_bytes: int = 16 * GiB
     disk_policy: str = "lru"
@@ -295,11 +309,17 @@ class KDNConfig:
         if self.remote_url is not None and (not isinstance(self.remote_url, str) or "://" not in self.remote_url):
             raise InvalidInputError("KDNConfig.remote_url must be a URL such as redis://127.0.0.1:6379/0 (its scheme "
                                     f"is checked when the tiers are built), got {redact(str(self.remote_url))!r}")
-        if self.disk_dir is not None:
-            if not isinstance(self.disk_dir, (str, os.PathLike)) or str(self.disk_dir) == "":
-                raise InvalidInputError(f"KDNConfig.disk_dir must be a path, 'auto' or None, got {self.disk_dir!r}")
-            path = default_cache_dir() if self.disk_dir == "auto" else Path(self.disk_dir).expanduser()
-            object.__setattr__(self, "disk_dir", str(path.absolute()))
+        for name, auto in (("disk_dir", default_cache_dir), ("node_dir", default_node_dir)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, (str, os.PathLike)) or str(value) == "":
+                raise InvalidInputError(f"KDNConfig.{name} must be a path, 'auto' or None, got {value!r}")
+            path = auto() if value == "auto" else Path(value).expanduser()
+            object.__setattr__(self, name, str(path.absolute()))
+        if self.node_dir is not None and self.node_dir == self.disk_dir:
+            raise InvalidInputError("KDNConfig.node_dir and disk_dir are one folder; the node tier is shared memory "
+                                    "(a tmpfs folder), the disk tier a disk's")
 
     def __repr__(self) -> str:  # never print a password from remote_url
         fields = {**self.to_dict(), "remote_url": redact(self.remote_url) if self.remote_url else None,

@@ -141,11 +141,11 @@ class Engine:
         return Pages(self.chunks.tiers, tenant_fingerprint(fingerprint, config.namespace, config.tenant_key()))
 
     def tier(self, name: str):
-        """The engine's ``"memory"``, ``"disk"`` or ``"remote"`` tier (the last two: None when the
-        config has none), for a face that shows its counters or clears it."""
-        if name not in ("memory", "disk", "remote"):
-            raise InvalidInputError(f"tier: 'memory', 'disk' or 'remote', got {name!r}")
-        return getattr(self.chunks.tiers, name)
+        """The engine's ``"memory"``, ``"node"``, ``"disk"`` or ``"remote"`` tier (but memory: None
+        when the config has none), for a face that shows its counters or clears it."""
+        if name not in ("memory", "node", "disk", "remote"):
+            raise InvalidInputError(f"tier: 'memory', 'node', 'disk' or 'remote', got {name!r}")
+        return self.chunks.tiers.tier(name)
 
     @property
     def tiers(self) -> TierManager:

@@ -31,7 +31,7 @@ class Tier(abc.ABC):
     misses or "not stored", counted in ``stats()``); ``put`` may queue and return at once, what it
     queued is readable at once and written by ``flush``; a blob read back is verified.
 
-    ``name`` (``"memory"``, ``"disk"``, ``"remote"``) names it in ``stats()``; ``local`` tiers
+    ``name`` (``"memory"``, ``"node"``, ``"disk"``, ``"remote"``) names it in ``stats()``; ``local`` tiers
     (this machine) follow the write policy and hold pins, a non-local tier is shared by machines
     and always written through; ``codec`` is the codec spec it stores blobs in.
     """

@@ -52,11 +52,10 @@ class DiskTier(StoreTier):
         True
     """
 
-    name = "disk"
-
     def __init__(self, directory: str, capacity_bytes: int, policy: str = "lru", queue_bytes: int = 512 << 20,
                  read_threads: int = 4, fsync: bool = True, codec: str = "raw", mac_key: bytes = b"",
-                 group_shared: bool = False, read_only: bool = False):
+                 group_shared: bool = False, read_only: bool = False, name: str = "disk"):
+        self.name = name  # "node": the node's shared-memory tier (a tmpfs folder), same files
         c = codecs.parse(codec)
         self.codec = c.spec
         _check_owner(directory, group_shared)

@@ -16,9 +16,13 @@ log = logging.getLogger("kdn")
 
 
 def build_tiers(config: KDNConfig) -> list[Tier]:
-    """The tiers a config asks for, fastest first: memory, then the disk (``disk_dir``), then a
-    remote store (``remote_url``)."""
+    """The tiers a config asks for, fastest first: memory, then the node's shared memory
+    (``node_dir``), then the disk (``disk_dir``), then a remote store (``remote_url``)."""
     tiers: list[Tier] = [MemoryTier(config.memory_bytes, config.memory_policy, config.memory_codec)]
+    if config.node_dir is not None:
+        tiers.append(DiskTier(config.node_dir, config.node_bytes, config.memory_policy, config.disk_queue_bytes,
+                              config.disk_read_threads, False, config.memory_codec, config.mac_key(),
+                              config.disk_shared, read_only=config.write_policy == "memory-only", name="node"))
     if config.disk_dir is not None:
         tiers.append(DiskTier(config.disk_dir, config.disk_bytes, config.disk_policy, config.disk_queue_bytes,
                               config.disk_read_threads, config.disk_fsync, config.disk_codec, config.mac_key(),
@@ -71,7 +75,7 @@ class TierManager:
             at_exit(self, "write_back")
 
     def tier(self, name: str):
-        """The tier called ``name`` ("memory", "disk", "remote"), or None."""
+        """The tier called ``name`` ("memory", "node", "disk", "remote"), or None."""
         return next((t for t in self.tiers if t.name == name), None)
 
     @property

@@ -30,6 +30,8 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from kdn.engine import Engine, ModelSession
 
 log = logging.getLogger("kdn")
+# the node tier (shared memory) is not announced: vLLM's media have no name for it, and as "CPU" its
+# removals would read as the memory tier's
 MEDIA = {"memory": MEDIUM_CPU, "disk": MEDIUM_STORAGE}
 KNOWN_CHUNKS = 1 << 18  # chunks whose announcement is remembered (for their removal), least recent forgotten
 
@@ -164,7 +166,7 @@ def hit_sources(engine: Engine, session: ModelSession, tokens: list, start: int,
     (``external_unspecified``); each chunk counted at the fastest tier holding it now."""
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-    sources = {"memory": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+    sources = {"memory": CacheHitSource.HOST, "node": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
     tiers = [(name, engine.tier(name)) for name in sources if engine.tier(name) is not None]
     chunk, counts = session.chunk_size, collections.Counter()
     keys = session.prefix_keys(session.tokens(tokens), include_partial=True)

@@ -23,7 +23,7 @@ NAMES = ("lookups", "hit_tokens", "loads", "loaded_tokens", "load_errors",
          # the host (lookup, reads, checks, queueing copies), a GPU's stream running its copies
          "load_queue_seconds", "load_host_seconds", "load_device_seconds",
          # chunks each tier served to this process' loads (from the tiers' own counters)
-         "memory_chunks", "disk_chunks", "remote_chunks",
+         "memory_chunks", "node_chunks", "disk_chunks", "remote_chunks",
          # requests that waited for another's prefill of their document (asked again later); waits
          # ended because another engine's claim made no progress for CLAIM_PROGRESS_LEASES leases
          "in_flight_waits", "stalled_claims",
