@@ -1,11 +1,12 @@
-"""The README's "what it costs" table, made from what `.ci/newcomer` (and `.ci/run`) recorded in
+"""The "what it costs" table of docs/install.md (the README's two lines), made from what
+`.ci/newcomer` (and `.ci/run`) recorded in
 ``benchmarks/results/newcomer/costs.jsonl``: every step's seconds with the machine's load average
 before and after. The table sits between ``<!-- costs:begin -->`` and ``<!-- costs:end -->``.
 To refresh it: ``KDN_COSTS=$PWD/benchmarks/results/newcomer/costs.jsonl .ci/newcomer`` (CI's runs
 write to /tmp), then this script.
 
-    python benchmarks/readme_costs.py           # rewrite README.md's table from the record
-    python benchmarks/readme_costs.py --check   # exit 1 if the README's table is not the record's
+    python benchmarks/readme_costs.py           # rewrite docs/install.md's table from the record
+    python benchmarks/readme_costs.py --check   # exit 1 if its table is not the record's
 """
 
 from __future__ import annotations
@@ -49,12 +50,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
-    path = ROOT / "README.md"
+    path = ROOT / "docs" / "install.md"
     readme = path.read_text(encoding="utf-8")
     updated = render(readme)
     if args.check:
         if updated != readme:
-            print("README.md's cost table differs from the record: run python benchmarks/readme_costs.py")
+            print("docs/install.md's cost table differs from the record: run python benchmarks/readme_costs.py")
             return 1
         return 0
     path.write_text(updated, encoding="utf-8")

@@ -1,9 +1,9 @@
-"""The README's headline tables, written from their records: each sits between
+"""The docs' headline tables (docs/*.md, the README), written from their records: each sits between
 ``<!-- figures:NAME:begin -->`` and ``<!-- figures:NAME:end -->`` and is rendered by :data:`FIGURES`
 from the JSON a benchmark run wrote, with that run's command, commit, date, engines and loads beside
 it. Rerun a comparison (``python benchmarks/headline.py NAME``), then this script.
 
-    python benchmarks/readme_figures.py           # rewrite README.md's tables from the records
+    python benchmarks/readme_figures.py           # rewrite the pages' tables from the records
     python benchmarks/readme_figures.py --check   # exit 1 if a table is not what its record says
 """
 
@@ -18,7 +18,7 @@ from kdn import KDNConfig
 from serving_costs import by_served
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # where figures blocks may sit
 LOAD_SPREAD = 1.0  # configurations whose mean loads differ by more than this are marked
 
 VLLM_ROWS = {  # bench_vllm.py's configurations, as the README names them
@@ -226,7 +226,7 @@ def splice(readme: str, begin: str, end: str, text: str) -> str:
     head, found, rest = readme.partition(begin)
     _, found_end, tail = rest.partition(end)
     if not found or not found_end:
-        raise SystemExit(f"README.md lacks the {begin} ... {end} markers")
+        raise SystemExit(f"the page lacks the {begin} ... {end} markers")
     return f"{head}{begin}\n{text}{end}{tail}"
 
 
@@ -238,24 +238,25 @@ def render(readme: str) -> str:
         if begin not in readme:
             continue
         if not record.is_file():
-            raise SystemExit(f"README.md quotes figures:{name}, whose record {record.relative_to(ROOT)} is not there")
+            raise SystemExit(f"a page quotes figures:{name}, whose record {record.relative_to(ROOT)} is not there")
         readme = splice(readme, begin, end, make(record))
     return readme
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="exit 1 if README.md differs from its records")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a page differs from its records")
     args = parser.parse_args()
-    text = README.read_text()
-    new = render(text)
-    if args.check:
-        if new != text:
-            sys.exit("README.md's figures differ from their records: run python benchmarks/readme_figures.py")
-        print("README.md's figures are their records'")
-        return
-    README.write_text(new)
-    print("README.md's figures rewritten from their records")
+    for page in PAGES:
+        text = page.read_text()
+        new = render(text)
+        name = page.relative_to(ROOT)
+        if args.check and new != text:
+            sys.exit(f"{name}'s figures differ from their records: run python benchmarks/readme_figures.py")
+        if not args.check and new != text:
+            page.write_text(new)
+            print(f"{name}'s figures rewritten from their records")
+    print("every page's figures are their records'")
 
 
 if __name__ == "__main__":

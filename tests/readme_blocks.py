@@ -1,4 +1,5 @@
-"""Runs the code blocks of README.md as a reader would, top to bottom: Python blocks in one namespace,
+"""Runs the code blocks of README.md and the docs pages (in mkdocs.yml's order) as a reader would, top
+to bottom, one page after the other: Python blocks in one namespace,
 shell blocks in bash, YAML blocks through ``KDNConfig.load``. A block says what it needs in a comment
 on the line above its fence: ``<!-- readme-test: skip (why) -->`` (not run here; the reason names
 where it is run), ``<!-- readme-test: redis (...) -->`` (run against ``--redis URL``: every Redis
@@ -6,7 +7,7 @@ URL's host and password replaced) or ``<!-- readme-test: vllm (...) -->`` (a Pyt
 by ``--vllm-python``, with ``/models/SmolLM2-135M-Instruct`` replaced by ``--checkpoint``).
 ``/var/cache/kdn`` is the disk tier the blocks above stored into (``$XDG_CACHE_HOME/kdn``).
 
-    python tests/readme_blocks.py README.md --redis redis://127.0.0.1:6390   # exit 0: every block ran
+    python tests/readme_blocks.py README.md docs/*.md --redis redis://127.0.0.1:6390   # exit 0: every block ran
 """
 
 from __future__ import annotations
@@ -51,6 +52,14 @@ def blocks(text: str) -> list[Block]:
     return found
 
 
+def pages(root: Path) -> list[Path]:
+    """The README, then the docs site's pages in the order of mkdocs.yml's nav."""
+    import yaml
+
+    site = yaml.safe_load((root / "mkdocs.yml").read_text())
+    return [root / "README.md"] + [root / site["docs_dir"] / next(iter(item.values())) for item in site["nav"]]
+
+
 def runnable(block: Block, args) -> str:
     """The block's code as it runs here (URLs and paths replaced as its marker says)."""
     code = block.code
@@ -65,15 +74,15 @@ def runnable(block: Block, args) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("markdown")
+    parser.add_argument("markdown", nargs="+", help="the pages, in the order a reader reads them")
     parser.add_argument("--redis", help="a Redis URL for the blocks marked redis (else they are skipped)")
     parser.add_argument("--vllm-python", help="the vLLM venv's python for the blocks marked vllm (else skipped)")
     parser.add_argument("--checkpoint", help="an HF checkpoint folder of SmolLM2-135M-Instruct (with --vllm-python)")
     args = parser.parse_args()
     namespace: dict = {"__name__": "__readme__"}
     ran = skipped = 0
-    for block in blocks(Path(args.markdown).read_text(encoding="utf-8")):
-        where = f"{args.markdown}:{block.line} ({block.lang or 'text'})"
+    for markdown, block in [(m, b) for m in args.markdown for b in blocks(Path(m).read_text(encoding="utf-8"))]:
+        where = f"{markdown}:{block.line} ({block.lang or 'text'})"
         if block.lang not in ("python", "bash", "yaml"):
             continue
         missing = {"skip": block.why, "redis": not args.redis and "no --redis",
@@ -101,7 +110,7 @@ def main() -> int:
             os.unlink(f.name)
         print(f"--- ok {where} in {time.perf_counter() - started:.1f} s", flush=True)
         ran += 1
-    print(f"README blocks: {ran} ran, {skipped} skipped")
+    print(f"README and docs blocks: {ran} ran, {skipped} skipped")
     return 0
 
 

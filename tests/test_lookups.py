@@ -17,8 +17,10 @@ from kdn.keys import request_scope
 
 
 def held(n: int, last_tokens: int = 0) -> Prefix:
-    """What a worker's lookup finds: n tokens in chunks of 16, each key naming its chunk."""
-    return Prefix([bytes([i]) * 16 for i in range(-(-n // 16))], n, last_tokens)
+    """What a worker's lookup finds: n tokens in chunks of 16, each key naming its chunk, each held by
+    one of the worker's tiers (its hit's CacheHitSource travels with the answer)."""
+    keys = [bytes([i]) * 16 for i in range(-(-n // 16))]
+    return Prefix(keys, n, last_tokens, tuple(("memory", "disk", "node", "")[i % 4] for i in range(len(keys))))
 
 
 def tokens_of(found) -> int | None:

@@ -1,5 +1,7 @@
-"""The README is a test: every Python, shell and YAML block runs as written, top to bottom
-(tests/readme_blocks.py), in a folder where only a bare clone's files are found."""
+"""The README and the docs site are a test: every Python, shell and YAML block runs as written, top
+to bottom, the README then the pages in mkdocs.yml's order (tests/readme_blocks.py), in a folder where
+only a bare clone's files are found; the site builds with ``mkdocs build --strict``; the README stays
+a front page (at most 250 lines)."""
 
 from __future__ import annotations
 
@@ -15,14 +17,30 @@ from redis_servers import RedisServer, require_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from readme_blocks import blocks  # noqa: E402
+from readme_blocks import blocks, pages  # noqa: E402
+
+PAGES = pages(ROOT)
 
 
 def test_every_block_is_run_or_says_where_it_is():
-    found = [b for b in blocks((ROOT / "README.md").read_text()) if b.lang in ("python", "bash", "yaml")]
-    assert len(found) >= 12
-    for block in found:
-        assert block.needs != "skip" or block.why, f"README.md:{block.line}: a skipped block says why"
+    found = [(page, b) for page in PAGES for b in blocks(page.read_text()) if b.lang in ("python", "bash", "yaml")]
+    assert len(found) >= 12 and len(PAGES) >= 10
+    for page, block in found:
+        assert block.needs != "skip" or block.why, f"{page.name}:{block.line}: a skipped block says why"
+
+
+def test_the_readme_is_a_front_page_and_the_site_builds_strict(tmp_path):
+    """The README: the two commands, what kdn does, the map of the docs (issue 65: at most 250 lines);
+    the docs site builds with every page in its nav and no broken link (mkdocs' strict mode)."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250 and "# the demo" in readme.splitlines()[4]
+    for page in PAGES[2:]:  # after the README and the site's home page
+        assert f"(docs/{page.name})" in readme, f"the README does not link {page.name}"
+    pytest.importorskip("mkdocs")
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (tmp_path / "site" / "vllm" / "index.html").is_file()
 
 
 def smollm2_checkpoint() -> Path:
@@ -52,33 +70,33 @@ def test_the_readme_runs_as_written(smollm2, tmp_path):
         (xdg / "kdn" / "models").symlink_to(cache_root())
         env = {k: v for k, v in os.environ.items() if k not in ("KDN_DATA", "KDN_SHARED", "KDN_CONFIG")}
         env.update(XDG_CACHE_HOME=str(xdg), PYTHONUNBUFFERED="1")
-        run = subprocess.run([sys.executable, str(ROOT / "tests" / "readme_blocks.py"), str(ROOT / "README.md"),
+        run = subprocess.run([sys.executable, str(ROOT / "tests" / "readme_blocks.py"), *map(str, PAGES),
                               "--redis", f"redis://127.0.0.1:{server.port}", *vllm],
                              cwd=work, env=env, capture_output=True, text=True, timeout=1500)
         tail = (run.stdout + run.stderr)[-6000:]
         assert run.returncode == 0, tail
-        expected = [b for b in blocks((ROOT / "README.md").read_text())
+        expected = [b for page in PAGES for b in blocks(page.read_text())
                     if b.lang in ("python", "bash", "yaml") and b.needs != "skip" and (vllm or b.needs != "vllm")]
-        assert f"README blocks: {len(expected)} ran, " in run.stdout, tail
+        assert f"README and docs blocks: {len(expected)} ran, " in run.stdout, tail
         assert (work / "eval_out" / "summary.md").is_file(), "the README's kdn eval wrote no report"
     finally:
         server.stop()
 
 
 def test_the_cost_table_is_the_recorded_one():
-    """The README's cost table is written by benchmarks/readme_costs.py from .ci/newcomer's record."""
+    """The install page's cost table is written by benchmarks/readme_costs.py from .ci/newcomer's record."""
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "readme_costs.py"), "--check"],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
 
 
 def test_the_headline_tables_are_written_from_their_records():
-    """The README's headline tables (vLLM hits, serving beside LMCache) are what
+    """The docs' headline tables (vLLM hits, serving beside LMCache) are what
     ``benchmarks/readme_figures.py`` renders from the records they name, provenance included."""
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "readme_figures.py"), "--check"],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert (ROOT / "README.md").read_text().count("<!-- figures:") >= 6, "the README lost its generated tables"
+    assert sum(page.read_text().count("<!-- figures:") for page in PAGES) >= 6, "the docs lost their generated tables"
 
 
 def _tables_without_a_record(text: str) -> list[str]:
@@ -101,11 +119,10 @@ def _tables_without_a_record(text: str) -> list[str]:
 
 
 def test_every_measured_table_names_its_record():
-    """A figure without a record is a guess: every table in the README's measured sections is generated
-    from its record or names the results file or folder behind it (which the test above finds)."""
-    readme = (ROOT / "README.md").read_text()
-    sections = [s for s in readme.split("\n## ") if s.startswith(("Measured", "Serving with vLLM"))]
-    assert len(sections) == 2
+    """A figure without a record is a guess: every table of the measured pages is generated from its
+    record or names the results file or folder behind it (which the test above finds)."""
+    sections = [s for page in ("measured.md", "vllm.md", "models.md") for s in
+                (ROOT / "docs" / page).read_text().split("\n## ")]
     missing = [row for section in sections for row in _tables_without_a_record(section)]
     assert not missing, f"tables with no record named before them: {missing}"
 
@@ -133,8 +150,8 @@ def _prose_without_a_record(text: str) -> list[str]:
 def test_every_measured_figure_in_prose_names_its_record():
     """Figures quoted in the measured sections' prose name the record they come from (or follow, under
     the same heading, a paragraph or generated table that does)."""
-    readme = (ROOT / "README.md").read_text()
-    sections = [s for s in readme.split("\n## ") if s.startswith(("Measured", "Serving with vLLM"))]
+    sections = [s for page in ("measured.md", "vllm.md", "models.md") for s in
+                (ROOT / "docs" / page).read_text().split("\n## ")]
     missing = [para for section in sections for para in _prose_without_a_record(section)]
     assert not missing, f"figures with no record named: {missing}"
 
@@ -154,8 +171,9 @@ def test_every_results_folder_the_readme_quotes_holds_records():
     path exists in the repository and holds a record (JSON, JSONL, a log, a table or a plot)."""
     import re
 
-    quoted = set(re.findall(r"`(benchmarks/results/[^` ]+)`", (ROOT / "README.md").read_text()))
-    assert len(quoted) >= 10, "the pattern no longer finds the README's record paths"
+    text = "".join(page.read_text() for page in PAGES)
+    quoted = set(re.findall(r"`(benchmarks/results/[^` ]+)`", text))
+    assert len(quoted) >= 10, "the pattern no longer finds the docs' record paths"
     kinds = {".json", ".jsonl", ".log", ".md", ".csv", ".png"}
     empty = []
     for path in sorted(quoted):

@@ -233,6 +233,7 @@ def test_engines_of_one_node_share_its_memory_tier_and_a_crash_loses_nothing(tin
 
 def test_the_node_tier_is_shared_memory_and_not_the_disk_folder(tmp_path, monkeypatch):
     from kdn._core import InvalidInputError
+
     from kdn.config import default_node_dir
 
     config = KDNConfig(node_dir="auto", node_bytes="64MiB")

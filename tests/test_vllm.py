@@ -497,6 +497,7 @@ def test_a_hits_source_is_the_tier_that_served_it(scheduled):
     """Issue 64: vLLM's ``CacheHitSource`` per hit: a document in kdn's memory is a ``host`` hit, one
     only on its disk a ``disk`` hit, the counts adding up to the tokens served."""
     assert scheduled["hit_sources"] == {"b-q": {"host": 256}, "a-q": {"disk": 256}}
+    assert scheduled["hit_sources_served"] == scheduled["hit_sources"]  # the worker in another process (vllm serve)
 
 
 def test_a_claim_anyone_can_write_holds_a_request_a_few_leases_not_two_minutes(scheduled):

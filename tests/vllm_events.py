@@ -77,10 +77,25 @@ def _block_hashes(h: Harness, req_id: str) -> list:
     return [maybe_convert_block_hash(b) for b in h.requests[req_id].block_hashes]
 
 
-def hit_sources(model: str) -> dict:
+def hit_sources(model: str, through_lookup_server: bool = False) -> dict:
     """Issue 64: a hit's source through vLLM's ``CacheHitSource``: document A stored, then B, through a
     memory tier that holds one of them and a disk that holds both; B's question is served from memory,
-    A's from the disk, each hit's counts adding up to what it served."""
+    A's from the disk, each hit's counts adding up to what it served. ``through_lookup_server``: the
+    scheduler asks the worker's lookup server, as under ``vllm serve`` (the worker in another
+    process): where each chunk is held travels with the answer."""
+
+    from kdn.integrations.vllm import process
+
+    here = process.worker_here
+    if through_lookup_server:
+        process.worker_here = lambda engine: False
+    try:
+        return _hit_sources(model)
+    finally:
+        process.worker_here = here
+
+
+def _hit_sources(model: str) -> dict:
     import tempfile
 
     probe = Harness(model, chunk_size=64)

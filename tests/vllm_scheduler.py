@@ -49,6 +49,7 @@ def main() -> None:
     results["retained"] = retained(args.model)
     results["events"] = events(args.model)
     results["hit_sources"] = hit_sources(args.model)
+    results["hit_sources_served"] = hit_sources(args.model, through_lookup_server=True)
     print("KDN-RESULT " + json.dumps(results), flush=True)
 
 

@@ -16,7 +16,8 @@ from kdn._core import InvalidInputError
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": KiB, "m": 1000**2, "mb": 1000**2, "mib": MiB,
           "g": 1000**3, "gb": 1000**3, "gib": GiB, "t": 1000**4, "tb": 1000**4, "tib": TiB}
-SIZE_FIELDS = ("memory_bytes", "node_bytes", "disk_bytes", "disk_queue_bytes", "remote_part_bytes", "remote_queue_bytes")
+SIZE_FIELDS = ("memory_bytes", "node_bytes", "disk_bytes", "disk_queue_bytes", "remote_part_bytes",
+               "remote_queue_bytes")
 INT_FIELDS = ("chunk_size", "disk_read_threads", "layer_group")
 SECONDS_FIELDS = ("remote_timeout", "remote_ttl", "remote_retry_seconds", "ttft_deadline", "retain_max_seconds")
 FRACTION_FIELDS = ("verify_fraction", "retain_fraction")

@@ -27,18 +27,20 @@ log = logging.getLogger("kdn")
 class Prefix:
     """Where the stored KV of a prompt's prefix lives: ``keys`` of the chunks that hold it, in order
     (the last reached through a pointer when ``last_tokens`` is not 0: a chunk of that many tokens
-    that the prompt shares only partly) and the ``tokens`` of the prompt they cover."""
+    that the prompt shares only partly) and the ``tokens`` of the prompt they cover; ``holders``,
+    when asked (:meth:`kdn.storage.TierManager.holders`): the fastest local tier holding each."""
 
     keys: list
     tokens: int
     last_tokens: int = 0
+    holders: tuple = ()
 
     def clip(self, limit: int, chunk: int) -> Prefix:
         """The part of this prefix that serves at most ``limit`` tokens (chunks of ``chunk`` tokens)."""
         if limit >= self.tokens:
             return self
         n = -(-max(0, limit) // chunk)
-        return Prefix(self.keys[:n], max(0, limit), self.last_tokens if n == len(self.keys) else 0)
+        return Prefix(self.keys[:n], max(0, limit), self.last_tokens if n == len(self.keys) else 0, self.holders[:n])
 
 
 @dataclasses.dataclass

@@ -104,6 +104,12 @@ class TierManager:
     def contains_local(self, key: bytes) -> bool:
         return self._local_address(key) is not None
 
+    def holders(self, keys: list[bytes]) -> list[str]:
+        """Per key: the name of the fastest local tier holding it (under any of its addresses), or
+        "" (a remote store's, or nobody's). Reads no data."""
+        return [next((t.name for t in self.local_tiers if any(t.contains(a) for a in self.addresses(k))), "")
+                for k in keys]
+
     def count_prefix(self, keys: list[bytes]) -> int:
         variants = [self.addresses(k) for k in keys]
         held = [False] * len(keys)

@@ -151,13 +151,13 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
         return self.request_finished(request, block_ids)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
-        """The tiers a hit's tokens come from (vLLM's ``CacheHitSource``), where the worker's tiers are
-        in this process; else all under vLLM's default."""
-        if self._scheduler is not None and num_external_tokens and process.worker_here(self.engine):
-            start, scope = self._scheduler.hit_start(request.request_id)
+        """The tiers a hit's tokens come from (vLLM's ``CacheHitSource``): the worker's tiers holding
+        each chunk at the lookup (in this process, or told with the lookup server's answer); all under
+        vLLM's default when that is not known."""
+        if self._scheduler is not None and num_external_tokens:
+            start, holders = self._scheduler.hit_of(request.request_id)
             try:
-                sources = hit_sources(self.engine, self.session.within(scope), request.prompt_token_ids, start,
-                                      num_external_tokens)
+                sources = hit_sources(holders, self.session.chunk_size, start, num_external_tokens)
             except Exception:  # noqa: BLE001 - a statistic: never an exception into vLLM's scheduler
                 sources = {}
             if sum(sources.values()) == num_external_tokens:

@@ -160,21 +160,18 @@ class Announcer:
         return out
 
 
-def hit_sources(engine: Engine, session: ModelSession, tokens: list, start: int, n: int) -> dict:
+def hit_sources(holders: tuple, chunk: int, start: int, n: int) -> dict:
     """Where the ``n`` prompt tokens a hit serves from ``start`` on are held, as vLLM's
-    ``CacheHitSource`` counts: kdn's memory tier (``host``), its disk (``disk``), else a remote store
-    (``external_unspecified``); each chunk counted at the fastest tier holding it now."""
+    ``CacheHitSource`` counts, from the fastest tier holding each chunk (``holders``,
+    :meth:`kdn.storage.TierManager.holders`): kdn's memory and node tiers (``host``), its disk
+    (``disk``), else a remote store (``external_unspecified``)."""
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     sources = {"memory": CacheHitSource.HOST, "node": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
-    tiers = [(name, engine.tier(name)) for name in sources if engine.tier(name) is not None]
-    chunk, counts = session.chunk_size, collections.Counter()
-    keys = session.prefix_keys(session.tokens(tokens), include_partial=True)
-    for i in range(start // chunk, min(len(keys), -(-(start + n) // chunk))):
+    counts = collections.Counter()
+    for i in range(start // chunk, min(len(holders), -(-(start + n) // chunk))):
         covered = min(start + n, (i + 1) * chunk) - max(start, i * chunk)
-        held = next((sources[name] for name, tier in tiers
-                     if any(tier.contains(a) for a in engine.addresses(keys[i]))), CacheHitSource.EXTERNAL_UNSPECIFIED)
-        counts[held] += covered
+        counts[sources.get(holders[i], CacheHitSource.EXTERNAL_UNSPECIFIED)] += covered
     return {source: count for source, count in counts.items() if count}
 
 

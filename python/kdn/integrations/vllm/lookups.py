@@ -7,7 +7,9 @@ worker answers.
 One request: ``u32 tokens, u32 limit, u32 scope bytes`` (``0xFFFFFFFF``: none, else 16), the scope
 (:func:`kdn.keys.request_scope` of the request's salt, adapter and inputs), then the token ids (u32
 each); the reply: ``i64`` leading tokens held (``-1``: the worker could not look up), ``u32`` the last
-chunk's tokens, ``u32`` keys, the keys (16 bytes each), then ``u32`` requests whose store has ended
+chunk's tokens, ``u32`` keys, the keys (16 bytes each), a byte per key naming the fastest of the
+worker's tiers holding it (an index of ``HOLDERS``: a hit's ``CacheHitSource``), then ``u32``
+requests whose store has ended
 (landed, refused or failed: the scheduler waits no more for them), each the 16-byte
 :func:`request_digest` of its id: the last ``MAX_ENDED`` the worker reported, each told once to
 every connection (two clients of one worker do not take each other's).
@@ -55,6 +57,7 @@ ID_DIGEST_BYTES = 16
 IDLE_S = 600.0  # a connection silent this long is dropped (its client reconnects)
 _warned_squat: set = set()
 _FAILED = object()  # no answer (as opposed to the worker's "could not look up")
+HOLDERS = ("", "memory", "node", "disk")  # a key's byte in a reply: "" a remote store's, or nobody's
 
 
 def _private_folder(folder: Path) -> bool:
@@ -194,6 +197,8 @@ class LookupServer:
                     raise WorkerNotServing
                 found = self._lookup(tokens, limit, scope)
                 reply = _REPLY.pack(found.tokens, found.last_tokens, len(found.keys)) + b"".join(found.keys)
+                holders = found.holders or ("",) * len(found.keys)
+                reply += bytes(HOLDERS.index(h) if h in HOLDERS else 0 for h in holders)
             except WorkerNotServing:
                 reply = _REPLY.pack(_NOT_SERVING, 0, 0)
             except Exception as e:  # a failed lookup is a miss for the asker, never a dead server
@@ -274,6 +279,7 @@ class LookupClient:
             if n > limit + 1:  # every key serves at least one token: not a reply of kdn's server
                 raise ConnectionError(f"a lookup reply of {n} keys for at most {limit} tokens")
             keys = _read_exactly(self._conn, 16 * n)
+            holders = tuple(HOLDERS[b] if b < len(HOLDERS) else "" for b in _read_exactly(self._conn, n))
             (count,) = _COUNT.unpack(_read_exactly(self._conn, _COUNT.size))
             if count > MAX_ENDED:
                 raise ConnectionError(f"a lookup reply naming {count} ended stores")
@@ -292,7 +298,7 @@ class LookupClient:
             raise WorkerNotServing(f"the worker behind {self.path} refused this engine's KV layout")
         if hit < 0:
             return None
-        return Prefix([keys[16 * i:16 * i + 16] for i in range(n)], min(hit, limit), last_tokens)
+        return Prefix([keys[16 * i:16 * i + 16] for i in range(n)], min(hit, limit), last_tokens, holders)
 
     def close(self) -> None:
         with self._lock:

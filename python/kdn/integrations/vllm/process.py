@@ -3,6 +3,7 @@ server of its worker, and the worker halves (to drain their stores and read thei
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 
@@ -33,7 +34,8 @@ def serve_lookups(path: str, engine: Engine, session: ModelSession) -> None:
         if path not in _lookup_servers:
             def lookup(tokens, limit, scope):  # counted here: this process' counters reach vLLM's /metrics
                 metrics.count(lookups=1)
-                return engine.find(session.within(scope), tokens, limit)
+                found = engine.find(session.within(scope), tokens, limit)
+                return dataclasses.replace(found, holders=tuple(engine.tiers.holders(found.keys)))
 
             _lookup_servers[path] = LookupServer(path, lookup, lambda: ended_stores(engine))
 

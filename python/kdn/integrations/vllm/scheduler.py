@@ -74,7 +74,8 @@ class SchedulerSide:
         self.scopes = Scopes()
         self._renewed = 0.0  # when the claims of running prefills were last renewed
         self._requests: dict[str, _Request] = {}
-        self._local: dict[str, int] = {}  # req_id -> tokens vLLM's own prefix cache holds (at its lookup)
+        # req_id -> (tokens vLLM's own prefix cache holds, the worker's tier holding each chunk), at its lookup
+        self._local: dict[str, tuple] = {}
         self._before: list[LoadSpec] = []  # async loads to start this step
         self._loaded_before: set[str] = set()  # requests an async load served: their next schedule is no restart
 
@@ -106,6 +107,8 @@ class SchedulerSide:
         if found is None:
             found = self.engine.find(session, tokens, len(tokens) - 1)
             metrics.count(lookups=1)
+            if process.worker_here(self.engine):  # the worker's tiers are these: where each chunk is
+                found = dataclasses.replace(found, holders=tuple(self.engine.tiers.holders(found.keys)))
         metrics.count(lookup_seconds=time.perf_counter() - began)
         hit = found.tokens
         self._found[request.request_id] = found  # the worker's load reads these chunks, without a second lookup
@@ -117,14 +120,14 @@ class SchedulerSide:
             self._checks[request.request_id] = (hit - span, hit)
         else:
             self._checks.pop(request.request_id, None)
-        self._local[request.request_id] = num_computed_tokens
+        self._local[request.request_id] = (num_computed_tokens, found.holders)
         external = max(0, hit - span - num_computed_tokens)
         return external, self.loads_async and external > 0
 
-    def hit_start(self, req_id: str) -> tuple[int, bytes | None]:
-        """Where a request's kdn hit starts (the tokens vLLM's own prefix cache held at its lookup) and
-        its scope."""
-        return self._local.get(req_id, 0), self._scopes.get(req_id)
+    def hit_of(self, req_id: str) -> tuple[int, tuple]:
+        """Where a request's kdn hit starts (the tokens vLLM's own prefix cache held at its lookup), and
+        the worker's tier holding each chunk at its lookup ("": a remote store's; () not known)."""
+        return self._local.get(req_id, (0, ()))
 
     def retention_of(self, request) -> tuple:
         """What a request asks kdn to keep (``kv_transfer_params={"kdn": {"retain": seconds, "store":
@@ -195,7 +198,7 @@ class SchedulerSide:
         self._admitted[request.request_id] = [np.asarray(request.prompt_token_ids or [], dtype=np.uint32), None, keys,
                                               self._scopes.get(request.request_id)]
         if num_external_tokens > 0 and self.loads_async:  # loaded now; vLLM schedules it once loaded
-            req_id, local = request.request_id, self._local.get(request.request_id, 0)
+            req_id, local = request.request_id, self.hit_of(request.request_id)[0]
             end = local + num_external_tokens
             self._before.append(LoadSpec(req_id, list(request.prompt_token_ids or [])[:end], local, end,
                                          [list(ids) for ids in blocks.get_block_ids()], self._scopes.get(req_id),
