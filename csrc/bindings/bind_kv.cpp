@@ -285,6 +285,43 @@ void bind_kv(py::module_& m) {
       "blobs' `total_layers` only (layer-wise delivery).");
 
   m.def(
+      "unpack_chunks_paged_runs",
+      [](const py::list& blobs, const py::sequence& layers, const py::list& runs, int64_t count, int64_t total_layers,
+         const py::object& layout) {
+        // one call, the GIL released once, for every run (a thread that waits for the GIL once per run
+        // waits a switch interval each time while another thread runs Python)
+        std::vector<PagedLayers> paged;
+        std::vector<py::array_t<int64_t, py::array::c_style | py::array::forcecast>> tables;
+        std::vector<std::pair<int64_t, int64_t>> firsts;  // (first layer, first position) per run
+        for (const py::handle run : runs) {
+          const py::tuple r = run.cast<py::tuple>();
+          KDN_CHECK_INPUT(r.size() == 4, "unpack_chunks_paged_runs: each run is (first, end, block_ids, start)");
+          const int64_t lo = r[0].cast<int64_t>(), hi = r[1].cast<int64_t>();
+          KDN_CHECK_INPUT(0 <= lo && lo < hi && hi <= static_cast<int64_t>(py::len(layers)),
+                          "unpack_chunks_paged_runs: a run's layers are outside the layers given");
+          py::list sub;
+          for (int64_t i = lo; i < hi; ++i) sub.append(layers[static_cast<size_t>(i)]);
+          paged.push_back(paged_layers(sub, layout));
+          tables.push_back(r[2].cast<py::array_t<int64_t, py::array::c_style | py::array::forcecast>>());
+          KDN_CHECK_INPUT(tables.back().ndim() == 1, "unpack_chunks_paged_runs: block_ids must be 1-D");
+          firsts.emplace_back(lo, r[3].cast<int64_t>());
+        }
+        std::vector<ByteSpan> keep;
+        const std::vector<ChunkBytes> spans = chunk_bytes(blobs, &keep);
+        py::gil_scoped_release release;
+        for (size_t i = 0; i < paged.size(); ++i) {
+          if (firsts[i].second >= count) continue;
+          unpack_chunks_paged(spans, paged[i].layout, paged[i].ptrs.data(), tables[i].data(), tables[i].shape(0),
+                              paged[i].dtype, firsts[i].second, count, default_num_threads(), firsts[i].first,
+                              total_layers);
+        }
+      },
+      py::arg("blobs"), py::arg("layers"), py::arg("runs"), py::arg("count"), py::arg("total_layers"),
+      py::arg("layout") = py::none(),
+      "unpack_chunks_paged over runs of consecutive layers, each with its own block table and first position\n"
+      "(`runs`: (first layer, end layer, block_ids, start); an engine's KV cache groups), in one call.");
+
+  m.def(
       "gather_paged",
       [](const py::sequence& layers, py::array_t<int64_t, py::array::c_style> block_ids, py::handle out,
          const py::object& layout) {

@@ -252,10 +252,14 @@ class PagedBlocks:
         if self.device.type == "cuda":
             self._receive_cuda(blobs, first, end, num_tokens)
             return
-        for lo, hi, ids, start in self._runs(first, end):
+        runs = list(self._runs(first, end))
+        if len(runs) == 1:
+            lo, hi, ids, start = runs[0]
             if start < num_tokens:
                 _core.unpack_chunks_paged(blobs, self.layers[lo:hi], ids, start, num_tokens, lo, layers,
                                           layout=self.layout.as_dict())
+        elif runs:  # an engine's KV cache groups: every run in one call (the GIL taken back once)
+            _core.unpack_chunks_paged_runs(blobs, self.layers, runs, num_tokens, layers, layout=self.layout.as_dict())
 
     def _receive_cuda(self, blobs: list, first: int, end: int, num_tokens: int) -> None:
         """Sequence positions [start, num_tokens) of layers [first, end) on the GPU: the chunks decoded
