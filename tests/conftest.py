@@ -17,9 +17,6 @@ from kdn.models.tiny import tiny_model
 # inherit the variable.
 TEST_DATA = Path(__file__).parent / "data"
 os.environ["KDN_DATA"] = str(TEST_DATA)
-# Mooncake's client logs through glog at INFO as the test process exits (a line per store it
-# closes), burying pytest's summary: warnings and errors only.
-os.environ.setdefault("GLOG_minloglevel", "1")
 
 
 @pytest.fixture(scope="session")
