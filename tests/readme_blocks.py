@@ -57,7 +57,13 @@ def pages(root: Path) -> list[Path]:
     import yaml
 
     site = yaml.safe_load((root / "mkdocs.yml").read_text())
-    return [root / "README.md"] + [root / site["docs_dir"] / next(iter(item.values())) for item in site["nav"]]
+
+    def walk(items):  # a nav item is {title: page} or {title: [items]} (a section)
+        for item in items:
+            value = next(iter(item.values()))
+            yield from walk(value) if isinstance(value, list) else [root / site["docs_dir"] / value]
+
+    return [root / "README.md", *walk(site["nav"])]
 
 
 def runnable(block: Block, args) -> str:

@@ -13,7 +13,7 @@ per layer (:func:`slots`; the element-wise codecs code them), filed beside a bit
 kept; the reader puts each head's rows back in position order and pads the shorter heads with rows
 that an attention bias of -inf hides (:func:`unpool`, :func:`padding_bias`). Uniform per-head
 budgets were measured first and lost to this (Qwen2.5-0.5B, the demo's 5 questions at keep 0.5: 2
-right vs 4, the full prefill's count; benchmarks/results/README.md, "Pruning at deposit").
+right vs 4, the full prefill's count; docs/results/editing.md, "Pruning at deposit").
 
 ``kvtc`` cannot code pooled rows (its rows are tokens; a pooled row mixes tokens across heads). With
 a per-head calibration (:func:`kdn.kvtc.fit`, ``per_head=True``) a chunk is instead filed *masked*:

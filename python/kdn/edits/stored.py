@@ -304,7 +304,7 @@ def exact_rest(kdn, session, tokens, limit: int, chunks: int, target) -> tuple[l
     edited hit serves it after its edited chunks: rows a pruning keeps whole (KVzip prunes the rows
     of a full prefill; these are such rows). A coded copy (a ``kvtc`` tier's) is not served here:
     those rows sit right before the question, and recomputed they kept answers closer to a full
-    prefill's (results README, "Edited hits serve the deposit's partial last chunk")."""
+    prefill's (docs/results/editing.md, "Edited hits serve the deposit's partial last chunk")."""
     chunk = session.chunk_size
     found = kdn.find(session, tokens, limit)
     if found.tokens <= chunks * chunk:

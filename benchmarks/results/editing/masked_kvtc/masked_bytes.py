@@ -1,6 +1,6 @@
 """Bytes of kvzip's masked chunks under kvtc with per-head bases as the kept share falls (SmolLM2-135M,
 the demo document's first 1,024 tokens, calibrated on the next 1,024; kvtc ratio 8; the coder's
-report summed over the 4 chunks). What the results README's "3.54 MB -> 1.87 -> 1.23" comes from.
+report summed over the 4 chunks). What docs/results/editing.md's "3.54 MB -> 1.87 -> 1.23" comes from.
 
     cd benchmarks/results/editing/masked_kvtc && PYTHONPATH=../../../../python python masked_bytes.py
 """
