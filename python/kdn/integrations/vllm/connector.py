@@ -36,8 +36,8 @@ def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
     groups = KVGroups.of(kv_cache_config)
     odd = [spec for spec in groups.specs if spec not in SERVED_SPECS]
     if odd:
-        return (f"hybrid models ({', '.join(sorted(set(odd)))} layers beside attention) are not supported: kdn "
-                "stores attention KV, not recurrent state")
+        return (f"{', '.join(sorted(set(odd)))} layers (mamba or linear attention: hybrid models, or such layers "
+                "alone) are not supported: kdn stores attention KV, not recurrent state")
     specs = [g.kv_cache_spec for g in getattr(kv_cache_config, "kv_cache_groups", None) or []]
     if any(getattr(spec, "sliding_window", None) for spec in specs if type(spec).__name__ == "FullAttentionSpec"):
         return ("sliding-window layers allocated as full attention (vLLM's hybrid KV cache manager is off): there "
