@@ -204,10 +204,14 @@ class Engine:
         result, hit = self.chunks.read(session, tokens, limit, target, info, found)
         return Load(hit, info.get("lossy", False), result=result) if hit else Load()
 
-    def find(self, session: ModelSession, tokens, limit: int) -> Prefix:
+    def find(self, session: ModelSession, tokens, limit: int, holders: bool = False) -> Prefix:
         """The stored chunks that serve the longest prefix of ``tokens`` (at most ``limit``): their
-        keys, in order, and the tokens they cover (only pointers are read)."""
-        return self.chunks.find(session, tokens, limit)
+        keys, in order, and the tokens they cover (only pointers are read); with ``holders``, the
+        fastest local tier holding each (a hit's ``CacheHitSource``; no data is read)."""
+        found = self.chunks.find(session, tokens, limit)
+        if holders:
+            found = dataclasses.replace(found, holders=tuple(self.chunks.tiers.holders(found.keys)))
+        return found
 
     # -- verification: a sampled hit's last tokens recomputed and compared (kdn.engine.verify) ----
     def sample_check(self, hit: int, lossy: bool = False) -> int:

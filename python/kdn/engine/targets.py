@@ -253,12 +253,7 @@ class PagedBlocks:
             self._receive_cuda(blobs, first, end, num_tokens)
             return
         runs = list(self._runs(first, end))
-        if len(runs) == 1:
-            lo, hi, ids, start = runs[0]
-            if start < num_tokens:
-                _core.unpack_chunks_paged(blobs, self.layers[lo:hi], ids, start, num_tokens, lo, layers,
-                                          layout=self.layout.as_dict())
-        elif runs:  # an engine's KV cache groups: every run in one call (the GIL taken back once)
+        if runs:  # every run (an engine's KV cache groups) in one call: the GIL taken back once
             _core.unpack_chunks_paged_runs(blobs, self.layers, runs, num_tokens, layers, layout=self.layout.as_dict())
 
     def _receive_cuda(self, blobs: list, first: int, end: int, num_tokens: int) -> None:

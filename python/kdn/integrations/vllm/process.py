@@ -3,7 +3,6 @@ server of its worker, and the worker halves (to drain their stores and read thei
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import weakref
 
@@ -34,8 +33,7 @@ def serve_lookups(path: str, engine: Engine, session: ModelSession) -> None:
         if path not in _lookup_servers:
             def lookup(tokens, limit, scope):  # counted here: this process' counters reach vLLM's /metrics
                 metrics.count(lookups=1)
-                found = engine.find(session.within(scope), tokens, limit)
-                return dataclasses.replace(found, holders=tuple(engine.tiers.holders(found.keys)))
+                return engine.find(session.within(scope), tokens, limit, holders=True)
 
             _lookup_servers[path] = LookupServer(path, lookup, lambda: ended_stores(engine))
 

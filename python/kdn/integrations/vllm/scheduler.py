@@ -105,10 +105,9 @@ class SchedulerSide:
         else:
             self._stores_ended.update(map(request_digest, process.ended_stores(self.engine)))
         if found is None:
-            found = self.engine.find(session, tokens, len(tokens) - 1)
+            # where each chunk is held, when the worker's tiers are these
+            found = self.engine.find(session, tokens, len(tokens) - 1, holders=process.worker_here(self.engine))
             metrics.count(lookups=1)
-            if process.worker_here(self.engine):  # the worker's tiers are these: where each chunk is
-                found = dataclasses.replace(found, holders=tuple(self.engine.tiers.holders(found.keys)))
         metrics.count(lookup_seconds=time.perf_counter() - began)
         hit = found.tokens
         self._found[request.request_id] = found  # the worker's load reads these chunks, without a second lookup
