@@ -4,7 +4,7 @@ JSON line ``KDN-RESULT {...}`` with a record per request.
 
 Job: ``{"urls": [...], "model": DIR, "concurrency": C, "max_tokens": M, "workload": "docqa",
 "prompts": [[ids], ...]}`` (prompts sent in order, at most C in flight, request i to server
-i % len(urls)) or ``{"workload": "chat", "sessions": [[opening ids], ...], "turns": [[ids], ...]}``
+i % len(urls), or ``route[i]`` when the job has ``"route"``) or ``{"workload": "chat", "sessions": [[opening ids], ...], "turns": [[ids], ...]}``
 (round r: every session sends its history + turn r, C at a time; its reply joins its history).
 ``"keep_replies": true`` keeps each request's reply token ids in its record. ``"priority_prefix": P``
 sends each request with vLLM's ``priority``: 0 when the first P tokens of its prompt began a prompt
@@ -58,12 +58,16 @@ async def complete(client, model: str, prompt: list[int], max_tokens: int, prior
 
 
 async def run_all(clients: list, job: dict, prompts: list[list[int]], sent: set) -> list[dict]:
-    """``prompts`` in order, at most ``concurrency`` in flight; request i goes to server i % servers.
+    """``prompts`` in order, at most ``concurrency`` in flight; request i goes to server ``route[i]`` (or i % servers).
     ``sent``: the prompt prefixes sent so far (``priority_prefix`` tokens each), updated."""
     queue: asyncio.Queue = asyncio.Queue()
     for item in enumerate(prompts):
         queue.put_nowait(item)
     out: list = [None] * len(prompts)
+    route = job.get("route")
+
+    def server(i: int) -> int:
+        return route[i] if route else i % len(clients)
 
     async def worker() -> None:
         while not queue.empty():
@@ -74,10 +78,10 @@ async def run_all(clients: list, job: dict, prompts: list[list[int]], sent: set)
                 priority = 0 if head in sent else 1
                 sent.add(head)
             try:
-                out[i] = await complete(clients[i % len(clients)], job["model"], prompt, job["max_tokens"], priority)
+                out[i] = await complete(clients[server(i)], job["model"], prompt, job["max_tokens"], priority)
             except Exception as e:  # a failed request is a result, not the end of the run
                 out[i] = {"error": repr(e)[:300]}
-            out[i]["server"] = i % len(clients)
+            out[i]["server"] = server(i)
             if priority is not None:
                 out[i]["priority"] = priority
 

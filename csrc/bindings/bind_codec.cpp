@@ -66,6 +66,27 @@ static void decode_on_device(const std::vector<py::handle>& blobs, const std::ve
 
 void bind_codec(py::module_& m) {
   m.def(
+      "codec_table",
+      [] {
+        py::list rows;
+        for (const CodecOps& ops : kCodecs) {
+          py::list options;
+          for (const CodecOption& o : ops.options)
+            if (o.name) options.append(py::make_tuple(o.name, o.shift, o.bits, o.fallback));
+          py::dict row;
+          row["id"] = ops.id;
+          row["name"] = ops.name;
+          row["spellings"] = ops.spellings ? std::string(ops.spellings) : std::string(ops.name);
+          row["lossy"] = ops.lossy;
+          row["device_decoded"] = ops.device_decoded;
+          row["options"] = options;
+          rows.append(row);
+        }
+        return rows;
+      },
+      "The codecs this build knows, one dict per codec: id, name, spellings (its spec names, "
+      "space-separated), lossy, device_decoded, options [(name, shift, bits, default)].");
+  m.def(
       "codec_check",
       [](int codec, uint32_t params) { codec_require(codec, params); },
       py::arg("codec"), py::arg("params"), "Raise InvalidInputError unless (codec, params) is valid.");

@@ -49,35 +49,50 @@ from kdn._core import InvalidInputError
 
 @dataclasses.dataclass(frozen=True)
 class _Kind:
-    """One row of the codec registry: the id in blob headers, the options with their defaults, how
-    (name, options) pack into the header's params and back, and whether decoding is exact."""
+    """One spec name of a codec in the C++ table (``_core.codec_table``, kCodecs in
+    csrc/include/kdn/codec.h): the id in blob headers, the header params' fields ``(option, shift,
+    bits, default)``, whether decoding is exact, and whether the name spells the first field's value
+    (KIVI's ``int4``: bits 4)."""
 
     id: int
+    name: str  # the codec's name in the table ("int" for every KIVI width)
     lossy: bool
-    options: dict = dataclasses.field(default_factory=dict)
-    pack: object = lambda name, o: 0
-    unpack: object = None  # params -> spec string; None: the name alone
-    limit: int = 1 << 15  # each option is below this
+    device_decoded: bool
+    fields: tuple = ()
+    spelled: int | None = None  # the first field's value when the spec name gives it
+
+    @property
+    def options(self) -> dict:
+        """The options a spec may set, with their defaults."""
+        return {name: default for name, _, _, default in self.fields[self.spelled is not None:]}
+
+    def pack(self, options: dict) -> int:
+        values = {**({self.fields[0][0]: self.spelled} if self.spelled is not None else {}), **options}
+        return sum(values[name] << shift for name, shift, _, _ in self.fields)
+
+    def unpack(self, params: int) -> str:
+        """The spec string of header ``params``, every option written out."""
+        values = {name: params >> shift & (1 << bits) - 1 for name, shift, bits, _ in self.fields}
+        head = self.name
+        if self.spelled is not None:
+            head += str(values.pop(self.fields[0][0]))
+        return head + (":" + ",".join(f"{k}={v}" for k, v in values.items()) if values else "")
 
 
-_KIVI = _Kind(2, True, {"group": 32}, lambda name, o: int(name[3:]) | o["group"] << 16,  # int8, int4, int2
-              lambda p: f"int{p & 0xff}:group={p >> 16}")
+def _registry() -> dict[str, _Kind]:
+    kinds = {"raw": _Kind(0, "raw", False, False)}
+    for row in _core.codec_table():
+        for spelling in row["spellings"].split():
+            spelled = int(spelling[len(row["name"]):]) if spelling != row["name"] else None
+            kinds[spelling] = _Kind(row["id"], row["name"], row["lossy"], row["device_decoded"],
+                                    tuple(tuple(o) for o in row["options"]), spelled)
+    return kinds
 
 
-# The codec registry (its C++ twin: kCodecs in csrc/include/kdn/codec.h). Adding a codec: its C++
-# file, its row there, its row here.
-_KINDS = {
-    "raw": _Kind(0, False),
-    "lossless": _Kind(1, False),
-    "int8": _KIVI, "int4": _KIVI, "int2": _KIVI,
-    "cachegen": _Kind(3, True, {"level": 2, "anchor": 0}, lambda name, o: o["level"] | o["anchor"] << 8,
-                      lambda p: f"cachegen:level={p & 0xff},anchor={p >> 8}"),
-    "kvtc": _Kind(4, True, {"ratio": 8, "sink": 4, "recent": 0},
-                  lambda name, o: o["ratio"] | o["sink"] << 8 | o["recent"] << 16,
-                  lambda p: f"kvtc:ratio={p & 0xff},sink={p >> 8 & 0xff},recent={p >> 16 & 0xff}", limit=256),
-}
+_KINDS = _registry()
 NAMES = tuple(_KINDS)
-_BY_ID = {kind.id: name for name, kind in reversed(_KINDS.items())}  # int8 names KIVI's id (unpack gives the width)
+_BY_ID = {kind.id: kind for kind in reversed(_KINDS.values())}  # a KIVI blob's width comes from its params
+DEVICE_DECODED = frozenset(kind.id for kind in _KINDS.values() if kind.device_decoded)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -94,7 +109,7 @@ class Codec:
 
     @property
     def params(self) -> int:
-        return _KINDS[self.name].pack(self.name, dict(self.options))
+        return _KINDS[self.name].pack(dict(self.options))
 
     @property
     def lossy(self) -> bool:
@@ -132,7 +147,7 @@ def parse(spec) -> Codec:
             options[key] = int(value)
         except ValueError:
             raise InvalidInputError(f"codec {name!r}: option {key} must be an integer, got {value!r}") from None
-        if not 0 <= options[key] < kind.limit:
+        if not 0 <= options[key] < 1 << next(bits for k, _, bits, _ in kind.fields if k == key):
             raise InvalidInputError(f"codec {name!r}: option {key}={options[key]} is out of range")
     codec = Codec(name, tuple(options.items()))
     if codec.id:
@@ -143,11 +158,10 @@ def parse(spec) -> Codec:
 def codec_of(blob) -> Codec:
     """The codec a blob was written with (from its header)."""
     h = _core.blob_parse(blob, verify_checksum=False)
-    name = _BY_ID.get(h["codec"])
-    if name is None:
+    kind = _BY_ID.get(h["codec"])
+    if kind is None:
         raise InvalidInputError(f"blob written with codec id {h['codec']}, which this kdn does not know")
-    unpack = _KINDS[name].unpack
-    return parse(unpack(h["codec_params"]) if unpack else name)
+    return parse(kind.unpack(h["codec_params"]))
 
 
 def address(key: bytes, codec) -> bytes:

@@ -66,14 +66,26 @@ struct Plane {
   int64_t count() const { return tokens * channels; }
 };
 
-// One codec: what the dispatch (codec.cpp) needs of it, all in its own file (csrc/codec/<name>.cpp).
-// `check` validates params; `prepare` (may be null) returns state every plane of one blob shares
-// while encoding (kvtc: the model's calibration) and throws InputError when there is none; `encode`
-// and `decode` code one plane (decode: false for a malformed plane, never a crash).
+// One option of a codec's spec, packed into the header's params at bit `shift`, `bits` wide.
+struct CodecOption {
+  const char* name = nullptr;  // nullptr: no option
+  uint8_t shift = 0, bits = 0;
+  uint32_t fallback = 0;       // its value when a spec leaves it out
+};
+
+// One codec: all that kdn knows of it, in its own file (csrc/codec/<name>.cpp) and its row below;
+// Python reads the rows (_core.codec_table: kdn.codecs, the engine's device path). `check`
+// validates params; `prepare` (may be null) returns state every plane of one blob shares while
+// encoding (kvtc: the model's calibration) and throws InputError when there is none; `encode` and
+// `decode` code one plane (decode: false for a malformed plane, never a crash).
 struct CodecOps {
   uint8_t id;
-  const char* name;  // as in specs (KIVI's widths share "int")
-  bool lossy;        // decode is not bit-exact
+  const char* name;       // as in specs and blob reports (KIVI's widths share "int")
+  const char* spellings;  // the spec names, space-separated: one longer than `name` sets the first
+                          // option to its digits ("int4": bits 4); nullptr: `name` alone
+  bool lossy;             // decode is not bit-exact
+  bool device_decoded;    // a CUDA device is sent it coded and decodes it (kernels/codec.cu)
+  CodecOption options[3];
   Status (*check)(uint32_t params);
   std::shared_ptr<const void> (*prepare)(const BlobHeader& h);
   std::vector<uint8_t> (*encode)(const Plane& p, uint32_t params, const uint8_t* raw, const void* state,
@@ -93,13 +105,17 @@ KDN_DECLARE_CODEC(kvtc);
 #undef KDN_DECLARE_CODEC
 std::shared_ptr<const void> kvtc_prepare(const BlobHeader& h);
 
-// The codec registry: adding a codec is its file, a row here (and its id above), and its row in
-// python/kdn/codecs.py.
+// The codec registry: adding a codec is its file, its id above and a row here. Device decoding:
+// cachegen has a CUDA decoder too, but its rANS lanes decode one chunk at a time and ran 1.3x
+// slower than the host threads on an H100 machine (benchmarks/results/gpu), so it is not sent coded.
 inline constexpr CodecOps kCodecs[] = {
-    {kCodecLossless, "lossless", false, lossless_check, nullptr, lossless_encode, lossless_decode},
-    {kCodecKivi, "int", true, kivi_check, nullptr, kivi_encode, kivi_decode},
-    {kCodecCacheGen, "cachegen", true, cachegen_check, nullptr, cachegen_encode, cachegen_decode},
-    {kCodecKvtc, "kvtc", true, kvtc_check, kvtc_prepare, kvtc_encode, kvtc_decode},
+    {kCodecLossless, "lossless", nullptr, false, false, {}, lossless_check, nullptr, lossless_encode, lossless_decode},
+    {kCodecKivi, "int", "int8 int4 int2", true, true, {{"bits", 0, 8, 4}, {"group", 16, 16, 32}}, kivi_check, nullptr,
+     kivi_encode, kivi_decode},
+    {kCodecCacheGen, "cachegen", nullptr, true, false, {{"level", 0, 8, 2}, {"anchor", 8, 8, 0}}, cachegen_check,
+     nullptr, cachegen_encode, cachegen_decode},
+    {kCodecKvtc, "kvtc", nullptr, true, false, {{"ratio", 0, 8, 8}, {"sink", 8, 8, 4}, {"recent", 16, 8, 0}},
+     kvtc_check, kvtc_prepare, kvtc_encode, kvtc_decode},
 };
 
 // The row of codec id `codec`, or nullptr (raw, or unknown).

@@ -26,7 +26,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kdn import _core
+from kdn import _core, codecs
 from kdn._core import InvalidInputError
 from kdn.engine.paged import PagedLayout
 from kdn.engine.session import ModelSession
@@ -39,11 +39,6 @@ class Target(Protocol):
     def receive(self, session: ModelSession, blobs: list, num_tokens: int): ...
 
     def receive_layers(self, blobs: list, first: int, end: int, num_tokens: int, layers: int) -> None: ...
-
-# Codecs decoded by their CUDA decoder (kernels/codec.cu) on this path: int* (KIVI). cachegen has
-# one too, but its rANS lanes decode one chunk at a time and ran 1.3x slower than the host
-# threads on an H100 machine (benchmarks/results/gpu), so cachegen chunks are decoded on the host.
-_GPU_DECODED_CODECS = (2,)
 
 
 class HFTarget:
@@ -118,7 +113,7 @@ def _device_chunks(blobs: list, num_tokens: int, layers: int, kv_heads: int, hea
         direct = _core.upload_raw_chunks_cuda(blobs, slab, stream)
         if any(direct):
             _hold_until_uploaded(blobs, torch.cuda.current_stream(device))
-    on_host = [i for i, h in enumerate(headers) if not direct[i] and h["codec"] not in _GPU_DECODED_CODECS]
+    on_host = [i for i, h in enumerate(headers) if not direct[i] and h["codec"] not in codecs.DEVICE_DECODED]
     if on_host:  # decoded (or copied) by the host threads straight into pinned memory, then one copy each
         staged = torch.empty(sum(sizes[i] for i in on_host), dtype=dtype, pin_memory=True)
         _core.decode_chunks([blobs[i] for i in on_host], staged)
@@ -128,7 +123,7 @@ def _device_chunks(blobs: list, num_tokens: int, layers: int, kv_heads: int, hea
             at += sizes[i]
     chunks = [slab[offsets[i]:offsets[i + 1]].view(layers, 2, h["tokens"], kv_heads, head_dim)
               for i, h in enumerate(headers)]
-    on_device = [i for i, h in enumerate(headers) if h["codec"] in _GPU_DECODED_CODECS]
+    on_device = [i for i, h in enumerate(headers) if h["codec"] in codecs.DEVICE_DECODED]
     if on_device:  # decoded by the CUDA decoders (kvtc chunks all in one launch pair)
         _core.codec_decode_cuda_many([blobs[i] for i in on_device], [chunks[i] for i in on_device], stream)
     return chunks
