@@ -17,6 +17,8 @@ Configurations (one server each, serving every run in turn; two for kdn-redis):
   kdn-disk-s3fifo  kdn-disk with the memory tier evicting by S3-FIFO instead of LRU (not run by default)
   kdn-redis      two engines sharing one redis-server (request i to engine i % 2: about half the
                  hits cross engines), the same memory tier each
+  kdn-node       the memory tier of kdn-memory with a node tier below it (shared memory, twice the
+                 memory tier) that every engine of the configuration shares (not run by default)
   lmcache        LMCache 0.5.6 (LMCacheMPConnector and its MP server, tests/lmcache_servers.py) at
                  its defaults (256-token chunks), its L1 the size of kdn's memory tier; vLLM's prefix
                  cache on, as LMCache's quickstart runs it
@@ -33,6 +35,15 @@ has one. ``+prio`` runs the server with ``--scheduling-policy priority`` and has
 prefix-aware router would, priority 0 for a prompt whose first block they sent before (its document
 is likely stored: a hit goes ahead of the misses waiting) and 1 otherwise (vLLM still schedules the
 requests already running first).
+
+Fleets (issue 64): ``+x2`` runs two engines of the configuration (each its own KV space and memory
+tier; kdn-node's share their node tier), request i to engine i % 2 (a router that knows nothing of
+caches), and ``+aff`` routes by document instead (document d to engine d % 2: a prefix-affinity router,
+every question of a document where its first question was prefilled). Each +x2 row is compared with
+``vllm-prefix+x2+aff`` of the same run (its ``x affinity prefix-cache req/s``):
+
+    python benchmarks/bench_serving.py --docs 8,16 --concurrency 4 --workloads docqa \
+        --configs vllm+x2,vllm-prefix+x2,vllm-prefix+x2+aff,kdn-node+x2,kdn-node+x2+aff --out benchmarks/results/fleet
 
 The engine's KV space (--kv-cache-memory-bytes) holds --kv-docs documents: N > --kv-docs exceeds it.
 kdn runs with vLLM's prefix cache off (every hit is kdn's). Reported per run: TTFT p50/p90/p99,
@@ -80,7 +91,7 @@ from timing import save_result
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 CONFIGS = ["vllm", "vllm-prefix", "kdn-memory", "kdn-disk", "kdn-redis", "lmcache", "lmcache-tuned", "lmcache-tuned-fs"]
-EXTRA_CONFIGS = ["kdn-disk-s3fifo"]  # run when named
+EXTRA_CONFIGS = ["kdn-disk-s3fifo", "kdn-node"]  # run when named
 QUESTIONS = ["Who founded the city, and when?", "How long does the ferry to Brannock take?",
              "Who designed the Glass Bridge?", "What is the city's main export?", "What is the river called?",
              "Which festival is held in spring?", "How many bridges cross the river?", "Who was the first mayor?"]
@@ -195,13 +206,23 @@ def variant(config: str) -> tuple[str, list[str]]:
     extra = []
     for suffix in suffixes:
         name = suffix.rstrip("0123456789")
+        if name == "x" or suffix == "aff":  # fleet(): engines and routing, no flag of vllm serve
+            continue
         if suffix == "prio":
             extra += ["--scheduling-policy", "priority"]
         elif name not in flags or name == suffix:
-            raise SystemExit(f"{config}: unknown suffix +{suffix} (+lpT, +bN, +prio)")
+            raise SystemExit(f"{config}: unknown suffix +{suffix} (+lpT, +bN, +prio, +xK, +aff)")
         else:
             extra += [flags[name], suffix[len(name):]]
     return base, extra
+
+
+def fleet(config: str) -> tuple[int, bool]:
+    """How many engines a configuration runs (``+xK``; kdn-redis two) and whether requests go by
+    document (``+aff``) rather than in turn."""
+    base, *suffixes = config.split("+")
+    engines = next((int(s[1:]) for s in suffixes if s[:1] == "x" and s[1:].isdigit()), 2 if base == "kdn-redis" else 1)
+    return engines, "aff" in suffixes
 
 
 PRIORITY_PREFIX = 128  # tokens a +prio client remembers of each prompt it sent (one vLLM block)
@@ -210,12 +231,13 @@ PRIORITY_PREFIX = 128  # tokens a +prio client remembers of each prompt it sent 
 def start(config: str, python: str, model: str, tmp: Path, args, kv_bytes: int, kdn_bytes: int, redis_url: str):
     from vllm_servers import VLLMServer
 
-    name, (config, flags) = config, variant(config)
+    name, (config, flags), (engines, _) = config, variant(config), fleet(config)
     longest = max(args.tokens + 64, args.chat_tokens + 16 + args.rounds * (32 + args.max_tokens))
     common = {"kv_bytes": kv_bytes, "max_model_len": longest + 128, "dtype": args.dtype,
               "args": flags + ["--enable-per-request-metrics"]}  # each request's queue wait, prefill, decode
     if config in ("vllm", "vllm-prefix"):
-        return [VLLMServer(python, model, tmp / f"{name}.log", prefix_caching=config == "vllm-prefix", **common)]
+        return [VLLMServer(python, model, tmp / f"{name}-{i}.log", prefix_caching=config == "vllm-prefix", **common)
+                for i in range(engines)]
     if config.startswith("lmcache"):
         import lmcache_servers
 
@@ -229,11 +251,12 @@ def start(config: str, python: str, model: str, tmp: Path, args, kv_bytes: int, 
         kdn["disk_dir"] = str(tmp / f"kv-{name}")  # its own: configurations serve the same documents
     if config.endswith("-s3fifo"):
         kdn["memory_policy"] = "s3fifo"
+    if config == "kdn-node":
+        kdn["node_dir"], kdn["node_bytes"] = str(tmp / f"node-{name}"), 2 * kdn_bytes  # this configuration's
     if config == "kdn-redis":
         kdn["remote_url"] = redis_url
         kdn["remote_timeout"] = args.remote_timeout
-        return [VLLMServer(python, model, tmp / f"{name}-{i}.log", kdn=kdn, **common) for i in range(2)]
-    return [VLLMServer(python, model, tmp / f"{name}.log", kdn=kdn, **common)]
+    return [VLLMServer(python, model, tmp / f"{name}-{i}.log", kdn=kdn, **common) for i in range(engines)]
 
 
 def engine_versions(python: str, lmcache: bool) -> dict:
@@ -341,6 +364,9 @@ def main() -> None:
                             if variant(config)[0] == "vllm" and not args.chaos:  # chaos: every reply compared
                                 prompts, docs_of = prompts[: args.vllm_sample], docs_of[: args.vllm_sample]
                             job["prompts"] = prompts
+                            engines, affinity = fleet(config)
+                            if affinity:
+                                job["route"] = [d % engines for d in docs_of]
                         else:
                             job["sessions"], job["turns"] = work.chat(n, args.rounds, args.chat_tokens)
                         job["keep_replies"] = bool(args.chaos)
@@ -441,6 +467,10 @@ def bound(rows: list[dict]) -> list[dict]:
         if prefix:  # the prefix cache's own row is its reference: 1.00
             row["throughput_vs_prefix"] = row["throughput_rps"] / prefix["throughput_rps"]
             row["ttft_p50_vs_prefix"] = prefix["ttft_p50_s"] / row["ttft_p50_s"]
+        engines = fleet(row["config"])[0]
+        routed = find(f"vllm-prefix+x{engines}+aff", row) if engines > 1 else None
+        if routed:  # a fleet's reference: the same engines behind a prefix-affinity router
+            row["throughput_vs_affinity_prefix"] = row["throughput_rps"] / routed["throughput_rps"]
     return rows
 
 
@@ -457,11 +487,11 @@ def line(row: dict) -> str:
 def table(rows: list[dict]) -> str:
     head = ("| workload | N | C | configuration | requests | TTFT p50 ms | p90 | p99 | req/s | hit rate "
             "| docs prefilled | x prefix-cache req/s | x lmcache-tuned req/s | x lower p50 TTFT | of miss bound "
-            "| of hit-aware bound "
-            "| chunks served (memory/disk/remote) |")
+            "| of hit-aware bound | x affinity prefix-cache req/s "
+            "| chunks served (memory/node/disk/remote) |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        tiers = "/".join(str(int(r["kdn"].get(f"{t}_chunks", 0))) for t in ("memory", "disk", "remote"))
+        tiers = "/".join(str(int(r["kdn"].get(f"{t}_chunks", 0))) for t in ("memory", "node", "disk", "remote"))
         out.append(f"| {r['workload']} | {r['n']} | {r['concurrency']} | {r['config']} | {r['requests']} | "
                    f"{r['ttft_p50_s'] * 1e3:.0f} | {r['ttft_p90_s'] * 1e3:.0f} | {r['ttft_p99_s'] * 1e3:.0f} | "
                    f"{r['throughput_rps']:.3f} | {r['hit_rate']:.0%} | "
@@ -469,6 +499,7 @@ def table(rows: list[dict]) -> str:
                    f"{_ratio(r, 'throughput_vs_lmcache_tuned', '.2f')} | "
                    f"{_ratio(r, 'ttft_p50_vs_prefix', '.1f')} | "
                    f"{_ratio(r, 'of_miss_bound', '.0%')} | {_ratio(r, 'of_hit_aware_bound', '.0%')} | "
+                   f"{_ratio(r, 'throughput_vs_affinity_prefix', '.2f')} | "
                    f"{tiers if r['config'].startswith('kdn') else '-'} |")
     return "\n".join(out)
 
