@@ -108,7 +108,7 @@ def test_engine_a_stores_and_its_second_prompt_hits(stored, reference):
 def test_an_engine_kdn_cannot_read_runs_as_vllm_alone_without_waiting(setup, reference):
     """vLLM's CPU 'vec16' kernel (head sizes not a multiple of 32) lays blocks out as kdn does not read:
     the worker refuses the engine and tells the scheduler, so the document's second question neither
-    waits for a store that never comes (it waited STORE_GRACE_S, 10 s, after the first) nor looks up
+    waits for a store that never comes (it waited Requests.store_grace, 10 s, after the first) nor looks up
     at every step."""
     out = engine(setup, {}, "--pretend-kernel", "vec16")
     assert [r["tokens"] for r in out["results"]] == reference
@@ -431,7 +431,7 @@ def test_the_worker_loads_what_the_scheduler_found_without_looking_again(schedul
 @pytest.mark.parametrize("worker", ["here", "elsewhere"])
 def test_a_store_that_cannot_land_holds_no_one(scheduled, worker):
     """A prompt's chunks fit no tier: the next question of its document is scheduled in the next step
-    and prefilled by the engine (it waited STORE_GRACE_S, 10 s, for a store that never came), whether
+    and prefilled by the engine (it waited Requests.store_grace, 10 s, for a store that never came), whether
     the scheduler asks the worker of its process or is told through the worker's lookup server."""
     r = scheduled["store_not_landed" + ("_worker_elsewhere" if worker == "elsewhere" else "")]
     assert r["second_step"] == ["b"] and r["second_loads"] == [] and r["stored"] == 0
@@ -480,6 +480,10 @@ def test_a_request_asks_kdn_to_keep_its_prompt_or_to_store_nothing(scheduled):
     assert t["ephemeral"] == {"saves": 0, "stored_tokens": 0, "retained_chunks": 0,
                               "pinned_bytes": t["kept"]["pinned_bytes"]}
     assert t["bad"]["saves"] == 1 and t["bad"]["stored_tokens"] >= 512 and t["bad"]["retained_chunks"] == 0
+    # an ephemeral request is served its hit: the blocks hold the stored KV (it was not loaded before)
+    e = t["ephemeral-hit"]
+    assert [start for start, _ in e["loads"]] == [0] and e["loads"][0][1] >= 512
+    assert e["saves"] == 0 and e["blocks_equal_to_truth"]
 
 
 def test_kv_events_announce_what_each_tier_holds_under_vllms_own_block_hashes(scheduled):
@@ -502,7 +506,7 @@ def test_a_hits_source_is_the_tier_that_served_it(scheduled):
 
 def test_a_claim_anyone_can_write_holds_a_request_a_few_leases_not_two_minutes(scheduled):
     """Issue 62: a planted kdn-format claim (30 s, "mallory") holds a request until its claimant has
-    stored nothing for CLAIM_PROGRESS_LEASES leases (0.9 s here), not IN_FLIGHT_WAIT_S (120 s);
+    stored nothing for Requests.progress_leases leases (0.9 s here), not Requests.in_flight_wait (120 s);
     the request then computes and stores the document exactly."""
     t = scheduled["squatted_claim"]
     assert t["waited_steps"] >= 1 and t["bound_seconds"] <= t["held_seconds"] < t["bound_seconds"] + 3, t

@@ -82,7 +82,7 @@ class Harness:
         assert self.worker.engine is not None, self.worker.reason
         self.io, self.session = forge.chunk_io(self.worker.engine), self.worker.session
         self.connector = connector
-        self.scheduler_module = importlib.import_module("kdn.integrations.vllm.scheduler")  # its waits and leases
+        self.policy = importlib.import_module("kdn.engine.requests").Requests  # its waits and leases (class attributes)
 
     def request(self, req_id: str, tokens: list, max_tokens: int = 4, cache_salt: str | None = None,
                 lora=None, transfer: dict | None = None):

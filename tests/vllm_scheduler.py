@@ -260,7 +260,7 @@ def in_flight_slow_step(model: str) -> dict:
     then loads what was stored (it did not: the grace ran from when the step was scheduled, and a
     document was prefilled twice under load)."""
     h = Harness(model, chunk_size=256)
-    h.scheduler_module.STORE_GRACE_S = 0.0
+    h.policy.store_grace = 0.0
     doc = random_tokens(600, 31)
     truth = random_kv(h, 620, 32)
     truth2 = [torch.cat([t[:, :, :600], random_kv(h, 620, 33)[i][:, :, 600:]], dim=2) for i, t in enumerate(truth)]
@@ -272,7 +272,7 @@ def in_flight_slow_step(model: str) -> dict:
     gate.set()
     h.connector.drain()
     three, _ = h.step({"a": truth, "b": truth2})
-    h.scheduler_module.STORE_GRACE_S = 10.0
+    h.policy.store_grace = 10.0
     return {"first_step": one.fresh, "second_step": two.fresh, "third_step": three.fresh,
             "third_loads": [[s.req_id, s.start, s.end] for s in three.loads],
             **stored_exactly(h, doc + random_tokens(20, 35), truth2)}
@@ -280,7 +280,7 @@ def in_flight_slow_step(model: str) -> dict:
 
 def store_not_landed(model: str, worker_elsewhere: bool = False) -> dict:
     """A prompt whose store cannot land (its chunks fit no tier: a full or tiny memory tier): the next
-    question of its document is scheduled at once, prefilled by the engine, not held STORE_GRACE_S
+    question of its document is scheduled at once, prefilled by the engine, not held Requests.store_grace
     (10 s) for a store that never comes. ``worker_elsewhere``: the scheduler is told so through the
     worker's lookup server, as when vLLM runs the worker in another process."""
     import time
@@ -377,14 +377,14 @@ def forged_claim(model: str, url: str) -> dict:
 def squatted_claim(model: str, url: str) -> dict:
     """Issue 62: "mallory" writes a claim as kdn writes one (a printable owner, a lease kdn would
     take) on a document's first chunk, computable from the model and a shared system prompt. A
-    request waits on it at most ``CLAIM_PROGRESS_LEASES`` leases with nothing of its prompt stored
-    meanwhile, then computes and stores the document exactly (it waited ``IN_FLIGHT_WAIT_S``)."""
+    request waits on it at most ``Requests.progress_leases`` leases with nothing of its prompt stored
+    meanwhile, then computes and stores the document exactly (it waited ``Requests.in_flight_wait``)."""
     import time
 
     h = Harness(model, chunk_size=256, remote_url=url)
     h.io.remote.clear()
-    lease = h.scheduler_module.CLAIM_LEASE_S
-    h.scheduler_module.CLAIM_LEASE_S = 0.3
+    lease = h.policy.lease
+    h.policy.lease = 0.3
     try:
         doc = random_tokens(600, 111) + random_tokens(20, 112)
         truth = random_kv(h, 620, 113)
@@ -396,10 +396,10 @@ def squatted_claim(model: str, url: str) -> dict:
             steps += 1
             time.sleep(0.1)
         held = time.monotonic() - start
-        bound = 0.3 * h.scheduler_module.CLAIM_PROGRESS_LEASES
+        bound = 0.3 * h.policy.progress_leases
         return {"held_seconds": held, "waited_steps": steps, "bound_seconds": bound, **stored_exactly(h, doc, truth)}
     finally:
-        h.scheduler_module.CLAIM_LEASE_S = lease
+        h.policy.lease = lease
 
 
 def claim_lease(model: str, url: str) -> dict:
@@ -411,8 +411,8 @@ def claim_lease(model: str, url: str) -> dict:
     a = Harness(model, chunk_size=256, remote_url=url, batch=256)
     b = Harness(model, chunk_size=256, remote_url=url)
     a.io.remote.clear()
-    lease = a.scheduler_module.CLAIM_LEASE_S
-    a.scheduler_module.CLAIM_LEASE_S = 0.6
+    lease = a.policy.lease
+    a.policy.lease = 0.6
     try:
         doc = random_tokens(600, 71)
         truth = random_kv(a, 620, 72)
@@ -442,7 +442,7 @@ def claim_lease(model: str, url: str) -> dict:
         lapsed = b.step({"b2": random_kv(b, 620, 80)})[0].fresh
         return {**renewed, "b2_while_claim_live": held, "b2_after_lease": lapsed}
     finally:
-        a.scheduler_module.CLAIM_LEASE_S = lease
+        a.policy.lease = lease
 
 
 def salted(model: str) -> dict:
@@ -531,6 +531,17 @@ def retained(model: str) -> dict:
         out[name] = {"saves": len(meta.saves), "stored_tokens": h.stored(doc)[0],
                      "retained_chunks": metrics.totals()["retained_chunks"] - before,
                      "pinned_bytes": memory.stats()["pinned_bytes"]}
+    # an ephemeral request over the kept document is loaded its hit (the blocks hold the stored KV),
+    # stores nothing of its own question
+    kept, question = random_kv(h, 600, 120), random_kv(h, 20, 123)
+    truth = [torch.cat([a, b], 2) for a, b in zip(kept, question)]
+    h.request("ephemeral-hit", random_tokens(600, 120) + random_tokens(20, 124), transfer={"kdn": {"store": False}})
+    meta, _ = h.step({"ephemeral-hit": truth})
+    (block_ids,) = h.scheduler.kv_cache_manager.get_block_ids("ephemeral-hit")
+    read = [_read_blocks(h, h.caches[name], block_ids, 620) for name in h.names]
+    equal = all(torch.equal(k, truth[2 * i]) and torch.equal(v, truth[2 * i + 1]) for i, (k, v) in enumerate(read))
+    out["ephemeral-hit"] = {"loads": [[s.start, s.end] for s in meta.loads], "saves": len(meta.saves),
+                            "blocks_equal_to_truth": equal}
     return out
 
 

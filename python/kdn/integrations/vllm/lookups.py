@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from kdn.engine import Prefix
+from kdn.engine.requests import ID_DIGEST_BYTES, request_digest
 
 log = logging.getLogger("kdn")
 
@@ -53,7 +54,6 @@ LARGE_TOKENS, MAX_LARGE = 1 << 16, 2  # requests this long are read two at a tim
 MAX_CONNECTIONS = 64  # a vLLM scheduler keeps one
 MAX_ENDED = 4096  # ended stores a worker remembers for its scheduler, and one reply may carry
 _COUNT = struct.Struct("<I")
-ID_DIGEST_BYTES = 16
 IDLE_S = 600.0  # a connection silent this long is dropped (its client reconnects)
 _warned_squat: set = set()
 _FAILED = object()  # no answer (as opposed to the worker's "could not look up")
@@ -108,11 +108,6 @@ def _read_exactly(conn: socket.socket, n: int) -> bytes:
 class WorkerNotServing(RuntimeError):
     """The worker half refused this engine (a KV layout kdn does not read): nothing will be loaded
     or stored, so the scheduler must neither count on a hit nor wait for a store."""
-
-
-def request_digest(request_id: str) -> bytes:
-    """The 16 bytes that name a request id on the wire (any length, any characters)."""
-    return hashlib.blake2b(request_id.encode("utf-8", "surrogatepass"), digest_size=ID_DIGEST_BYTES).digest()
 
 
 class LookupServer:

@@ -25,7 +25,7 @@ NAMES = ("lookups", "hit_tokens", "loads", "loaded_tokens", "load_errors",
          # chunks each tier served to this process' loads (from the tiers' own counters)
          "memory_chunks", "node_chunks", "disk_chunks", "remote_chunks",
          # requests that waited for another's prefill of their document (asked again later); waits
-         # ended because another engine's claim made no progress for CLAIM_PROGRESS_LEASES leases
+         # ended because another engine's claim made no progress for Requests.progress_leases leases
          "in_flight_waits", "stalled_claims",
          # chunks kept pinned as requests asked (kv_transfer_params retain), and retentions refused by
          # the operator's bound (retain_fraction)

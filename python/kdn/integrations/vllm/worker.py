@@ -7,16 +7,13 @@ to pinned host memory, sealed on the store thread), filed from a background thre
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,6 +22,7 @@ from kdn._core import InvalidInputError
 from kdn.engine import Engine, ModelSession
 from kdn.engine.paged import PagedLayout, vllm_layout
 from kdn.engine.served import Served
+from kdn.engine.stores import StoreJob, StoreQueue
 from kdn.engine.stream import DeliveryError
 from kdn.engine.targets import PagedBlocks
 from kdn.integrations.vllm import metrics
@@ -60,19 +58,15 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._served: dict[str, Served] = {}  # what kdn served each running request
         self._streams: list = []  # (load spec, LayerStream) of this step's layer-wise loads
-        self._saves: queue.Queue = queue.Queue(maxsize=8)
-        self._saver: threading.Thread | None = None
+        # what the store thread files; it keeps which requests' stores have ended (landed, refused or
+        # failed) until the scheduler asks (ended_stores, in this process or through the lookup
+        # server): a store that cannot land holds no one; the oldest are forgotten when nobody asks
+        self.stores = StoreQueue(engine, metrics.count, keep_ended=MAX_ENDED)
         # async loads (LoadSpec.before): one background thread, in order
         self._before = ThreadPoolExecutor(1, thread_name_prefix="kdn-load")
         self._loaded: list = []  # (spec, load or None, metrics.LoadClock, blocks) of async loads read and queued
         self._loaded_lock = threading.Lock()
         self._timing: list[metrics.LoadClock] = []  # in-step loads whose copies may still run
-        # requests whose store has ended (landed, refused or failed), until the scheduler asks
-        # (ended_stores, in this process or through the lookup server): a store that cannot land
-        # holds no one; the oldest are forgotten when nobody asks
-        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._ended_lock = threading.Lock()
-        self._warned_retention = False
 
     def _describe(self, layers: list[torch.Tensor]) -> PagedLayout:
         """One layout for every layer's tensor, checked against the model and vLLM's block size."""
@@ -230,14 +224,9 @@ class WorkerSide:
                 served.checked = spec.check[1] - spec.check[0]
             store = served.unstorable() is None and not served.covers(n, self.session.probe_step)
             check = spec.check if not served.failed else None  # a failed step's blocks are stale: no check
-            if not store and check is None:
-                if served.unstorable() is not None:
-                    self.engine.save(session, np.asarray(spec.tokens, dtype=np.uint32), [], served)  # refused
-                    metrics.count(refused_stores=1)
-                elif spec.retain:  # kdn served this prompt: it holds its KV already, kept as asked
-                    self._retain(session, spec.tokens, spec.retain)
-                if not spec.partial:
-                    self._store_ended(spec.req_id)
+            if not store and check is None:  # refused, or kdn served it all: held already, kept as asked
+                self.stores.skip(spec.req_id, session, np.asarray(spec.tokens, dtype=np.uint32), served, spec.retain,
+                                 final=not spec.partial)
                 continue
             # copies: the blocks are vLLM's to reuse once this returns. The chunks to store (those no
             # local tier holds) are sealed straight from CPU blocks; a GPU's are copied to pinned host
@@ -256,8 +245,8 @@ class WorkerSide:
                 packed = self.engine.pack(session, tokens, blocks, unheld)
             first, kv = blocks.emit(*check) if check is not None else (0, None)
             metrics.count(gather_seconds=time.perf_counter() - began)
-            self._start_saver()
-            self._saves.put((spec, session, tokens, first, kv, dataclasses.replace(served), check, packed))
+            self.stores.put(StoreJob(spec.req_id, session, tokens, dataclasses.replace(served), packed, check, first,
+                                     kv, spec.retain, final=not spec.partial))
         for served in self._served.values():
             served.failed = False  # vLLM recomputes what failed: the recomputed prefill is stored
 
@@ -280,72 +269,9 @@ class WorkerSide:
             self._packed_to[spec.req_id] = _LOST if todo is None else todo[-1][0] + todo[-1][1] if todo else done
         return todo
 
-    def _start_saver(self) -> None:
-        if self._saver is None:
-            self._saver = threading.Thread(target=self._save_loop, name="kdn-vllm-store", daemon=True)
-            self._saver.start()
-
-    def _save_loop(self) -> None:
-        _name_thread("kdn-store")
-        while True:
-            item = self._saves.get()
-            if item is None:
-                return
-            began, cpu = time.perf_counter(), time.thread_time()
-            spec = item[0]
-            try:
-                _, session, tokens, first, kv, served, check, packed = item
-                if check is not None:
-                    verdict = self.engine.verify(session, tokens, check, [t[:, :, check[0] - first:check[1] - first]
-                                                                        for t in kv], served.lossy)
-                    served.suspect = verdict is False
-                    if verdict is not None:
-                        metrics.count(verify_checks=1, verify_mismatches=0 if verdict else 1)
-                if packed is None:
-                    continue
-                if callable(packed):  # a GPU engine's span, copied out of its blocks: sealed here
-                    packed = packed()
-                stored = self.engine.save(session, tokens, packed, served)
-                flushing = time.perf_counter()
-                self.engine.flush()
-                if served.unstorable() is None:
-                    done = time.perf_counter()
-                    final = not spec.partial  # a windowed prefill's earlier chunks: counted with its last
-                    metrics.count(stores=int(final), stored_tokens=stored if final else 0, store_seconds=done - began,
-                                  flush_seconds=done - flushing, store_cpu_seconds=time.thread_time() - cpu)
-                    if spec.retain:
-                        self._retain(session, tokens, spec.retain)
-                else:
-                    metrics.count(refused_stores=1)
-            except Exception as exc:  # storing is best effort; the request is answered already
-                log.warning("kdn: storing a prompt's KV failed (%s)", exc)
-            finally:
-                if not spec.partial:
-                    self._store_ended(spec.req_id)
-                self._saves.task_done()
-
-    def _retain(self, session, tokens, seconds: float) -> None:
-        """Keep a stored prompt pinned as its request asked, within the operator's bound (a refusal
-        is counted as ``refused_retentions`` and logged once, never raised into vLLM)."""
-        try:
-            metrics.count(retained_chunks=self.engine.retain(session, np.asarray(tokens, dtype=np.uint32), seconds))
-        except InvalidInputError as e:
-            metrics.count(refused_retentions=1)
-            if not self._warned_retention:
-                self._warned_retention = True
-                log.warning("kdn: a request's retention was refused (%s)", e)
-
-    def _store_ended(self, req_id: str) -> None:
-        with self._ended_lock:
-            self._ended[req_id] = None
-            while len(self._ended) > MAX_ENDED:  # no scheduler here asks (vLLM's other process has it)
-                self._ended.popitem(last=False)
-
     def ended_stores(self) -> list[str]:
         """The requests whose store has ended (landed, refused or failed) since the last call."""
-        with self._ended_lock:
-            ended, self._ended = list(self._ended), collections.OrderedDict()
-        return ended
+        return self.stores.ended()
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """The requests whose async loads ended since the last call (their failures are reported by
@@ -368,20 +294,9 @@ class WorkerSide:
     def shutdown(self) -> None:
         """Finish queued stores (they are on disk / sent when this returns)."""
         self._before.shutdown(wait=True)
-        if self._saver is not None:
-            self._saves.join()
-            self._saves.put(None)
-            self._saver.join(timeout=30)
-            self._saver = None
+        self.stores.shutdown()
 
     def drain(self) -> None:
         """Wait until every store queued so far is filed."""
-        self._saves.join()
+        self.stores.drain()
 
-
-def _name_thread(name: str) -> None:
-    """Name the calling thread for the OS (``top -H``, /proc/<pid>/task/<tid>/comm: who paid for what)."""
-    try:
-        Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_text(name[:15])
-    except OSError:  # not Linux
-        pass
