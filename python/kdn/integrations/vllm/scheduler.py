@@ -38,7 +38,7 @@ class SchedulerSide:
     stores the worker runs each step. ``lookups`` asks the worker's process (its memory tier is its
     own), ``owner`` names this engine's claims in a shared remote store (:func:`claim_owner`);
     ``loads_async``: hits load before their request is scheduled (vLLM's asynchronous KV load,
-    ``KDNConfig.vllm_load``), else in its step."""
+    ``vllm_load`` in kv_connector_extra_config), else in its step."""
 
     def __init__(self, engine: Engine, session: ModelSession, block_size: int, lookups: LookupClient, owner: str,
                  loads_async: bool = False, groups: KVGroups | None = None):
