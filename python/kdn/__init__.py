@@ -12,8 +12,8 @@ Example:
 from importlib.metadata import PackageNotFoundError, version
 
 from kdn._core import BlobError, InvalidInputError, KDNError
-from kdn.api import KDN
 from kdn.config import KDNConfig
+from kdn.integrations.hf import KDN
 
 try:  # the version lives in pyproject.toml only
     __version__ = version("kdn")

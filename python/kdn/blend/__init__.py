@@ -73,13 +73,14 @@ def store_segments(kdn, model, segments, prefix=None) -> dict:
 
 
 def blend(kdn, model, segments, query, prefix=None, recompute_ratio: float = 0.15, mode: str = "blend",
-          check_layer: int = 1, selection: str = "kv"):
+          check_layer: int = 1, selection: str = "kv", load=None):
     """KV cache for ``prefix + segments + query[:-1]`` built from separately cached segments.
 
     Returns ``(cache, stats)``: a DynamicCache covering the first ``stats["tokens"]`` prompt tokens
     (``None`` for ``full``), so ``model.generate(ids, past_key_values=cache)`` computes the rest.
     ``selection`` is the rule that picks the recomputed tokens (:data:`SELECTIONS`; see
-    :mod:`kdn.blend.recompute`).
+    :mod:`kdn.blend.recompute`). ``load``: how the ``prefix`` mode reads the stored prefix as an HF
+    cache (the HF face's :func:`kdn.integrations.hf.load_cache`, layer-wise on the CPU); None: whole.
     """
     if mode not in MODES:
         raise InvalidInputError(f"blend mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -98,10 +99,13 @@ def blend(kdn, model, segments, query, prefix=None, recompute_ratio: float = 0.1
     if mode == "full":
         return None, {**stats, "tokens": 0, "segment_hits": 0, "blend_s": 0.0}
     if mode == "prefix":
-        from kdn.delivery import load_cache
-
-        cache, load = load_cache(kdn, model, session.tokens(ids), len(ids) - 1)
-        return cache, {**stats, "tokens": load.hit, "segment_hits": 0, "blend_s": time.perf_counter() - t0}
+        tokens = session.tokens(ids)
+        if load is not None:
+            cache, got = load(kdn, model, tokens, len(ids) - 1)
+        else:
+            got = kdn.load(session, tokens, len(ids) - 1, HFTarget(device))
+            cache = kv_list_to_cache(model, got.result) if got.hit else None
+        return cache, {**stats, "tokens": got.hit, "segment_hits": 0, "blend_s": time.perf_counter() - t0}
     parts, hits, offset, spans = [], 0, 0, []
     if prefix:
         kv, hit = segment_kv(kdn, model, session, [], prefix)

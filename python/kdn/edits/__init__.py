@@ -42,7 +42,7 @@ class EditKind:
     read. ``serves_exact``: its readers are served the exact KV (so a deposit must keep it). The
     deposit (:func:`kdn.edits.stored.deposit`) calls :meth:`prepare` once per kind before its
     prefill, :meth:`compute` per edit after it, :meth:`after` once the exact KV is filed; a reader
-    (:func:`kdn.delivery.cache.load_cache`) calls :meth:`read`."""
+    (:func:`kdn.integrations.hf.load_cache`) calls :meth:`read`."""
 
     name = ""
     version = 0

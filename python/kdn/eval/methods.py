@@ -17,10 +17,9 @@ import torch
 
 from kdn import codecs
 from kdn._core import InvalidInputError
-from kdn.api import KDN
 from kdn.blend.recompute import SELECTIONS
 from kdn.config import KDNConfig
-from kdn.integrations.hf import FirstTokenTimer
+from kdn.integrations.hf import KDN, FirstTokenTimer
 from kdn.layout import cache_arg, output_cache, prefill_cache
 
 

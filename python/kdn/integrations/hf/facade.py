@@ -12,9 +12,9 @@ import torch
 from kdn import _core
 from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
-from kdn.delivery import load_cache
 from kdn.engine import Engine, ModelSession
-from kdn.integrations import hf
+from kdn.integrations.hf import generate as hf
+from kdn.integrations.hf.cache import load_cache
 from kdn.layout import cache_arg, cache_to_kv_list, check_kv_matches
 
 log = logging.getLogger("kdn")
@@ -244,7 +244,8 @@ class KDN:
         """
         from kdn.blend import blend
 
-        return blend(self.engine, model, segments, query, prefix, recompute_ratio, mode, selection=selection)
+        return blend(self.engine, model, segments, query, prefix, recompute_ratio, mode, selection=selection,
+                     load=load_cache)
 
     def blend_generate(self, model, segments, query, recompute_ratio: float = 0.15, prefix=None, mode="blend",
                        **generate_kwargs):
@@ -252,7 +253,7 @@ class KDN:
         returns the new tokens ([1, m]) and the blend stats."""
         from kdn.blend import blend, prompt_tokens
 
-        cache, stats = blend(self.engine, model, segments, query, prefix, recompute_ratio, mode)
+        cache, stats = blend(self.engine, model, segments, query, prefix, recompute_ratio, mode, load=load_cache)
         ids = prompt_tokens(self.session(model), model, segments, query, prefix)[3]
         ids = torch.tensor([ids], device=next(model.parameters()).device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), **generate_kwargs)

@@ -9,8 +9,9 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from kdn._core import InvalidInputError
-from kdn.delivery import DeliveryError, load_cache
 from kdn.engine import Engine, Load
+from kdn.engine.stream import DeliveryError
+from kdn.integrations.hf.cache import load_cache
 from kdn.layout import CACHE_ARG, cache_arg, cache_to_kv_list, full_cache, kv_list_to_cache, output_cache, prefill_cache
 
 log = logging.getLogger("kdn")
