@@ -4,7 +4,8 @@ JSON line ``KDN-RESULT {...}`` with a record per request.
 
 Job: ``{"urls": [...], "model": DIR, "concurrency": C, "max_tokens": M, "workload": "docqa",
 "prompts": [[ids], ...]}`` (prompts sent in order, at most C in flight, request i to server
-i % len(urls), or ``route[i]`` when the job has ``"route"``) or ``{"workload": "chat", "sessions": [[opening ids], ...], "turns": [[ids], ...]}``
+i % len(urls), or ``route[i]`` when the job has ``"route"``) or ``{"workload": "chat", "sessions":
+[[opening ids], ...], "turns": [[ids], ...]}``
 (round r: every session sends its history + turn r, C at a time; its reply joins its history).
 ``"keep_replies": true`` keeps each request's reply token ids in its record. ``"priority_prefix": P``
 sends each request with vLLM's ``priority``: 0 when the first P tokens of its prompt began a prompt

@@ -21,3 +21,21 @@ def drop_chunk(engine, session, tokens, index: int, limit: int | None = None) ->
     io = engine.chunks
     found = io.find(session, tokens, len(tokens) if limit is None else limit)
     return io.drop_chunks(session, tokens, found, [index])
+
+
+def tiers(engine):
+    """The engine's tier manager (what a test plants blobs in, drops them from, or watches)."""
+    return engine.tiers
+
+
+def plant(engine, key: bytes, blob) -> bool:
+    """File ``blob`` under ``key`` in place of whatever is stored there (every fidelity's copy dropped
+    first): a forged or a damaged blob a reader will meet. True if a tier took it."""
+    for address in engine.tiers.addresses(key):
+        engine.tiers.drop(address)
+    return engine.tiers.put(key, blob)
+
+
+def held(engine, key: bytes) -> bool:
+    """Whether a local tier holds ``key``."""
+    return engine.tiers.held([key])[0]

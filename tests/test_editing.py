@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import forge
 from kdn import KDN, InvalidInputError, KDNConfig, _core
 from kdn.edits import kvzip, parse, steer, stored
 from kdn.layout import cache_to_kv_list, kv_list_to_cache
@@ -390,9 +391,10 @@ def test_an_edited_hit_reads_its_masks_then_its_rows_in_one_round_trip_each(case
         parts.append((mask, rows))
     one_by_one, _ = kvzip.unpool(parts, inv_freq(model))
     fetched = []
-    fetch = kdn.engine.tiers.fetch
-    monkeypatch.setattr(kdn.engine.tiers, "fetch", lambda keys, **kw: fetched.append(len(keys)) or fetch(keys, **kw))
-    cache, hit, spec, _ = stored.read(kdn.engine, model, session.tokens(ids[0]), ids.shape[1], [edit.spec])
+    tiers = forge.tiers(kdn.engine)
+    fetch = tiers.fetch
+    monkeypatch.setattr(tiers, "fetch", lambda keys, **kw: fetched.append(len(keys)) or fetch(keys, **kw))
+    cache, hit, spec, _ = stored.read(kdn.engine, model, session.tokens(ids[0]), ids.shape[1], edit)
     assert hit == len(doc) and spec == edit.spec and fetched == [3, 3, 1, 1]
     for a, b in zip(cache_to_kv_list(cache), one_by_one):
         assert torch.equal(a[:, :, :b.shape[2]], b)

@@ -7,6 +7,7 @@ import subprocess
 import pytest
 import torch
 
+import forge
 from conftest import full_prefill, random_ids
 from disk_helpers import python_process
 from kdn import KDN, KDNConfig, _core
@@ -85,11 +86,11 @@ def test_a_forged_pointer_is_never_followed(tiny_llama, caplog):
     keys = session.prefix_keys(ta)
     probe = session.probe_keys(keys[0], tb[32:48])[0]  # where a reader of b looks for chunk 1
     forged = _core.pack_pointer(session.fingerprint, probe, keys[1], 32, tb[32:64])  # a's chunk, b's tokens
-    kdn.engine.tiers.put(probe, forged)
+    forge.plant(kdn.engine, probe, forged)
     with caplog.at_level(logging.WARNING, logger="kdn"):
         check_served(tiny_llama, kdn, b, 32)
     assert sum("unusable stored pointer" in r.getMessage() for r in caplog.records) == 1
-    assert not kdn.engine.tiers.held([probe])[0]  # dropped
+    assert not forge.held(kdn.engine, probe)  # dropped
     assert session.probe_keys(ROOT, ta[:16]) != session.probe_keys(keys[0], ta[32:48])  # probes depend on the parent
 
 
@@ -103,7 +104,7 @@ def test_a_pointer_whose_chunk_is_gone_is_not_promised(tiny_llama, caplog):
     session = kdn.session(tiny_llama)
     keys = session.prefix_keys(session.tokens(a))
     assert kdn.lookup(tiny_llama, b) == 50
-    kdn.engine.tiers.remove(keys[1])  # the pointed-to chunk alone
+    forge.tiers(kdn.engine).remove(keys[1])  # the pointed-to chunk alone
     with caplog.at_level(logging.WARNING, logger="kdn"):
         check_served(tiny_llama, kdn, b, 32)
     assert sum("the chunk it names is not stored" in r.getMessage() for r in caplog.records) == 1

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import forge
 from conftest import full_prefill, random_ids
 from kdn import KDN, InvalidInputError, KDNConfig, _core
 from kdn.engine.served import Served
@@ -23,14 +24,12 @@ def _plant(kdn: KDN, model, victim: torch.Tensor, donor: torch.Tensor, chunk_ind
     kv = cache_to_kv_list(full_prefill(model, donor)[1])
     chunk = session.chunk_size
     blob = _core.pack_chunk(kv, chunk_index * chunk, chunk, session.fingerprint, key)
-    for address in kdn.engine.tiers.addresses(key):
-        kdn.engine.tiers.drop(address)
-    assert kdn.engine.tiers.put(key, blob)
+    assert forge.plant(kdn.engine, key, blob)
     return key
 
 
 def _held(kdn: KDN, key: bytes) -> bool:
-    return kdn.engine.tiers.held([key])[0]
+    return forge.held(kdn.engine, key)
 
 
 @pytest.mark.parametrize("tier", ["memory", "disk"])
@@ -221,7 +220,7 @@ def test_a_forged_pointer_is_never_followed(stories, forgery):
     reader = torch.cat([stored[:, :52], random_ids(model, 30, seed=41)], dim=1)
     tokens = session.tokens(reader[0])
     probe = session.probe_keys(keys[0], tokens[32:64])[0]  # its first probe: the 16 shared tokens
-    assert kdn.engine.tiers.held([probe])[0] and kdn.lookup(model, reader) == 52
+    assert forge.held(kdn.engine, probe) and kdn.lookup(model, reader) == 52
     chunk_tokens = session.tokens(stored[0])[32:64].copy()
     if forgery == "edited_tokens":  # claims the reader's own tokens: 32 shared instead of 20
         chunk_tokens[:] = tokens[32:64]
@@ -229,10 +228,9 @@ def test_a_forged_pointer_is_never_followed(stories, forgery):
     else:  # the true tokens, but another stored chunk's key
         target = keys[2]
     forged = _core.pack_pointer(session.fingerprint, probe, target, 32, chunk_tokens)
-    kdn.engine.tiers.drop(probe)
-    assert kdn.engine.tiers.put(probe, forged)
+    assert forge.plant(kdn.engine, probe, forged)
     assert kdn.lookup(model, reader) == 32  # the pointer is dropped: whole chunks only
-    assert not kdn.engine.tiers.held([probe])[0]
+    assert not forge.held(kdn.engine, probe)
     cache, hit = kdn.retrieve(model, reader, limit=reader.shape[1] - 1)
     assert hit == 32
     with torch.inference_mode():
@@ -294,7 +292,7 @@ def test_kdn_verify_skips_a_chain_of_token_ids_outside_the_vocabulary(stories, t
     session = kdn.session(model)
     oov = np.arange(model.config.vocab_size + 10, model.config.vocab_size + 42, dtype=np.uint32)
     probe = session.probe_keys(ROOT, oov)[0]
-    assert kdn.engine.tiers.put(probe, _core.pack_pointer(session.fingerprint, probe,
+    assert forge.plant(kdn.engine, probe, _core.pack_pointer(session.fingerprint, probe,
                                                           session.chunk_key(ROOT, oov), 0, oov))
     kdn.flush()
     assert main(["verify", folder, "--model", "stories260k", "--chunk-size", "32"]) == 0

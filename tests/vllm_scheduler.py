@@ -16,6 +16,7 @@ import os
 import numpy as np
 import torch
 
+import forge
 from vllm_events import events, hit_sources
 from vllm_harness import Harness, random_kv, random_tokens, stored_exactly
 
@@ -150,9 +151,7 @@ def verified_hit(model: str) -> dict:
     tokens = np.asarray(doc, dtype=np.uint32)
     key = h.session.prefix_keys(tokens, include_partial=True)[2]
     other = random_kv(h, 600, 9)
-    for address in h.io.tiers.addresses(key):
-        h.io.tiers.drop(address)
-    h.io.tiers.put(key, _core.pack_chunk(other, 512, 88, h.session.fingerprint, key))
+    forge.plant(h.worker.engine, key, _core.pack_chunk(other, 512, 88, h.session.fingerprint, key))
     h.request("r4", doc + random_tokens(20, 10))
     h.step({"r4": truth})
     after = dict(h.io.verifier.counters)

@@ -89,7 +89,7 @@ def main() -> None:
     if "lanes" in variant:
         kvzip.slots = lane_slots
     elif variant == "norope":
-        stored._rope = lambda model: None
+        stored.rope_of = lambda model: None
     elif variant.startswith("layereq"):
         kvzip.chosen = layer_equal_chosen
     elif variant == "aligned":
@@ -100,7 +100,7 @@ def main() -> None:
     ids = prompt_ids(tok, document(), QUESTIONS[0])[0].tolist()[:1500]
     if codec.startswith("kvtc"):
         kvtc.load(kvtc.calibrate(model, [prompt_ids(tok, document()[3000:], "")[0].tolist()[:1200]], progress=False))
-        stored._masked_layout = lambda kdn, session: False  # measured here: kvtc on pooled rows, which deposit refuses
+        stored.masked_layout = lambda kdn, session: False  # measured here: kvtc on pooled rows, which deposit refuses
     with torch.inference_mode():
         past = model(torch.tensor([ids]), use_cache=True).past_key_values
         kv = cache_to_kv_list(past)
