@@ -72,6 +72,11 @@ COMPARISONS: dict[str, tuple[str, list[str]]] = {
                 "in L1 / with fs L2 (~30 min)",
                 [*SERVING, "--configs", PEERS, "--workloads", "chat", "--sessions", "32",
                  "--out", f"{RESULTS}/serving/peers-chat"]),
+    "fleet": ("two engines behind a router that knows nothing of caches (round-robin) and behind a document-"
+              "affinity router: vLLM alone, vLLM's prefix cache, kdn with one node tier (~35 min)",
+              ["bench_serving.py", "--docs", "8,16", "--questions", "4", "--tokens", "1000", "--concurrency", "4",
+               "--workloads", "docqa", "--configs",
+               "vllm+x2,vllm-prefix+x2,vllm-prefix+x2+aff,kdn-node+x2,kdn-node+x2+aff", "--out", f"{RESULTS}/fleet"]),
     "codecs": ("codec size against quality (KL, greedy agreement) and speed, kvtc calibrated on disjoint contexts",
                ["bench_codecs.py", "--kvtc-ratios", "6,8,10,12,16", "--out", f"{RESULTS}/codecs"]),
     "blend": ("blending passages cached separately: selective recompute against full prefill (MuSiQue, 30 questions)",

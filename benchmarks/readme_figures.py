@@ -157,6 +157,40 @@ def serving_table(path: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+FLEET_ROWS = {  # bench_serving.py's two-engine configurations (issue 64)
+    "vllm+x2": "vLLM alone, round-robin",
+    "vllm-prefix+x2": "vLLM prefix cache, round-robin",
+    "vllm-prefix+x2+aff": "vLLM prefix cache, document affinity",
+    "kdn-node+x2": "kdn, one node tier, round-robin",
+    "kdn-node+x2+aff": "kdn, one node tier, document affinity",
+}
+
+
+def fleet_table(path: Path) -> str:
+    """bench_serving.py with two engines: throughput per routing, against the affinity-routed prefix cache."""
+    record = json.loads(path.read_text())
+    columns = ["documents", "configuration", "req/s", "TTFT p50", "p99", "documents prefilled",
+               "x affinity prefix cache", "chunks served (memory / node)", "load before-after"]
+    lines = ["| " + " | ".join(columns) + " |", "|---|---|" + "---:|" * (len(columns) - 2)]
+    for n in sorted({r["n"] for r in record["rows"]}):
+        rows = {r["config"]: r for r in record["rows"] if r["n"] == n}
+        for name, label in FLEET_ROWS.items():
+            if name not in rows:
+                continue
+            r = rows[name]
+            if name == "vllm+x2":
+                label += f" ({r['requests']} of {max(x['requests'] for x in rows.values())} sampled)"
+            rps = f"**{r['throughput_rps']:.3f}**" if name.startswith("kdn") else f"{r['throughput_rps']:.3f}"
+            tiers = f"{r['kdn'].get('memory_chunks', 0):.0f} / {r['kdn'].get('node_chunks', 0):.0f}" \
+                if name.startswith("kdn") else ""
+            lines.append(f"| {n} | {label} | {rps} | {_s(r['ttft_p50_s'])} | {_s(r['ttft_p99_s'])} | "
+                         f"{r.get('docs_prefilled', '')} | {_x(r.get('throughput_vs_affinity_prefix'))} | {tiers} | "
+                         f"{r['load_before']:.1f}-{r['load_after']:.1f} |")
+    loads = {f"{r['config']} N={r['n']}": (r["load_before"], r["load_after"]) for r in record["rows"]}
+    lines += ["", *_provenance(path, record, loads)]
+    return "\n".join(lines) + "\n"
+
+
 def _spread(runs: list[float] | None, fmt) -> str:
     """`` (min-max)`` of repeated runs, or nothing for one run or none recorded."""
     if not runs or len(runs) < 2:
@@ -214,6 +248,7 @@ FIGURES = {  # the block's name in README.md -> (renderer, record)
     "serving-peers-32": (serving_table, RESULTS / "serving" / "peers-32" / "bench_serving.json"),
     "serving-peers-128": (serving_table, RESULTS / "serving" / "peers-128" / "bench_serving.json"),
     "serving-peers-chat": (serving_table, RESULTS / "serving" / "peers-chat" / "bench_serving.json"),
+    "serving-fleet": (fleet_table, RESULTS / "fleet" / "bench_serving.json"),
 }
 
 

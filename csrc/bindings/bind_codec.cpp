@@ -79,13 +79,15 @@ void bind_codec(py::module_& m) {
           row["spellings"] = ops.spellings ? std::string(ops.spellings) : std::string(ops.name);
           row["lossy"] = ops.lossy;
           row["device_decoded"] = ops.device_decoded;
+          row["calibrated"] = ops.prepare != nullptr;  // encodes under per-model state (kdn.<name>.STATE)
           row["options"] = options;
           rows.append(row);
         }
         return rows;
       },
       "The codecs this build knows, one dict per codec: id, name, spellings (its spec names, "
-      "space-separated), lossy, device_decoded, options [(name, shift, bits, default)].");
+      "space-separated), lossy, device_decoded, calibrated (per-model state: kdn.<name>.STATE), "
+      "options [(name, shift, bits, default)].");
   m.def(
       "codec_check",
       [](int codec, uint32_t params) { codec_require(codec, params); },

@@ -40,6 +40,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
+from typing import Protocol
 
 import torch
 
@@ -58,6 +61,7 @@ class _Kind:
     name: str  # the codec's name in the table ("int" for every KIVI width)
     lossy: bool
     device_decoded: bool
+    calibrated: bool = False  # codes under per-model state (:class:`ModelState`, ``kdn.<name>.STATE``)
     fields: tuple = ()
     spelled: int | None = None  # the first field's value when the spec name gives it
 
@@ -85,7 +89,7 @@ def _registry() -> dict[str, _Kind]:
         for spelling in row["spellings"].split():
             spelled = int(spelling[len(row["name"]):]) if spelling != row["name"] else None
             kinds[spelling] = _Kind(row["id"], row["name"], row["lossy"], row["device_decoded"],
-                                    tuple(tuple(o) for o in row["options"]), spelled)
+                                    row["calibrated"], tuple(tuple(o) for o in row["options"]), spelled)
     return kinds
 
 
@@ -93,6 +97,31 @@ _KINDS = _registry()
 NAMES = tuple(_KINDS)
 _BY_ID = {kind.id: kind for kind in reversed(_KINDS.values())}  # a KIVI blob's width comes from its params
 DEVICE_DECODED = frozenset(kind.id for kind in _KINDS.values() if kind.device_decoded)
+
+
+class ModelState(Protocol):
+    """Per-model state a calibrated codec codes with (kvtc's calibration), filed in the tiers beside
+    the chunks so that every process that meets the model decodes them: where it is filed
+    (``key(fingerprint)``), which state a blob needs (``needed(blob)``: an id, or None; BlobError for
+    a damaged blob), whether that one is loaded here, loading it from its stored blob or from its
+    payload (``load``: its id), the blob that files a payload (``pack``), and its fit on a model's
+    contexts (``calibrate(model, contexts, **options)``: the payload). A calibrated codec's module
+    ``kdn.<name>`` holds it as ``STATE``."""
+
+    def key(self, fingerprint: bytes) -> bytes: ...
+    def needed(self, blob) -> bytes | None: ...
+    def loaded(self, state_id: bytes) -> bool: ...
+    def load_blob(self, blob, fingerprint: bytes, key: bytes) -> None: ...
+    def load(self, payload: bytes) -> bytes: ...
+    def pack(self, fingerprint: bytes, key: bytes, payload: bytes) -> bytes: ...
+    def calibrate(self, model, contexts, **options) -> bytes: ...
+
+
+@functools.cache
+def model_states() -> dict[str, ModelState]:
+    """The calibrated codecs' per-model states, by codec name."""
+    names = dict.fromkeys(kind.name for kind in _KINDS.values() if kind.calibrated)
+    return {name: importlib.import_module(f"kdn.{name}").STATE for name in names}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -61,6 +61,7 @@ def load(calibration: bytes) -> bytes:
     return _core.kvtc_load(calibration)
 
 
+
 @torch.inference_mode()
 def calibrate(model, contexts, prerope: bool = True, key_weight: float = KEY_WEIGHT, ratios=RATIOS,
               progress: bool = True, per_head: bool = False) -> bytes:
@@ -229,3 +230,31 @@ def _progress(items, enabled: bool, desc: str):
     from tqdm.auto import tqdm
 
     return tqdm(items, desc=desc, leave=False)
+
+
+class _State:
+    """The per-model state the ``kvtc`` codec codes with (:data:`kdn.codecs.ModelState`): a model's
+    calibration, filed in the tiers at :func:`calibration_key`."""
+
+    key = staticmethod(calibration_key)
+    load = staticmethod(load)
+    calibrate = staticmethod(calibrate)
+
+    @staticmethod
+    def needed(blob) -> bytes | None:
+        return _core.kvtc_blob_calibration(blob)
+
+    @staticmethod
+    def loaded(state_id: bytes) -> bool:
+        return _core.kvtc_loaded(state_id)
+
+    @staticmethod
+    def load_blob(blob, fingerprint: bytes, key: bytes) -> None:
+        _core.kvtc_load_blob(blob, fingerprint, key)
+
+    @staticmethod
+    def pack(fingerprint: bytes, key: bytes, payload: bytes) -> bytes:
+        return _core.kvtc_pack(fingerprint, key, payload)
+
+
+STATE = _State()

@@ -12,7 +12,7 @@ import logging
 
 import numpy as np
 
-from kdn import _core, kvtc
+from kdn import _core, codecs
 from kdn._core import BlobError
 from kdn.engine.served import Served
 from kdn.engine.session import ROOT, ModelSession
@@ -171,48 +171,52 @@ class ChunkIO:
             self.tiers.drop(addresses[n_ok])
         return blobs[:n_ok], addresses[:n_ok], n_ok
 
-    # -- codec calibrations -----------------------------------------------------------------------
-    def load_calibration(self, session: ModelSession) -> bool:
-        """Load the model's ``kvtc`` calibration from the tiers if one is stored; True if loaded (an
-        unusable one is dropped and logged)."""
-        key = kvtc.calibration_key(session.fingerprint)
-        blobs, _ = self.tiers.fetch([key], exact=True)
-        if not blobs:
-            return False
-        try:
-            _core.kvtc_load_blob(blobs[0], session.fingerprint, key)
-            return True
-        except BlobError as e:
-            log.warning("kdn: dropping an unusable stored kvtc calibration: %s", e)
-            self.tiers.drop(key)
-            return False
+    # -- calibrated codecs' per-model state (kdn.codecs.ModelState) -------------------------------
+    def load_states(self, session: ModelSession) -> bool:
+        """Load the model's calibrated-codec states from the tiers where they are stored; True if any
+        was loaded (an unusable one is dropped and logged)."""
+        loaded = False
+        for name, state in codecs.model_states().items():
+            key = state.key(session.fingerprint)
+            blobs, _ = self.tiers.fetch([key], exact=True)
+            if not blobs:
+                continue
+            try:
+                state.load_blob(blobs[0], session.fingerprint, key)
+                loaded = True
+            except BlobError as e:
+                log.warning("kdn: dropping an unusable stored %s calibration: %s", name, e)
+                self.tiers.drop(key)
+        return loaded
 
-    def store_calibration(self, session: ModelSession, calibration: bytes) -> bytes:
-        """Store a ``kvtc`` calibration of the session's model in every tier and load it; its id."""
-        key = kvtc.calibration_key(session.fingerprint)
-        blob = _core.kvtc_pack(session.fingerprint, key, calibration)
+    def store_state(self, session: ModelSession, codec: str, payload: bytes) -> bytes:
+        """Store ``codec``'s state of the session's model in every tier and load it; its id."""
+        state = codecs.model_states()[codec]
+        key = state.key(session.fingerprint)
+        blob = state.pack(session.fingerprint, key, payload)
         if not self.tiers.put(key, blob):
-            log.warning("kdn: the kvtc calibration (%d bytes) fits no tier; it is loaded in this process only",
-                        len(blob))
-        return kvtc.load(calibration)
+            log.warning("kdn: the %s calibration (%d bytes) fits no tier; it is loaded in this process only",
+                        codec, len(blob))
+        return state.load(payload)
+
+    def state_keys(self, session: ModelSession) -> list[bytes]:
+        """Where the model's calibrated-codec states are filed."""
+        return [state.key(session.fingerprint) for state in codecs.model_states().values()]
 
     def _calibrated(self, session: ModelSession, blobs: list) -> int:
-        """How many leading ``blobs`` can be decoded: a ``kvtc`` chunk needs its calibration loaded
-        (from the tiers, once, if it is not)."""
+        """How many leading ``blobs`` can be decoded: a chunk of a calibrated codec needs its model
+        state loaded (from the tiers, once, if it is not)."""
         tried = False
         for i, blob in enumerate(blobs):
-            try:
-                needed = _core.kvtc_blob_calibration(blob)
-            except BlobError:  # a damaged blob: verification below reports and drops it
-                continue
-            if needed is None or _core.kvtc_loaded(needed):
+            missing = _missing_state(blob)
+            if missing is None:
                 continue
             if not tried:
                 tried = True
-                self.load_calibration(session)
-                if _core.kvtc_loaded(needed):
+                self.load_states(session)
+                if _missing_state(blob) is None:
                     continue
-            log.info("kdn: a stored chunk needs a kvtc calibration that is not loaded (a miss)")
+            log.info("kdn: a stored chunk needs a %s calibration that is not loaded (a miss)", missing)
             return i
         return len(blobs)
 
@@ -353,3 +357,16 @@ class ChunkIO:
         """Whether some tier holds the blob filed under ``key`` (in any coding it may be read in);
         reads no KV."""
         return self.tiers.count_prefix([key]) == 1
+
+
+def _missing_state(blob) -> str | None:
+    """The calibrated codec whose state ``blob`` needs and this process has not loaded, or None (a
+    damaged blob too: verification reports and drops it)."""
+    for name, state in codecs.model_states().items():
+        try:
+            needed = state.needed(blob)
+        except BlobError:
+            return None
+        if needed is not None and not state.loaded(needed):
+            return name
+    return None

@@ -98,7 +98,7 @@ class Engine:
 
     def _on_new_session(self, session: ModelSession) -> None:
         """A model's first session here: its codec calibration loaded, its tenants' quotas set."""
-        self.chunks.load_calibration(session)
+        self.chunks.load_states(session)
         self._set_quotas(session)
 
     def _set_quotas(self, session: ModelSession) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from kdn import _core, kvtc
+from kdn import _core
 from kdn._core import BlobError, InvalidInputError
 from kdn.engine.session import ModelSession
 from kdn.engine.targets import HFTarget
@@ -85,20 +85,20 @@ class Sidecars:
 
 
 class Calibrations:
-    """A model's ``kvtc`` calibration, kept in the tiers so every process that meets the model
-    decodes its chunks (:mod:`kdn.kvtc`)."""
+    """A model's calibrated-codec states (``kvtc``'s calibration: :class:`kdn.codecs.ModelState`),
+    kept in the tiers so every process that meets the model decodes its chunks."""
 
     def __init__(self, io):
         self._io = io
 
     def load(self, session: ModelSession) -> bool:
-        """Load the model's calibration from the tiers if one is stored; True if loaded."""
-        return self._io.load_calibration(session)
+        """Load the model's calibrations from the tiers where stored; True if any was loaded."""
+        return self._io.load_states(session)
 
-    def store(self, session: ModelSession, calibration: bytes) -> bytes:
-        """Store a calibration of the session's model in every tier and load it; its id."""
-        return self._io.store_calibration(session, calibration)
+    def store(self, session: ModelSession, codec: str, calibration: bytes) -> bytes:
+        """Store ``codec``'s calibration of the session's model in every tier and load it; its id."""
+        return self._io.store_state(session, codec, calibration)
 
     def drop(self, session: ModelSession) -> None:
-        """Remove the model's stored calibration from every tier (a loaded one stays loaded)."""
-        self._io.drop([kvtc.calibration_key(session.fingerprint)])
+        """Remove the model's stored calibrations from every tier (a loaded one stays loaded)."""
+        self._io.drop(self._io.state_keys(session))

@@ -56,18 +56,23 @@ class KDN:
         tenant ``namespace`` within ``config.namespace``, when given)."""
         return self.engine.session(model, namespace)
 
-    def calibrate(self, model, contexts, **options) -> bytes:
-        """Fit the ``kvtc`` codec's calibration of ``model`` on ``contexts`` (token id lists; see
-        :func:`kdn.kvtc.calibrate` for ``options``), store it in every tier (other processes and
-        machines that meet the model load it from there) and load it here. Returns its id.
+    def calibrate(self, model, contexts, codec: str = "kvtc", **options) -> bytes:
+        """Fit a calibrated codec's per-model state (``kvtc``'s calibration) of ``model`` on
+        ``contexts`` (token id lists; see :func:`kdn.kvtc.calibrate` for ``options``), store it in every
+        tier (other processes and machines that meet the model load it from there) and load it here.
+        Returns its id.
 
         Example:
             >>> cache = KDN(KDNConfig(memory_codec="kvtc:ratio=8"))
             >>> calibration_id = cache.calibrate(model, [tokenizer(document)["input_ids"]])
         """
-        from kdn import kvtc
+        from kdn import codecs
 
-        return self.engine.calibrations.store(self.session(model), kvtc.calibrate(model, contexts, **options))
+        states = codecs.model_states()
+        if codec not in states:
+            raise InvalidInputError(f"codec {codec!r} is not calibrated; calibrated codecs: {', '.join(states)}")
+        return self.engine.calibrations.store(self.session(model), codec, states[codec].calibrate(model, contexts,
+                                                                                                 **options))
 
     @property
     def memory(self):
