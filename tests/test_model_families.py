@@ -61,3 +61,49 @@ def test_the_stored_kv_of_a_sliding_layer_is_its_kv_at_every_position():
     assert own[0].shape[2] < ids.shape[1]  # HF's sliding layer: the window only
     for a, b in zip(kept, cache_to_kv_list(prefill_cache(model, ids[:, :2 * WINDOW]))):
         torch.testing.assert_close(a[:, :, :2 * WINDOW], b, rtol=1e-5, atol=1e-5)
+
+
+def mla():
+    """A small random-weight DeepSeek-V2 (MLA: a 64-dim latent and a 16-dim RoPE key per token)."""
+    torch.manual_seed(0)
+    config = transformers.DeepseekV2Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("delivery", ["layerwise", "whole"])
+def test_an_mla_model_stores_its_latent_once_and_hits_with_a_full_prefills_logits(delivery, tmp_path):
+    """HF's cache of DeepSeek-V2 holds the latent (64) and the RoPE key (16) per token and layer; kdn
+    stores exactly that vector (80 values, not 4 heads x (48 + 32)), and a new process's hit, whole or
+    layer-wise, gives a full prefill's logits at the prompt's end and mid-document."""
+    model = mla()
+    ids = random_ids(model, 5 * CHUNK + 3, seed=3)
+    expected = model.generate(ids, max_new_tokens=4, do_sample=False)
+    cache = KDN(KDNConfig(chunk_size=CHUNK, disk_dir=str(tmp_path / "kv"), delivery=delivery))
+    for hit in (0, (ids.shape[1] - 1) // CHUNK * CHUNK):
+        out = cache.generate(model, ids, max_new_tokens=4, do_sample=False)
+        assert torch.equal(out, expected) and cache.last_generate["hit_tokens"] == hit
+    session = cache.session(model)
+    assert session.layout.latent and session.layout.bytes_per_token() == 3 * (64 + 16) * 4
+    cache.flush()
+    reader = KDN(KDNConfig(chunk_size=CHUNK, disk_dir=str(tmp_path / "kv"), delivery=delivery))
+    for prompt in (ids, ids[:, :3 * CHUNK + 5]):
+        kv, hit = reader.retrieve(model, prompt)
+        assert hit == (prompt.shape[1] - 1) // CHUNK * CHUNK
+        own = full_prefill(model, prompt[:, :hit])[1]
+        for mine, theirs in zip(kv.layers, own.layers):  # the stored vector is HF's latent and RoPE key, exactly
+            assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+        with torch.inference_mode():
+            logits = model(prompt[:, hit:], past_key_values=kv).logits[0, -1]
+        torch.testing.assert_close(logits, full_prefill(model, prompt)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_edits_on_an_mla_model_are_refused_by_name():
+    from kdn import InvalidInputError
+
+    model = mla()
+    with pytest.raises(InvalidInputError, match="MLA"):
+        KDN(KDNConfig(chunk_size=CHUNK)).deposit(model, random_ids(model, 40)[0].tolist(), edits=["kvzip"])

@@ -28,7 +28,9 @@ class ModelLayout:
     ``latent``: an MLA model (DeepSeek-V2/V3, Kimi, GLM): a serving engine caches one latent vector
     per token and layer (``kv_lora_rank + qk_rope_head_dim``, 576 for DeepSeek), stored once, its
     first half as the "K" plane and its second as the "V" plane of one head (so every codec and copy
-    that works on K and V planes works on it unchanged)."""
+    that works on K and V planes works on it unchanged). HF's cache of such a model holds the same
+    vector as a "key" (the normalised latent) and a "value" (the RoPE key): :func:`cache_to_kv_list`
+    and :func:`kv_list_to_cache` join and split them, so HF and vLLM store the same bytes."""
 
     layers: int
     kv_heads: int
@@ -40,10 +42,10 @@ class ModelLayout:
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelLayout:
         layout = cls.from_config(model.config, next(model.parameters()).dtype)
-        if layout.latent:
-            raise InvalidInputError("an MLA model (latent KV: DeepSeek-style) is served by kdn in vLLM, whose cache "
-                                    "holds the latent vector; HF's cache of it holds per-head K and V of different "
-                                    "sizes, which kdn does not store yet")
+        attention = [m for m in model.modules() if hasattr(m, "kv_b_proj")]
+        if layout.latent and not all(hasattr(m, "expand_kv") for m in attention):
+            raise InvalidInputError(f"this transformers ({transformers.__version__}) caches an MLA model's K and V "
+                                    "per head; kdn stores the latent vector, which transformers >= 5.19 caches")
         return layout
 
     @classmethod
@@ -139,8 +141,18 @@ def cache_to_kv_list(cache) -> list[torch.Tensor]:
                                         f"{type(t).__name__}")
             if t.device.type == "meta":
                 raise InvalidInputError(f"past_key_values layer {i} {name} is on the meta device (no data)")
-        out += [k.detach(), v.detach()]
+        if k.shape[-1] != v.shape[-1]:  # an MLA layer (latent, RoPE key): kdn's two halves of the vector
+            joined = torch.cat([k.detach(), v.detach()], -1)
+            half = joined.shape[-1] // 2
+            out += [joined[..., :half], joined[..., half:]]
+        else:
+            out += [k.detach(), v.detach()]
     return out
+
+
+def latent_rank(config) -> int | None:
+    """An MLA model's latent width (``kv_lora_rank``: what HF caches as its "keys"), or None."""
+    return getattr(config.get_text_config(), "kv_lora_rank", None) or None
 
 
 def check_kv_matches(layout: ModelLayout, kv: list[torch.Tensor], num_tokens: int) -> None:
@@ -179,12 +191,17 @@ def full_cache(model: torch.nn.Module) -> DynamicCache | None:
 
 def kv_list_to_cache(model: torch.nn.Module, kv: list[torch.Tensor]) -> DynamicCache:
     """Build a DynamicCache for ``model`` that holds the tensors of ``kv`` without copying them
-    (every layer a plain one for a model with sliding windows: :func:`full_cache`)."""
+    (every layer a plain one for a model with sliding windows: :func:`full_cache`; an MLA model's
+    vectors are split back into HF's latent and RoPE key, a copy)."""
     cache = DynamicCache(config=model.config)
     if len(cache.layers) != len(kv) // 2 or any(type(layer) is not DynamicLayer for layer in cache.layers):
         cache = DynamicCache()  # every layer a plain one (sliding windows: see full_cache)
+    rank = latent_rank(model.config)
     for i in range(len(kv) // 2):
         k, v = kv[2 * i], kv[2 * i + 1]
+        if rank is not None:  # an MLA layer: the vector split back into HF's latent and RoPE key (a copy)
+            joined = torch.cat([k, v], -1)
+            k, v = joined[..., :rank], joined[..., rank:]
         if i < len(cache.layers) and type(cache.layers[i]) is DynamicLayer:
             layer = cache.layers[i]
             layer.lazy_initialization(k, v)

@@ -97,6 +97,9 @@ def deposit(kdn, model, prompt, edits=(), tokenizer=None, emphasize=None, keep_e
         raise InvalidInputError("deposit: keep_exact=False stores only pruned (kvzip) edits; a steer edit serves the "
                                 "exact KV, and no edit leaves nothing to store")
     session = kdn.session(model)
+    if session.layout.latent and edits:
+        raise InvalidInputError("deposit: edits are not supported on an MLA model (kvzip scores and steering work on "
+                                "per-head attention; its cache is one latent vector per token)")
     ids = _prompt_ids(prompt, tokenizer)
     d = Deposit(kdn, model, session, prompt, ids, tokenizer, emphasize,
                 auto=isinstance(emphasize, str) and emphasize == "auto")

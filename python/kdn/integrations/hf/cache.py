@@ -7,7 +7,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kdn._core import InvalidInputError
 from kdn.engine import Engine, HFLayers, HFTarget
-from kdn.layout import kv_list_to_cache
+from kdn.layout import kv_list_to_cache, latent_rank
 
 
 class _ArrivingLayer(DynamicLayer):
@@ -73,6 +73,8 @@ def streamed_cache(model, stream):
 def _plain(model, layers: int) -> bool:
     from transformers import DynamicCache
 
+    if latent_rank(model.config) is not None:  # an MLA model's cache is a copy of the vectors: made once they arrived
+        return False
     cache = DynamicCache(config=model.config)
     return len(cache.layers) == layers and all(type(layer) is DynamicLayer for layer in cache.layers)
 
