@@ -107,3 +107,24 @@ def test_edits_on_an_mla_model_are_refused_by_name():
     model = mla()
     with pytest.raises(InvalidInputError, match="MLA"):
         KDN(KDNConfig(chunk_size=CHUNK)).deposit(model, random_ids(model, 40)[0].tolist(), edits=["kvzip"])
+
+
+@pytest.mark.parametrize("codec", ["lossless", "int4", "cachegen", "kvtc"])
+def test_every_codec_codes_an_mla_models_latent(codec):
+    """The latent vector is two planes of one head to the codecs: each stores and serves the hit
+    (lossless: a full prefill's logits; kvtc fit on the vector as stored, RoPE key included)."""
+    model = mla()
+    ids = random_ids(model, 5 * CHUNK + 3, seed=3)
+    cache = KDN(KDNConfig(chunk_size=CHUNK, memory_codec=codec))
+    if codec == "kvtc":
+        cache.calibrate(model, [random_ids(model, 200, seed=9)[0].tolist()], progress=False)
+    cache.generate(model, ids, max_new_tokens=1, do_sample=False)
+    kv, hit = cache.retrieve(model, ids)
+    assert hit == 5 * CHUNK
+    with torch.inference_mode():
+        logits = model(ids[:, hit:], past_key_values=kv).logits[0, -1]
+    expected = full_prefill(model, ids)[0]
+    if codec == "lossless":
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    else:
+        assert 0 < (logits - expected).abs().max() < 1.0  # lossy, and close: the codec coded the vector

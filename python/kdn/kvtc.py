@@ -67,7 +67,8 @@ def calibrate(model, contexts, prerope: bool = True, key_weight: float = KEY_WEI
               progress: bool = True, per_head: bool = False) -> bytes:
     """Fit a calibration of ``model`` on ``contexts`` (lists of token ids; a few thousand tokens in
     all is enough for PCA over a plane's channels). Returns its bytes (see :func:`load`).
-    ``per_head``: one basis per KV head (see :func:`fit`), what pruned (``kvzip``) deposits need."""
+    ``per_head``: one basis per KV head (see :func:`fit`), what pruned (``kvzip``) deposits need. An MLA
+    model's latent vector is fit as stored (``prerope`` does not apply: its RoPE key is a part of it)."""
     from kdn.layout import ModelLayout, cache_to_kv_list, prefill_cache
     from kdn.rope import inv_freq as model_inv_freq
 
@@ -75,6 +76,7 @@ def calibrate(model, contexts, prerope: bool = True, key_weight: float = KEY_WEI
     if not contexts or any(len(c) <= SINK for c in contexts):
         raise InvalidInputError(f"calibrate: give contexts of more than {SINK} tokens each")
     layout = ModelLayout.of(model)
+    prerope = prerope and not layout.latent  # an MLA vector is fit as stored: RoPE is only on its last values
     inv_freq = model_inv_freq(model).double() if prerope else None
     samples: list[list[np.ndarray]] = [[] for _ in range(2 * layout.layers)]
     device = next(model.parameters()).device
