@@ -530,14 +530,16 @@ def retained(model: str) -> dict:
         out[name] = {"saves": len(meta.saves), "stored_tokens": h.stored(doc)[0],
                      "retained_chunks": metrics.totals()["retained_chunks"] - before,
                      "pinned_bytes": memory.stats()["pinned_bytes"]}
-    # an ephemeral request over the kept document is loaded its hit (the blocks hold the stored KV),
-    # stores nothing of its own question
-    kept, question = random_kv(h, 600, 120), random_kv(h, 20, 123)
-    truth = [torch.cat([a, b], 2) for a, b in zip(kept, question)]
-    h.request("ephemeral-hit", random_tokens(600, 120) + random_tokens(20, 124), transfer={"kdn": {"store": False}})
-    meta, _ = h.step({"ephemeral-hit": truth})
-    (block_ids,) = h.scheduler.kv_cache_manager.get_block_ids("ephemeral-hit")
-    read = [_read_blocks(h, h.caches[name], block_ids, 620) for name in h.names]
+    # an ephemeral request over a stored document is loaded its hit (its blocks, read with vLLM's own
+    # indexing, hold the stored KV) and stores nothing of its own
+    g = Harness(model, block=16, gpu_shape="HND", chunk_size=256)
+    doc = random_tokens(600, 125)
+    truth = random_kv(g, 620, 126)
+    g.io.write(g.session, np.asarray(doc, dtype=np.uint32), [t[:, :, :600] for t in truth])
+    g.request("ephemeral-hit", doc + random_tokens(20, 127), transfer={"kdn": {"store": False}})
+    meta, _ = g.step({"ephemeral-hit": truth})
+    (block_ids,) = g.scheduler.kv_cache_manager.get_block_ids("ephemeral-hit")
+    read = [_read_blocks(g, g.caches[name], block_ids, 620) for name in g.names]
     equal = all(torch.equal(k, truth[2 * i]) and torch.equal(v, truth[2 * i + 1]) for i, (k, v) in enumerate(read))
     out["ephemeral-hit"] = {"loads": [[s.start, s.end] for s in meta.loads], "saves": len(meta.saves),
                             "blocks_equal_to_truth": equal}
