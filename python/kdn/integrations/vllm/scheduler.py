@@ -36,7 +36,7 @@ class SchedulerSide:
     vLLM's callbacks translated into kdn's serving policy (:class:`kdn.engine.requests.Requests`:
     lookups, in-flight waits, claims, verify spans, what each request stores) and into the loads and
     stores the worker runs each step. ``lookups`` asks the worker's process (its memory tier is its
-    own), ``owner`` names this engine's claims in a shared remote store (:func:`claim_owner`);
+    own), ``owner`` names this engine's claims in a shared remote store (:func:`kdn.engine.requests.claim_owner`);
     ``loads_async``: hits load before their request is scheduled (vLLM's asynchronous KV load,
     ``vllm_load`` in kv_connector_extra_config), else in its step."""
 
