@@ -42,8 +42,7 @@ class ModelLayout:
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelLayout:
         layout = cls.from_config(model.config, next(model.parameters()).dtype)
-        attention = [m for m in model.modules() if hasattr(m, "kv_b_proj")]
-        if layout.latent and not all(hasattr(m, "expand_kv") for m in attention):
+        if layout.latent and not all(hasattr(m, "expand_kv") for m in model.modules() if hasattr(m, "kv_b_proj")):
             raise InvalidInputError(f"this transformers ({transformers.__version__}) caches an MLA model's K and V "
                                     "per head; kdn stores the latent vector, which transformers >= 5.19 caches")
         return layout

@@ -199,9 +199,9 @@ class Requests:
     def finished(self, req_id: str) -> None:
         """The request ended. A prefill that completed holds others ``store_grace`` more (its store may
         be on its way), and so do its claims; one that ended before is forgotten."""
-        req = self._live.pop(req_id, None)
+        req = self._live.pop(req_id, None) or self._admitted.get(req_id)  # one record, live or landing
+        keys = req.claims if req is not None else []
         admitted = self._admitted.get(req_id)
-        keys = (req.claims if req is not None else []) or (admitted.claims if admitted is not None else [])
         if admitted is not None:
             if admitted.completed_at is None:  # ended before its prefill completed: nothing of it is on its way
                 del self._admitted[req_id]
