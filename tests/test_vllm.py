@@ -473,13 +473,17 @@ def test_a_claim_is_a_lease_renewed_while_its_prefill_runs_and_lapsing_when_its_
 
 def test_a_request_asks_kdn_to_keep_its_prompt_or_to_store_nothing(scheduled):
     """Issue 64: ``kv_transfer_params`` ``{"kdn": {"retain": 60}}`` stores and pins the prompt's chunks
-    in the worker's memory; ``{"store": false}`` stores nothing; a retain kdn cannot use is ignored."""
+    in the worker's memory; ``{"priority": -3}`` orders them without a pin; ``{"store": false}`` stores
+    nothing; a retain or priority kdn cannot use is ignored."""
     t = scheduled["retained"]
     assert t["kept"]["saves"] == 1 and t["kept"]["stored_tokens"] >= 512 and t["kept"]["retained_chunks"] == 2
     assert t["kept"]["pinned_bytes"] > 0
     assert t["ephemeral"] == {"saves": 0, "stored_tokens": 0, "retained_chunks": 0,
                               "pinned_bytes": t["kept"]["pinned_bytes"]}
     assert t["bad"]["saves"] == 1 and t["bad"]["stored_tokens"] >= 512 and t["bad"]["retained_chunks"] == 0
+    assert t["low"]["saves"] == 1 and t["low"]["retained_chunks"] == 2  # prioritized, not pinned
+    assert t["low"]["pinned_bytes"] == t["kept"]["pinned_bytes"]
+    assert t["bad-priority"]["saves"] == 1 and t["bad-priority"]["retained_chunks"] == 0
     # an ephemeral request is served its hit: the blocks hold the stored KV (it was not loaded before)
     e = t["ephemeral-hit"]
     assert [start for start, _ in e["loads"]] == [0] and e["loads"][0][1] >= 512

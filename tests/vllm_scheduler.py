@@ -514,15 +514,17 @@ def scoped(model: str) -> dict:
 
 def retained(model: str) -> dict:
     """Issue 64: ``kv_transfer_params={"kdn": {"retain": 60}}`` pins the stored prompt in the worker's
-    memory; ``{"store": false}`` is served and stores nothing; a value kdn cannot use is ignored
-    (stored, not pinned), never an exception into vLLM's scheduler."""
+    memory; ``{"priority": -3}`` orders its chunks in the tiers without a pin; ``{"store": false}`` is
+    served and stores nothing; a value kdn cannot use is ignored (stored, not kept), never an
+    exception into vLLM's scheduler."""
     from kdn.integrations.vllm import metrics
 
     h = Harness(model, chunk_size=256)
     memory = h.worker.engine.tier("memory")
     out = {}
     for name, transfer, seed in (("kept", {"kdn": {"retain": 60}}, 120), ("ephemeral", {"kdn": {"store": False}}, 121),
-                                 ("bad", {"kdn": {"retain": "forever"}}, 122)):
+                                 ("bad", {"kdn": {"retain": "forever"}}, 122), ("low", {"kdn": {"priority": -3}}, 123),
+                                 ("bad-priority", {"kdn": {"priority": 1.5}}, 124)):
         doc = random_tokens(600, seed)
         before = metrics.totals()["retained_chunks"]
         h.request(name, doc, transfer=transfer)

@@ -347,6 +347,8 @@ void bind_store(py::module_& m) {
       .def("pin", [](MemoryStore& s, py::handle key, double ttl) { return s.pin(key_arg(key, "key"), ttl); },
            py::arg("key"), py::arg("ttl_seconds") = 0.0)
       .def("unpin", [](MemoryStore& s, py::handle key) { return s.unpin(key_arg(key, "key")); })
+      .def("set_priority", [](MemoryStore& s, py::handle key, int priority) { return s.set_priority(key_arg(key, "key"), priority); },
+           py::arg("key"), py::arg("priority"), "Order among its owner's entries: a lower priority leaves first (0: default).")
       .def("set_quota", [](MemoryStore& s, uint64_t owner, uint64_t bytes) { s.set_quota(owner, bytes); }, py::arg("owner"),
            py::arg("bytes"), "A byte quota for the blobs of `owner` (owner_of_fingerprint; 0: none).")
       .def("record_events", &MemoryStore::record_events, py::arg("on"),
@@ -448,6 +450,8 @@ void bind_store(py::module_& m) {
       .def("pin", [](DiskStore& s, py::handle key, double ttl) { return s.pin(key_arg(key, "key"), ttl); },
            py::arg("key"), py::arg("ttl_seconds") = 0.0)
       .def("unpin", [](DiskStore& s, py::handle key) { return s.unpin(key_arg(key, "key")); })
+      .def("set_priority", [](DiskStore& s, py::handle key, int priority) { return s.set_priority(key_arg(key, "key"), priority); },
+           py::arg("key"), py::arg("priority"), "Order among its owner's entries: a lower priority leaves first (0: default).")
       .def("set_quota", [](DiskStore& s, uint64_t owner, uint64_t bytes) { s.set_quota(owner, bytes); }, py::arg("owner"),
            py::arg("bytes"), "A byte quota for the blobs of `owner` (owner_of_fingerprint; 0: none).")
       .def("record_events", &DiskStore::record_events, py::arg("on"),

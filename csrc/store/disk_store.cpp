@@ -560,6 +560,12 @@ bool DiskStore::unpin(const Key128& key) {
   return index_.unpin(key);
 }
 
+bool DiskStore::set_priority(const Key128& key, int priority) {
+  if (!contains(key)) return false;
+  std::lock_guard<std::mutex> lock(mutex_);
+  return index_.set_priority(key, priority);
+}
+
 void DiskStore::set_quota(uint64_t owner, uint64_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   index_.set_quota(owner, bytes);

@@ -13,7 +13,8 @@ bool MemoryStore::put(const Key128& key, BufferPtr blob) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     ++stats_.puts;
-    bool was_pinned = index_.is_pinned(key);
+    const bool was_pinned = index_.is_pinned(key);
+    const int priority = index_.priority_of(key);
     if (index_.erase(key)) blobs_.erase(key);  // replace: drop the old value first
     std::vector<Key128> victims;
     const uint64_t owner = owner_of_blob(blob->data(), blob->size());
@@ -29,6 +30,7 @@ bool MemoryStore::put(const Key128& key, BufferPtr blob) {
     stats_.evictions += victims.size();
     index_.insert(key, blob->size(), owner);
     if (was_pinned) index_.pin(key, 0);
+    index_.set_priority(key, priority);
     blobs_[key] = std::move(blob);
     spill = spill_;
   }
@@ -93,6 +95,11 @@ bool MemoryStore::pin(const Key128& key, double ttl_seconds) {
 bool MemoryStore::unpin(const Key128& key) {
   std::lock_guard<std::mutex> lock(mutex_);
   return index_.unpin(key);
+}
+
+bool MemoryStore::set_priority(const Key128& key, int priority) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return index_.set_priority(key, priority);
 }
 
 void MemoryStore::clear() {

@@ -14,11 +14,37 @@ TierIndex::TierIndex(uint64_t capacity_bytes, const std::string& policy)
   make_eviction_policy(policy, capacity_bytes);  // an unknown policy name throws here, not at the first insert
 }
 
-EvictionPolicy& TierIndex::policy_of(const Key128& key) { return *owners_.at(owner_of_.at(key)).policy; }
+EvictionPolicy& TierIndex::policy_of(const Key128& key) {
+  auto& level = owners_.at(owner_of_.at(key)).levels[priority_of(key)];
+  if (!level) level = make_eviction_policy(policy_name_, capacity_);
+  return *level;
+}
+
+int TierIndex::priority_of(const Key128& key) const {
+  auto it = priorities_.find(key);
+  return it == priorities_.end() ? 0 : it->second;
+}
+
+bool TierIndex::Owner::pop_victim(Key128* victim) {
+  for (auto& [priority, policy] : levels)
+    if (policy->pop_victim(victim)) return true;
+  return false;
+}
 
 void TierIndex::touch(const Key128& key) {
-  auto it = owner_of_.find(key);
-  if (it != owner_of_.end()) owners_.at(it->second).policy->touch(key);
+  if (owner_of_.count(key) && !pins_.count(key)) policy_of(key).touch(key);
+}
+
+bool TierIndex::set_priority(const Key128& key, int priority) {
+  auto it = sizes_.find(key);
+  if (it == sizes_.end()) return false;
+  if (priority == priority_of(key)) return true;
+  const bool evictable = !pins_.count(key);
+  if (evictable) policy_of(key).erase(key);
+  if (priority == 0) priorities_.erase(key);
+  else priorities_[key] = priority;
+  if (evictable) policy_of(key).insert(key, it->second);
+  return true;
 }
 
 int64_t TierIndex::unquoted_share() const {
@@ -44,7 +70,7 @@ bool TierIndex::pop_fair_victim(Key128* victim, std::optional<uint64_t> incoming
   }
   std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   for (auto& [over, owner] : order)
-    if (owner->policy->pop_victim(victim)) return true;
+    if (owner->pop_victim(victim)) return true;
   return false;
 }
 
@@ -56,6 +82,7 @@ void TierIndex::forget(const Key128& key, uint64_t bytes) {
   owner_of_.erase(it);
   used_ -= bytes;
   sizes_.erase(key);
+  priorities_.erase(key);
   log(false, key);
 }
 
@@ -88,7 +115,7 @@ bool TierIndex::make_room(uint64_t bytes, std::vector<Key128>* victims, std::opt
     auto it = owners_.find(*owner);
     const uint64_t pinned = it == owners_.end() ? 0 : it->second.pinned;
     if (bytes > quota->second - std::min(quota->second, pinned)) return false;
-    while (it != owners_.end() && it->second.used + bytes > quota->second && it->second.policy->pop_victim(&victim)) {
+    while (it != owners_.end() && it->second.used + bytes > quota->second && it->second.pop_victim(&victim)) {
       forget(victim, sizes_.at(victim));  // the owner's own, least wanted first
       victims->push_back(victim);
       it = owners_.find(*owner);
@@ -106,10 +133,8 @@ void TierIndex::insert(const Key128& key, uint64_t bytes, uint64_t owner) {
   sizes_[key] = bytes;
   used_ += bytes;
   owner_of_[key] = owner;
-  Owner& o = owners_[owner];
-  if (!o.policy) o.policy = make_eviction_policy(policy_name_, capacity_);
-  o.used += bytes;
-  o.policy->insert(key, bytes);
+  owners_[owner].used += bytes;
+  policy_of(key).insert(key, bytes);
   log(true, key);
 }
 
@@ -180,6 +205,7 @@ void TierIndex::clear() {
   owner_of_.clear();
   sizes_.clear();
   pins_.clear();
+  priorities_.clear();
   used_ = pinned_bytes_ = 0;
 }
 

@@ -1,5 +1,6 @@
 // The tier index and eviction: LRU order against a reference, S3-FIFO keeps the hot set through a
-// scan, pins (also for ever: ttl = inf) survive eviction pressure, capacity is never exceeded.
+// scan, pins (also for ever: ttl = inf) survive eviction pressure, priorities order an owner's
+// own entries, capacity is never exceeded.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -112,6 +113,49 @@ TEST_P(TierIndexFairness, AQuotaBoundsItsOwnerAndTheOthersShareTheRest) {
   EXPECT_TRUE(victims.empty());
   index.set_quota(2, 0);  // no quota: owner 2 may grow again (its fair share is half the tier)
   EXPECT_TRUE(index.make_room(100, &victims, 2u));
+}
+
+// An owner's low-priority entries leave before its default ones, whatever the policy's order, and
+// its high ones last; a priority survives a pin and its release, and orders only its owner's own
+// entries: a flooding owner's high priorities do not evict another owner within its fair share.
+TEST_P(TierIndexFairness, LowerPrioritiesLeaveFirstWithinTheirOwner) {
+  TierIndex index(10 * 100, GetParam());
+  std::vector<Key128> victims;
+  for (uint32_t i = 0; i < 10; ++i) {
+    ASSERT_TRUE(index.make_room(100, &victims));
+    index.insert(key(i), 100, 1);
+  }
+  ASSERT_TRUE(index.set_priority(key(7), -1));  // the newest ones asked to leave first
+  ASSERT_TRUE(index.set_priority(key(8), -1));
+  ASSERT_TRUE(index.set_priority(key(0), 5));   // the oldest asked to stay
+  ASSERT_TRUE(index.pin(key(8), 0));            // pinned while low: stays until unpinned
+  EXPECT_FALSE(index.set_priority(key(99), 1)) << "an absent key";
+  for (uint32_t hot = 0; hot < 10; ++hot) index.touch(key(hot));
+  ASSERT_TRUE(index.make_room(100, &victims));
+  ASSERT_EQ(victims, std::vector<Key128>{key(7)});
+  index.insert(key(10), 100, 1);
+  ASSERT_TRUE(index.unpin(key(8)));
+  EXPECT_EQ(index.priority_of(key(8)), -1);
+  victims.clear();
+  ASSERT_TRUE(index.make_room(100, &victims));
+  ASSERT_EQ(victims, std::vector<Key128>{key(8)});
+  index.insert(key(11), 100, 1);
+  victims.clear();
+  for (uint32_t i = 12; i < 21; ++i) {  // nine more: every default entry leaves before key(0)
+    ASSERT_TRUE(index.make_room(100, &victims));
+    index.insert(key(i), 100, 1);
+  }
+  EXPECT_TRUE(index.contains(key(0)));
+  EXPECT_EQ(index.priority_of(key(0)), 5);
+  ASSERT_TRUE(index.erase(key(0)));
+  EXPECT_EQ(index.priority_of(key(0)), 0) << "forgotten with its entry";
+  // owner 2 floods with its entries at the highest priority: owner 1 keeps its fair half
+  for (uint32_t i = 1000; i < 1030; ++i) {
+    ASSERT_TRUE(index.make_room(100, &victims, 2u));
+    index.insert(key(i), 100, 2);
+    ASSERT_TRUE(index.set_priority(key(i), 100));
+  }
+  EXPECT_EQ(index.owner_bytes(1), 500u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, TierIndexFairness, ::testing::Values("lru", "s3fifo"));

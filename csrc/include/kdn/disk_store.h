@@ -94,6 +94,7 @@ class DiskStore {
   bool remove(const Key128& key);
   bool pin(const Key128& key, double ttl_seconds);  // pins live in this process only
   bool unpin(const Key128& key);
+  bool set_priority(const Key128& key, int priority);  // TierIndex::set_priority; in this process only, as pins
   void set_quota(uint64_t owner, uint64_t bytes);  // TierIndex::set_quota (0: none)
   void record_events(bool on);                      // TierIndex::record_events
   std::vector<TierIndex::Event> take_events();

@@ -16,6 +16,12 @@
 // leave no room) and its share in the eviction order; owners without one share what the quotas
 // of the owners present leave.
 //
+// Priorities: an entry may be given a priority (set_priority; 0 by default). An owner's entries of
+// a lower priority leave before its higher ones, each level in the policy's order. A priority
+// orders its owner's own entries only: which owner gives up bytes is the fair-share rule's, so no
+// tenant's priorities evict another's entries. Unlike a pin, an entry of any priority stays
+// evictable.
+//
 // Events: while recording (record_events), every insert and every removal (evicted, erased,
 // cleared) is logged in order for take_events: what a KV event stream announces. At most
 // kMaxEvents wait; beyond that the oldest are dropped and counted.
@@ -23,6 +29,7 @@
 
 #include <chrono>
 #include <deque>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -56,6 +63,9 @@ class TierIndex {
   bool pin(const Key128& key, double ttl_seconds);
   bool unpin(const Key128& key);
   bool is_pinned(const Key128& key) const { return pins_.count(key) != 0; }
+  // Moves a present key to `priority` among its owner's entries (lower leaves first); false if absent.
+  bool set_priority(const Key128& key, int priority);
+  int priority_of(const Key128& key) const;  // 0 when never set (or absent)
   void expire_pins();
   void clear();
 
@@ -82,12 +92,14 @@ class TierIndex {
  private:
   using Clock = std::chrono::steady_clock;
   struct Owner {
-    std::unique_ptr<EvictionPolicy> policy;  // the owner's evictable entries, in eviction order
-    uint64_t used = 0;                       // its bytes, pinned ones included
-    uint64_t pinned = 0;                     // of which pinned
+    // the owner's evictable entries by priority (lowest first), each level in eviction order
+    std::map<int, std::unique_ptr<EvictionPolicy>> levels;
+    uint64_t used = 0;    // its bytes, pinned ones included
+    uint64_t pinned = 0;  // of which pinned
+    bool pop_victim(Key128* victim);  // from its lowest level holding an evictable entry
   };
   int64_t unquoted_share() const;  // what the quotas of the owners present leave, per owner without one
-  EvictionPolicy& policy_of(const Key128& key);
+  EvictionPolicy& policy_of(const Key128& key);  // its owner's level of its priority (made if new)
   bool pop_fair_victim(Key128* victim, std::optional<uint64_t> incoming, uint64_t bytes);
   void forget(const Key128& key, uint64_t bytes);  // drop a removed entry's size and owner
   const uint64_t capacity_;
@@ -97,6 +109,7 @@ class TierIndex {
   std::unordered_map<Key128, uint64_t, Key128Hash> owner_of_;
   std::unordered_map<Key128, uint64_t, Key128Hash> sizes_;
   std::unordered_map<Key128, Clock::time_point, Key128Hash> pins_;  // deadline (max = none)
+  std::unordered_map<Key128, int, Key128Hash> priorities_;          // the entries not at 0
   uint64_t used_ = 0, pinned_bytes_ = 0;
   void log(bool stored, const Key128& key);
   bool recording_ = false;

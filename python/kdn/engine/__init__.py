@@ -7,10 +7,11 @@ serving engine's requests from lookup to finish (:class:`Requests`) with their s
 from kdn.engine.chunks import Prefix
 from kdn.engine.core import Engine, Load
 from kdn.engine.requests import Request, Requests
+from kdn.engine.retention import Retention
 from kdn.engine.session import ModelSession, Sessions
 from kdn.engine.stores import StoreJob, StoreQueue
 from kdn.engine.stream import DeliveryError, LayerStream
 from kdn.engine.targets import HFLayers, HFTarget, PagedBlocks, Target
 
 __all__ = ["DeliveryError", "Engine", "HFLayers", "HFTarget", "LayerStream", "Load", "ModelSession", "PagedBlocks",
-           "Prefix", "Request", "Requests", "Sessions", "StoreJob", "StoreQueue", "Target"]
+           "Prefix", "Request", "Requests", "Retention", "Sessions", "StoreJob", "StoreQueue", "Target"]

@@ -33,6 +33,7 @@ from kdn.engine.audit import audit as audit_stored
 from kdn.engine.chunks import ChunkIO, Packed, Prefix
 from kdn.engine.pages import Pages
 from kdn.engine.parts import Calibrations, Segments, Sidecars
+from kdn.engine.retention import Retention
 from kdn.engine.served import Served
 from kdn.engine.session import ModelSession, Sessions
 from kdn.engine.stream import Deliverer, DeliveryError, LayerStream
@@ -314,12 +315,8 @@ class Engine:
     def copy_to(self, other: Engine, keys: list[bytes]) -> int:
         """File the blobs stored under ``keys`` into ``other``'s tiers, each read exactly and coded as
         ``other``'s own writes are (its codecs, its write policy); how many were held and filed."""
-        copied = 0
-        for key in keys:
-            blobs, _ = self.tiers.fetch([key], exact=True)
-            if blobs:
-                copied += other.tiers.put(key, bytes(blobs[0]))
-        return copied
+        held = ((key, self.tiers.fetch([key], exact=True)[0]) for key in keys)
+        return sum(other.tiers.put(key, bytes(blobs[0])) for key, blobs in held if blobs)
 
     def pin(self, keys: list[bytes], ttl: float | None = None) -> int:
         """Promote the chunks ``keys`` into memory and keep them from eviction (``ttl`` seconds, or
@@ -330,30 +327,34 @@ class Engine:
             n += 1
         return n
 
-    def check_retention(self, session: ModelSession, tokens: int, seconds) -> float:
-        """The seconds a request may keep a prompt of ``tokens`` tokens pinned in memory (what it asked,
-        at most ``config.retain_max_seconds``), or an InvalidInputError that says why not: not a
-        positive number, or the memory tier's pins would then hold more than ``config.retain_fraction``
-        of it (its full chunks counted raw, an upper bound)."""
-        config = self.config
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-            raise InvalidInputError(f"retain: a positive number of seconds, got {seconds!r}")
-        need = tokens // session.chunk_size * session.chunk_size * session.layout.bytes_per_token()
-        pinned = self.tiers.memory.stats()["pinned_bytes"]
-        bound = config.retain_fraction * config.memory_bytes
+    def check_retention(self, session: ModelSession, tokens: int, retention: Retention) -> Retention:
+        """What a request may keep of a prompt of ``tokens`` tokens: its pin cut to
+        ``config.retain_max_seconds``, or an InvalidInputError when the memory tier's pins would then
+        hold more than ``config.retain_fraction`` of it (its full chunks counted raw, an upper
+        bound). A priority orders the tenant's own entries only, so it needs no bound."""
+        if retention.seconds is None:
+            return retention
+        config, chunk = self.config, session.chunk_size
+        need = tokens // chunk * chunk * session.layout.bytes_per_token()
+        pinned, bound = self.tiers.memory.stats()["pinned_bytes"], config.retain_fraction * config.memory_bytes
         if pinned + need > bound:
             raise InvalidInputError(f"retain: refused: {need / 2**10:.0f} KiB more pinned would hold "
                                     f"{(pinned + need) / 2**10:.0f} KiB of memory, over the operator's bound of "
                                     f"{bound / 2**10:.0f} KiB (retain_fraction={config.retain_fraction:g} of "
                                     f"memory_bytes)")
-        return min(float(seconds), config.retain_max_seconds)
+        return dataclasses.replace(retention, seconds=min(retention.seconds, config.retain_max_seconds))
 
-    def retain(self, session: ModelSession, tokens, seconds) -> int:
-        """Pin what a request asked to keep (:meth:`check_retention`): the stored full chunks of
-        ``tokens``, in memory, for the seconds allowed; how many chunks were pinned."""
+    def retain(self, session: ModelSession, tokens, retention: Retention) -> int:
+        """Keep what a request asked (:meth:`check_retention`) of the stored full chunks of
+        ``tokens``: pinned in memory for the seconds allowed, given its eviction priority in each
+        local tier holding them; how many leading chunks were kept."""
         tokens = session.tokens(tokens)
-        ttl = self.check_retention(session, len(tokens), seconds)
-        return self.pin(session.prefix_keys(tokens), ttl)
+        retention = self.check_retention(session, len(tokens), retention)
+        keys = session.prefix_keys(tokens)
+        kept = self.pin(keys, retention.seconds) if retention.seconds is not None else 0
+        if retention.priority:
+            kept = max(kept, self.tiers.prioritize(keys, retention.priority))
+        return kept
 
     def record_tier_events(self, on: bool = True) -> None:
         """Log what the local tiers file and remove from now on (:meth:`take_tier_events`): the

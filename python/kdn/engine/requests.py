@@ -15,6 +15,7 @@ import numpy as np
 
 from kdn.engine.chunks import Prefix
 from kdn.engine.core import Engine
+from kdn.engine.retention import Retention
 from kdn.engine.session import ModelSession
 
 COMPLETING = float("inf")  # an admitted request whose prefill's last step is scheduled, not yet run
@@ -40,7 +41,7 @@ class Request:
     tokens: np.ndarray
     scope: bytes | None = None  # its salt, adapter and inputs (kdn.keys.request_scope): KV shared only within it
     keyed: bool = True
-    retain: float | None = None  # seconds to keep its stored prompt pinned
+    retain: Retention | None = None  # what it asked kdn to keep of its stored prompt
     store: bool = True  # False: ephemeral, served and never stored
     found: Prefix | None = None  # what its last lookup found (the load reads these chunks, no second lookup)
     local: int = 0  # tokens the serving engine's own cache held at its lookup: where kdn's hit starts
@@ -92,7 +93,7 @@ class Requests:
         self._live[req_id] = Request(req_id, np.zeros(0, np.uint32), keyed=False)
 
     def lookup(self, session: ModelSession, req_id: str, tokens: np.ndarray, scope: bytes | None, found: Prefix,
-               computed: int, retain: float | None = None, store: bool = True) -> int | None:
+               computed: int, retain: Retention | None = None, store: bool = True) -> int | None:
         """A request's lookup (``found``, in ``session``: its model within ``scope``) once the engine's
         own cache holds ``computed`` tokens: how many tokens kdn will load, or None when it waits for
         another's prefill of its document (the engine asks again later). An ephemeral request

@@ -17,6 +17,7 @@ import numpy as np
 
 from kdn._core import InvalidInputError
 from kdn.engine.core import Engine
+from kdn.engine.retention import Retention
 from kdn.engine.served import Served
 from kdn.engine.session import ModelSession
 
@@ -28,7 +29,7 @@ class StoreJob:
     """One prefill's store: ``tokens`` in ``session``, what kdn ``served`` the request, the span held
     back to be verified (``check``, compared with ``kv``: per-layer KV from position ``first``),
     ``packed`` what :meth:`kdn.engine.Engine.save` takes (or a callable that makes it on the store
-    thread: a GPU's span sealed there; None: verify only), ``retain`` seconds to keep it pinned,
+    thread: a GPU's span sealed there; None: verify only), ``retain`` what its request asked kdn to keep,
     ``final``: False for a windowed prefill's earlier chunks (counted with its last, and not its end)."""
 
     req_id: str
@@ -39,7 +40,7 @@ class StoreJob:
     check: tuple | None = None
     first: int = 0
     kv: list | None = None
-    retain: float | None = None
+    retain: Retention | None = None
     final: bool = True
 
 
@@ -64,9 +65,9 @@ class StoreQueue:
         self._jobs.put(job)
 
     def skip(self, req_id: str, session: ModelSession, tokens: np.ndarray, served: Served,
-             retain: float | None = None, final: bool = True) -> None:
+             retain: Retention | None = None, final: bool = True) -> None:
         """A prefill with nothing to store or check: refused (counted) when its KV is unstorable, else
-        held already (kdn served it), kept pinned as asked; its store has ended."""
+        held already (kdn served it), kept as asked; its store has ended."""
         if served.unstorable() is not None:
             self.engine.save(session, tokens, [], served)  # refused: logged and counted there
             self.count(refused_stores=1)
@@ -114,11 +115,11 @@ class StoreQueue:
         if job.retain:
             self.retain(job.session, job.tokens, job.retain)
 
-    def retain(self, session: ModelSession, tokens: np.ndarray, seconds: float) -> None:
-        """Keep a stored prompt pinned as its request asked, within the operator's bound (a refusal
+    def retain(self, session: ModelSession, tokens: np.ndarray, retention: Retention) -> None:
+        """Keep a stored prompt as its request asked (pinned, prioritized), within the operator's bound (a refusal
         is counted as ``refused_retentions`` and logged once, never raised into the serving engine)."""
         try:
-            self.count(retained_chunks=self.engine.retain(session, np.asarray(tokens, dtype=np.uint32), seconds))
+            self.count(retained_chunks=self.engine.retain(session, np.asarray(tokens, dtype=np.uint32), retention))
         except InvalidInputError as e:
             self.count(refused_retentions=1)
             if not self._warned_retention:

@@ -74,6 +74,11 @@ class Tier(abc.ABC):
     def unpin(self, key: bytes) -> bool:
         return False
 
+    def set_priority(self, key: bytes, priority: int) -> bool:
+        """Order ``key`` among its owner's entries (lower leaves first); False if not held or not
+        ordered here (a remote store evicts on its own)."""
+        return False
+
     def set_quota(self, owner: int, bytes: int) -> None:
         """Bound the bytes of ``owner``'s blobs here (:meth:`kdn.storage.TierManager.set_quota`); a tier
         without per-owner accounting (a remote store) ignores it."""
@@ -133,6 +138,9 @@ class StoreTier(Tier):
 
     def unpin(self, key: bytes) -> bool:
         return self._store.unpin(key)
+
+    def set_priority(self, key: bytes, priority: int) -> bool:
+        return self._store.set_priority(key, priority)
 
     def set_quota(self, owner: int, bytes: int) -> None:
         self._store.set_quota(owner, bytes)

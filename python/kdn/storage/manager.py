@@ -235,6 +235,15 @@ class TierManager:
         """Pin ``key`` in every local tier that holds it (KDN.pin promotes it into memory first)."""
         return any([t.pin(a, ttl_seconds) for a in self.addresses(key) for t in self.local_tiers])
 
+    def prioritize(self, keys: list[bytes], priority: int) -> int:
+        """Give the chunks ``keys`` an eviction priority among their tenant's entries in every local
+        tier holding them (lower leaves first; 0 the default); how many leading ones were held."""
+        n = 0
+        while n < len(keys) and any([t.set_priority(a, priority) for a in self.addresses(keys[n])
+                                     for t in self.local_tiers]):
+            n += 1
+        return n
+
     def set_quota(self, fingerprint: bytes, quota: int | float) -> None:
         """Bound the bytes of the blobs written under ``fingerprint`` (a tenant's session) in each
         local tier: ``quota`` a fraction of the tier (float) or a byte count (capped at its size)."""

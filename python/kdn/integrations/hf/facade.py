@@ -12,7 +12,7 @@ import torch
 from kdn import _core
 from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
-from kdn.engine import Engine, ModelSession
+from kdn.engine import Engine, ModelSession, Retention
 from kdn.integrations.hf import generate as hf
 from kdn.integrations.hf.cache import load_cache
 from kdn.layout import cache_arg, cache_to_kv_list, check_kv_matches
@@ -103,10 +103,11 @@ class KDN:
         return self.engine.lookup(session, tokens, _limit(limit, len(tokens), "lookup"))
 
     def store(self, model, token_ids, past_key_values, namespace: str | None = None,
-              retain: float | None = None) -> int:
+              retain: float | None = None, priority: int | None = None) -> int:
         """Store the KV of ``token_ids`` from ``past_key_values`` (its full chunks, and a tail of at
         least ``config.probe_step`` tokens); ``retain``: seconds to keep it pinned in memory, within
-        the operator's bound (:meth:`kdn.engine.Engine.check_retention`: refused before storing).
+        the operator's bound (:meth:`kdn.engine.Engine.check_retention`: refused before storing);
+        ``priority``: its place in its tenant's eviction order (:class:`kdn.engine.Retention`).
 
         ``past_key_values`` is the model's cache (DynamicCache or tuple of (k, v)) for at least
         ``len(token_ids)`` tokens, batch 1. Chunks already stored are skipped (idempotent).
@@ -117,11 +118,12 @@ class KDN:
         tokens = session.tokens(token_ids)
         kv = cache_to_kv_list(past_key_values)
         check_kv_matches(session.layout, kv, len(tokens))
-        if retain is not None:
-            self.engine.check_retention(session, len(tokens), retain)
+        retention = Retention.asked(retain, priority)
+        if retention:
+            self.engine.check_retention(session, len(tokens), retention)
         stored = self.engine.save(session, tokens, [t.cpu() for t in kv])
-        if retain is not None:
-            self.engine.retain(session, tokens, retain)
+        if retention:
+            self.engine.retain(session, tokens, retention)
         return stored
 
     def retrieve(self, model, token_ids, limit: int | None = None, edits=None, namespace: str | None = None):

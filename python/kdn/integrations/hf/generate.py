@@ -9,7 +9,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from kdn._core import InvalidInputError
-from kdn.engine import Engine, Load
+from kdn.engine import Engine, Load, Retention
 from kdn.engine.stream import DeliveryError
 from kdn.integrations.hf.cache import load_cache
 from kdn.layout import CACHE_ARG, cache_arg, cache_to_kv_list, full_cache, kv_list_to_cache, output_cache, prefill_cache
@@ -83,7 +83,9 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
             string as a vLLM request's ``cache_salt`` shares KV with it, and nothing else does);
             ``retain``: seconds to keep the prompt's KV pinned in memory after this call (bounded
             by the operator's ``KDNConfig.retain_max_seconds`` and ``retain_fraction``: a request
-            beyond the bound is an InvalidInputError before anything is computed); ``store=False``:
+            beyond the bound is an InvalidInputError before anything is computed); ``priority``:
+            the prompt's place in its tenant's eviction order (a lower one leaves first,
+            :class:`kdn.engine.Retention`); ``store=False``:
             an ephemeral request, served what is stored and storing nothing.
 
     Returns ``(output, stats)``: what ``model.generate`` returns (``sequences`` tensor, or the dict
@@ -115,14 +117,16 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
     rows = _rows_per_prompt(model, generate_kwargs)
     edits = generate_kwargs.pop("edits", None)
     namespace = generate_kwargs.pop("namespace", None)
-    retain, keep = generate_kwargs.pop("retain", None), generate_kwargs.pop("store", True)
+    retain = Retention.asked(generate_kwargs.pop("retain", None), generate_kwargs.pop("priority", None))
+    keep = generate_kwargs.pop("store", True)
     if not isinstance(keep, bool):
         raise InvalidInputError(f"generate: store must be True or False, got {keep!r}")
     started = time.perf_counter()
     session = engine.session(model, namespace)
-    if retain is not None:  # refused before anything is computed, not after
+    if retain:  # refused before anything is computed, not after
         if not keep:
-            raise InvalidInputError("generate: retain= keeps what a request stores; with store=False nothing is")
+            raise InvalidInputError("generate: retain= and priority= keep what a request stores; "
+                                    "with store=False nothing is")
         engine.check_retention(session, ids.shape[1], retain)
     cache, load = load_cache(engine, model, session.tokens(ids[0]), ids.shape[1] - 1, edits, started, namespace)
     hit, stream = load.hit, load.stream
@@ -173,7 +177,7 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
                         record)
         elif final is not None and keep:  # rows diverge after the prompt (and beams reorder): store the prompt
             engine.save(session, session.tokens(ids[0]), [t[:1].cpu() for t in cache_to_kv_list(final)], record)
-        if retain is not None and final is not None:
+        if retain and final is not None:
             stats["retained_chunks"] = engine.retain(session, ids[0], retain)
     except Exception as exc:  # storing is best effort; the answer is already computed
         log.warning("kdn: storing the generated KV failed (%s); the result is returned unchanged", exc)

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from kdn.engine import Engine, ModelSession
+from kdn._core import InvalidInputError
+from kdn.engine import Engine, ModelSession, Retention
 from kdn.engine.requests import Request, Requests, request_digest
 from kdn.integrations.vllm import metrics, process
 from kdn.integrations.vllm.kv_layers import KVGroups
@@ -93,21 +94,23 @@ class SchedulerSide:
         return (req.local, req.holders) if req is not None else (0, ())
 
     def retention_of(self, request) -> tuple:
-        """What a request asks kdn to keep (``kv_transfer_params={"kdn": {"retain": seconds, "store":
-        false}}``): ``(seconds or None, store)``; a value kdn cannot use is logged once and ignored
-        (request content never raises into vLLM)."""
+        """What a request asks kdn to keep (``kv_transfer_params={"kdn": {"retain": seconds, "priority":
+        n, "store": false}}``): ``(Retention or None, store)``; a value kdn cannot use is logged once
+        and ignored (request content never raises into vLLM)."""
         params = getattr(request, "kv_transfer_params", None)
         asked = params.get("kdn") if isinstance(params, dict) else None
         if not isinstance(asked, dict):
             return None, True
-        retain, store = asked.get("retain"), asked.get("store", True)
-        ok_retain = retain is None or (isinstance(retain, (int, float)) and not isinstance(retain, bool) and retain > 0)
-        if not ok_retain or not isinstance(store, bool):
-            self.scopes.warn_once(request.request_id, f"kv_transfer_params: kdn's retain must be positive seconds "
-                                                      f"and store a boolean, got {asked!r:.200}",
+        store = asked.get("store", True)
+        try:
+            if not isinstance(store, bool):
+                raise InvalidInputError(f"store: a boolean, got {store!r}")
+            retention = Retention.asked(asked.get("retain"), asked.get("priority"))
+        except InvalidInputError as e:
+            self.scopes.warn_once(request.request_id, f"kv_transfer_params: kdn's {e} (in {asked!r:.200})",
                                   "is served and stored as if it had asked nothing")
             return None, True
-        return (float(retain) if retain is not None and store else None), store
+        return (retention if retention and store else None), store
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         req = self.requests.admit(request.request_id, num_external_tokens)
