@@ -30,7 +30,7 @@ A configuration name may end in ``+lpT`` and/or ``+bN``: its server runs with vL
 wait, so a hit's question is not queued behind a whole document's prefill) and
 ``--max-num-batched-tokens N`` (every step, all requests together, at most N tokens: the longest a
 scheduled hit waits is one step of N tokens; vLLM's server default on a CPU is 2,048); each kdn row's
-miss bound uses the vLLM-alone row of the same ``+lpT``/``+bN`` suffixes (``+prio`` aside) when the run
+free-hit estimate uses the vLLM-alone row of the same ``+lpT``/``+bN`` suffixes (``+prio`` aside) when the run
 has one. ``+prio`` runs the server with ``--scheduling-policy priority`` and has the clients send, as a
 prefix-aware router would, priority 0 for a prompt whose first block they sent before (its document
 is likely stored: a hit goes ahead of the misses waiting) and 1 otherwise (vLLM still schedules the
@@ -49,10 +49,10 @@ The engine's KV space (--kv-cache-memory-bytes) holds --kv-docs documents: N > -
 kdn runs with vLLM's prefix cache off (every hit is kdn's). Reported per run: TTFT p50/p90/p99,
 request throughput, hit rate (cached / prompt tokens, from the servers' usage), kdn's served
 chunks per tier (its /metrics), documents prefilled (requests whose document was not served), and
-for kdn the bound its own misses set (throughput if every hit were free: vLLM alone's throughput x
+for kdn its free-hit estimate (throughput if every hit were free: vLLM alone's throughput x
 requests / misses). With --replay, each kdn docqa run is sent again, 3 times (every request a hit): the
 median's throughput prices a hit alone (its question's prefill and its decode, at that concurrency), and
-the hit-aware bound is requests / (misses / vLLM alone's req/s + hits / the replay's req/s).
+the serial estimate is requests / (misses / vLLM alone's req/s + hits / the replay's req/s).
 Where the time went (benchmarks/serving_costs.py): vLLM's per-request queue,
 prefill and decode sums, kdn's stage seconds (lookup, load, gather, store), the CPU seconds of each
 thread of the servers' processes, and TTFT of the requests kdn served (hits) apart from those it
@@ -302,7 +302,7 @@ def main() -> None:
     parser.add_argument("--remote-timeout", type=float, default=1.0, help="kdn's remote_timeout (kdn-redis)")
     parser.add_argument("--replay", nargs="?", type=int, const=3, default=0, metavar="K",
                         help="after each kdn docqa run, send its requests again K times (default 3; every one a "
-                             "hit): what a hit costs alone (the median run), and the bound misses and hits set")
+                             "hit): what a hit costs alone (the median run), and the serial estimate misses and hits set")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="only redraw the table and plot of earlier "
                                                                    "runs' bench_serving.json files, into --out")
     args = parser.parse_args()
@@ -412,7 +412,7 @@ def main() -> None:
 
 def replayed(runs: list[dict]) -> dict:
     """A kdn run sent again K times, every request a hit: the median run's throughput and TTFTs (a hit's
-    price for the hit-aware bound), each run's throughput beside it (the spread), and the most
+    price for the serial estimate), each run's throughput beside it (the spread), and the most
     documents any run prefilled (one prefilled is no longer a hits-only replay)."""
     median = sorted(runs, key=lambda r: r["throughput_rps"])[len(runs) // 2]  # of two, the faster: the higher bound
     return {**{k: median[k] for k in ("throughput_rps", "ttft_p50_s", "ttft_p99_s")},
@@ -441,7 +441,7 @@ def judged(chaos, result: dict, alone: dict | None, args) -> dict:
 
 
 def bound(rows: list[dict]) -> list[dict]:
-    """kdn's miss bound per docqa run: vLLM alone's throughput (every request a miss) x requests /
+    """kdn's free-hit estimate per docqa run: vLLM alone's throughput (every request a miss) x requests /
     the documents kdn prefilled; and each row's ratios to vLLM's prefix cache in the same run."""
     def find(config, row):
         return next((r for r in rows if r["config"] == config and r["workload"] == row["workload"]
@@ -486,8 +486,8 @@ def line(row: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("| workload | N | C | configuration | requests | TTFT p50 ms | p90 | p99 | req/s | hit rate "
-            "| docs prefilled | x prefix-cache req/s | x lmcache-tuned req/s | x lower p50 TTFT | of miss bound "
-            "| of hit-aware bound | x affinity prefix-cache req/s "
+            "| docs prefilled | x prefix-cache req/s | x lmcache-tuned req/s | x lower p50 TTFT | of free-hit estimate "
+            "| of serial estimate | x affinity prefix-cache req/s "
             "| chunks served (memory/node/disk/remote) |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:

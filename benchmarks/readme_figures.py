@@ -135,7 +135,7 @@ def serving_table(path: Path) -> str:
     chat = record["args"]["workloads"] == "chat"
     what = "returning sessions' tokens served" if chat else "documents prefilled"
     columns = ["configuration", "req/s", "TTFT p50", "p99", *([] if chat else ["hits' p99: not held / all"]), what,
-               "x prefix cache", f"x LMCache tuned ({tuned_label})", "of miss bound", "load before-after"]
+               "x prefix cache", f"x LMCache tuned ({tuned_label})", "of free-hit estimate", "load before-after"]
     lines = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     for name, label in SERVING_ROWS.items():
         if name not in rows:

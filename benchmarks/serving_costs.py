@@ -160,12 +160,12 @@ def breakdown_line(row: dict) -> str:
         not_held = f", not held for a prefill {ttft('hits_not_held')}" if "hits_not_held" in served else ""
         parts.append(f"TTFT p50/p99 hits {ttft('hits')}{not_held}, misses {ttft('misses')}")
     if "of_miss_bound" in row:
-        parts.append(f"{row['of_miss_bound']:.0%} of the miss bound ({row['miss_bound_rps']:.3f} req/s)")
+        parts.append(f"{row['of_miss_bound']:.0%} of the free-hit estimate ({row['miss_bound_rps']:.3f} req/s)")
     if "of_hit_aware_bound" in row:
         each = row["replay"].get("throughput_rps_each", [])
         spread = f" (of {len(each)}: {min(each):.3f}-{max(each):.3f})" if len(each) > 1 else ""
         parts.append(f"hits alone {row['replay']['throughput_rps']:.3f} req/s{spread}: {row['of_hit_aware_bound']:.0%} "
-                     f"of the hit-aware bound ({row['hit_aware_bound_rps']:.3f} req/s)")
+                     f"of the serial estimate ({row['hit_aware_bound_rps']:.3f} req/s)")
     return "    " + "; ".join(parts)
 
 

@@ -62,7 +62,7 @@ def test_a_serving_table_without_the_prefix_cache_gives_no_ratio_to_it():
 
 
 def test_a_capped_kdn_row_is_bounded_by_vllm_alone_under_the_same_cap():
-    """``kdn-disk+lp64+prio``'s miss bound is vLLM alone's with the same per-prefill cap (``vllm+lp64``: the
+    """``kdn-disk+lp64+prio``'s free-hit estimate is vLLM alone's with the same per-prefill cap (``vllm+lp64``: the
     cap slows every miss); the priority policy only orders requests, so it is no part of the match."""
     def row(config, rps, **extra):
         return {"config": config, "workload": "docqa", "n": 32, "concurrency": 4, "requests": 128,
@@ -75,8 +75,8 @@ def test_a_capped_kdn_row_is_bounded_by_vllm_alone_under_the_same_cap():
 
 
 def test_a_replayed_run_keeps_the_median_and_the_spread():
-    """``--replay K`` prices a hit by the median of K hits-only runs (one noisy replay moved the hit-aware
-    bound 17%), keeps each run's throughput, and counts a document any replay prefilled."""
+    """``--replay K`` prices a hit by the median of K hits-only runs (one noisy replay moved the serial
+    estimate 17%), keeps each run's throughput, and counts a document any replay prefilled."""
     runs = [{"throughput_rps": rps, "ttft_p50_s": 1 / rps, "ttft_p99_s": 2 / rps, "docs_prefilled": d, "wall_s": 40.0}
             for rps, d in ((3.3, 0), (2.8, 1), (3.0, 0))]
     replay = bench_serving.replayed(runs)
@@ -84,7 +84,7 @@ def test_a_replayed_run_keeps_the_median_and_the_spread():
     assert replay["throughput_rps_each"] == [3.3, 2.8, 3.0]
     assert replay["docs_prefilled"] == 1 and replay["wall_s"] == 120
     row = {"config": "kdn-disk", "kdn": {}, "replay": replay, "of_hit_aware_bound": 0.95, "hit_aware_bound_rps": 0.6}
-    assert "hits alone 3.000 req/s (of 3: 2.800-3.300): 95% of the hit-aware bound" in serving_costs.breakdown_line(row)
+    assert "hits alone 3.000 req/s (of 3: 2.800-3.300): 95% of the serial estimate" in serving_costs.breakdown_line(row)
 
 
 def test_chat_prefills_put_each_row_beside_the_floor_no_cache_goes_under():
