@@ -2,8 +2,10 @@
 `.ci/newcomer` (and `.ci/run`) recorded in
 ``benchmarks/results/newcomer/costs.jsonl``: every step's seconds with the machine's load average
 before and after. The table sits between ``<!-- costs:begin -->`` and ``<!-- costs:end -->``.
-To refresh it: ``KDN_COSTS=$PWD/benchmarks/results/newcomer/costs.jsonl .ci/newcomer`` (CI's runs
-write to /tmp), then this script.
+Every CI run writes its own rows (each step, the test line and the whole run, with the CPU and the
+commit) to ``/tmp/kdn-newcomer-costs.jsonl`` and prints the totals; to refresh the table, copy that
+file here (or run ``KDN_COSTS=$PWD/benchmarks/results/newcomer/costs.jsonl .ci/newcomer``), then
+this script.
 
     python benchmarks/readme_costs.py           # rewrite docs/install.md's table from the record
     python benchmarks/readme_costs.py --check   # exit 1 if its table is not the record's
@@ -29,9 +31,10 @@ def table(record: Path = RECORD) -> str:
     if not rows:
         raise SystemExit(f"{record} holds no steps; run .ci/newcomer first")
     dates = sorted({r["date"] for r in rows})
-    lines = [f"Measured by `.ci/newcomer` in a fresh clone and venv on a {rows[0]['cpus']}-core machine "
-             f"({', '.join(dates)}; `benchmarks/readme_costs.py` writes this table from "
-             "`benchmarks/results/newcomer/costs.jsonl`):", "",
+    where = sorted({f"{r['cpu']}, commit {r['commit']}" for r in rows if r.get("cpu")})
+    lines = [f"Measured by CI (`.ci/run`, its `.ci/newcomer` in a fresh clone and venv) on a {rows[0]['cpus']}-core "
+             f"machine ({', '.join(dates + where)}; `benchmarks/readme_costs.py` writes this table from "
+             "`benchmarks/results/newcomer/costs.jsonl`, the file CI wrote):", "",
              "| step | time | load average (1 min) before / after |", "|---|---:|---:|"]
     for r in rows:
         minutes, seconds = divmod(int(r["seconds"]), 60)
