@@ -3,11 +3,14 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from kdn import _core
 from kdn.cli import main
+
+SLICES = Path(__file__).resolve().parent / "data"  # what a bare clone's eval finds
 
 
 def test_kdn_info_reports_the_build(capsys):
@@ -47,6 +50,7 @@ def test_demo_without_a_reachable_registry_says_what_to_install(tmp_path):
     (["eval", "musique", "--model", "smollm2-135m", "--methods", "full,reuse+int9"], "method 'reuse+int9'"),
     (["eval", "musique", "--model", "smollm2-135m", "--methods", "telepathy"], "unknown method 'telepathy'"),
     (["eval", "musique", "--limit", "-1"], "--limit must be a positive"),
+    (["eval", "musique", "--limit", "50", "--data-dir", str(SLICES)], "only the clone's 3-sample slice"),
     (["eval", "no-such-dataset"], "no-such-dataset"),
     (["verify", "/nonexistent", "--model", "stories260k"], "neither a folder nor a store URL"),
 ])

@@ -304,6 +304,7 @@ def run_eval_command(args, command: str) -> int:
     from kdn.eval.methods import resolve_method
     from kdn.eval.report import markdown_table
     from kdn.eval.runner import finished_records, planned_run
+    from kdn.models.paths import data_dirs
 
     def fail(message: str) -> int:
         print(f"kdn eval: {message}", file=sys.stderr)
@@ -316,6 +317,12 @@ def run_eval_command(args, command: str) -> int:
         return fail(str(e))
     if args.limit is not None and args.limit < 1:
         return fail(f"--limit must be a positive number of samples, got {args.limit}")
+    slices = [d for d in data_dirs(args.data_dir) if d.parts[-2:] == ("tests", "data")]
+    if args.limit is not None and any(path.is_relative_to(d) for d in slices):  # a clone's slice
+        held = len(load_dataset(str(path)))
+        if held < args.limit:
+            return fail(f"only the clone's {held}-sample slice of {args.dataset!r} was found ({path}), fewer than "
+                        f"--limit {args.limit}: point --data-dir (or $KDN_DATA) at the full dataset")
     if args.max_new_tokens < 1 or args.chunk_size < 1:
         return fail("--max-new-tokens and --chunk-size must be positive")
     why = unknown_model(args.model)
