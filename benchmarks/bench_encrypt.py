@@ -29,7 +29,7 @@ import kdn
 import kdn.demo
 from bench_remote import private_redis
 from kdn import KDN, KDNConfig
-from timing import save_result
+from timing import question_ids, save_result
 
 CONFIGS = {
     "plain": dict(delivery="whole"),
@@ -46,13 +46,14 @@ def main() -> None:
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args()
     model, tokenizer = kdn.models.load("smollm2-135m")
-    ids = tokenizer(kdn.demo.document(), return_tensors="pt").input_ids
-    while ids.shape[1] < args.tokens + 1:
-        ids = torch.cat([ids, ids], dim=1)
-    ids = ids[:, : args.tokens + 1]
+    context = tokenizer(kdn.demo.document(), return_tensors="pt").input_ids
+    while context.shape[1] < args.tokens:
+        context = torch.cat([context, context], dim=1)
+    context = context[:, : args.tokens]
+    ids = torch.cat([context, question_ids(tokenizer)], dim=1)  # a hit computes a real question
     with torch.inference_mode():
-        out = model(ids, use_cache=True)
-    reference = out.logits[0, -1]
+        out = model(context, use_cache=True)  # what a miss of the context stores
+        reference = model(ids, logits_to_keep=1).logits[0, -1]
     times = {name: [] for name in CONFIGS}
     diffs, stored_bytes = {}, {}
     with contextlib.ExitStack() as stack:
@@ -60,7 +61,7 @@ def main() -> None:
         caches = {name: KDN(KDNConfig(remote_url=url, **settings)) for name, settings in CONFIGS.items()}
         next(iter(caches.values())).remote.clear()
         for name, cache in caches.items():
-            cache.store(model, ids, out.past_key_values)
+            cache.store(model, context, out.past_key_values)
             cache.flush()
             tier = cache.remote
             stored_bytes[name] = sum(len(v) for v in tier.transport.get(
@@ -70,7 +71,7 @@ def main() -> None:
             kv, got = cache.retrieve(model, ids, limit=args.tokens)
             assert got == args.tokens, got
             with torch.inference_mode():
-                return model(ids[:, got:], past_key_values=kv).logits[0, -1]
+                return model(ids[:, got:], past_key_values=kv, logits_to_keep=1).logits[0, -1]
 
         for _ in range(args.repeats):
             for name, cache in caches.items():

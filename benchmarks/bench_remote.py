@@ -1,6 +1,7 @@
 """Remote tier on Redis and on Mooncake Store: get/put throughput vs raw redis-py pipelines of the
 same values, the tier's own throughput on each store, and time-to-first-token from a remote hit on
-each store vs a full prefill on SmolLM2-135M, all in one run.
+each store vs a full prefill on SmolLM2-135M, all in one run (the prompt: a context of each length,
+then a real question the hit computes; both keep only the last position's logits).
 
 Usage: python benchmarks/bench_remote.py [--url redis://127.0.0.1:6379/0] [--stores redis,mooncake]
        [--lengths 1024,4096] [--repeats 5]
@@ -27,7 +28,7 @@ import kdn
 from kdn import KDN, KDNConfig, _core
 from kdn.storage.redis_transport import RedisTransport
 from kdn.storage.remote import RemoteTier
-from timing import save_result, timed
+from timing import question_ids, save_result, timed
 
 
 @contextlib.contextmanager
@@ -173,30 +174,32 @@ def bench_ttft(model, tokenizer, stores, lengths, repeats):
     ids_all = tokenizer(text, return_tensors="pt").input_ids
     while ids_all.shape[1] < max(lengths) + 1:
         ids_all = torch.cat([ids_all, ids_all], dim=1)
-    rows = []
+    rows, question = [], question_ids(tokenizer)
     for n in lengths:
-        ids = ids_all[:, : n + 1]  # n cached tokens + 1 prefilled
+        context = ids_all[:, :n]
+        ids = torch.cat([context, question], dim=1)  # n cached tokens, then a real question computed
         with torch.inference_mode():
-            full = timed(lambda: model(ids, use_cache=True), repeats)
-            out = model(ids, use_cache=True)
-        row = {"tokens": n, "full_prefill_s": full}
+            full = timed(lambda: model(ids, use_cache=True, logits_to_keep=1), repeats)
+            reference = model(ids, logits_to_keep=1).logits[0, -1]
+            stored = model(context, use_cache=True).past_key_values  # what a miss of the context stores
+        row = {"tokens": n, "question_tokens": question.shape[1], "full_prefill_s": full}
         for name, (url, options) in stores.items():
             cache = KDN(KDNConfig(remote_url=url, remote_options=options))
             cache.clear()
-            cache.store(model, ids, out.past_key_values)
+            cache.store(model, context, stored)
             cache.flush()
 
             def hit(cache=cache):
                 kv, got = cache.retrieve(model, ids, limit=n)
                 assert got == n
                 with torch.inference_mode():
-                    return model(ids[:, got:], past_key_values=kv).logits[0, -1]
+                    return model(ids[:, got:], past_key_values=kv, logits_to_keep=1).logits[0, -1]
 
             t_hit = timed(hit, repeats, setup=cache.memory.clear)  # every time from the store, not memory
             cache.memory.clear()
             served = cache.stats()["remote"]["hits"]
             row.update({f"{name}_hit_s": t_hit, f"{name}_speedup": full / t_hit,
-                        f"{name}_max_logit_diff": (hit() - out.logits[0, -1]).abs().max().item()})
+                        f"{name}_max_logit_diff": (hit() - reference).abs().max().item()})
             assert cache.stats()["remote"]["hits"] > served, f"the {name} hit was not served by the store"
             cache.clear()
         rows.append(row)

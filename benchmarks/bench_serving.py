@@ -302,7 +302,7 @@ def main() -> None:
     parser.add_argument("--remote-timeout", type=float, default=1.0, help="kdn's remote_timeout (kdn-redis)")
     parser.add_argument("--replay", nargs="?", type=int, const=3, default=0, metavar="K",
                         help="after each kdn docqa run, send its requests again K times (default 3; every one a "
-                             "hit): what a hit costs alone (the median run), and the serial estimate misses and hits set")
+                             "hit): what a hit costs alone (the median run), and the serial estimate")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="only redraw the table and plot of earlier "
                                                                    "runs' bench_serving.json files, into --out")
     args = parser.parse_args()

@@ -21,7 +21,7 @@ import torch
 
 import kdn
 from kdn import KDN, KDNConfig
-from timing import save_result
+from timing import QUESTION, question_ids, save_result
 
 
 def timed(fn, repeats):
@@ -39,17 +39,6 @@ def context_ids(tokenizer, n: int) -> torch.Tensor:
     while ids.shape[1] < n:
         ids = torch.cat([ids, ids], dim=1)
     return ids[:, :n]
-
-
-QUESTION = ("Answer in one short sentence, naming both the person and the year: who founded the city of "
-            "Velmora, and in which year did it receive its charter?")
-
-
-def question_ids(tokenizer, question: str) -> torch.Tensor:
-    ids = tokenizer("\n\n" + question, return_tensors="pt", add_special_tokens=False).input_ids
-    if ids.shape[1] < 20:
-        raise SystemExit(f"--question is {ids.shape[1]} tokens; a real question is >= 20")
-    return ids
 
 
 def retrieve_breakdown(model, cache: KDN, ids: torch.Tensor, repeats: int) -> tuple[float, float]:

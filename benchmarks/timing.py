@@ -53,3 +53,16 @@ def save_result(path: str | Path, data: dict, indent: int = 2) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"run": run_info(), **data}, indent=indent))
     return path
+
+
+QUESTION = ("Answer in one short sentence, naming both the person and the year: who founded the city of "
+            "Velmora, and in which year did it receive its charter?")
+
+
+def question_ids(tokenizer, question: str = QUESTION):
+    """A real question's tokens (>= 20) asked after a context: a TTFT computes them, never one token
+    over a served prefix, and full prefill and hit alike keep only the last position's logits."""
+    ids = tokenizer("\n\n" + question, return_tensors="pt", add_special_tokens=False).input_ids
+    if ids.shape[1] < 20:
+        raise SystemExit(f"the question is {ids.shape[1]} tokens; a real question is >= 20")
+    return ids
