@@ -1,4 +1,5 @@
-"""What kdn served one request, and the one rule on what of its KV may then be stored as exact.
+"""What kdn served a request (each running one of a serving engine's worker: :class:`ServedRequests`), and
+the one rule on what of its KV may then be stored as exact.
 
 Every face records what it served (:class:`Served`) and stores through :meth:`kdn.engine.ChunkIO.save`,
 which asks :meth:`Served.unstorable` here, so the rule lives in one place:
@@ -54,3 +55,45 @@ class Served:
         """True when kdn already holds (nearly) the whole prompt: storing it again would add nothing
         a lookup can use (less than one probe step)."""
         return self.tokens + self.checked >= prompt_tokens - max(probe_step, 1)
+
+
+class ServedRequests:
+    """What kdn served each running request of a serving engine's worker (a :class:`Served` each,
+    from the step that starts it to its end), and where a windowed prefill's saves so far ended."""
+
+    LOST = -1  # a windowed prefill's saves ended: nothing more of its prompt can be stored
+
+    def __init__(self):
+        self._served: dict[str, Served] = {}
+        self._saved_to: dict[str, int] = {}
+
+    def start(self, req_id: str) -> Served:
+        """The request starts (again): nothing served yet, nothing of it saved."""
+        self._saved_to.pop(req_id, None)
+        served = self._served[req_id] = Served()
+        return served
+
+    def of(self, req_id: str) -> Served:
+        """Its record (a new one for a request not started here)."""
+        return self._served.setdefault(req_id, Served())
+
+    def get(self, req_id: str) -> Served | None:
+        """Its record, or None once it ended (aborted while a load ran)."""
+        return self._served.get(req_id)
+
+    def saved_to(self, req_id: str, final: bool) -> int:
+        """Where its saves so far ended (0: none; :data:`LOST`); forgotten after its ``final`` save."""
+        return self._saved_to.pop(req_id, 0) if final else self._saved_to.get(req_id, 0)
+
+    def saved(self, req_id: str, to: int) -> None:
+        self._saved_to[req_id] = to
+
+    def step_ended(self) -> None:
+        """The engine recomputes what failed in this step: a recomputed prefill is stored."""
+        for served in self._served.values():
+            served.failed = False
+
+    def ended(self, req_ids) -> None:
+        for req_id in req_ids:
+            self._served.pop(req_id, None)
+            self._saved_to.pop(req_id, None)

@@ -21,7 +21,7 @@ import torch
 from kdn._core import InvalidInputError
 from kdn.engine import Engine, ModelSession
 from kdn.engine.paged import PagedLayout, vllm_layout
-from kdn.engine.served import Served
+from kdn.engine.served import Served, ServedRequests
 from kdn.engine.stores import StoreJob, StoreQueue
 from kdn.engine.stream import DeliveryError
 from kdn.engine.targets import PagedBlocks
@@ -31,7 +31,6 @@ from kdn.integrations.vllm.lookups import MAX_ENDED
 from kdn.integrations.vllm.specs import KDNConnectorMetadata, LoadSpec, SaveSpec
 
 log = logging.getLogger("kdn")
-_LOST = 1 << 62  # a windowed prefill that can store nothing more (WorkerSide._windowed)
 
 
 class WorkerSide:
@@ -48,7 +47,6 @@ class WorkerSide:
         # each layer's KV cache group (whose block table it reads), or None: one table for all layers
         self._layer_groups = (groups or KVGroups()).table_of([name for name, _ in ordered])
         self._failed: set[str] = set()  # a windowed model's requests whose async load failed: recomputed whole
-        self._packed_to: dict[str, int] = {}  # a windowed prefill's request -> where its saves so far ended
         self._warned_window = False
         self._layout: PagedLayout = self._describe([t for _, t in ordered])
         # kdn's C++ core copies chunks in and out of the blocks by the strides that describe them
@@ -56,7 +54,7 @@ class WorkerSide:
         self._blocks = [t for _, t in ordered]
         engine.serving_on(self._blocks[0].device)  # on a GPU: hits upload straight from the tiers' blobs
         self._errors: set[int] = set()
-        self._served: dict[str, Served] = {}  # what kdn served each running request
+        self._served = ServedRequests()  # what kdn served each running request, where its saves ended
         self._streams: list = []  # (load spec, LayerStream) of this step's layer-wise loads
         # what the store thread files; it keeps which requests' stores have ended (landed, refused or
         # failed) until the scheduler asks (ended_stores, in this process or through the lookup
@@ -89,13 +87,12 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KDNConnectorMetadata) -> None:
         for req_id in meta.fresh:
-            self._served[req_id] = Served()
-            self._packed_to.pop(req_id, None)
+            self._served.start(req_id)
         for spec in meta.loads:
             if spec.before:
                 self._load_before(spec)
                 continue
-            served = self._served.setdefault(spec.req_id, Served())
+            served = self._served.of(spec.req_id)
             tokens = np.asarray(spec.tokens, dtype=np.uint32)
             blocks = self._paged(spec.block_ids, spec.start)
             clock = metrics.LoadClock(blocks.stream)
@@ -145,7 +142,7 @@ class WorkerSide:
     def _load_before(self, spec: LoadSpec) -> None:
         """Start an async load: read and laid into the blocks by the load thread, on the GPU on this
         (the engine's) stream; reported by :meth:`get_finished` once its copies have run."""
-        self._served[spec.req_id] = Served()  # the request starts here: its step will not restart it
+        self._served.start(spec.req_id)  # the request starts here: its step will not restart it
         blocks = self._paged(spec.block_ids, spec.start)
         clock = metrics.LoadClock(blocks.stream)
 
@@ -188,7 +185,7 @@ class WorkerSide:
         else:  # a block of one group cannot be named to vLLM, nor recomputed from its middle: the whole request
             self._failed.add(spec.req_id)
         if stale_step:
-            self._served.setdefault(spec.req_id, Served()).failed = True
+            self._served.of(spec.req_id).failed = True
         log.warning("kdn: %d of %d tokens could not be loaded (%s); vLLM recomputes them", spec.end - start,
                     spec.end - spec.start, why)
         metrics.count(load_errors=1)
@@ -212,7 +209,7 @@ class WorkerSide:
             if ended.failed:
                 self._load_failed(spec, spec.start, "delivery failed before its last layer")
             if ended.lossy:  # known once its last group arrived
-                self._served.setdefault(spec.req_id, Served()).lossy = True
+                self._served.of(spec.req_id).lossy = True
 
     def wait_for_save(self, meta: KDNConnectorMetadata) -> None:
         self._finish_streams()  # every load of this step has ended: the rule below sees its failures
@@ -247,8 +244,7 @@ class WorkerSide:
             metrics.count(gather_seconds=time.perf_counter() - began)
             self.stores.put(StoreJob(spec.req_id, session, tokens, dataclasses.replace(served), packed, check, first,
                                      kv, spec.retain, final=not spec.partial))
-        for served in self._served.values():
-            served.failed = False  # vLLM recomputes what failed: the recomputed prefill is stored
+        self._served.step_ended()  # vLLM recomputes what failed: the recomputed prefill is stored
 
     def _windowed(self, spec: SaveSpec, blocks: PagedBlocks, todo: list) -> list | None:
         """The chunks of ``todo`` a windowed model's save packs: those its request's earlier saves did
@@ -256,8 +252,8 @@ class WorkerSide:
         vLLM gives a sliding layer's blocks back once the prefill is a window past them: a chunk whose
         blocks went before it was stored (a step ended inside it more than a window past its start)
         ends what can be stored of the prompt."""
-        done = self._packed_to.pop(spec.req_id, 0) if not spec.partial else self._packed_to.get(spec.req_id, 0)
-        todo = [c for c in todo if c[0] >= done] if done != _LOST else None
+        done = self._served.saved_to(spec.req_id, final=not spec.partial)
+        todo = [c for c in todo if c[0] >= done] if done != ServedRequests.LOST else None
         if todo and todo[0][0] < max(spec.kept_from, blocks.kept_from()):
             if not self._warned_window:
                 self._warned_window = True
@@ -266,7 +262,8 @@ class WorkerSide:
                             "max_num_batched_tokens)", self.session.chunk_size, todo[0][0])
             todo = None
         if spec.partial:
-            self._packed_to[spec.req_id] = _LOST if todo is None else todo[-1][0] + todo[-1][1] if todo else done
+            self._served.saved(spec.req_id, ServedRequests.LOST if todo is None else todo[-1][0] + todo[-1][1] if todo
+                               else done)
         return todo
 
     def ended_stores(self) -> list[str]:
@@ -276,9 +273,7 @@ class WorkerSide:
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """The requests whose async loads ended since the last call (their failures are reported by
         the next :meth:`get_block_ids_with_load_errors`, which vLLM asks in the same step)."""
-        for req_id in finished_req_ids:
-            self._served.pop(req_id, None)
-            self._packed_to.pop(req_id, None)
+        self._served.ended(finished_req_ids)
         return self._report_loaded()
 
     def failed_requests(self) -> set[str]:
