@@ -2,7 +2,7 @@
 
 A SmolLM2-135M (fp32) prompt of --tokens tokens is stored in a private redis-server by three
 configurations, and each is timed on its own hit (memory cleared before every hit: read from Redis,
-verified, decoded, the last token's forward) in one run, configurations interleaved per repeat:
+verified, decoded, a real question's forward: 35 tokens after the context) in one run, configurations interleaved per repeat:
 
 * ``plain``: no secret (checksums only);
 * ``keyed``: ``secret=`` (keyed BLAKE3 tags, names derived from the secret);
@@ -91,7 +91,7 @@ def main() -> None:
     rows = [{"config": name, "median_s": med[name], "min_s": min(times[name]), "max_s": max(times[name]),
              "vs_plain": med[name] / med["plain"], "stored_mb": stored_bytes[name] / 1e6,
              "gb_per_s": stored_bytes[name] / med[name] / 1e9, "max_logit_diff": diffs[name]} for name in CONFIGS]
-    print(f"\n{args.tokens}-token remote hit on SmolLM2-135M fp32 (retrieve + the last token's forward; memory "
+    print(f"\n{args.tokens}-token remote hit on SmolLM2-135M fp32 (retrieve + a 35-token question's forward; memory "
           f"cleared before each; medians of {args.repeats}, configurations interleaved; load {os.getloadavg()[0]:.2f})")
     print("| configuration | hit (median) | range | vs plain | stored | GB/s | max logit diff |")
     print("|---|---:|---:|---:|---:|---:|---:|")
