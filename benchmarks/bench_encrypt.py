@@ -2,7 +2,8 @@
 
 A SmolLM2-135M (fp32) prompt of --tokens tokens is stored in a private redis-server by three
 configurations, and each is timed on its own hit (memory cleared before every hit: read from Redis,
-verified, decoded, a real question's forward: 35 tokens after the context) in one run, configurations interleaved per repeat:
+verified, decoded, a real question's forward: 35 tokens after the context) in one run, configurations
+interleaved per repeat:
 
 * ``plain``: no secret (checksums only);
 * ``keyed``: ``secret=`` (keyed BLAKE3 tags, names derived from the secret);
