@@ -236,18 +236,39 @@ def test_the_kvtc_calibration_shares_no_conversation_or_passage_with_the_evaluat
     keep only conversations / passages no evaluated sample holds (by content), drawing on another
     dataset when the dataset's own run out (LongChat's 50 records are built from 30 conversations),
     and the fit is refused for a context that shares any."""
-    from kdn.eval.runner import _held, calibrate_kvtc, calibration_contexts, fallback_samples
+    from kdn.eval.runner import _held, _runs_of, calibrate_kvtc, calibration_contexts, fallback_samples, formulas
 
     everything = load_dataset(dataset)  # the tests' slice (3 samples), or the full set under $KDN_SHARED
     for evaluated in (everything[:2], everything[:30]):
         contexts = calibration_contexts(everything, evaluated, 2, lambda: fallback_samples(dataset))
         assert len(contexts) == 2 and not _held(evaluated) & _held(contexts)
+        common = formulas(everything)  # LongChat's stock replies
+        assert not _runs_of(evaluated, common) & _runs_of(contexts, common)  # no run of 8 words of content either
         assert all(c.query == "" and c.segments for c in contexts)
     if dataset.startswith("longchat") and len(everything) > 30:  # the full set: records share conversations
         assert _held(everything[:30]) & _held(everything[30:32])
         assert not _held(everything) - _held(everything[:30])  # 30 records hold every conversation
     with pytest.raises(ValueError, match="shares"):
         calibrate_kvtc(None, None, everything[:1], everything[:3], 512, 8, progress=False)
+
+
+def test_a_passage_overlapping_an_evaluated_one_is_not_calibration_text():
+    """MuSiQue's passages are overlapping windows of the same articles: a later question's passage
+    that hashes unlike every evaluated one but repeats 8 words of one is left out (the prompt's fixed
+    wording, in every sample, does not count), and the fit is refused for a context holding it."""
+    from kdn.eval.datasets import Sample
+    from kdn.eval.runner import QA_INSTRUCTION, calibrate_kvtc, calibration_contexts
+
+    article = " ".join(f"w{i}" for i in range(60))
+    shifted = " ".join(f"w{i}" for i in range(40, 90))  # 20 words in common with the article
+    other = " ".join(f"v{i}" for i in range(60))
+    evaluated = [Sample("q0", (QA_INSTRUCTION + f"Title: A\n{article}\n\n",), "q", ("a",), "qa_f1")]
+    later = [Sample("q1", (QA_INSTRUCTION + f"Title: B\n{shifted}\n\n",), "q", ("a",), "qa_f1"),
+             Sample("q2", (QA_INSTRUCTION + f"Title: C\n{other}\n\n",), "q", ("a",), "qa_f1")]
+    contexts = calibration_contexts(evaluated + later, evaluated, 2)
+    assert [c.id for c in contexts] == ["q2"]
+    with pytest.raises(ValueError, match="runs of 8 words"):
+        calibrate_kvtc(None, None, later[:1], evaluated, 512, 8, progress=False)
 
 
 def test_a_kvtc_run_resumes_only_with_the_same_calibration(stories, tmp_path):

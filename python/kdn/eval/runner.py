@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kdn.config import KDNConfig
-from kdn.eval.datasets import Sample, load_dataset
+from kdn.eval.datasets import QA_INSTRUCTION, Sample, load_dataset
 from kdn.eval.methods import Encoded, resolve_method
 from kdn.eval.metrics import METRICS, exact_match
 from kdn.eval.stats import bootstrap_ci, paired_difference
@@ -76,28 +78,67 @@ def _held(samples: list[Sample]) -> set[str]:
     return {_digest(u) for s in samples for seg in s.segments for u in units(seg)}
 
 
+RUN_WORDS = 8  # a run of this many words shared with the evaluated text makes a unit not disjoint
+TEMPLATE = (QA_INSTRUCTION, _TOPIC, "Title:")  # the loaders' fixed wording: shared by every sample, not content
+_LINES_PREAMBLE = re.compile(r"^Below is a record of lines.*?Now the record start:", re.DOTALL)  # LongChat lines'
+
+
+def runs(text: str) -> set[str]:
+    """The runs of :data:`RUN_WORDS` words of ``text``'s content (the template's wording taken out)."""
+    text = _LINES_PREAMBLE.sub(" ", text)
+    for fixed in TEMPLATE:
+        text = text.replace(fixed, " ")
+    words = text.split()
+    return {" ".join(words[i:i + RUN_WORDS]) for i in range(len(words) - RUN_WORDS + 1)}
+
+
+def _runs_of(samples: list[Sample], common: frozenset = frozenset()) -> set[str]:
+    return {r for s in samples for seg in s.segments for r in runs(seg)} - common
+
+
+FORMULA_UNITS = 2  # a run of words this many distinct conversations hold is stock wording ("Sure, I'd be happy to")
+
+
+def formulas(samples: list[Sample]) -> frozenset:
+    """The runs of words at least :data:`FORMULA_UNITS` distinct LongChat conversations hold: each
+    conversation is on a topic of its own and is reused whole (which its hash catches), so what two of
+    them share is the assistant's and user's stock wording ("That's really interesting. Can you give
+    some specific examples"), not content. Passages have no formulas: MuSiQue's are overlapping
+    windows of the same articles, so a run two of them hold is shared content."""
+    talks = {u for s in samples for seg in s.segments for u in units(seg) if u.startswith(_TOPIC)}
+    held = collections.Counter(r for u in talks for r in runs(u))
+    return frozenset(r for r, n in held.items() if n >= FORMULA_UNITS)
+
+
 def calibration_contexts(everything: list[Sample], evaluated: list[Sample], wanted: int,
                          fallback=None) -> list[Sample]:
-    """Up to ``wanted`` calibration contexts sharing no conversation or passage with any evaluated
-    sample, by content hash (:func:`units`): from the samples after the evaluated ones, each keeping
-    only the units no evaluated sample (and no earlier context) holds, without its question; then,
-    if those run out, from ``fallback()`` (samples of other datasets, :data:`CALIBRATION_FALLBACK`).
-    A codec fit on text it is then judged on would flatter it: LongChat's records share their
-    conversations (its 50 records are built from 30), MuSiQue's questions their passages, so
-    disjoint sample ids are not disjoint text."""
-    seen, out = _held(evaluated), []
+    """Up to ``wanted`` calibration contexts sharing no text with any evaluated sample: from the samples
+    after the evaluated ones, each keeping only the units (:func:`units`) that share no run of
+    :data:`RUN_WORDS` words of content (:func:`runs`; the dataset's :func:`formulas` aside) with an
+    evaluated sample or an earlier context, without its question; then, if those run out, from
+    ``fallback()`` (samples of other datasets, :data:`CALIBRATION_FALLBACK`). A codec fit on text it is
+    then judged on would flatter it: LongChat's records share their conversations (its 50 records are
+    built from 30), MuSiQue's questions their passages, and its passages are overlapping windows of the
+    same articles (one held 78% of its 8-word runs in the first 50 questions' passages while hashing
+    unlike any), so neither disjoint sample ids nor distinct passage hashes are disjoint text."""
+    common = formulas(everything)
+    seen, seen_runs, out = _held(evaluated), _runs_of(evaluated, common), []
     sources = [everything[len(evaluated):]]
     for source in (*sources, None):
         if source is None:
             if fallback is None or len(out) >= wanted:
                 break
             source = fallback()
+            common |= formulas(source)  # another dataset's stock replies
+            seen_runs -= common
         for sample in source:
             if len(out) >= wanted:
                 break
-            kept = [u for seg in sample.segments for u in units(seg) if _digest(u) not in seen]
+            kept = [u for seg in sample.segments for u in units(seg)
+                    if _digest(u) not in seen and not (runs(u) - common) & seen_runs]
             if kept:
                 seen |= {_digest(u) for u in kept}
+                seen_runs |= {r for u in kept for r in runs(u)} - common
                 out.append(Sample(sample.id, tuple(kept), "", (), sample.metric))
     return out
 
@@ -133,17 +174,18 @@ def kvtc_ratios(methods: list[str]) -> tuple[int, ...]:
 def calibrate_kvtc(model, tokenizer, contexts: list[Sample], evaluated: list[Sample], max_prompt_tokens: int,
                    max_new_tokens: int, progress: bool = True, ratios: tuple[int, ...] | None = None) -> dict:
     """Fit and load the model's ``kvtc`` calibration on ``contexts`` (offering ``ratios``, default
-    kvtc's), refused (ValueError) unless they share no segment with the ``evaluated`` samples by
-    content; what was used."""
+    kvtc's), refused (ValueError) unless they share no segment and no run of :data:`RUN_WORDS`
+    words of content with the ``evaluated`` samples; what was used."""
     from kdn import kvtc
 
     if not contexts:
         raise ValueError("kvtc needs calibration text sharing no conversation or passage with the evaluated samples, "
                          "and neither the samples beyond --limit nor the other datasets hold any: lower --limit")
-    shared = _held(evaluated) & _held(contexts)
-    if shared:
-        raise ValueError(f"the kvtc calibration shares {len(shared)} conversation(s) or passage(s) with the "
-                         "evaluated samples")
+    common = formulas(evaluated + contexts)
+    shared, overlap = _held(evaluated) & _held(contexts), _runs_of(evaluated, common) & _runs_of(contexts, common)
+    if shared or overlap:
+        raise ValueError(f"the kvtc calibration shares {len(shared)} conversation(s) or passage(s) and "
+                         f"{len(overlap)} runs of {RUN_WORDS} words with the evaluated samples")
     ids = [encode(tokenizer, c, max_prompt_tokens, max_new_tokens).ids[0, :-1].tolist() for c in contexts]
     t0 = time.perf_counter()
     kvtc.load(kvtc.calibrate(model, ids, progress=progress, ratios=ratios or kvtc.RATIOS))
