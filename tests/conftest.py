@@ -18,6 +18,30 @@ from kdn.models.tiny import tiny_model
 TEST_DATA = Path(__file__).parent / "data"
 os.environ["KDN_DATA"] = str(TEST_DATA)
 
+# pytest-xdist (`-n auto --dist loadfile` in pyproject.toml): each worker takes whole files. A
+# worker's share of the cores goes to torch here and to the processes it starts (HF readers, docs
+# blocks; vLLM's CPU engine serves on one thread anyway), so two workers on two cores do not each
+# run two threads.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    _threads = max(1, len(os.sched_getaffinity(0)) // WORKERS)
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+# The files that run longest (each starts vLLM engines or runs every docs block), first: with
+# --dist loadfile they start at once on their own workers while the others share the rest, instead
+# of one worker running test_vllm.py alone at the end.
+LONGEST_FIRST = ("test_vllm.py", "test_vllm_models.py", "test_readme.py")
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: a worker per core, at most 4 (each may hold SmolLM2 and Qwen and start vLLM engines)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
 
 @pytest.fixture(scope="session")
 def full_data() -> Path:

