@@ -113,3 +113,48 @@ def test_a_generate_hashes_each_chunk_of_its_request_once(tiny_llama):
     before = session.recent.hashed
     kdn.generate(tiny_llama, ids, max_new_tokens=12, do_sample=False)
     assert kdn.last_generate["hit_tokens"] == 40 and session.recent.hashed == before
+
+
+def test_a_paged_load_reads_only_the_chunks_its_layers_take_kv_from(stories):
+    """A load into an engine's blocks that holds the prompt's first tokens itself (vLLM's prefix cache)
+    or keeps only a window (sliding layers) fetches the stored chunks from the first one any layer
+    takes on, and lays byte for byte what a load reading every chunk lays."""
+    import forge
+    from test_paged import describe_layout, engine_layers
+
+    from kdn.engine.targets import NULL_BLOCK, PagedBlocks
+
+    model, _ = stories
+    ids = random_ids(model, 300, seed=3)
+    engine = Engine(KDNConfig(chunk_size=64))
+    session = engine.session(model)
+    tokens = session.tokens(ids)
+    truth = [t.detach() for t in cache_to_kv_list(full_prefill(model, ids)[1])]
+    assert engine.save(session, tokens, truth) == 300
+    layers, heads, dim, block = 5, 4, 8, 16
+    table = list(range(1, 20))  # 19 blocks of 16 hold 300 positions; block 0 is the null block
+    tiers, fetched = forge.tiers(engine), []
+    fetch = tiers.fetch
+    tiers.fetch = lambda keys, **kw: fetched.append(len(keys)) or fetch(keys, **kw)
+
+    def load(tables: list, start: int, groups, read_all: bool = False) -> tuple:
+        paged = engine_layers("vec", layers, 24, heads, block, dim, torch.float32)
+        blocks = PagedBlocks(paged, describe_layout("vec", paged[0]), tables, start, groups)
+        if read_all:
+            blocks.unread_chunks = lambda chunk: 0
+        fetched.clear()
+        hit = engine.load(session, tokens, 299, blocks).hit
+        return hit, fetched[0], paged
+
+    window = [NULL_BLOCK] * 12 + table[12:]  # a sliding layer keeping positions 192.. only
+    for tables, start, groups, reads in (([table], 130, None, 3),  # the engine holds 130: chunks 2, 3, 4
+                                         ([table, window], 0, (0, 1, 1, 0, 1), 5),  # full layers: every chunk
+                                         ([window], 0, (0,) * layers, 2)):  # every layer windowed: 3 and 4
+        hit, n, paged = load(tables, start, groups)
+        everything, n_all, reference = load(tables, start, groups, read_all=True)
+        assert hit == everything == 299 and (n, n_all) == (reads, 5)
+        assert all(torch.equal(a, b) for a, b in zip(paged, reference))
+        assert any(t.abs().sum() > 0 for t in paged)
+    # a damaged chunk from the first one read on: nothing laid, a miss for the caller to recompute
+    forge.drop_chunk(engine, session, tokens, 3)
+    assert load([table], 130, None)[0] == 0

@@ -130,6 +130,10 @@ def test_a_sliding_window_model_is_served_its_window_from_a_new_engine(setup, tm
     hit = connector["hit_tokens"]
     laid = connector["loaded_layer_tokens"] - (layers - sliding) * hit  # what the sliding layers got
     assert 2 * sliding * WINDOW <= laid <= 2 * sliding * (WINDOW + CPU_BLOCK) < sliding * hit
+    # chunks read from the tiers: every one of the ~710-token prompts' three where a full layer takes
+    # the whole hit; where every layer is windowed only the chunk the window starts in (from 512 on)
+    read = sum(connector[f"{tier}_chunks"] for tier in ("memory", "node", "disk", "remote"))
+    assert read == (2 * 3 if family == "gemma3" else 2), connector
     for r in run(fam[0], "vllm_hf.py", "--model", fam[1], "--prompts", fam[2], "--kdn", json.dumps(disk))["results"]:
         assert r["hit_tokens"] >= 700 and r["kv_max_diff"] < 1e-4 and r["max_logit_diff"] < 1e-3
 

@@ -245,7 +245,8 @@ void bind_kv(py::module_& m) {
   m.def(
       "verify_chunks",
       [](const py::list& blobs, const py::list& keys, py::handle fingerprint, const std::string& dtype,
-         uint32_t layers, uint32_t kv_heads, uint32_t head_dim, uint32_t chunk_tokens, uint32_t last_tokens) {
+         uint32_t layers, uint32_t kv_heads, uint32_t head_dim, uint32_t chunk_tokens, uint32_t last_tokens,
+         uint32_t first_chunk) {
         KDN_CHECK_INPUT(py::len(blobs) == py::len(keys), "verify_chunks: blobs and keys differ in length");
         const ChunkExpect e{key_arg(fingerprint, "fingerprint"), dtype_arg(dtype), layers, kv_heads, head_dim,
                             chunk_tokens};
@@ -257,14 +258,15 @@ void bind_kv(py::module_& m) {
         int64_t n_ok;
         {
           py::gil_scoped_release release;
-          n_ok = verify_chunks(spans, ks, e, last_tokens, default_num_threads(), &error);
+          n_ok = verify_chunks(spans, ks, e, last_tokens, default_num_threads(), &error, first_chunk);
         }
         return py::make_tuple(py::int_(n_ok), error);
       },
       py::arg("blobs"), py::arg("keys"), py::arg("fingerprint"), py::arg("dtype"), py::arg("layers"),
       py::arg("kv_heads"), py::arg("head_dim"), py::arg("chunk_tokens"), py::arg("last_tokens") = 0,
-      "Validate consecutive prefix-chunk blobs (the last holding `last_tokens` when not 0); returns (number of\n"
-      "leading valid blobs, first error).");
+      py::arg("first_chunk") = 0,
+      "Validate consecutive prefix-chunk blobs, the first being chunk `first_chunk` of its prefix (the last\n"
+      "holding `last_tokens` when not 0); returns (number of leading valid blobs, first error).");
 
   m.def(
       "unpack_chunks_paged",

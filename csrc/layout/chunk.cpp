@@ -119,7 +119,7 @@ Status check_chunk_header(const BlobHeader& h, const ChunkExpect& e, const Key12
 }
 
 int64_t verify_chunks(const std::vector<ChunkBytes>& blobs, const std::vector<Key128>& keys, const ChunkExpect& e,
-                      uint32_t last_tokens, int threads, std::string* error) {
+                      uint32_t last_tokens, int threads, std::string* error, uint32_t first_chunk) {
   KDN_CHECK_INPUT(blobs.size() == keys.size(), "verify_chunks: blobs and keys differ in length");
   KDN_CHECK_INPUT(last_tokens <= e.chunk_tokens, "verify_chunks: last_tokens exceeds chunk_tokens");
   const int64_t last = static_cast<int64_t>(blobs.size()) - 1;
@@ -131,11 +131,11 @@ int64_t verify_chunks(const std::vector<ChunkBytes>& blobs, const std::vector<Ke
     if (status[i].ok && hash && blobs[i].buffer) blobs[i].buffer->mark_verified();
     const uint32_t tokens = i == last && last_tokens ? last_tokens : e.chunk_tokens;
     if (status[i].ok)
-      status[i] = check_chunk_header(h, e, keys[i], static_cast<uint32_t>(i * e.chunk_tokens), tokens);
+      status[i] = check_chunk_header(h, e, keys[i], static_cast<uint32_t>((first_chunk + i) * e.chunk_tokens), tokens);
   });
   for (size_t i = 0; i < status.size(); ++i) {
     if (!status[i].ok) {
-      *error = "chunk " + std::to_string(i) + ": " + status[i].message;
+      *error = "chunk " + std::to_string(first_chunk + i) + ": " + status[i].message;
       return static_cast<int64_t>(i);
     }
   }

@@ -55,6 +55,11 @@ TEST(Blob, PackedChunksParseVerifyAndUnpackBackToTheSameValues) {
   const ChunkExpect expect{key_of(9), DType::kFloat32, 2, 2, 8, 16};
   std::string error;
   EXPECT_EQ(verify_chunks(spans, keys, expect, 0, 2, &error), 2);
+  // a prefix read from its second chunk on: that chunk sits at 16, not at 0
+  const std::vector<ChunkBytes> tail{spans[1]};
+  EXPECT_EQ(verify_chunks(tail, {keys[1]}, expect, 0, 2, &error, 1), 1);
+  EXPECT_EQ(verify_chunks(tail, {keys[1]}, expect, 0, 2, &error, 0), 0);
+  EXPECT_NE(error.find("chunk 0: blob position 16 != 0"), std::string::npos) << error;
   // unpack the first 20 tokens into a fresh cache: they equal the source
   Cache out(20);
   for (auto& t : out.data) std::fill(t.begin(), t.end(), -1.0f);

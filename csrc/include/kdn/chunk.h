@@ -61,11 +61,12 @@ Status check_chunk_header(const BlobHeader& h, const ChunkExpect& e, const Key12
                           uint32_t tokens);
 
 // Checks consecutive prefix chunks (parse, checksum unless already verified, header) in parallel:
-// chunk i sits at i * chunk_tokens and holds chunk_tokens tokens, except that the last holds
-// `last_tokens` when that is not 0 (a chunk that ends a stored prompt). Returns the number of
-// leading valid chunks; *error names the first invalid one.
+// chunk i sits at (first_chunk + i) * chunk_tokens (a prefix read from its chunk `first_chunk` on)
+// and holds chunk_tokens tokens, except that the last holds `last_tokens` when that is not 0 (a
+// chunk that ends a stored prompt). Returns the number of leading valid chunks; *error names the
+// first invalid one.
 int64_t verify_chunks(const std::vector<ChunkBytes>& blobs, const std::vector<Key128>& keys, const ChunkExpect& e,
-                      uint32_t last_tokens, int threads, std::string* error);
+                      uint32_t last_tokens, int threads, std::string* error, uint32_t first_chunk = 0);
 
 // As unpack_chunks, into paged KV blocks (kdn/paged.h): tokens [from, count) of the run the blobs
 // hold go to sequence positions [from, count) of the paged `layers`. Coded blobs are decoded first.

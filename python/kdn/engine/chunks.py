@@ -140,13 +140,16 @@ class ChunkIO:
         ``found``: what a lookup of these tokens found (:meth:`find`), read without looking again."""
         chunk = session.chunk_size
         found = self.find(session, tokens, limit) if found is None else found.clip(limit, chunk)
-        blobs, addresses, n_ok = self.fetch_verified(session, found)
+        # chunks the target lays nothing from (a sliding window's start, a prefix the engine holds) are not read
+        unread = getattr(target, "unread_chunks", None)
+        skip = min(unread(chunk), len(found.keys) - 1) if unread is not None and found.keys else 0
+        blobs, addresses, n_ok = self.fetch_verified(session, found, skip=skip)
         hit = found.tokens if n_ok == len(found.keys) else min(n_ok * chunk, found.tokens)
         if info is not None:
-            info["lossy"] = any(a != k for a, k in zip(addresses, found.keys))
-        if hit == 0:
+            info["lossy"] = any(a != k for a, k in zip(addresses, found.keys[skip:]))
+        if n_ok <= skip:  # a miss, or none of what the target lays
             return None, 0
-        used = -(-hit // chunk)
+        used = -(-hit // chunk) - skip
         try:
             return (target or HFTarget()).receive(session, blobs[:used], hit), hit
         except BlobError as e:  # a coded payload that its checksum did not catch: a miss, never wrong KV
@@ -154,22 +157,25 @@ class ChunkIO:
             self.drop(addresses[:used])
             return None, 0
 
-    def fetch_verified(self, session: ModelSession, found: Prefix, local: bool = False) -> tuple[list, list, int]:
-        """``(blobs, addresses, n)``: the leading ``n`` chunks of ``found`` that some tier (a local
-        one, with ``local``) holds and that pass verification (checksum, model, key, position,
-        tokens); the first one that fails is dropped from the tiers and logged."""
-        blobs, addresses = self.tiers.fetch(found.keys, local=local)
+    def fetch_verified(self, session: ModelSession, found: Prefix, local: bool = False,
+                       skip: int = 0) -> tuple[list, list, int]:
+        """``(blobs, addresses, n)``: the chunks of ``found`` from chunk ``skip`` on that some tier (a
+        local one, with ``local``) holds and that pass verification (checksum, model, key, position,
+        tokens), up to the first that does not, and ``n``: the prefix's chunks they reach (``skip +
+        len(blobs)``); the first one that fails is dropped from the tiers and logged."""
+        blobs, addresses = self.tiers.fetch(found.keys[skip:], local=local)
         calibrated = self._calibrated(session, blobs)
         if calibrated < len(blobs):  # coded under a calibration not at hand: a miss, the chunk stays stored
             blobs, addresses = blobs[:calibrated], addresses[:calibrated]
         layout = session.layout
-        last_tokens = found.last_tokens if len(blobs) == len(found.keys) else 0
+        last_tokens = found.last_tokens if skip + len(blobs) == len(found.keys) else 0
         n_ok, error = _core.verify_chunks(blobs, addresses, session.fingerprint, layout.dtype, layout.layers,
-                                          layout.kv_heads, layout.head_dim, session.chunk_size, last_tokens)
+                                          layout.kv_heads, layout.head_dim, session.chunk_size, last_tokens,
+                                          first_chunk=skip)
         if error:
             log.warning("kdn: dropping an unusable stored chunk (treated as a miss): %s", error)
             self.tiers.drop(addresses[n_ok])
-        return blobs[:n_ok], addresses[:n_ok], n_ok
+        return blobs[:n_ok], addresses[:n_ok], skip + n_ok
 
     # -- calibrated codecs' per-model state (kdn.codecs.ModelState) -------------------------------
     def load_states(self, session: ModelSession) -> bool:

@@ -239,22 +239,42 @@ class PagedBlocks:
             if max(a, first) < min(b, end):
                 yield max(a, first), min(b, end), ids, max(self.start, kept)
 
+    def unread_chunks(self, chunk_size: int) -> int:
+        """How many leading chunks of a hit this target lays nothing from: those before the first
+        position any layer takes (``start``: what the engine computed or holds itself; a sliding
+        window's first kept block), whole blocks only. A reader need not fetch them: :meth:`receive`
+        takes the chunks from there on (each blob says its position)."""
+        first = min(start for _, _, _, start in self._runs(0, len(self.layers)))
+        skip = first // chunk_size
+        while skip and skip * chunk_size % self.layout.block_size:
+            skip -= 1
+        return skip
+
     def receive(self, session: ModelSession, blobs: list, num_tokens: int) -> int:
         self.receive_layers(blobs, 0, len(self.layers), num_tokens, len(self.layers))
         return num_tokens
 
     def receive_layers(self, blobs: list, first: int, end: int, num_tokens: int, layers: int) -> None:
+        """Lay layers [first, end) of the chunks ``blobs`` (a prefix's chunks from the first one's
+        position on: all, or from :meth:`unread_chunks`) up to ``num_tokens`` into the blocks."""
+        origin = _core.blob_parse(blobs[0], verify_checksum=False)["position"] if blobs else 0
         if self.device.type == "cuda":
-            self._receive_cuda(blobs, first, end, num_tokens)
+            self._receive_cuda(blobs, first, end, num_tokens, origin)
             return
-        runs = list(self._runs(first, end))
+        skipped = origin // self.layout.block_size
+        if skipped * self.layout.block_size != origin:
+            raise InvalidInputError(f"chunks from position {origin} do not start a block of {self.layout.block_size}")
+        # the blocks from the first chunk's on: positions relative to it
+        runs = [(lo, hi, ids[skipped:], start - origin) for lo, hi, ids, start in self._runs(first, end)]
         if runs:  # every run (an engine's KV cache groups) in one call: the GIL taken back once
-            _core.unpack_chunks_paged_runs(blobs, self.layers, runs, num_tokens, layers, layout=self.layout.as_dict())
+            _core.unpack_chunks_paged_runs(blobs, self.layers, runs, num_tokens - origin, layers,
+                                           layout=self.layout.as_dict())
 
-    def _receive_cuda(self, blobs: list, first: int, end: int, num_tokens: int) -> None:
-        """Sequence positions [start, num_tokens) of layers [first, end) on the GPU: the chunks decoded
-        on the device once per ``blobs`` (layer groups of one load reuse them), then the CUDA twin of
-        the paged copy lays each into the blocks, all on the target's stream."""
+    def _receive_cuda(self, blobs: list, first: int, end: int, num_tokens: int, origin: int = 0) -> None:
+        """Sequence positions [start, num_tokens) of layers [first, end) on the GPU (``blobs``: the
+        chunks from position ``origin`` on): the chunks decoded on the device once per ``blobs``
+        (layer groups of one load reuse them), then the CUDA twin of the paged copy lays each into
+        the blocks, all on the target's stream."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             # a load's layer groups each pass a new list of the same chunk objects: decoded once, not per group
             held = self._decoded
@@ -264,7 +284,7 @@ class PagedBlocks:
                 self._decoded = (list(blobs), num_tokens, _device_chunks(blobs, num_tokens, *shape, self.device))
                 self.decodes += 1
             for lo_layer, hi_layer, ids, start in self._runs(first, end):
-                copies, pos = [], 0
+                copies, pos = [], origin
                 for chunk in self._decoded[2]:
                     tokens = chunk.shape[2]
                     lo, hi = max(pos, start), min(pos + tokens, num_tokens)
