@@ -6,6 +6,7 @@ import os
 import socket
 import stat
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,8 +28,37 @@ def tokens_of(found) -> int | None:
     return None if found is None else found.tokens
 
 
-def test_the_worker_answers_and_a_gone_or_failing_worker_is_no_answer(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+@pytest.fixture
+def runtime_dir(monkeypatch):
+    """A private ``$XDG_RUNTIME_DIR`` short enough for a socket's path (a test worker's tmp_path may not be)."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="kdn-run-", dir="/tmp")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", folder)
+    yield Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_runtime_folder_too_long_for_a_socket_gives_way_to_tmp(tmp_path, monkeypatch):
+    """A socket's path holds at most 107 bytes: under a deep ``$XDG_RUNTIME_DIR`` the lookup socket
+    goes to ``/tmp/kdn-<uid>`` (the same for the scheduler and the worker) and can be served there."""
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(deep))
+    path = socket_path("engine-long|store")
+    assert path == socket_path("engine-long|store") and len(path.encode()) <= 107
+    assert os.path.dirname(path) == f"/tmp/kdn-{os.getuid()}"
+    server = LookupServer(path, lambda tokens, limit, scope: held(32))
+    client = LookupClient(path)
+    try:
+        assert tokens_of(client.lookup(np.arange(40), 39)) == 32
+    finally:
+        client.close()
+        server.close()
+
+
+def test_the_worker_answers_and_a_gone_or_failing_worker_is_no_answer(runtime_dir, monkeypatch):
     path = socket_path("engine-a|store")
     assert path != socket_path("engine-b|store")  # one socket per vLLM engine and store
     seen = []
@@ -76,15 +106,13 @@ def test_the_worker_answers_and_a_gone_or_failing_worker_is_no_answer(tmp_path, 
 
 
 @pytest.mark.parametrize("squat", ["another user's folder", "a symlink to another folder"])
-def test_a_folder_another_user_made_first_is_never_used(tmp_path, monkeypatch, squat):
+def test_a_folder_another_user_made_first_is_never_used(runtime_dir, tmp_path, monkeypatch, squat):
     """Another local user who creates ``kdn-<uid>`` first (or a symlink by that name) would receive
     the scheduler's prompts and answer its lookups: the socket goes to a private folder instead."""
     if os.getuid() != 0 and squat == "another user's folder":
         pytest.skip("making a folder owned by another user needs root")
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    (tmp_path / "run").mkdir()
-    squatted = tmp_path / "run" / f"kdn-{os.getuid()}"
+    squatted = runtime_dir / f"kdn-{os.getuid()}"
     if squat == "a symlink to another folder":
         (tmp_path / "theirs").mkdir(mode=0o777)
         squatted.symlink_to(tmp_path / "theirs")
@@ -97,8 +125,7 @@ def test_a_folder_another_user_made_first_is_never_used(tmp_path, monkeypatch, s
     assert path == socket_path("engine-a|store")  # the scheduler and the worker derive the same
 
 
-def test_an_answer_beyond_the_limit_is_clamped_and_a_silent_connection_dropped(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+def test_an_answer_beyond_the_limit_is_clamped_and_a_silent_connection_dropped(runtime_dir, monkeypatch):
     monkeypatch.setattr(lookups, "IDLE_S", 0.3)
     path = socket_path("engine-a|store")
     server = LookupServer(path, lambda tokens, limit, scope: held(5))
@@ -123,10 +150,9 @@ def test_an_answer_beyond_the_limit_is_clamped_and_a_silent_connection_dropped(t
     server.close()
 
 
-def test_idle_connections_never_lock_the_scheduler_out_and_long_requests_are_bounded(tmp_path, monkeypatch):
+def test_idle_connections_never_lock_the_scheduler_out_and_long_requests_are_bounded(runtime_dir, monkeypatch):
     """Issue 62: ``MAX_CONNECTIONS`` idle connections (another process of this user) make room for a
     new one (the one idle longest is closed), and a request over ``MAX_TOKENS`` is dropped unread."""
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setattr(lookups, "MAX_CONNECTIONS", 8)
     path = socket_path("engine-a|store")
     server = LookupServer(path, lambda tokens, limit, scope: held(min(limit, 16)))

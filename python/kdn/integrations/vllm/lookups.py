@@ -56,6 +56,7 @@ MAX_ENDED = 4096  # ended stores a worker remembers for its scheduler, and one r
 _COUNT = struct.Struct("<I")
 IDLE_S = 600.0  # a connection silent this long is dropped (its client reconnects)
 _warned_squat: set = set()
+SOCKET_PATH_MAX = 107  # a Unix socket's path: sun_path's 108 bytes less the closing NUL
 _FAILED = object()  # no answer (as opposed to the worker's "could not look up")
 HOLDERS = ("", "memory", "node", "disk")  # a key's byte in a reply: "" a remote store's, or nobody's
 
@@ -79,9 +80,13 @@ def _private_folder(folder: Path) -> bool:
 
 def socket_path(name: str) -> str:
     """The socket of the lookup server called ``name`` (any string both processes derive alike), in
-    ``$XDG_RUNTIME_DIR/kdn-<uid>`` or ``$TMPDIR/kdn-<uid>``, or where another user holds that name,
-    in ``~/.cache/kdn/run`` (the same in every process of this user)."""
+    ``$XDG_RUNTIME_DIR/kdn-<uid>`` or ``$TMPDIR/kdn-<uid>`` (``/tmp/kdn-<uid>`` where that path would not
+    fit a socket's 108 bytes), or where another user holds that name, in ``~/.cache/kdn/run`` (the
+    same in every process of this user)."""
+    file = f"lookup-{hashlib.blake2b(name.encode(), digest_size=12).hexdigest()}.sock"
     base = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
+    if len(os.fsencode(base / f"kdn-{os.getuid()}" / file)) > SOCKET_PATH_MAX:
+        base = Path("/tmp")
     folder = base / f"kdn-{os.getuid()}"
     if not _private_folder(folder):
         if str(folder) not in _warned_squat:
@@ -92,7 +97,7 @@ def socket_path(name: str) -> str:
         folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not _private_folder(folder):
             raise PermissionError(f"kdn: no private folder for lookup sockets ({folder} is not this user's)")
-    return str(folder / f"lookup-{hashlib.blake2b(name.encode(), digest_size=12).hexdigest()}.sock")
+    return str(folder / file)
 
 
 def _read_exactly(conn: socket.socket, n: int) -> bytes:
