@@ -120,9 +120,8 @@ def test_a_paged_load_reads_only_the_chunks_its_layers_take_kv_from(stories):
     or keeps only a window (sliding layers) fetches the stored chunks from the first one any layer
     takes on, and lays byte for byte what a load reading every chunk lays."""
     import forge
-    from test_paged import describe_layout, engine_layers
-
     from kdn.engine.targets import NULL_BLOCK, PagedBlocks
+    from test_paged import describe_layout, engine_layers
 
     model, _ = stories
     ids = random_ids(model, 300, seed=3)
