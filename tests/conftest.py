@@ -33,6 +33,7 @@ if WORKERS > 1:
 LONGEST_FIRST = ("test_vllm.py", "test_vllm_models.py", "test_readme.py")
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a run without xdist (.ci/gpu, .ci/asan) skips it
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto`: a worker per core, at most 4 (each may hold SmolLM2 and Qwen and start vLLM engines)."""
     return max(1, min(4, len(os.sched_getaffinity(0))))
