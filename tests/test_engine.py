@@ -118,7 +118,8 @@ def test_a_generate_hashes_each_chunk_of_its_request_once(tiny_llama):
 def test_a_paged_load_reads_only_the_chunks_its_layers_take_kv_from(stories):
     """A load into an engine's blocks that holds the prompt's first tokens itself (vLLM's prefix cache)
     or keeps only a window (sliding layers) fetches the stored chunks from the first one any layer
-    takes on, and lays byte for byte what a load reading every chunk lays."""
+    takes on, and lays byte for byte what a load reading every chunk lays: whole, and layer by layer
+    (vLLM's in-step load)."""
     import forge
     from kdn.engine.targets import NULL_BLOCK, PagedBlocks
     from test_paged import describe_layout, engine_layers
@@ -141,27 +142,36 @@ def test_a_paged_load_reads_only_the_chunks_its_layers_take_kv_from(stories):
         return fetch(keys, **kw)
 
     tiers.fetch = counted
+    streamed: list = []  # each layer-wise load's stream stats
 
-    def load(tables: list, start: int, groups, read_all: bool = False) -> tuple:
+    def load(tables: list, start: int, groups, read_all: bool = False, layerwise: bool = False) -> tuple:
         paged = engine_layers("vec", layers, 24, heads, block, dim, torch.float32)
         blocks = PagedBlocks(paged, describe_layout("vec", paged[0]), tables, start, groups)
         if read_all:
             blocks.unread_chunks = lambda chunk: 0
         fetched.clear()
-        hit = engine.load(session, tokens, 299, blocks).hit
-        return hit, sum(fetched), paged
+        done = engine.load(session, tokens, 299, blocks, (lambda n: blocks) if layerwise else None)
+        if done.stream is not None:  # a layer-wise stream (vLLM's in-step load): every layer group laid
+            done.stream.wait_all()
+            streamed.append(done.stream.stats)
+        return done.hit, sum(fetched), paged
 
     window = [NULL_BLOCK] * 12 + table[12:]  # a sliding layer keeping positions 192.. only
     for tables, start, groups, reads in ((table, 130, None, 3),  # the engine holds 130: chunks 2, 3, 4
                                          ([table, window], 0, (0, 1, 1, 0, 1), 5),  # full layers: every chunk
                                          ([window], 0, (0,) * layers, 2)):  # every layer windowed: 3 and 4
-        hit, n, paged = load(tables, start, groups)
         everything, n_all, reference = load(tables, start, groups, read_all=True)
-        assert hit == everything == 299 and (n, n_all) == (reads, 5)
-        assert all(torch.equal(a, b) for a, b in zip(paged, reference))
-        assert any(t.abs().sum() > 0 for t in paged)
+        assert everything == 299 and n_all == 5 and any(t.abs().sum() > 0 for t in reference)
+        for layerwise in (False, True):
+            hit, n, paged = load(tables, start, groups, layerwise=layerwise)
+            assert hit == 299 and n == reads, layerwise
+            assert not layerwise or streamed[-1]["skipped_chunks"] == 5 - reads  # it streamed
+            assert all(torch.equal(a, b) for a, b in zip(paged, reference)), layerwise
     # the first chunk read is not what its key names (chunk 1's bytes): dropped, nothing laid, a miss
     # for the caller to recompute; the chunks before it were never read
     keys = session.prefix_keys(tokens)
     assert forge.plant(engine, keys[2], tiers.fetch([keys[1]])[0][0])
     assert load(table, 130, None)[:2] == (0, 3) and not forge.held(engine, keys[2])
+    assert forge.plant(engine, keys[2], tiers.fetch([keys[1]])[0][0])
+    hit, _, _ = load(table, 130, None, layerwise=True)  # the stream finds it, then a whole read of what is left
+    assert hit <= 130 and not forge.held(engine, keys[2])  # nothing past what the engine holds: recomputed

@@ -140,9 +140,7 @@ class ChunkIO:
         ``found``: what a lookup of these tokens found (:meth:`find`), read without looking again."""
         chunk = session.chunk_size
         found = self.find(session, tokens, limit) if found is None else found.clip(limit, chunk)
-        # chunks the target lays nothing from (a sliding window's start, a prefix the engine holds) are not read
-        unread = getattr(target, "unread_chunks", None)
-        skip = min(unread(chunk), len(found.keys) - 1) if unread is not None and found.keys else 0
+        skip = self.unread(target, found, chunk)
         blobs, addresses, n_ok = self.fetch_verified(session, found, skip=skip)
         hit = found.tokens if n_ok == len(found.keys) else min(n_ok * chunk, found.tokens)
         if info is not None:
@@ -156,6 +154,14 @@ class ChunkIO:
             log.warning("kdn: dropping undecodable stored chunks (treated as a miss): %s", e)
             self.drop(addresses[:used])
             return None, 0
+
+    @staticmethod
+    def unread(target, found: Prefix, chunk: int) -> int:
+        """How many leading chunks of ``found`` a load into ``target`` need not read: those it lays
+        nothing from (its ``unread_chunks``: a prefix the engine holds, a sliding window's start);
+        the last chunk is always read."""
+        unread = getattr(target, "unread_chunks", None)
+        return min(unread(chunk), len(found.keys) - 1) if unread is not None and found.keys else 0
 
     def fetch_verified(self, session: ModelSession, found: Prefix, local: bool = False,
                        skip: int = 0) -> tuple[list, list, int]:

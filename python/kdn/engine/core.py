@@ -197,7 +197,7 @@ class Engine:
         verification ends the hit before it (dropped, logged); a miss is ``Load()``. ``found``: what
         :meth:`find` answered for these tokens (a scheduler's lookup): loaded without looking again."""
         if layers is not None and self.config.delivery == "layerwise":
-            opened = self.delivery.open(session, tokens, limit, started, layers, found)
+            opened = self.delivery.open(session, tokens, limit, started, layers, found, whole=target)
             if opened is not None:  # else not streamable (e.g. a keyed remote tier): read whole
                 stream, hit = opened
                 return Load(hit, stream=stream, _deliverer=self.delivery) if hit else Load()

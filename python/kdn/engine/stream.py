@@ -147,18 +147,21 @@ class Deliverer:
                       if self.config.ttft_deadline is not None else [])
 
     def open(self, session: ModelSession, tokens: np.ndarray, limit: int, started: float | None = None,
-             target=None, found=None):
+             target=None, found=None, whole=None):
         """``(stream, hit)`` for the longest stored prefix of ``tokens`` (at most ``limit``), or
         ``(None, 0)`` on a miss; ``None`` alone when this prefix cannot be streamed (the caller
         reads it whole): a remote value split into parts, a keyed remote tier, version-1 blobs.
         ``target(hit)`` makes where the layers go (default :class:`HFLayers`); ``found``: what a
-        lookup found (:meth:`kdn.engine.chunks.ChunkIO.find`), streamed without looking again."""
+        lookup found (:meth:`kdn.engine.chunks.ChunkIO.find`), streamed without looking again;
+        ``whole``: the load's whole target (``PagedBlocks``): the leading chunks it lays nothing from
+        are not read (:meth:`kdn.engine.chunks.ChunkIO.unread`)."""
         started = time.perf_counter() if started is None else started
         found = self.chunks.find(session, tokens, limit) if found is None else found.clip(limit, session.chunk_size)
         if found.tokens == 0:
             return None, 0
         chunk = session.chunk_size
-        blobs, addresses, local_ok = self.chunks.fetch_verified(session, found, local=True)
+        skip = self.chunks.unread(whole, found, chunk)
+        blobs, addresses, local_ok = self.chunks.fetch_verified(session, found, local=True, skip=skip)
         remote = self.chunks.remote
         remote_keys = found.keys[local_ok:]
         if remote_keys and (remote is None or not remote.range_readable):
@@ -178,14 +181,14 @@ class Deliverer:
         k, why = chunks_to_stream(request, self.estimates, session.fingerprint, len(groups))
         opened, sizes = opened[:k], sizes[:k]
         hit = ends[local_ok + k - 1] if local_ok + k else 0
-        if hit == 0:
+        if hit == 0 or local_ok + k <= skip:  # a miss, or none of what the target lays
             self._record({"recomputed_chunks": len(request.sizes), "why": why}, 0)
             return None, 0
         into = target(hit) if target is not None else HFLayers(session, hit)
-        stats = {"hit_tokens": hit, "local_chunks": local_ok, "streamed_chunks": k,
+        stats = {"hit_tokens": hit, "local_chunks": local_ok - skip, "skipped_chunks": skip, "streamed_chunks": k,
                  "recomputed_chunks": len(request.sizes) - k, "plan": why, "levels": [], "bytes": 0,
                  "deadline": self.config.ttft_deadline,
-                 "lossy": any(a != k for a, k in zip(addresses, found.keys))}  # grows as lossy groups arrive
+                 "lossy": any(a != k for a, k in zip(addresses, found.keys[skip:]))}  # grows as lossy groups arrive
         layers = session.layout.layers
 
         def fetch(g: int):
@@ -210,7 +213,7 @@ class Deliverer:
                     if g + 1 < len(groups):
                         pending = pool.submit(fetch, g + 1)
                     t1 = time.perf_counter()
-                    group_blobs = list(blobs[:local_ok]) + [lv.blob() for lv in chosen]
+                    group_blobs = list(blobs) + [lv.blob() for lv in chosen]  # from chunk `skip` on
                     try:
                         into.receive_layers(group_blobs, first, end, hit, layers)
                     except BlobError as e:  # a payload its checksum did not catch: never served
