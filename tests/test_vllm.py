@@ -574,36 +574,3 @@ def test_a_bf16_engine_stores_and_a_new_engine_process_hits(setup, tmp_path):
     for r in _exact_reader(setup, str(short), disk, *bf16):
         assert r["hit_tokens"] >= 512 and r["kv_error_vs_own_prefill"] < 1.5, r
     assert _exact_reader(setup, str(short), disk)[0]["hit_tokens"] == 0  # (it then stores its own fp32 KV)
-
-
-@pytest.fixture(scope="module")
-def qwen_setup(tmp_path_factory, qwen05):
-    """(vLLM python, Qwen2.5-Coder-0.5B folder, prompts file): a ~600-token document (two chunks and a
-    partial one), two questions."""
-    from kdn.models import qwen
-
-    python = vllm_python()
-    tokenizer = qwen05[1]
-    document = (Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()[:2600]
-    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": f"{document}\n\n{q}"}],
-                                                  add_generation_prompt=True, return_dict=True)["input_ids"])
-               for q in QUESTIONS]
-    path = tmp_path_factory.mktemp("vllm-qwen") / "prompts.json"
-    path.write_text(json.dumps(prompts))
-    return python, str(qwen.converted_dir("qwen2.5-coder-0.5b")), str(path)
-
-
-def test_qwen_in_vllm_stores_and_a_new_engine_process_hits(qwen_setup, tmp_path):
-    """A second model family in the connector (2 KV heads of 64, attention biases): engine A stores
-    and its second prompt hits, engine B (a new process) is served both from disk, greedy tokens
-    equal to vLLM alone, and an exact HF reader of the folder gets its own prefill's logits."""
-    reference = [r["tokens"] for r in engine(qwen_setup)["results"]]
-    disk = str(tmp_path / "kv")
-    a = engine(qwen_setup, {"disk_dir": disk})
-    assert [r["tokens"] for r in a["results"]] == reference
-    assert a["stats"]["connector"]["stores"] == 1 and a["stats"]["connector"]["loaded_tokens"] >= 512
-    b = engine(qwen_setup, {"disk_dir": disk})
-    assert [r["tokens"] for r in b["results"]] == reference
-    assert b["stats"]["connector"]["loads"] == 2 and b["stats"]["connector"]["load_errors"] == 0
-    for r in _exact_reader(qwen_setup, qwen_setup[2], disk):
-        assert r["hit_tokens"] >= 512 and r["max_logit_diff"] < 1e-3

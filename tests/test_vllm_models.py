@@ -1,7 +1,7 @@
-"""The model families and requests beyond one plain model in vLLM (issues 62, 63): LoRA adapters
-served only their own KV across engines, sliding-window models served their window, models kdn
-refuses (MLA on the CPU, hybrid) named and answering as vLLM alone. Engines run in the vLLM venv, as
-in tests/test_vllm.py."""
+"""The model families and requests beyond one plain model in vLLM (issues 62, 63): Qwen2.5 beside
+SmolLM2, LoRA adapters served only their own KV across engines, sliding-window models served their
+window, models kdn refuses (MLA on the CPU, hybrid) named and answering as vLLM alone. Engines run in
+the vLLM venv, as in tests/test_vllm.py."""
 
 from __future__ import annotations
 
@@ -210,3 +210,36 @@ def test_models_kdn_cannot_serve_are_named_and_served_nothing(setup):
     assert "hybrid KV cache manager is off" in why["hma_off"]
     assert "CPU_MLA" in why["mla"] and "hybrid" in why["hybrid"] and "MambaSpec" in why["hybrid"]
     assert "not a local HF checkpoint" in why["hub_name"]
+
+
+@pytest.fixture(scope="module")
+def qwen_setup(tmp_path_factory, qwen05):
+    """(vLLM python, Qwen2.5-Coder-0.5B folder, prompts file): a ~600-token document (two chunks and a
+    partial one), two questions."""
+    from kdn.models import qwen
+
+    python = test_vllm.vllm_python()
+    tokenizer = qwen05[1]
+    document = (Path(kdn.__file__).parent / "data" / "velmora.txt").read_text()[:2600]
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": f"{document}\n\n{q}"}],
+                                                  add_generation_prompt=True, return_dict=True)["input_ids"])
+               for q in QUESTIONS]
+    path = tmp_path_factory.mktemp("vllm-qwen") / "prompts.json"
+    path.write_text(json.dumps(prompts))
+    return python, str(qwen.converted_dir("qwen2.5-coder-0.5b")), str(path)
+
+
+def test_qwen_in_vllm_stores_and_a_new_engine_process_hits(qwen_setup, tmp_path):
+    """A second model family in the connector (2 KV heads of 64, attention biases): engine A stores
+    and its second prompt hits, engine B (a new process) is served both from disk, greedy tokens
+    equal to vLLM alone, and an exact HF reader of the folder gets its own prefill's logits."""
+    reference = [r["tokens"] for r in engine(qwen_setup)["results"]]
+    disk = str(tmp_path / "kv")
+    a = engine(qwen_setup, {"disk_dir": disk})
+    assert [r["tokens"] for r in a["results"]] == reference
+    assert a["stats"]["connector"]["stores"] == 1 and a["stats"]["connector"]["loaded_tokens"] >= 512
+    b = engine(qwen_setup, {"disk_dir": disk})
+    assert [r["tokens"] for r in b["results"]] == reference
+    assert b["stats"]["connector"]["loads"] == 2 and b["stats"]["connector"]["load_errors"] == 0
+    for r in test_vllm._exact_reader(qwen_setup, qwen_setup[2], disk):
+        assert r["hit_tokens"] >= 512 and r["max_logit_diff"] < 1e-3
