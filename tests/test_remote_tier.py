@@ -339,3 +339,58 @@ def test_of_owners_claiming_at_once_exactly_one_wins(redis_server):
         for t in threads:
             t.join()
         assert len(won) == 1 and tier.claims.claimant(key(100 + round_)) == won[0]
+
+
+def test_the_store_tells_its_evictions_expiries_and_deletes_of_what_this_process_filed(tmp_path):
+    """KV events of a remote tier (issue 64): every blob this process wrote is announced once, a blob
+    another process wrote first is not, and every removal of an announced blob is told by the store
+    itself, whoever made it: LRU evictions under maxmemory, an expiry, another process's delete;
+    what the events leave held is exactly what the store holds."""
+    require_redis()
+    server = RedisServer(tmp_path / "redis", None, "--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+    try:
+        tier, other = fresh_tier(server.url), RemoteTier(server.url)
+        tier.record_events(True)
+        other.put(key(100), blob_for(100, 1024), wait=True)
+        tier.put(key(100), blob_for(100, 1024), wait=True)  # found there: another process's announcement
+        for i in range(24):  # ~260 KB each: the store evicts the least recent
+            tier.put(key(i), blob_for(i, 1024), wait=True)
+        tier.flush()
+        events = tier.take_events()
+        stored = [k for s, k in events if s]
+        removed = [k for s, k in events if not s]
+        assert stored == [key(i) for i in range(24)]
+        assert removed and len(set(removed)) == len(removed) and set(removed) <= set(stored)
+        held = set(stored) - set(removed)
+        assert held == {key(i) for i in range(24) if tier.contains(key(i))}
+        deleted, expiring = sorted(held)[:2]
+        assert other.remove(deleted)
+        tier.transport.client.pexpire(tier.redis_key(expiring), 50)
+        time.sleep(0.3)
+        assert not tier.contains(expiring)  # (an access expires it now if the server has not yet)
+        tier.flush()
+        assert sorted(tier.take_events()) == sorted([(False, deleted), (False, expiring)])
+        tier.put(key(0), blob_for(0, 1024), wait=True)  # evicted earlier: written, announced again
+        tier.flush()
+        assert (True, key(0)) in tier.take_events()
+        tier.record_events(False)
+        tier.put(key(1), blob_for(1, 1024), wait=True)
+        assert tier.take_events() == []
+    finally:
+        server.stop()
+
+
+def test_a_store_that_cannot_tell_its_removals_announces_this_processs_own():
+    """A transport without removal notifications (Mooncake's): what this process files and removes
+    is announced, and ``watching`` says the store's own evictions are not."""
+    from types import SimpleNamespace
+
+    from kdn.storage.remote_events import RemoteEvents
+
+    events = RemoteEvents(SimpleNamespace(watch_removals=lambda removed: None))
+    assert not events.watching and events.sync()
+    events.filed([key(1), key(2), key(1)])
+    events.removed(key(1))
+    events.removed(key(3))  # never filed here: nothing to announce
+    events.cleared()
+    assert events.take() == [(True, key(1)), (True, key(2)), (False, key(1)), (False, key(2))]

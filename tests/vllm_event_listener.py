@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-KDN_MEDIA = ("CPU", "STORAGE")  # kdn's memory and disk tiers; vLLM's own blocks are "GPU"
+KDN_MEDIA = ("CPU", "STORAGE")  # kdn's memory, disk and remote tiers; vLLM's own blocks are "GPU"
 
 
 class EventListener:
@@ -45,7 +45,8 @@ class EventListener:
 
     def summary(self) -> dict:
         """kdn's announcements and vLLM's own, per block: ``{"kdn": [[medium, stored, hash, tokens,
-        parent], ...], "vllm": {hash: [tokens, parent]}}`` (hashes hex, in the order published)."""
+        parent], ...], "vllm": {hash: [tokens, parent]}}`` (hashes hex, in the order published; a remote
+        store's medium as ``STORAGE/REMOTE``)."""
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
         kdn, own = [], {}
@@ -53,15 +54,16 @@ class EventListener:
             for e in batch.events:
                 if not isinstance(e, (BlockStored, BlockRemoved)):
                     continue
+                where = (e.medium or "") + ("/REMOTE" if getattr(e, "locality", None) == "REMOTE" else "")
                 for j, h in enumerate(e.block_hashes):
                     if isinstance(e, BlockRemoved):
                         if e.medium in KDN_MEDIA:
-                            kdn.append([e.medium, False, _hex(h), None, None])
+                            kdn.append([where, False, _hex(h), None, None])
                         continue
                     tokens = list(e.token_ids[j * e.block_size:(j + 1) * e.block_size])
                     parent = _hex(e.block_hashes[j - 1] if j else e.parent_block_hash)
                     if e.medium in KDN_MEDIA:
-                        kdn.append([e.medium, True, _hex(h), tokens, parent])
+                        kdn.append([where, True, _hex(h), tokens, parent])
                     else:
                         own[_hex(h)] = [tokens, parent]
         return {"kdn": kdn, "vllm": own}

@@ -139,8 +139,10 @@ class StoreQueue:
         return ended
 
     def drain(self) -> None:
-        """Wait until every store queued so far is filed."""
+        """Wait until every store queued so far is filed: on disk, sent to a remote store (and what
+        that store removed meanwhile logged for the KV events)."""
         self._jobs.join()
+        self.engine.flush()
 
     def shutdown(self) -> None:
         """Finish queued stores (they are on disk / sent when this returns)."""

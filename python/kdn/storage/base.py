@@ -86,7 +86,8 @@ class Tier(abc.ABC):
 
     def record_events(self, on: bool) -> None:
         """Log every blob filed and removed here from now on (:meth:`take_events`); a tier that cannot
-        tell (a remote store evicts on its own) logs nothing."""
+        tell logs nothing (a remote store logs what this process filed there and the removals the
+        store tells: :mod:`kdn.storage.remote_events`)."""
         return None
 
     def take_events(self) -> list:

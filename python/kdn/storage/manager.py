@@ -253,14 +253,15 @@ class TierManager:
             tier.set_quota(owner, max(1, int(quota * capacity)) if isinstance(quota, float) else min(quota, capacity))
 
     def record_events(self, on: bool) -> None:
-        """Log what the local tiers file and remove from now on (:meth:`take_events`)."""
-        for tier in self.local_tiers:
+        """Log what the tiers file and remove from now on (:meth:`take_events`): the local tiers all of
+        it, the remote store what this process files there and its removals (:mod:`.remote_events`)."""
+        for tier in self.tiers:
             tier.record_events(on)
 
     def take_events(self) -> list[tuple[str, bool, bytes]]:
-        """``[(tier name, stored, address), ...]`` filed into or removed from (evicted, dropped, cleared)
-        the local tiers since the last call, each tier's in order."""
-        return [(tier.name, stored, address) for tier in self.local_tiers for stored, address in tier.take_events()]
+        """``[(tier name, stored, address), ...]`` filed into or removed from (evicted, expired, dropped,
+        cleared) the tiers since the last call, each tier's in order."""
+        return [(tier.name, stored, address) for tier in self.tiers for stored, address in tier.take_events()]
 
     def unpin(self, key: bytes) -> bool:
         return any([t.unpin(a) for a in self.addresses(key) for t in self.local_tiers])

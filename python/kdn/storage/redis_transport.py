@@ -5,12 +5,16 @@ kdn's RESP client."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import urllib.parse
+import uuid
 
 from kdn import _core
 from kdn._core import InvalidInputError
 from kdn.storage.transport import RemoteTransport, register
+
+log = logging.getLogger("kdn")
 
 
 @register
@@ -148,6 +152,25 @@ class RedisTransport(RemoteTransport):
             return "auth" if "WRONGPASS" in text or "NOAUTH" in text or "invalid password" in text else "refused"
         return "down"
 
+    def watch_removals(self, removed):
+        """Redis keyspace notifications of evicted, expired and deleted names (one node's: None for a
+        cluster); the server's ``notify-keyspace-events`` gains the flags they need when it
+        lacks them (``Egex``), and None is returned, with a warning, when the server refuses that."""
+        if self.cluster:
+            log.warning("kdn remote tier: a Redis Cluster's evictions are not watched (one node's "
+                        "notifications would miss the others'); removals there are not announced")
+            return None
+        try:
+            flags = self.client.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
+            wanted = set("Egex") - set(flags) - (set("gex") if "A" in flags else set())
+            if wanted:
+                self.client.config_set("notify-keyspace-events", flags + "".join(sorted(wanted)))
+        except Exception as e:  # noqa: BLE001 - a managed server refusing CONFIG, a down one
+            log.warning("kdn remote tier: the store's evictions cannot be watched (notify-keyspace-events "
+                        "needs 'Egex': %s); removals there are not announced", e)
+            return None
+        return _RemovalWatch(self.client, removed)
+
     def close(self) -> None:
         """Close the pooled connections (a later call connects again)."""
         if self._direct is not None:
@@ -205,3 +228,62 @@ class _Direct:
     def close(self) -> None:
         with self._lock:
             self._idle.clear()  # the connections close as they are freed
+
+
+class _RemovalWatch:
+    """A thread on a subscribed connection telling each name removed from one Redis database
+    (``__keyevent@<db>__:evicted``, ``:expired``, ``:del``); it reconnects after a failure (what was
+    removed meanwhile is not told). :meth:`sync` publishes a marker on a channel of its own and waits
+    for it: Redis delivers one subscriber's messages in order, so every earlier removal is told."""
+
+    def __init__(self, client, removed):
+        db = client.connection_pool.connection_kwargs.get("db", 0)
+        self._channels = [f"__keyevent@{db}__:{what}" for what in ("evicted", "expired", "del")]
+        self._marker_channel = f"kdn:events:{uuid.uuid4().hex}"
+        self._client, self._removed = client, removed
+        self._marks: dict[str, threading.Event] = {}
+        self._stop = threading.Event()
+        self._subscribed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kdn-remote-removals", daemon=True)
+        self._thread.start()
+        self._subscribed.wait(5)
+
+    def _run(self) -> None:
+        warned = False
+        while not self._stop.is_set():
+            pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(*self._channels, self._marker_channel)
+                self._subscribed.set()
+                while not self._stop.is_set():
+                    message = pubsub.get_message(timeout=0.5)
+                    if message is None or message.get("type") != "message":
+                        continue
+                    channel, data = (x.decode() if isinstance(x, bytes) else x
+                                     for x in (message["channel"], message["data"]))
+                    if channel == self._marker_channel:
+                        self._marks.pop(data, threading.Event()).set()
+                    else:
+                        self._removed(data)
+            except Exception as e:  # noqa: BLE001 - a dropped connection: subscribe again
+                if not warned and not self._stop.is_set():
+                    warned = True
+                    log.warning("kdn remote tier: the removals watch lost its connection (%s); reconnecting", e)
+                self._stop.wait(1.0)
+            finally:
+                pubsub.close()
+
+    def sync(self, timeout: float = 2.0) -> bool:
+        """Wait until every removal the store made before this call has been told; whether it was."""
+        token = uuid.uuid4().hex
+        mark = self._marks.setdefault(token, threading.Event())
+        try:
+            self._client.publish(self._marker_channel, token)
+        except Exception:  # noqa: BLE001 - a down store: nothing more will be told now
+            self._marks.pop(token, None)
+            return False
+        return mark.wait(timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)

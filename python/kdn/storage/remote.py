@@ -13,6 +13,7 @@ from kdn._core import BlobError, InvalidInputError
 from kdn.storage.base import Tier, at_exit
 from kdn.storage.breaker import Breaker
 from kdn.storage.claims import Claims
+from kdn.storage.remote_events import RemoteEvents
 from kdn.storage.sealing import Sealer
 from kdn.storage.transport import RemoteTransport, open_transport
 from kdn.storage.values import MANIFEST_MAGIC, Values, part_names
@@ -89,6 +90,7 @@ class RemoteTier(Tier):
         self._cv = threading.Condition()
         self._bad: dict[str, bytes] = {}  # name -> digest of an unverifiable value read there (to repair)
         self.claims = Claims(self.transport, f"kdn:{FORMAT}:", self._call, self._mac_key)  # who computes a chunk
+        self._events: RemoteEvents | None = None  # what this process filed and the store removed (KV events)
         self._check_connection()
         self._writer = threading.Thread(target=self._write_loop, name="kdn-remote-writer", daemon=True)
         self._writer.start()
@@ -167,7 +169,6 @@ class RemoteTier(Tier):
         """Whether each of ``keys`` is stored, in one pipelined round trip (all False when down)."""
         if not keys:
             return []
-
         return self._call(lambda: self.transport.exists([self.redis_key(k) for k in keys]), [False] * len(keys))
 
     def contains(self, key: bytes) -> bool:
@@ -255,7 +256,7 @@ class RemoteTier(Tier):
             present = self.transport.exists([name for name, _, _, _ in todo])
             with self._cv:
                 bad = {name: self._bad.pop(name) for name, _, _, _ in todo if name in self._bad}
-            items, repairs, sent = [], [], 0
+            items, repairs, filed = [], [], []
             for (name, key, blob, codec), there in zip(todo, present):
                 repair = there and name in bad and self.transport.supports_compare_and_set
                 coded = None if there and not repair else self._coded(blob, codec)  # only what the store lacks
@@ -267,12 +268,14 @@ class RemoteTier(Tier):
                     repairs.append((name, bad[name], values[0]))
                 else:
                     items.append((name, values[0]))
-                sent += codec == self.codec
+                filed += [key] if codec == self.codec else []
             if items:
                 self.transport.put(items, self._ttl_ms())
             for name, digest, value in repairs:
                 self._stats["replaced"] += self.transport.put_if_unchanged(name, digest, value, self._ttl_ms())
-            return sent
+            if self._events is not None:
+                self._events.filed(filed)
+            return len(filed)
 
         sent = self._call(run, None)
         if sent is None:
@@ -295,7 +298,6 @@ class RemoteTier(Tier):
         to :meth:`get_many` for it. Nothing is verified here: readers check the section sums."""
         if not requests:
             return []
-
         return self._call(lambda: self.transport.get_ranges([(self.redis_key(k), s, e) for k, s, e in requests]), None)
 
     @staticmethod
@@ -341,12 +343,26 @@ class RemoteTier(Tier):
                     self._cv.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until queued blobs have been sent (or dropped); True if the queue drained."""
+        """Wait until queued blobs have been sent (or dropped) and the store's removals logged (events
+        on); True if the queue drained."""
         with self._cv:
-            return self._cv.wait_for(lambda: not self._queue and not self._sending, timeout)
+            drained = self._cv.wait_for(lambda: not self._queue and not self._sending, timeout)
+        if self._events is not None:
+            self._events.sync()
+        return drained
+
+    def record_events(self, on: bool) -> None:
+        """Log the blobs this process files here and their removal by anyone (:mod:`.remote_events`)."""
+        if self._events is not None:
+            self._events.close()
+        self._events = RemoteEvents(self.transport) if on else None
+
+    def take_events(self) -> list:
+        return self._events.take() if self._events is not None else []
 
     def close(self) -> None:
         self.flush()
+        self.record_events(False)
         self.transport.close()
 
     def remove(self, key: bytes) -> bool:
@@ -360,12 +376,16 @@ class RemoteTier(Tier):
                 names += part_names(name, split[0])
             return self.transport.delete(names) > 0
 
-        return bool(self._call(run, False))
+        if (removed := bool(self._call(run, False))) and self._events is not None:
+            self._events.removed(key)
+        return removed
 
     def clear(self) -> None:
         """Delete every kdn value of this format from the store (all nodes of a cluster)."""
 
         self._call(lambda: self.transport.delete_matching(f"kdn:{FORMAT}:*"), None)
+        if self._events is not None:
+            self._events.cleared()
 
     def stats(self) -> dict:
         with self._cv:

@@ -31,7 +31,7 @@ import pkgutil
 import types
 import typing
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from kdn._core import InvalidInputError
 from kdn.urls import redact
@@ -132,6 +132,13 @@ class RemoteTransport(abc.ABC):
         names = list(self.scan(pattern))
         for i in range(0, len(names), 500):
             self.delete(names[i:i + 500])
+
+    def watch_removals(self, removed: Callable[[str], None]):
+        """Call ``removed(name)`` from a thread of the transport's for every name the store removes
+        from now on, whoever removes it (evicted, expired, deleted), and return the watch (its
+        ``sync(timeout)`` waits until what was removed before the call has been told; ``close()``);
+        None when the store cannot tell (the default)."""
+        return None
 
     def close(self) -> None:
         """Release the connection (a Mooncake client's segment, a socket); later calls may fail."""

@@ -5,10 +5,12 @@ The worker's tiers log every blob filed and removed (:meth:`kdn.engine.Engine.ta
 worker hands them to the scheduler in vLLM's ``KVConnectorOutput`` (:class:`TierEvents`); the
 scheduler, which saw each stored request's block hashes, token ids, LoRA adapter and extra keys,
 announces each chunk as a ``BlockStored`` of the vLLM blocks it completes (medium ``CPU`` for kdn's
-memory tier, ``STORAGE`` for its disk) and each removal as a ``BlockRemoved`` of the same hashes
-(:class:`Announcer`). A router that indexes vLLM's own events (llm-d, Dynamo) matches kdn-held prefixes
-with no kdn code. Blobs that are not a stored prompt's chunks (pointers, sidecars, files another
-process wrote) are not announced; a remote store evicts on its own and is not announced either.
+memory tier, ``STORAGE`` for its disk, both locality ``LOCAL``; ``STORAGE`` with locality ``REMOTE`` for
+the chunks this engine wrote to a remote store) and each removal as a ``BlockRemoved`` of the same
+hashes (:class:`Announcer`): a remote store's evictions, expiries and deletes as the store tells them
+(:mod:`kdn.storage.remote_events`). A router that indexes vLLM's own events (llm-d, Dynamo) matches
+kdn-held prefixes with no kdn code. Blobs that are not a stored prompt's chunks (pointers, sidecars,
+files another process wrote) are not announced.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from kdn.engine import Engine, ModelSession
 
 log = logging.getLogger("kdn")
-# the node tier (shared memory) is not announced: vLLM's media have no name for it, and as "CPU" its
-# removals would read as the memory tier's
-MEDIA = {"memory": MEDIUM_CPU, "disk": MEDIUM_STORAGE}
+# (medium, locality) of each tier; the node tier (shared memory) is not announced: vLLM's media have
+# no name for it, and as "CPU" its removals would read as the memory tier's
+MEDIA = {"memory": (MEDIUM_CPU, "LOCAL"), "disk": (MEDIUM_STORAGE, "LOCAL"), "remote": (MEDIUM_STORAGE, "REMOTE")}
 KNOWN_CHUNKS = 1 << 18  # chunks whose announcement is remembered (for their removal), least recent forgotten
 
 
@@ -148,15 +150,17 @@ class Announcer:
                 continue
             n = len(chunk.token_ids) // self.block_size
             hashes = chunk.blocks.hashes[chunk.first:chunk.first + n]
+            medium, locality = MEDIA[tier]
             if not stored:
-                out.append(BlockRemoved(block_hashes=hashes, medium=MEDIA[tier]))
+                out.append(BlockRemoved(block_hashes=hashes, medium=medium, locality=locality))
                 continue
             extra = (chunk.blocks.extra_keys or [])[chunk.first:chunk.first + n]
             out.append(BlockStored(block_hashes=hashes,
                                    parent_block_hash=chunk.blocks.hashes[chunk.first - 1] if chunk.first else None,
                                    token_ids=chunk.token_ids, block_size=self.block_size,
-                                   lora_id=chunk.blocks.lora_id, medium=MEDIA[tier], lora_name=chunk.blocks.lora_name,
-                                   extra_keys=extra if any(k is not None for k in extra) else None))
+                                   lora_id=chunk.blocks.lora_id, medium=medium, lora_name=chunk.blocks.lora_name,
+                                   extra_keys=extra if any(k is not None for k in extra) else None,
+                                   locality=locality))
         return out
 
 

@@ -292,6 +292,6 @@ class WorkerSide:
         self.stores.shutdown()
 
     def drain(self) -> None:
-        """Wait until every store queued so far is filed."""
+        """Wait until every store queued so far is filed (:meth:`kdn.engine.stores.StoreQueue.drain`)."""
         self.stores.drain()
 
