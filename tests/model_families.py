@@ -55,3 +55,14 @@ def deepseek_v2_config() -> transformers.PretrainedConfig:
         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
         qk_nope_head_dim=64, v_head_dim=64, first_k_dense_replace=4, n_routed_experts=4, num_experts_per_tok=2,
         max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def granite_hybrid_config() -> transformers.PretrainedConfig:
+    """Granite-4-H's layout, small: mamba2 layers beside attention layers (a hybrid: recurrent state
+    and KV), dense MLPs."""
+    return transformers.GraniteMoeHybridConfig(
+        vocab_size=49152, hidden_size=256, intermediate_size=512, shared_intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=0, num_experts_per_tok=0,
+        layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=8, mamba_d_head=32,
+        mamba_d_state=64, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=256,
+        position_embedding_type="rope", max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=0)

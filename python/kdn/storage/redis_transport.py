@@ -266,6 +266,7 @@ class _RemovalWatch:
                     else:
                         self._removed(data)
             except Exception as e:  # noqa: BLE001 - a dropped connection: subscribe again
+                self._subscribed.clear()
                 if not warned and not self._stop.is_set():
                     warned = True
                     log.warning("kdn remote tier: the removals watch lost its connection (%s); reconnecting", e)
@@ -273,8 +274,11 @@ class _RemovalWatch:
             finally:
                 pubsub.close()
 
-    def sync(self, timeout: float = 2.0) -> bool:
-        """Wait until every removal the store made before this call has been told; whether it was."""
+    def sync(self, timeout: float = 1.0) -> bool:
+        """Wait until every removal the store made before this call has been told; whether it was
+        (False at once while the watch is reconnecting)."""
+        if not self._subscribed.is_set():
+            return False
         token = uuid.uuid4().hex
         mark = self._marks.setdefault(token, threading.Event())
         try:

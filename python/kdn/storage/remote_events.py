@@ -66,7 +66,7 @@ class RemoteEvents:
             out, self._log = self._log, []
         return out
 
-    def sync(self, timeout: float = 2.0) -> bool:
+    def sync(self, timeout: float = 1.0) -> bool:
         """Wait until the store's removals so far have been told (True at once when not watching)."""
         return self._watch.sync(timeout) if self._watch is not None else True
 
