@@ -128,3 +128,30 @@ def test_every_codec_codes_an_mla_models_latent(codec):
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
     else:
         assert 0 < (logits - expected).abs().max() < 1.0  # lossy, and close: the codec coded the vector
+
+
+def test_a_hybrid_or_recurrent_model_is_refused_by_name_before_anything_runs():
+    """Issue 63: kdn stores attention KV, not recurrent state: a Granite-4-H-like model (mamba layers
+    beside attention) is an InvalidInputError naming its layers at generate and store, not an
+    IndexError from inside HF's cache; Qwen3-Next's, Jamba's and Mamba's configs are named the same
+    way, attention-only families (sliding windows included) are not."""
+    from kdn import InvalidInputError
+    from kdn.layout import recurrent_layers
+    from model_families import granite_hybrid_config
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(granite_hybrid_config(), dtype=torch.float32).eval()
+    ids = random_ids(model, 40)
+    cache = KDN(KDNConfig(chunk_size=16))
+    with pytest.raises(InvalidInputError, match="hybrid or recurrent model"):
+        cache.generate(model, ids, max_new_tokens=2)
+    with torch.no_grad():
+        kv = model(ids, use_cache=True).past_key_values
+    with pytest.raises(InvalidInputError, match="linear_attention|mamba"):
+        cache.store(model, ids, kv)
+    assert cache.stats()["memory"]["used_bytes"] == 0
+    for config in (transformers.Qwen3NextConfig(), transformers.JambaConfig(), transformers.MambaConfig()):
+        assert recurrent_layers(config.get_text_config()), type(config).__name__
+    for config in (transformers.LlamaConfig(), transformers.Gemma3TextConfig(), transformers.MistralConfig(),
+                   transformers.Qwen2Config()):
+        assert recurrent_layers(config.get_text_config()) == [], type(config).__name__

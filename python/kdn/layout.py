@@ -49,8 +49,14 @@ class ModelLayout:
 
     @classmethod
     def from_config(cls, config, dtype: torch.dtype) -> ModelLayout:
-        """The layout of a model of HF ``config`` run in ``dtype`` (what a serving engine knows)."""
+        """The layout of a model of HF ``config`` run in ``dtype`` (what a serving engine knows); a model
+        with recurrent layers (:func:`recurrent_layers`) is refused by name."""
         config = config.get_text_config()
+        if recurrent := recurrent_layers(config):
+            raise InvalidInputError(
+                f"{type(config).__name__} has {', '.join(recurrent)} layers (a hybrid or recurrent model): their "
+                "state is not KV, and kdn stores attention KV only; hybrid models are not supported yet "
+                "(docs/models.md)")
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         if dtype not in _DTYPES:
@@ -147,6 +153,21 @@ def cache_to_kv_list(cache) -> list[torch.Tensor]:
         else:
             out += [k.detach(), v.detach()]
     return out
+
+
+RECURRENT_WORDS = ("mamba", "linear", "conv", "ssm", "recurrent", "rwkv", "delta", "gdn")
+
+
+def recurrent_layers(config) -> list[str]:
+    """The layer types of an HF text ``config`` that keep a recurrent state instead of attention KV
+    (mamba, linear attention, short convolutions: Jamba, Qwen3-Next, Granite-4-H, Mamba), as its
+    ``layer_types`` (or Jamba's ``layers_block_type``) name them; a state-space model without layer
+    types is named by its ``model_type``. Empty for attention-only models."""
+    types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or ()
+    found = sorted({str(t) for t in types if any(w in str(t).lower() for w in RECURRENT_WORDS)})
+    if not types and any(hasattr(config, a) for a in ("ssm_state_size", "mamba_d_state", "state_size")):
+        found = [str(getattr(config, "model_type", "") or type(config).__name__)]
+    return found
 
 
 def latent_rank(config) -> int | None:
