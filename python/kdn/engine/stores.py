@@ -139,10 +139,9 @@ class StoreQueue:
         return ended
 
     def drain(self) -> None:
-        """Wait until every store queued so far is filed: on disk, sent to a remote store (and what
-        that store removed meanwhile logged for the KV events)."""
+        """Wait until every store queued so far is filed: each job flushes the tiers after its store
+        (on disk, sent to a remote store, and what that store removed meanwhile logged for KV events)."""
         self._jobs.join()
-        self.engine.flush()
 
     def shutdown(self) -> None:
         """Finish queued stores (they are on disk / sent when this returns)."""

@@ -262,7 +262,8 @@ class _RemovalWatch:
                     channel, data = (x.decode() if isinstance(x, bytes) else x
                                      for x in (message["channel"], message["data"]))
                     if channel == self._marker_channel:
-                        self._marks.pop(data, threading.Event()).set()
+                        if (mark := self._marks.pop(data, None)) is not None:
+                            mark.set()
                     else:
                         self._removed(data)
             except Exception as e:  # noqa: BLE001 - a dropped connection: subscribe again
