@@ -33,18 +33,34 @@ def save_random(config, tokenizer_folder, folder, scale: float = 4.0, seed: int 
     """A random-weight model of ``config`` (its linear weights ``scale`` times the initializer's, so
     that greedy decoding does not repeat one token) saved in fp32 to ``folder`` beside the tokenizer
     files of ``tokenizer_folder``; the folder's path."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.mul_(scale)
+    model = random_model(config, scale, seed)
     folder = Path(folder)
     model.save_pretrained(folder)
     for name in TOKENIZER_FILES:
         if (Path(tokenizer_folder) / name).exists():
             shutil.copy(Path(tokenizer_folder) / name, folder / name)
     return str(folder)
+
+
+def random_model(config, scale: float = 4.0, seed: int = 0) -> torch.nn.Module:
+    """A random-weight fp32 model of ``config``, its linear weights ``scale`` times the initializer's."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.mul_(scale)
+    return model
+
+
+def qwen3_next_config() -> transformers.PretrainedConfig:
+    """Qwen3-Next's layout, small: gated delta-net (linear attention) layers beside full attention, MoE."""
+    return transformers.Qwen3NextConfig(
+        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+        linear_value_head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
 
 
 def deepseek_v2_config() -> transformers.PretrainedConfig:

@@ -8,7 +8,7 @@ import transformers
 
 from conftest import full_prefill, random_ids
 from kdn import KDN, KDNConfig
-from kdn.layout import cache_to_kv_list, prefill_cache, windowed
+from kdn.layout import cache_arg, cache_to_kv_list, prefill_cache, windowed
 
 CHUNK = 16
 WINDOW = 24
@@ -130,28 +130,136 @@ def test_every_codec_codes_an_mla_models_latent(codec):
         assert 0 < (logits - expected).abs().max() < 1.0  # lossy, and close: the codec coded the vector
 
 
-def test_a_hybrid_or_recurrent_model_is_refused_by_name_before_anything_runs():
-    """Issue 63: kdn stores attention KV, not recurrent state: a Granite-4-H-like model (mamba layers
-    beside attention) is an InvalidInputError naming its layers at generate and store, not an
-    IndexError from inside HF's cache; Qwen3-Next's, Jamba's and Mamba's configs are named the same
-    way, attention-only families (sliding windows included) are not."""
-    from kdn import InvalidInputError
-    from kdn.layout import recurrent_layers
-    from model_families import granite_hybrid_config
+def _hybrids():
+    from model_families import granite_hybrid_config, qwen3_next_config
 
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(granite_hybrid_config(), dtype=torch.float32).eval()
+    return {"granite-4-h": granite_hybrid_config, "qwen3-next": qwen3_next_config}
+
+
+def _greedy(generate, ids):
+    out = generate(ids, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    return out.sequences[0, ids.shape[1]:].tolist(), out.scores[0][0], out
+
+
+@pytest.mark.parametrize("family", ["granite-4-h", "qwen3-next"])
+def test_a_hybrid_model_resumes_from_its_stored_state_with_a_full_prefills_answers(family, tmp_path):
+    """Issue 63: Granite-4-H's layout (mamba2 beside attention) and Qwen3-Next's (gated delta-net beside
+    attention), random weights. A prompt's attention KV is stored in chunks and its recurrent state at
+    its last chunk boundary (256 of 312 tokens); another question over the same document resumes
+    there, and a new KDN over the same disk too, each answering a full prefill's greedy tokens with
+    its first logits within 1e-4. What is stored reads back as a full prefill of those 256 tokens
+    computes it: every attention row and the state's bytes."""
+    from kdn.integrations.hf.hybrid import load, pack_state, state_address
+    from model_families import random_model
+
+    model = random_model(_hybrids()[family]())
+    doc = random_ids(model, 300, seed=1)[0].tolist()
+    prompts = [torch.tensor([doc + random_ids(model, n, seed=s)[0].tolist()]) for n, s in ((12, 2), (9, 3))]
+    config = KDNConfig(chunk_size=64, disk_dir=str(tmp_path / "kv"))
+    writer, hits = KDN(config), []
+    for ids in prompts + [prompts[1]]:
+        want, first, _ = _greedy(model.generate, ids)
+        got, served, out = _greedy(lambda i, **kw: writer.generate(model, i, **kw), ids)
+        assert got == want and (served - first).abs().max() < 1e-4
+        hits.append(out["kdn_stats"]["hit_tokens"])
+    assert hits == [0, 256, 256]
+    reader = KDN(config)  # a new engine: the disk tier alone holds the prefix
+    assert reader.lookup(model, prompts[1][0]) == 256
+    want, first, _ = _greedy(model.generate, prompts[1])
+    got, served, out = _greedy(lambda i, **kw: reader.generate(model, i, **kw), prompts[1])
+    assert got == want and (served - first).abs().max() < 1e-4 and out["kdn_stats"]["hit_tokens"] == 256
+
+    session = reader.session(model)
+    cache, served_load = load(reader.engine, session, model, session.tokens(prompts[0][0]), 256)
+    reference = prefill_cache(model, prompts[0][:, :256], **cache_arg(transformers.DynamicCache(config=model.config)))
+    assert served_load.hit == 256 and len(session.layout.recurrent) == 2
+    for i, (a, b) in enumerate(zip(cache.layers, reference.layers)):
+        if i not in session.layout.recurrent:
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    key = session.prefix_keys(session.tokens(prompts[0][0, :256]))[-1]
+    assert reader.engine.sidecars.read(session, state_address(key)) == pack_state(reference, session.layout)
+
+
+def test_a_hybrid_hit_without_a_usable_state_is_recomputed_and_tenants_share_nothing(tmp_path):
+    """Issue 63: a hybrid prefix whose state is gone, fails its checksum or is no state of this model
+    is a miss (the chunks alone are never served: the recurrent layers would start from nothing)
+    with a full prefill's answer, then stored again; a namespace sees none of another's prefixes."""
+    from kdn.integrations.hf.hybrid import state_address
+    from model_families import random_model
+
+    model = random_model(_hybrids()["granite-4-h"]())
+    ids = random_ids(model, 150, seed=4)
+    want, first, _ = _greedy(model.generate, ids)
+    cache = KDN(KDNConfig(chunk_size=64))
+    cache.generate(model, ids, max_new_tokens=2, namespace="a")
+    session = cache.session(model, "a")
+    address = state_address(session.prefix_keys(session.tokens(ids[0]))[-1])
+    assert cache.lookup(model, ids[0], namespace="a") == 128 and cache.lookup(model, ids[0], namespace="b") == 0
+    for harm in ("drop", "flipped byte", "not a state"):
+        if harm == "drop":
+            cache.engine.tiers.drop(address)
+        elif harm == "flipped byte":  # caught by the sidecar's checksum
+            blob = bytearray(cache.memory.get(address))
+            blob[-5] ^= 0x40
+            cache.memory.put(address, bytes(blob))
+        else:  # sealed as a sidecar of this model and address, but no state of this layout
+            cache.engine.sidecars.write(session, address, b"\x00\x01\x04\x00\x00\x00" + b"\x00" * 16)
+        assert cache.lookup(model, ids[0], namespace="a") == 0
+        got, served, out = _greedy(lambda i, **kw: cache.generate(model, i, namespace="a", **kw), ids)
+        assert got == want and (served - first).abs().max() < 1e-4 and out["kdn_stats"]["hit_tokens"] == 0
+        assert cache.lookup(model, ids[0], namespace="a") == 128  # stored again
+
+
+def test_calls_a_hybrid_model_is_not_served_by_and_unresumable_hybrids_are_refused_by_name():
+    """Issue 63: a hybrid model is served by generate alone; store, retrieve, deposit, blend,
+    calibration and beams are InvalidInputErrors naming it, before anything is stored. Hybrids whose
+    HF forward does not resume a prefill exactly (Jamba: measured in the test below) or that mix
+    mamba and attention in one layer (Falcon-H1), and state-space models without attention (Mamba),
+    are refused by name; attention-only families have no recurrent layers."""
+    from kdn import InvalidInputError
+    from kdn.layout import ModelLayout, recurrent_layers
+    from model_families import random_model
+
+    model = random_model(_hybrids()["granite-4-h"]())
     ids = random_ids(model, 40)
     cache = KDN(KDNConfig(chunk_size=16))
-    with pytest.raises(InvalidInputError, match="hybrid or recurrent model"):
-        cache.generate(model, ids, max_new_tokens=2)
     with torch.no_grad():
         kv = model(ids, use_cache=True).past_key_values
-    with pytest.raises(InvalidInputError, match="linear_attention|mamba"):
-        cache.store(model, ids, kv)
+    for call in (lambda: cache.store(model, ids, kv), lambda: cache.retrieve(model, ids),
+                 lambda: cache.deposit(model, ids[0].tolist()), lambda: cache.store_segments(model, [[5, 6, 7]]),
+                 lambda: cache.calibrate(model, [ids[0].tolist()]),
+                 lambda: cache.generate(model, ids, max_new_tokens=2, num_beams=2)):
+        with pytest.raises(InvalidInputError, match="hybrid model"):
+            call()
     assert cache.stats()["memory"]["used_bytes"] == 0
-    for config in (transformers.Qwen3NextConfig(), transformers.JambaConfig(), transformers.MambaConfig()):
-        assert recurrent_layers(config.get_text_config()), type(config).__name__
+    for config in (transformers.JambaConfig(), transformers.MambaConfig(), transformers.FalconH1Config()):
+        with pytest.raises(InvalidInputError, match="hybrid or recurrent model"):
+            ModelLayout.from_config(config, torch.float32)
     for config in (transformers.LlamaConfig(), transformers.Gemma3TextConfig(), transformers.MistralConfig(),
                    transformers.Qwen2Config()):
         assert recurrent_layers(config.get_text_config()) == [], type(config).__name__
+
+
+@pytest.mark.parametrize("family,resumes", [("granite-4-h", True), ("qwen3-next", True), ("jamba", False)])
+def test_which_hybrids_hf_resumes_exactly_from_a_cached_state(family, resumes):
+    """What kdn's list of served hybrids (``kdn.layout.RESUMING_HYBRIDS``) rests on: a prefill in two
+    pieces through HF's cache gives one pass's last logits for Granite-4-H and Qwen3-Next, not for
+    Jamba (transformers 5.24: its mamba layers restart a multi-token prefill from an empty state).
+    When a transformers release changes that, this test says so."""
+    from transformers import DynamicCache
+
+    from kdn.layout import RESUMING_HYBRIDS
+    from model_families import random_model
+
+    configs = {**_hybrids(), "jamba": lambda: transformers.JambaConfig(
+        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=16)}
+    model = random_model(configs[family]())
+    ids = random_ids(model, 100, seed=5)
+    with torch.no_grad():
+        whole = model(ids, **cache_arg(DynamicCache(config=model.config))).logits[0, -1]
+        pieces = DynamicCache(config=model.config)
+        model(ids[:, :64], **cache_arg(pieces))
+        resumed = model(ids[:, 64:], **cache_arg(pieces)).logits[0, -1]
+    assert bool((whole - resumed).abs().max() < 1e-4) == resumes
+    assert (model.config.model_type in RESUMING_HYBRIDS) == resumes

@@ -30,7 +30,11 @@ class ModelLayout:
     first half as the "K" plane and its second as the "V" plane of one head (so every codec and copy
     that works on K and V planes works on it unchanged). HF's cache of such a model holds the same
     vector as a "key" (the normalised latent) and a "value" (the RoPE key): :func:`cache_to_kv_list`
-    and :func:`kv_list_to_cache` join and split them, so HF and vLLM store the same bytes."""
+    and :func:`kv_list_to_cache` join and split them, so HF and vLLM store the same bytes.
+
+    ``recurrent``: a hybrid model's mamba or linear-attention layers, whose state is no KV: ``layers``
+    and the chunks hold its attention layers alone, and the HF face keeps the recurrent layers' state
+    at each chunk boundary beside them (:mod:`kdn.integrations.hf.hybrid`)."""
 
     layers: int
     kv_heads: int
@@ -38,6 +42,7 @@ class ModelLayout:
     dtype: str
     vocab_size: int
     latent: bool = False
+    recurrent: tuple = ()  # a hybrid model's recurrent layers (their indices); ``layers`` counts the others
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelLayout:
@@ -50,13 +55,17 @@ class ModelLayout:
     @classmethod
     def from_config(cls, config, dtype: torch.dtype) -> ModelLayout:
         """The layout of a model of HF ``config`` run in ``dtype`` (what a serving engine knows); a model
-        with recurrent layers (:func:`recurrent_layers`) is refused by name."""
+        with recurrent layers (:func:`recurrent_layers`) is a hybrid one (:attr:`recurrent`) where HF's
+        cache keeps their state beside attention layers, and refused by name otherwise."""
         config = config.get_text_config()
+        states = ()
         if recurrent := recurrent_layers(config):
-            raise InvalidInputError(
-                f"{type(config).__name__} has {', '.join(recurrent)} layers (a hybrid or recurrent model): their "
-                "state is not KV, and kdn stores attention KV only; hybrid models are not supported yet "
-                "(docs/models.md)")
+            states = _state_layers(config)
+            if states is None or getattr(config, "model_type", None) not in RESUMING_HYBRIDS:
+                raise InvalidInputError(
+                    f"{type(config).__name__} has {', '.join(recurrent)} layers (a hybrid or recurrent model): kdn "
+                    f"serves the hybrid models whose recurrent state it reads and HF resumes exactly "
+                    f"({', '.join(RESUMING_HYBRIDS)}; docs/models.md), not this one")
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         if dtype not in _DTYPES:
@@ -69,11 +78,12 @@ class ModelLayout:
             return cls(layers=config.num_hidden_layers, kv_heads=1, head_dim=width // 2, dtype=_DTYPES[dtype],
                        vocab_size=config.vocab_size, latent=True)
         return cls(
-            layers=config.num_hidden_layers,
+            layers=config.num_hidden_layers - len(states),
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             dtype=_DTYPES[dtype],
             vocab_size=config.vocab_size,
+            recurrent=states,
         )
 
     @property
@@ -155,19 +165,41 @@ def cache_to_kv_list(cache) -> list[torch.Tensor]:
     return out
 
 
-RECURRENT_WORDS = ("mamba", "linear", "conv", "ssm", "recurrent", "rwkv", "delta", "gdn")
+RECURRENT_WORDS = ("mamba", "linear", "conv", "ssm", "recurrent", "rwkv", "delta", "gdn", "hybrid")
+
+# Hybrid models (``model_type``) whose HF forward resumes a prefill from a cached state exactly: a
+# prefill in two pieces gives one pass's logits (tests/test_model_families.py checks each). Jamba's
+# does not in transformers 5.24 (its logits differ by ~0.6% of their range): refused, as is
+# Falcon-H1's, whose layers run mamba and attention side by side in one cache layer.
+RESUMING_HYBRIDS = ("granitemoehybrid", "qwen3_next")
 
 
 def recurrent_layers(config) -> list[str]:
     """The layer types of an HF text ``config`` that keep a recurrent state instead of attention KV
-    (mamba, linear attention, short convolutions: Jamba, Qwen3-Next, Granite-4-H, Mamba), as its
-    ``layer_types`` (or Jamba's ``layers_block_type``) name them; a state-space model without layer
-    types is named by its ``model_type``. Empty for attention-only models."""
+    (mamba, linear attention, short convolutions: Jamba, Qwen3-Next, Granite-4-H, Mamba; Falcon-H1's
+    "hybrid" layers, mamba beside attention in each), as its ``layer_types`` (or Jamba's
+    ``layers_block_type``) name them; a model with a state-space size and no such layer type is named
+    by its ``model_type``. Empty for attention-only models."""
     types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or ()
     found = sorted({str(t) for t in types if any(w in str(t).lower() for w in RECURRENT_WORDS)})
-    if not types and any(hasattr(config, a) for a in ("ssm_state_size", "mamba_d_state", "state_size")):
+    if not found and any(hasattr(config, a) for a in ("ssm_state_size", "mamba_d_state", "state_size")):
         found = [str(getattr(config, "model_type", "") or type(config).__name__)]
     return found
+
+
+def _state_layers(config) -> tuple | None:
+    """The indices of the layers whose HF cache layer keeps a recurrent state (conv and SSM states: a
+    ``LinearAttentionLayer``) in a model of ``config`` with plain attention layers beside them; None
+    when its cache has other layer kinds or no attention layer."""
+    try:
+        kinds = [type(layer).__name__ for layer in DynamicCache(config=config).layers]
+    except Exception:  # a config HF's cache cannot lay out
+        return None
+    states = tuple(i for i, kind in enumerate(kinds) if kind == "LinearAttentionLayer")
+    plain = [i for i, kind in enumerate(kinds) if kind == "DynamicLayer"]
+    if not states or not plain or len(states) + len(plain) != config.num_hidden_layers:
+        return None
+    return states
 
 
 def latent_rank(config) -> int | None:

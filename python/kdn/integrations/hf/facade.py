@@ -56,6 +56,15 @@ class KDN:
         tenant ``namespace`` within ``config.namespace``, when given)."""
         return self.engine.session(model, namespace)
 
+    def _attention_only(self, model, what: str, namespace: str | None = None) -> ModelSession:
+        """The model's session; InvalidInputError naming ``what`` for a hybrid model (served by
+        :meth:`generate` alone)."""
+        from kdn.integrations.hf.hybrid import refuse
+
+        session = self.session(model, namespace)
+        refuse(session.layout, what)
+        return session
+
     def calibrate(self, model, contexts, codec: str = "kvtc", **options) -> bytes:
         """Fit a calibrated codec's per-model state (``kvtc``'s calibration) of ``model`` on
         ``contexts`` (token id lists; see :func:`kdn.kvtc.calibrate` for ``options``), store it in every
@@ -71,6 +80,7 @@ class KDN:
         states = codecs.model_states()
         if codec not in states:
             raise InvalidInputError(f"codec {codec!r} is not calibrated; calibrated codecs: {', '.join(states)}")
+        self._attention_only(model, "KDN.calibrate")
         return self.engine.calibrations.store(self.session(model), codec, states[codec].calibrate(model, contexts,
                                                                                                  **options))
 
@@ -100,6 +110,10 @@ class KDN:
         none of each other's; the same string as a vLLM request's ``cache_salt`` shares with it."""
         session = self.session(model, namespace)
         tokens = session.tokens(token_ids)
+        if session.layout.recurrent:  # a hybrid model's: up to the last stored state (its payload is read)
+            from kdn.integrations.hf.hybrid import held
+
+            return held(self.engine, session, tokens, _limit(limit, len(tokens), "lookup"))[0]
         return self.engine.lookup(session, tokens, _limit(limit, len(tokens), "lookup"))
 
     def store(self, model, token_ids, past_key_values, namespace: str | None = None,
@@ -114,7 +128,7 @@ class KDN:
         Returns the number of leading tokens a retrieve can now serve (fewer than given, with one
         warning, when the prompt's KV is larger than the tiers hold).
         """
-        session = self.session(model, namespace)
+        session = self._attention_only(model, "KDN.store", namespace)
         tokens = session.tokens(token_ids)
         kv = cache_to_kv_list(past_key_values)
         check_kv_matches(session.layout, kv, len(tokens))
@@ -157,7 +171,7 @@ class KDN:
         ``kdn.edits.steer.applied(model, biases)`` (``generate`` does).
         """
         started = time.perf_counter()
-        session = self.session(model, namespace)
+        session = self._attention_only(model, "KDN.retrieve", namespace)
         tokens = session.tokens(token_ids)
         cache, load = load_cache(self.engine, model, tokens, _limit(limit, len(tokens), "retrieve"), edits, started,
                                     namespace)
@@ -215,6 +229,7 @@ class KDN:
         """
         from kdn.edits import stored
 
+        self._attention_only(model, "KDN.deposit")
         return stored.deposit(self.engine, model, prompt, edits, tokenizer, emphasize, keep_exact)
 
     # -- blending ---------------------------------------------------------------------------
@@ -226,6 +241,7 @@ class KDN:
         """
         from kdn.blend import store_segments
 
+        self._attention_only(model, "KDN.store_segments")
         return store_segments(self.engine, model, segments, prefix)
 
     def blend(self, model, segments, query, recompute_ratio: float = 0.15, prefix=None, mode: str = "blend",
@@ -251,6 +267,7 @@ class KDN:
         """
         from kdn.blend import blend
 
+        self._attention_only(model, "KDN.blend")
         return blend(self.engine, model, segments, query, prefix, recompute_ratio, mode, selection=selection,
                      load=load_cache)
 
@@ -260,6 +277,7 @@ class KDN:
         returns the new tokens ([1, m]) and the blend stats."""
         from kdn.blend import blend, prompt_tokens
 
+        self._attention_only(model, "KDN.blend_generate")
         cache, stats = blend(self.engine, model, segments, query, prefix, recompute_ratio, mode, load=load_cache)
         ids = prompt_tokens(self.session(model), model, segments, query, prefix)[3]
         ids = torch.tensor([ids], device=next(model.parameters()).device)

@@ -123,6 +123,12 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
         raise InvalidInputError(f"generate: store must be True or False, got {keep!r}")
     started = time.perf_counter()
     session = engine.session(model, namespace)
+    if session.layout.recurrent:  # a hybrid model: its state kept at chunk boundaries
+        from kdn.integrations.hf import hybrid
+
+        if edits or retain or rows > 1:
+            hybrid.refuse(session.layout, "generate with edits=, retain=, priority=, beams or several sequences")
+        return hybrid.generate(engine, session, model, ids, want_dict, keep, started, **generate_kwargs)
     if retain:  # refused before anything is computed, not after
         if not keep:
             raise InvalidInputError("generate: retain= and priority= keep what a request stores; "
