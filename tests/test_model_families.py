@@ -197,7 +197,7 @@ def test_a_hybrid_hit_without_a_usable_state_is_recomputed_and_tenants_share_not
     assert cache.lookup(model, ids[0], namespace="a") == 128 and cache.lookup(model, ids[0], namespace="b") == 0
     for harm in ("drop", "flipped byte", "not a state"):
         if harm == "drop":
-            cache.engine.tiers.drop(address)
+            cache.engine.sidecars.drop(address)
         elif harm == "flipped byte":  # caught by the sidecar's checksum
             blob = bytearray(cache.memory.get(address))
             blob[-5] ^= 0x40

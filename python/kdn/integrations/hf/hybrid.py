@@ -114,7 +114,7 @@ def held(engine: Engine, session, tokens, limit: int) -> tuple[int, list | None]
             return full * chunk, unpack_state(payload, session.layout, "cpu")
         except (InvalidInputError, IndexError, ValueError, RuntimeError, struct.error) as e:
             log.warning("kdn: dropping an unusable stored recurrent state (treated as a miss): %s", e)
-            engine.tiers.drop(address)
+            engine.sidecars.drop(address)
     return 0, None
 
 
