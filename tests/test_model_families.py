@@ -178,6 +178,8 @@ def test_a_hybrid_model_resumes_from_its_stored_state_with_a_full_prefills_answe
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     key = session.prefix_keys(session.tokens(prompts[0][0, :256]))[-1]
     assert reader.engine.sidecars.read(session, state_address(key)) == pack_state(reference, session.layout)
+    report = reader.engine.audit(session, model, list(reader.disk.keys()))  # `kdn verify`: the chunks, recomputed
+    assert report.checked >= 1 and report.compared >= 4 and not report.mismatches
 
 
 def test_a_hybrid_hit_without_a_usable_state_is_recomputed_and_tenants_share_nothing(tmp_path):

@@ -131,8 +131,8 @@ def cache_to_kv_list(cache) -> list[torch.Tensor]:
 
     Each tensor is [batch, kv_heads, seq, head_dim] as HF stores it.
     """
-    if hasattr(cache, "layers"):
-        pairs = [(layer.keys, layer.values) for layer in cache.layers]
+    if hasattr(cache, "layers"):  # a hybrid model's recurrent layers hold no KV: its attention layers', as stored
+        pairs = [(layer.keys, layer.values) for layer in cache.layers if type(layer).__name__ != RECURRENT_CACHE_LAYER]
     elif isinstance(cache, (tuple, list)) and cache and all(isinstance(t, torch.Tensor) for t in cache):
         if len(cache) % 2:
             raise InvalidInputError(f"past_key_values as a flat list holds [k0, v0, k1, v1, ...]: an even number "
@@ -172,6 +172,7 @@ RECURRENT_WORDS = ("mamba", "linear", "conv", "ssm", "recurrent", "rwkv", "delta
 # does not in transformers 5.24 (its logits differ by ~0.6% of their range): refused, as is
 # Falcon-H1's, whose layers run mamba and attention side by side in one cache layer.
 RESUMING_HYBRIDS = ("granitemoehybrid", "qwen3_next")
+RECURRENT_CACHE_LAYER = "LinearAttentionLayer"  # HF's cache layer of a recurrent layer: conv and SSM states
 
 
 def recurrent_layers(config) -> list[str]:
@@ -195,7 +196,7 @@ def _state_layers(config) -> tuple | None:
         kinds = [type(layer).__name__ for layer in DynamicCache(config=config).layers]
     except Exception:  # a config HF's cache cannot lay out
         return None
-    states = tuple(i for i, kind in enumerate(kinds) if kind == "LinearAttentionLayer")
+    states = tuple(i for i, kind in enumerate(kinds) if kind == RECURRENT_CACHE_LAYER)
     plain = [i for i, kind in enumerate(kinds) if kind == "DynamicLayer"]
     if not states or not plain or len(states) + len(plain) != config.num_hidden_layers:
         return None
@@ -228,9 +229,11 @@ def check_kv_matches(layout: ModelLayout, kv: list[torch.Tensor], num_tokens: in
 
 def windowed(config) -> bool:
     """Whether a model of HF ``config`` has sliding-window layers (Mistral-style, or Gemma's
-    alternating sliding and full layers), whose HF cache keeps only each window's last tokens."""
+    alternating sliding and full layers), whose HF cache keeps only each window's last tokens (a
+    hybrid's recurrent layers are not windows)."""
     cache = DynamicCache(config=config)
-    return any(type(layer) is not DynamicLayer for layer in cache.layers)
+    return any(type(layer) is not DynamicLayer and type(layer).__name__ != RECURRENT_CACHE_LAYER
+               for layer in cache.layers)
 
 
 def full_cache(model: torch.nn.Module) -> DynamicCache | None:

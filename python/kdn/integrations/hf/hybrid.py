@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from kdn import _core
 from kdn._core import InvalidInputError
 from kdn.engine import Engine, HFTarget
-from kdn.layout import ModelLayout, cache_arg, output_cache
+from kdn.layout import ModelLayout, cache_arg, cache_to_kv_list, output_cache
 
 log = logging.getLogger("kdn")
 
@@ -90,13 +90,9 @@ def hybrid_cache(model, layout: ModelLayout, kv: list[torch.Tensor] | None, stat
     return cache
 
 
-def attention_kv(cache, layout: ModelLayout, end: int) -> list[torch.Tensor]:
+def attention_kv(cache, end: int) -> list[torch.Tensor]:
     """The first ``end`` positions of the attention layers' K and V in ``cache``, in kdn's order, on the CPU."""
-    out = []
-    for i, layer in enumerate(cache.layers):
-        if i not in layout.recurrent:
-            out += [layer.keys[:1, :, :end].detach().cpu(), layer.values[:1, :, :end].detach().cpu()]
-    return out
+    return [t[:1, :, :end].cpu() for t in cache_to_kv_list(cache)]
 
 
 def held(engine: Engine, session, tokens, limit: int) -> tuple[int, list | None]:
@@ -164,7 +160,7 @@ def generate(engine: Engine, session, model, ids: torch.Tensor, want_dict: bool,
     record = got.finish()
     try:
         if keep and state is not None:
-            saved = engine.save(session, tokens[:end], attention_kv(output_cache(out), layout, end), record)
+            saved = engine.save(session, tokens[:end], attention_kv(output_cache(out), end), record)
             if saved >= end:  # a state only beside chunks stored as exact
                 engine.sidecars.write(session, state_address(session.prefix_keys(tokens[:end])[-1]), state)
     except Exception as exc:  # storing is best effort; the answer is already computed
