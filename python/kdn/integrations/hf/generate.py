@@ -128,7 +128,7 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
 
         if edits or retain or rows > 1:
             hybrid.refuse(session.layout, "generate with edits=, retain=, priority=, beams or several sequences")
-        return hybrid.generate(engine, session, model, ids, want_dict, keep, started, **generate_kwargs)
+        return _returned(*hybrid.generate(engine, session, model, ids, keep, started, **generate_kwargs), want_dict)
     if retain:  # refused before anything is computed, not after
         if not keep:
             raise InvalidInputError("generate: retain= and priority= keep what a request stores; "
@@ -187,6 +187,11 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
             stats["retained_chunks"] = engine.retain(session, ids[0], retain)
     except Exception as exc:  # storing is best effort; the answer is already computed
         log.warning("kdn: storing the generated KV failed (%s); the result is returned unchanged", exc)
+    return _returned(out, stats, want_dict)
+
+
+def _returned(out, stats: dict, want_dict: bool):
+    """What :func:`generate` returns: ``(out with kdn_stats, stats)`` or ``(sequences, stats)``."""
     if want_dict:
         out["kdn_stats"] = stats
         return out, stats

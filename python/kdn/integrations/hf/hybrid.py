@@ -130,12 +130,12 @@ def load(engine: Engine, session, model, tokens, limit: int, started: float | No
     return hybrid_cache(model, session.layout, got.result, [t.to(device) for t in state]), got
 
 
-def generate(engine: Engine, session, model, ids: torch.Tensor, want_dict: bool, keep: bool, started: float,
-             **generate_kwargs):
+def generate(engine: Engine, session, model, ids: torch.Tensor, keep: bool, started: float, **generate_kwargs):
     """:func:`kdn.integrations.hf.generate.generate` for a hybrid model (``session.layout.recurrent``):
     the stored prefix up to its last stored state, the prompt prefilled from there to its last chunk
     boundary (the state there kept), ``model.generate`` for the rest; then the new chunks and that
-    state stored (not when the hit was lossy: KV computed over it is not exact)."""
+    state stored (not when the hit was lossy: KV computed over it is not exact). ``(generate's dict
+    output, stats)``."""
     layout, chunk, n = session.layout, session.chunk_size, int(ids.shape[1])
     tokens = session.tokens(ids[0])
     cache, got = load(engine, session, model, tokens, n - 1, started)
@@ -165,7 +165,4 @@ def generate(engine: Engine, session, model, ids: torch.Tensor, want_dict: bool,
                 engine.sidecars.write(session, state_address(session.prefix_keys(tokens[:end])[-1]), state)
     except Exception as exc:  # storing is best effort; the answer is already computed
         log.warning("kdn: storing the generated KV failed (%s); the result is returned unchanged", exc)
-    if want_dict:
-        out["kdn_stats"] = stats
-        return out, stats
-    return out.sequences, stats
+    return out, stats
