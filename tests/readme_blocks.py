@@ -8,6 +8,8 @@ by ``--vllm-python``, with ``/models/SmolLM2-135M-Instruct`` replaced by ``--che
 ``/var/cache/kdn`` is the disk tier the blocks above stored into (``$XDG_CACHE_HOME/kdn``).
 
     python tests/readme_blocks.py README.md docs/*.md --redis redis://127.0.0.1:6390   # exit 0: every block ran
+
+``--serve`` takes the pages one at a time on stdin (tests/test_readme.py: one test per page, in order).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 MARKER = re.compile(r"<!-- readme-test: (skip|redis|vllm)\b(.*?)-->")
@@ -78,16 +81,11 @@ def runnable(block: Block, args) -> str:
     return code
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("markdown", nargs="+", help="the pages, in the order a reader reads them")
-    parser.add_argument("--redis", help="a Redis URL for the blocks marked redis (else they are skipped)")
-    parser.add_argument("--vllm-python", help="the vLLM venv's python for the blocks marked vllm (else skipped)")
-    parser.add_argument("--checkpoint", help="an HF checkpoint folder of SmolLM2-135M-Instruct (with --vllm-python)")
-    args = parser.parse_args()
-    namespace: dict = {"__name__": "__readme__"}
+def run_page(markdown: str, args, namespace: dict) -> tuple[int, int]:
+    """Run one page's blocks in ``namespace`` (the names earlier pages defined); ``(ran, skipped)``.
+    A block that fails raises (the page's later blocks do not run)."""
     ran = skipped = 0
-    for markdown, block in [(m, b) for m in args.markdown for b in blocks(Path(m).read_text(encoding="utf-8"))]:
+    for block in blocks(Path(markdown).read_text(encoding="utf-8")):
         where = f"{markdown}:{block.line} ({block.lang or 'text'})"
         if block.lang not in ("python", "bash", "yaml"):
             continue
@@ -116,6 +114,36 @@ def main() -> int:
             os.unlink(f.name)
         print(f"--- ok {where} in {time.perf_counter() - started:.1f} s", flush=True)
         ran += 1
+    return ran, skipped
+
+
+PAGE_DONE = "--- page done:"  # what --serve prints after each page: "ok RAN SKIPPED" or "failed"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("markdown", nargs="*", help="the pages, in the order a reader reads them")
+    parser.add_argument("--serve", action="store_true",
+                        help="read page paths from stdin, one a line, and run each as it comes (one namespace), "
+                             f"printing '{PAGE_DONE} ok RAN SKIPPED' or '{PAGE_DONE} failed' after each")
+    parser.add_argument("--redis", help="a Redis URL for the blocks marked redis (else they are skipped)")
+    parser.add_argument("--vllm-python", help="the vLLM venv's python for the blocks marked vllm (else skipped)")
+    parser.add_argument("--checkpoint", help="an HF checkpoint folder of SmolLM2-135M-Instruct (with --vllm-python)")
+    args = parser.parse_args()
+    namespace: dict = {"__name__": "__readme__"}
+    if args.serve:
+        for line in sys.stdin:
+            try:
+                ran, skipped = run_page(line.strip(), args, namespace)
+                print(f"{PAGE_DONE} ok {ran} {skipped}", flush=True)
+            except (Exception, SystemExit):  # a block's failure is the page's verdict; the next page still runs
+                traceback.print_exc(file=sys.stdout)
+                print(f"{PAGE_DONE} failed", flush=True)
+        return 0
+    ran = skipped = 0
+    for markdown in args.markdown:
+        counts = run_page(markdown, args, namespace)
+        ran, skipped = ran + counts[0], skipped + counts[1]
     print(f"README and docs blocks: {ran} ran, {skipped} skipped")
     return 0
 

@@ -6,8 +6,11 @@ a front page (at most 250 lines)."""
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,7 @@ from redis_servers import RedisServer, require_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from readme_blocks import blocks, pages  # noqa: E402
+from readme_blocks import PAGE_DONE, blocks, pages  # noqa: E402
 
 PAGES = pages(ROOT)
 
@@ -50,38 +53,85 @@ def smollm2_checkpoint() -> Path:
     return smollm2.converted_dir(smollm2.gguf_path())
 
 
-@pytest.mark.slow
-def test_the_readme_runs_as_written(smollm2, tmp_path):
-    """Every block, in a folder laid out like a bare clone (README.md, tests/data) with an empty
-    cache folder that only sees the installed models; Redis blocks against a loopback server."""
-    require_redis()
-    try:
-        from test_vllm import vllm_python
+class Reader:
+    """``tests/readme_blocks.py --serve`` in a folder laid out like a bare clone (README.md, tests/data)
+    with an empty cache folder that only sees the installed models, Redis blocks against a loopback
+    server: it runs the pages it is sent one after the other in one namespace, as a reader reads them."""
 
-        vllm = ["--vllm-python", vllm_python(), "--checkpoint", str(smollm2_checkpoint())]
-    except pytest.skip.Exception:  # no vLLM venv here: its block is skipped (CI requires it)
-        vllm = []
-    server = RedisServer(tmp_path / "redis")
-    try:
-        work = tmp_path / "clone"
-        work.mkdir()
-        (work / "tests").symlink_to(ROOT / "tests")
+    def __init__(self, tmp_path: Path):
+        require_redis()
+        try:
+            from test_vllm import vllm_python
+
+            self.vllm = ["--vllm-python", vllm_python(), "--checkpoint", str(smollm2_checkpoint())]
+        except pytest.skip.Exception:  # no vLLM venv here: its block is skipped (CI requires it)
+            self.vllm = []
+        self.server = RedisServer(tmp_path / "redis")
+        self.work = tmp_path / "clone"
+        self.work.mkdir()
+        (self.work / "tests").symlink_to(ROOT / "tests")
         xdg = tmp_path / "xdg"
         (xdg / "kdn").mkdir(parents=True)
         (xdg / "kdn" / "models").symlink_to(cache_root())
         env = {k: v for k, v in os.environ.items() if k not in ("KDN_DATA", "KDN_SHARED", "KDN_CONFIG")}
         env.update(XDG_CACHE_HOME=str(xdg), PYTHONUNBUFFERED="1")
-        run = subprocess.run([sys.executable, str(ROOT / "tests" / "readme_blocks.py"), *map(str, PAGES),
-                              "--redis", f"redis://127.0.0.1:{server.port}", *vllm],
-                             cwd=work, env=env, capture_output=True, text=True, timeout=1500)
-        tail = (run.stdout + run.stderr)[-6000:]
-        assert run.returncode == 0, tail
-        expected = [b for page in PAGES for b in blocks(page.read_text())
-                    if b.lang in ("python", "bash", "yaml") and b.needs != "skip" and (vllm or b.needs != "vllm")]
-        assert f"README and docs blocks: {len(expected)} ran, " in run.stdout, tail
-        assert (work / "eval_out" / "summary.md").is_file(), "the README's kdn eval wrote no report"
-    finally:
-        server.stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "readme_blocks.py"), "--serve",
+             "--redis", f"redis://127.0.0.1:{self.server.port}", *self.vllm],
+            cwd=self.work, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.pump = threading.Thread(target=self._pump, daemon=True)
+        self.pump.start()
+
+    def _pump(self) -> None:
+        with self.proc.stdout:  # closed here, at its end
+            for line in self.proc.stdout:
+                self.lines.put(line)
+        self.lines.put(None)
+
+    def run(self, page: Path, timeout: float = 1200) -> tuple[str, str]:
+        """Run ``page``'s blocks: ``(verdict, output)``, the verdict "ok RAN SKIPPED" or "failed"."""
+        self.proc.stdin.write(f"{page}\n")
+        self.proc.stdin.flush()
+        out, deadline = [], time.monotonic() + timeout
+        while True:
+            line = self.lines.get(timeout=max(1.0, deadline - time.monotonic()))
+            if line is None:
+                return "exited", "".join(out)
+            if line.startswith(PAGE_DONE):
+                return line[len(PAGE_DONE):].strip(), "".join(out)
+            out.append(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        finally:
+            self.proc.kill()
+            self.proc.wait()
+            self.pump.join(timeout=30)
+            self.server.stop()
+
+
+@pytest.fixture(scope="module")
+def reader(smollm2, tmp_path_factory):
+    reader = Reader(tmp_path_factory.mktemp("readme"))
+    yield reader
+    reader.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
+def test_the_readme_and_the_docs_run_as_written(reader, page):
+    """Each page's blocks, in mkdocs.yml's order after the README (one test each: pytest shows each
+    page's progress and time), in one namespace: a page sees the names the pages before it defined,
+    as a reader who runs the manual top to bottom (a page run alone, ``-k``, may miss them)."""
+    verdict, output = reader.run(page)
+    expected = [b for b in blocks(page.read_text()) if b.lang in ("python", "bash", "yaml") and b.needs != "skip"
+                and (reader.vllm or b.needs != "vllm")]
+    assert verdict.split()[:2] == ["ok", str(len(expected))], output[-6000:]
+    if page.name == "evaluation.md":
+        assert (reader.work / "eval_out" / "summary.md").is_file(), "the evaluation page's kdn eval wrote no report"
 
 
 def test_the_cost_table_is_the_recorded_one():

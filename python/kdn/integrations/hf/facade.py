@@ -103,7 +103,8 @@ class KDN:
     def lookup(self, model, token_ids, limit: int | None = None, namespace: str | None = None) -> int:
         """Number of leading tokens of ``token_ids`` that :meth:`retrieve` would serve (only pointers
         are read, no KV): the stored prefix, at most ``len(token_ids) - 1`` unless ``limit`` says
-        otherwise (``limit=len(token_ids)`` asks how much of the whole prompt is stored).
+        otherwise (``limit=len(token_ids)`` asks how much of the whole prompt is stored); for a hybrid
+        model, what :meth:`generate` would serve: up to its deepest stored recurrent state.
 
         ``namespace`` (here and in :meth:`store`, :meth:`retrieve`, :meth:`generate`): the tenant
         the call belongs to, within ``config.namespace``. Different namespaces share no KV and see
