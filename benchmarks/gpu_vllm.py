@@ -45,6 +45,7 @@ SHAPES = {  # LlamaConfig fields
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                     num_key_value_heads=8, head_dim=128),
 }
+FAMILIES = {"mla": "deepseek_v2_config"}  # other families' random checkpoints (tests/model_families.py): DeepSeek-V2's MLA
 CHUNK = 256  # kdn's default chunk: a found document is all but at most its last partial chunk
 TIE = 0.1  # nats between vLLM alone's two best tokens under which bf16 rounding may pick either
 
@@ -58,6 +59,17 @@ def save_model(folder: Path, shape: str, tokenizer: Path, device: str, dtype: st
     if (folder / "config.json").is_file():
         return folder
     vocab = len(AutoTokenizer.from_pretrained(tokenizer))
+    if shape in FAMILIES:  # small: made in fp32 with its weights scaled (greedy tokens vary), saved in dtype
+        sys.path.insert(0, str(ROOT / "tests"))
+        import model_families
+
+        config = getattr(model_families, FAMILIES[shape])()
+        config.vocab_size, config.max_position_embeddings = vocab, max_len
+        model_families.random_model(config).to(getattr(torch, dtype)).save_pretrained(folder)
+        for f in tokenizer.iterdir():
+            if f.is_file() and not (folder / f.name).exists():
+                shutil.copy(f, folder / f.name)
+        return folder
     config = LlamaConfig(**SHAPES[shape], vocab_size=vocab, max_position_embeddings=max_len, tie_word_embeddings=False,
                          rope_theta=500000.0)
     torch.manual_seed(0)
@@ -276,7 +288,8 @@ def main() -> None:
     parser.add_argument("--tokenizer", required=True, type=Path, help="a folder with a tokenizer's files")
     parser.add_argument("--models", default="/tmp/kdn-models", type=Path, help="where the random models are saved")
     parser.add_argument("--shapes", default="smollm2", help="shapes run end to end (the TTFT step's engines "
-                        "check the --ttft-shape's tokens against vLLM alone's too)")
+                        "check the --ttft-shape's tokens against vLLM alone's too): tiny, smollm2, llama8b, or mla "
+                        "(DeepSeek-V2's MLA, small: issue 63's MLA served in a GPU engine)")
     parser.add_argument("--ttft-shape", default="llama8b")
     parser.add_argument("--lengths", default="4096,16384,32768", help="context lengths the TTFT step times")
     parser.add_argument("--e2e-tokens", type=int, default=1500, help="document tokens of the end-to-end prompts")
