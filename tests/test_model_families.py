@@ -184,7 +184,7 @@ def test_a_hybrid_model_resumes_from_its_stored_state_with_a_full_prefills_answe
 
 def test_a_hybrid_hit_without_a_usable_state_is_recomputed_and_tenants_share_nothing(tmp_path):
     """Issue 63: a hybrid prefix whose state is gone, fails its checksum or is no state of this model
-    is a miss (the chunks alone are never served: the recurrent layers would start from nothing)
+    (a planted one, sealed right: garbage, or the right number of tensors of the wrong shapes) is a miss (the chunks alone are never served: the recurrent layers would start from nothing)
     with a full prefill's answer, then stored again; a namespace sees none of another's prefixes."""
     from kdn.integrations.hf.hybrid import state_address
     from model_families import random_model
@@ -197,15 +197,17 @@ def test_a_hybrid_hit_without_a_usable_state_is_recomputed_and_tenants_share_not
     session = cache.session(model, "a")
     address = state_address(session.prefix_keys(session.tokens(ids[0]))[-1])
     assert cache.lookup(model, ids[0], namespace="a") == 128 and cache.lookup(model, ids[0], namespace="b") == 0
-    for harm in ("drop", "flipped byte", "not a state"):
+    wrong = (b"\x00\x03" + b"\x01\x00\x00\x00" * 3 + b"\x00" * 4) * 4  # four tensors, as many as its, each [1, 1, 1]
+    for harm in ("drop", "flipped byte", "not a state", "wrong shapes"):
         if harm == "drop":
             cache.engine.sidecars.drop(address)
         elif harm == "flipped byte":  # caught by the sidecar's checksum
             blob = bytearray(cache.memory.get(address))
             blob[-5] ^= 0x40
             cache.memory.put(address, bytes(blob))
-        else:  # sealed as a sidecar of this model and address, but no state of this layout
-            cache.engine.sidecars.write(session, address, b"\x00\x01\x04\x00\x00\x00" + b"\x00" * 16)
+        else:  # sealed as a sidecar of this model and address (a planted one), but no state of this model
+            cache.engine.sidecars.write(session, address, wrong if harm == "wrong shapes"
+                                        else b"\x00\x01\x04\x00\x00\x00" + b"\x00" * 16)
         assert cache.lookup(model, ids[0], namespace="a") == 0
         got, served, out = _greedy(lambda i, **kw: cache.generate(model, i, namespace="a", **kw), ids)
         assert got == want and (served - first).abs().max() < 1e-4 and out["kdn_stats"]["hit_tokens"] == 0

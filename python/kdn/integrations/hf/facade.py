@@ -114,7 +114,7 @@ class KDN:
         if session.layout.recurrent:  # a hybrid model's: up to the last stored state (its payload is read)
             from kdn.integrations.hf.hybrid import held
 
-            return held(self.engine, session, tokens, _limit(limit, len(tokens), "lookup"))[0]
+            return held(self.engine, session, model, tokens, _limit(limit, len(tokens), "lookup"))[0]
         return self.engine.lookup(session, tokens, _limit(limit, len(tokens), "lookup"))
 
     def store(self, model, token_ids, past_key_values, namespace: str | None = None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import struct
 import time
+import weakref
 
 import torch
 from transformers import DynamicCache
@@ -42,32 +43,52 @@ def pack_state(cache, layout: ModelLayout) -> bytes:
     ``kernel - 1`` inputs: all a continuation reads, as vLLM keeps it) and its recurrent state,
     each tensor as its dtype, shape and bytes."""
     parts = []
-    for i in layout.recurrent:
-        layer = cache.layers[i]
-        for t in (layer.conv_states[0][..., 1:], layer.recurrent_states[0]):
-            t = t.detach().contiguous().cpu()
-            parts += [_TENSOR.pack(_DTYPES.index(t.dtype), t.dim()), struct.pack(f"<{t.dim()}I", *t.shape),
-                      t.view(torch.uint8).numpy().tobytes()]
+    for t in _state_tensors(cache, layout):
+        t = t.detach().contiguous().cpu()
+        parts += [_TENSOR.pack(_DTYPES.index(t.dtype), t.dim()), struct.pack(f"<{t.dim()}I", *t.shape),
+                  t.view(torch.uint8).numpy().tobytes()]
     return b"".join(parts)
 
 
-def unpack_state(payload: bytes, layout: ModelLayout, device) -> list[torch.Tensor]:
-    """The tensors of :func:`pack_state` (conv, state per recurrent layer) on ``device``; InvalidInputError
-    when the payload is not a state of this layout."""
+def _state_tensors(cache, layout: ModelLayout) -> list[torch.Tensor]:
+    return [t for i in layout.recurrent
+            for t in (cache.layers[i].conv_states[0][..., 1:], cache.layers[i].recurrent_states[0])]
+
+
+_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its state's (dtype, shape)s
+
+
+def state_shapes(model, layout: ModelLayout) -> list[tuple]:
+    """``(dtype, shape)`` of each tensor :func:`pack_state` packs for ``model``, from a one-token
+    forward (once per model object): what a stored state must hold to be read."""
+    if model not in _SHAPES:
+        cache = DynamicCache(config=model.config)
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            model(torch.ones(1, 1, dtype=torch.long, device=device), **cache_arg(cache), use_cache=True,
+                  logits_to_keep=1)
+        _SHAPES[model] = [(t.dtype, tuple(t.shape)) for t in _state_tensors(cache, layout)]
+    return _SHAPES[model]
+
+
+def unpack_state(payload: bytes, shapes: list[tuple], device) -> list[torch.Tensor]:
+    """The tensors of :func:`pack_state` (conv, state per recurrent layer) on ``device``;
+    InvalidInputError unless the payload holds exactly tensors of ``shapes`` (:func:`state_shapes`)."""
     out, at = [], 0
-    while at < len(payload):
+    while at < len(payload) and len(out) < len(shapes):
         code, dims = _TENSOR.unpack_from(payload, at)
-        at += _TENSOR.size
-        shape = struct.unpack_from(f"<{dims}I", payload, at)
-        at += 4 * dims
+        shape = struct.unpack_from(f"<{dims}I", payload, at + _TENSOR.size)
+        at += _TENSOR.size + 4 * dims
+        if code >= len(_DTYPES) or (_DTYPES[code], shape) != shapes[len(out)]:
+            raise InvalidInputError(f"a stored recurrent state's tensor {len(out)} is {shape}, not {shapes[len(out)]}")
         dtype = _DTYPES[code]
         size = dtype.itemsize * int(torch.Size(shape).numel())
         raw = torch.frombuffer(bytearray(payload[at:at + size]), dtype=torch.uint8)
         out.append(raw.view(dtype).view(shape).to(device))
         at += size
-    if at != len(payload) or len(out) != 2 * len(layout.recurrent):
+    if at != len(payload) or len(out) != len(shapes):
         raise InvalidInputError(f"a stored recurrent state of {len(out)} tensors, {at} of {len(payload)} bytes read: "
-                                f"expected {2 * len(layout.recurrent)} tensors")
+                                f"expected {len(shapes)} tensors")
     return out
 
 
@@ -95,7 +116,7 @@ def attention_kv(cache, end: int) -> list[torch.Tensor]:
     return [t[:1, :, :end].cpu() for t in cache_to_kv_list(cache)]
 
 
-def held(engine: Engine, session, tokens, limit: int) -> tuple[int, list | None]:
+def held(engine: Engine, session, model, tokens, limit: int) -> tuple[int, list | None]:
     """``(tokens, state)``: the longest stored prefix of ``tokens`` (at most ``limit``) that ends at a
     chunk boundary whose recurrent state is stored and usable, and that state (:func:`unpack_state`,
     on the CPU); ``(0, None)`` if none. A state that fails its checksum or does not parse is dropped."""
@@ -107,7 +128,7 @@ def held(engine: Engine, session, tokens, limit: int) -> tuple[int, list | None]
         if payload is None:
             continue
         try:
-            return full * chunk, unpack_state(payload, session.layout, "cpu")
+            return full * chunk, unpack_state(payload, state_shapes(model, session.layout), "cpu")
         except (InvalidInputError, IndexError, ValueError, RuntimeError, struct.error) as e:
             log.warning("kdn: dropping an unusable stored recurrent state (treated as a miss): %s", e)
             engine.sidecars.drop(address)
@@ -119,7 +140,7 @@ def load(engine: Engine, session, model, tokens, limit: int, started: float | No
     none, or when its chunks cannot all be read: recomputed, never a state beside other KV)."""
     from kdn.engine.core import Load
 
-    boundary, state = held(engine, session, tokens, limit)
+    boundary, state = held(engine, session, model, tokens, limit)
     if not boundary:
         return None, Load()
     device = next(model.parameters()).device
