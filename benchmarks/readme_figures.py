@@ -215,6 +215,20 @@ def ttft_table(path: Path) -> str:
     return "\n".join([*lines, "", *_provenance(path, record)]) + "\n"
 
 
+def hybrid_table(path: Path) -> str:
+    """bench_hybrid.py: a hybrid model's HF hit against its full prefill, beside a full-attention
+    model of the same shape, one run (medians, the runs' range beside each)."""
+    record = json.loads(path.read_text())
+    lines = ["| model | context + question | stored | full prefill | kdn hit | speedup | same token |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for r in record["rows"]:
+        lines.append(f"| {r['family']} | {r['tokens']:,} + {r['question_tokens']} | {r['stored_bytes'] / 2**20:.1f} MiB | "
+                     f"{_s(r['full_prefill_s'])}{_spread(r['full_prefill_runs_s'], _s)} | "
+                     f"{_ms(r['kdn_hit_s'])}{_spread(r['kdn_hit_runs_s'], _ms)} | {r['speedup']:.1f}x | "
+                     f"{'yes' if r['same_token'] else 'NO'} |")
+    return "\n".join([*lines, "", *_provenance(path, record)]) + "\n"
+
+
 def tiers_tables(path: Path) -> str:
     """bench_tiers.py: the memory tier against numpy copies, the disk tier against torch.save and
     safetensors (with and without fsync), and the eviction policies' hit rates."""
@@ -243,6 +257,7 @@ FIGURES = {  # the block's name in README.md -> (renderer, record)
     "ttft": (ttft_table, RESULTS / "ttft" / "bench_ttft.json"),
     "ttft-qwen15": (ttft_table, RESULTS / "ttft" / "qwen15" / "bench_ttft.json"),
     "tiers": (tiers_tables, RESULTS / "tiers" / "bench_tiers.json"),
+    "hybrid": (hybrid_table, RESULTS / "hybrid" / "bench_hybrid.json"),
     "vllm-peers": (vllm_table, RESULTS / "vllm" / "peers" / "bench_vllm.json"),
     "vllm-peers-bf16": (vllm_table, RESULTS / "vllm" / "peers-bf16" / "bench_vllm.json"),
     "serving-peers-32": (serving_table, RESULTS / "serving" / "peers-32" / "bench_serving.json"),
