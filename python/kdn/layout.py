@@ -34,7 +34,7 @@ class ModelLayout:
 
     ``recurrent``: a hybrid model's mamba or linear-attention layers, whose state is no KV: ``layers``
     and the chunks hold its attention layers alone, and the HF face keeps the recurrent layers' state
-    at each chunk boundary beside them (:mod:`kdn.integrations.hf.hybrid`)."""
+    at each prompt's last chunk boundary beside them (:mod:`kdn.integrations.hf.hybrid`)."""
 
     layers: int
     kv_heads: int
@@ -169,7 +169,7 @@ RECURRENT_WORDS = ("mamba", "linear", "conv", "ssm", "recurrent", "rwkv", "delta
 
 # Hybrid models (``model_type``) whose HF forward resumes a prefill from a cached state exactly: a
 # prefill in two pieces gives one pass's logits (tests/test_model_families.py checks each). Jamba's
-# does not in transformers 5.24 (its logits differ by ~0.6% of their range): refused, as is
+# does not in transformers 5.24 (its full-sequence scan is given no initial state): refused, as is
 # Falcon-H1's, whose layers run mamba and attention side by side in one cache layer.
 RESUMING_HYBRIDS = ("granitemoehybrid", "qwen3_next")
 RECURRENT_CACHE_LAYER = "LinearAttentionLayer"  # HF's cache layer of a recurrent layer: conv and SSM states

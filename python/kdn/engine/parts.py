@@ -83,6 +83,10 @@ class Sidecars:
         """File ``payload`` under ``address`` (an edit's address); True if some tier holds it."""
         return self._tiers.put(address, _core.sidecar_pack(session.fingerprint, address, payload))
 
+    def held(self, addresses: list[bytes]) -> list[bool]:
+        """Per address: whether some tier holds a sidecar filed there (one batched check per tier; no data read)."""
+        return self._tiers.held(addresses)
+
     def drop(self, address: bytes) -> None:
         """Remove the sidecar filed under ``address`` from every tier (one its reader cannot use)."""
         self._tiers.drop(address)

@@ -80,9 +80,8 @@ class KDN:
         states = codecs.model_states()
         if codec not in states:
             raise InvalidInputError(f"codec {codec!r} is not calibrated; calibrated codecs: {', '.join(states)}")
-        self._attention_only(model, "KDN.calibrate")
-        return self.engine.calibrations.store(self.session(model), codec, states[codec].calibrate(model, contexts,
-                                                                                                 **options))
+        session = self._attention_only(model, "KDN.calibrate")
+        return self.engine.calibrations.store(session, codec, states[codec].calibrate(model, contexts, **options))
 
     @property
     def memory(self):

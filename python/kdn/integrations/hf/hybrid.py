@@ -1,5 +1,5 @@
 """A hybrid model in the HF face (mamba or linear-attention layers beside attention: Granite-4-H,
-Jamba, Qwen3-Next): the attention layers' KV is stored in chunks as any model's, and each recurrent
+Qwen3-Next; :data:`kdn.layout.RESUMING_HYBRIDS`): the attention layers' KV is stored in chunks as any model's, and each recurrent
 layer's state at the last chunk boundary of each prompt as one sealed sidecar beside the chunk that
 ends there (as vLLM's align mode keeps one checkpoint per prompt: a state is as large as many chunks),
 so a later prompt that shares that prefix resumes from it (docs/models.md)."""
@@ -30,7 +30,7 @@ def refuse(layout: ModelLayout, what: str) -> None:
     served for attention-only models; a hybrid's is served by ``generate``."""
     if layout.recurrent:
         raise InvalidInputError(f"{what} is not supported for a hybrid model (recurrent layers {list(layout.recurrent)}): "
-                                "kdn serves one through KDN.generate, which keeps the state at each chunk boundary")
+                                "kdn serves one through KDN.generate, which keeps the state at a prompt's last chunk boundary")
 
 
 def state_address(chunk_key: bytes) -> bytes:
@@ -122,9 +122,11 @@ def held(engine: Engine, session, model, tokens, limit: int) -> tuple[int, list 
     on the CPU); ``(0, None)`` if none. A state that fails its checksum or does not parse is dropped."""
     chunk = session.chunk_size
     found = engine.find(session, tokens, limit)
-    for full in range(found.tokens // chunk, 0, -1):
-        address = state_address(found.keys[full - 1])
-        payload = engine.sidecars.read(session, address)  # a blob failing its checksum: dropped, None
+    addresses = [state_address(key) for key in found.keys[:found.tokens // chunk]]
+    present = engine.sidecars.held(addresses)  # one check, not a read per boundary (most hold no state)
+    for full in range(len(addresses), 0, -1):
+        address = addresses[full - 1]
+        payload = engine.sidecars.read(session, address) if present[full - 1] else None  # failing its checksum: None
         if payload is None:
             continue
         try:
