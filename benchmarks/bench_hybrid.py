@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 import transformers
 
-import kdn
 from kdn import KDN, KDNConfig
 from timing import QUESTION, question_ids, save_result
 
@@ -78,13 +77,15 @@ def main() -> None:
                 same = same and torch.equal(got, want)
             stats = cache.last_generate
             full_s, hit_s = statistics.median(full_runs), statistics.median(hit_runs)
-            row = {"family": family, "tokens": n, "question_tokens": question.shape[1], "hit_tokens": stats["hit_tokens"],
+            row = {"family": family, "tokens": n, "question_tokens": question.shape[1],
+                   "hit_tokens": stats["hit_tokens"],
                    "stored_bytes": cache.stats()["memory"]["used_bytes"], "full_prefill_s": full_s,
                    "full_prefill_runs_s": full_runs, "kdn_hit_s": hit_s, "kdn_hit_runs_s": hit_runs,
                    "speedup": full_s / hit_s, "same_token": same}
             rows.append(row)
-            print(f"{family:>14} {n:>6} tokens  hit {row['hit_tokens']:>5}  stored {row['stored_bytes'] / 2**20:7.1f} MiB  "
-                  f"full prefill {full_s * 1e3:8.0f} ms  kdn hit {hit_s * 1e3:6.0f} ms  speedup {row['speedup']:6.1f}x  "
+            print(f"{family:>14} {n:>6} tokens  hit {row['hit_tokens']:>5}  "
+                  f"stored {row['stored_bytes'] / 2**20:7.1f} MiB  full prefill {full_s * 1e3:8.0f} ms  "
+                  f"kdn hit {hit_s * 1e3:6.0f} ms  speedup {row['speedup']:6.1f}x  "
                   f"same token {same}", flush=True)
     out = save_result(Path(args.out) / "bench_hybrid.json", {
         "what": "generate(max_new_tokens=1) of context + question: model.generate alone vs KDN.generate served the "

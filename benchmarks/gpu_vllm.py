@@ -45,7 +45,8 @@ SHAPES = {  # LlamaConfig fields
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                     num_key_value_heads=8, head_dim=128),
 }
-FAMILIES = {"mla": "deepseek_v2_config"}  # other families' random checkpoints (tests/model_families.py): DeepSeek-V2's MLA
+# other families' random checkpoints (tests/model_families.py): DeepSeek-V2's MLA
+FAMILIES = {"mla": "deepseek_v2_config"}
 CHUNK = 256  # kdn's default chunk: a found document is all but at most its last partial chunk
 TIE = 0.1  # nats between vLLM alone's two best tokens under which bf16 rounding may pick either
 

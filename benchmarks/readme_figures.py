@@ -222,7 +222,8 @@ def hybrid_table(path: Path) -> str:
     lines = ["| model | context + question | stored | full prefill | kdn hit | speedup | same token |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for r in record["rows"]:
-        lines.append(f"| {r['family']} | {r['tokens']:,} + {r['question_tokens']} | {r['stored_bytes'] / 2**20:.1f} MiB | "
+        lines.append(f"| {r['family']} | {r['tokens']:,} + {r['question_tokens']} | "
+                     f"{r['stored_bytes'] / 2**20:.1f} MiB | "
                      f"{_s(r['full_prefill_s'])}{_spread(r['full_prefill_runs_s'], _s)} | "
                      f"{_ms(r['kdn_hit_s'])}{_spread(r['kdn_hit_runs_s'], _ms)} | {r['speedup']:.1f}x | "
                      f"{'yes' if r['same_token'] else 'NO'} |")

@@ -184,7 +184,8 @@ def test_a_hybrid_model_resumes_from_its_stored_state_with_a_full_prefills_answe
 
 def test_a_hybrid_hit_without_a_usable_state_is_recomputed_and_tenants_share_nothing(tmp_path):
     """Issue 63: a hybrid prefix whose state is gone, fails its checksum or is no state of this model
-    (a planted one, sealed right: garbage, or the right number of tensors of the wrong shapes) is a miss (the chunks alone are never served: the recurrent layers would start from nothing)
+    (a planted one, sealed right: garbage, or the right number of tensors of the wrong shapes) is a
+    miss (the chunks alone are never served: the recurrent layers would start from nothing)
     with a full prefill's answer, then stored again; a namespace sees none of another's prefixes."""
     from kdn.integrations.hf.hybrid import state_address
     from model_families import random_model

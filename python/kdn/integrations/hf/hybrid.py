@@ -1,8 +1,9 @@
 """A hybrid model in the HF face (mamba or linear-attention layers beside attention: Granite-4-H,
-Qwen3-Next; :data:`kdn.layout.RESUMING_HYBRIDS`): the attention layers' KV is stored in chunks as any model's, and each recurrent
-layer's state at the last chunk boundary of each prompt as one sealed sidecar beside the chunk that
-ends there (as vLLM's align mode keeps one checkpoint per prompt: a state is as large as many chunks),
-so a later prompt that shares that prefix resumes from it (docs/models.md)."""
+Qwen3-Next; :data:`kdn.layout.RESUMING_HYBRIDS`): the attention layers' KV is stored in chunks as any
+model's, and each recurrent layer's state at the last chunk boundary of each prompt as one sealed
+sidecar beside the chunk that ends there (as vLLM's align mode keeps one checkpoint per prompt: a
+state is as large as many chunks), so a later prompt that shares that prefix resumes from it
+(docs/models.md)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ def refuse(layout: ModelLayout, what: str) -> None:
     """Raise InvalidInputError when ``layout`` is a hybrid model's: ``what`` (a face's call) is
     served for attention-only models; a hybrid's is served by ``generate``."""
     if layout.recurrent:
-        raise InvalidInputError(f"{what} is not supported for a hybrid model (recurrent layers {list(layout.recurrent)}): "
-                                "kdn serves one through KDN.generate, which keeps the state at a prompt's last chunk boundary")
+        raise InvalidInputError(f"{what} is not supported for a hybrid model (recurrent layers "
+                                f"{list(layout.recurrent)}): kdn serves one through KDN.generate, which keeps the "
+                                "state at a prompt's last chunk boundary")
 
 
 def state_address(chunk_key: bytes) -> bytes:
