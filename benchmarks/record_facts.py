@@ -5,6 +5,7 @@ subcommand prints one, from the files it names, so the prose that quotes it can 
     python benchmarks/record_facts.py editing-whole-doc   # the edited store's ratio with each document's tail
     python benchmarks/record_facts.py hits-held           # hits-first: hits over 2 s and 5 s, held or not
     python benchmarks/record_facts.py calibration-overlap # 8-word runs the old calibrations shared
+    python benchmarks/record_facts.py miss-price          # a miss priced by vLLM alone's sample and by the prefix cache
 """
 
 from __future__ import annotations
@@ -83,9 +84,44 @@ def calibration_overlap() -> None:
         print(f"bench_codecs by index: {s.id:14} {len(own & ev) / max(1, len(own)):.0%} of its runs evaluated")
 
 
+def miss_price() -> None:
+    """A miss's price two ways in each serving run with both rows: vLLM alone's sampled requests (1 /
+    its req/s: the free-hit estimate's price) and the same run's prefix-cache misses (its whole run's
+    seconds over the documents it prefilled, its hits counted free: at most what a miss cost it); and
+    each kdn row's share of the free-hit estimate (and of the serial estimate, where a replay priced
+    its hits) under either price (the lower price, the higher estimate). A row whose step caps
+    (``+lpT``) the run has no prefix-cache row for is left out."""
+    for path in sorted(glob.glob(str(RESULTS / "serving" / "**" / "bench_serving.json"), recursive=True)):
+        rows = json.loads(Path(path).read_text())["rows"]
+        for row in rows:
+            if not (row["config"].startswith("kdn") and row.get("miss_bound_rps")):
+                continue
+            same = [r for r in rows if (r["workload"], r["n"], r["concurrency"]) ==
+                    (row["workload"], row["n"], row["concurrency"])]
+            suffix = row["config"][row["config"].find("+"):] if "+" in row["config"] else ""
+            alone = next((r for r in same if r["config"] == "vllm" + suffix), None)
+            prefix = next((r for r in same if r["config"] == "vllm-prefix" + suffix), None)
+            if alone is None or prefix is None or not prefix.get("docs_prefilled"):
+                continue
+            sampled = 1 / alone["throughput_rps"]
+            from_misses = prefix["requests"] / prefix["throughput_rps"] / prefix["docs_prefilled"]
+            low = min(sampled, from_misses)
+            share = row["throughput_rps"] * row["docs_prefilled"] * low / row["requests"]
+            serial, replay = "", row.get("replay")
+            if row.get("of_hit_aware_bound") is not None:  # the serial estimate, its misses at either price
+                hits = (row["requests"] - row["docs_prefilled"]) / replay["throughput_rps"]
+                at_low = row["throughput_rps"] * (row["docs_prefilled"] * low + hits) / row["requests"]
+                serial = f"; of the serial estimate {row['of_hit_aware_bound']:.0%} sampled, {at_low:.0%} at the lower"
+            print(f"{Path(path).parent.name:20} {row['config']:24} miss {sampled:.2f} s sampled ({alone['requests']} "
+                  f"requests), <= {from_misses:.2f} s from the prefix cache's {prefix['docs_prefilled']} misses "
+                  f"({from_misses / sampled - 1:+.0%}); of the free-hit estimate {row['of_miss_bound']:.0%} "
+                  f"sampled, {share:.0%} at the lower price" + serial)
+
+
 if __name__ == "__main__":
     facts = {"serial-estimate": serial_estimate, "editing-whole-doc": editing_whole_doc,
-             "hits-held": hits_held, "calibration-overlap": calibration_overlap}
+             "hits-held": hits_held, "calibration-overlap": calibration_overlap,
+             "miss-price": miss_price}
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("fact", choices=facts)
     facts[parser.parse_args().fact]()
