@@ -442,7 +442,9 @@ def judged(chaos, result: dict, alone: dict | None, args) -> dict:
 
 def bound(rows: list[dict]) -> list[dict]:
     """kdn's free-hit estimate per docqa run: vLLM alone's throughput (every request a miss) x requests /
-    the documents kdn prefilled; and each row's ratios to vLLM's prefix cache in the same run."""
+    the documents kdn prefilled (and kdn's share of it with a miss priced instead by the prefix cache's
+    run over its misses, at most what one cost it); and each row's ratios to vLLM's prefix cache in the
+    same run."""
     def find(config, row):
         return next((r for r in rows if r["config"] == config and r["workload"] == row["workload"]
                      and r["n"] == row["n"] and r["concurrency"] == row["concurrency"]), None)
@@ -455,6 +457,10 @@ def bound(rows: list[dict]) -> list[dict]:
         if row["config"].startswith("kdn") and alone and row.get("docs_prefilled"):
             row["miss_bound_rps"] = alone["throughput_rps"] * row["requests"] / row["docs_prefilled"]
             row["of_miss_bound"] = row["throughput_rps"] / row["miss_bound_rps"]
+            if prefix and prefix.get("docs_prefilled"):  # a second price: the prefix cache's run over its misses
+                miss_s = prefix["requests"] / prefix["throughput_rps"] / prefix["docs_prefilled"]
+                row["of_miss_bound_prefix_priced"] = (row["throughput_rps"] * row["docs_prefilled"] * miss_s
+                                                      / row["requests"])
             replay = row.get("replay")
             if replay and not replay["docs_prefilled"]:  # the seconds a miss and a hit each take alone
                 hits = row["requests"] - row["docs_prefilled"]

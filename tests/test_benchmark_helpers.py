@@ -59,6 +59,11 @@ def test_a_serving_table_without_the_prefix_cache_gives_no_ratio_to_it():
     prefix = row("vllm-prefix", 0.1)
     rows = bench_serving.bound([row("vllm", 0.05), prefix, row("kdn-disk", 0.3, docs_prefilled=32)])
     assert [r["throughput_vs_prefix"] for r in rows] == [0.5, 1.0, pytest.approx(3.0)]
+    # the prefix cache's 128 requests at 0.1 req/s over its 64 misses: at most 20 s a miss against vLLM alone's 25 s
+    prefix["docs_prefilled"] = 64
+    rows = bench_serving.bound([row("vllm", 0.04), prefix, row("kdn-disk", 0.3, docs_prefilled=32)])
+    assert rows[2]["of_miss_bound"] == pytest.approx(0.3 / (0.04 * 4))
+    assert rows[2]["of_miss_bound_prefix_priced"] == pytest.approx(0.3 * 32 * 20 / 128)
 
 
 def test_a_capped_kdn_row_is_bounded_by_vllm_alone_under_the_same_cap():
