@@ -208,10 +208,11 @@ from types import SimpleNamespace as NS
 from kdn.integrations.vllm import unsupported_reason
 
 folder = sys.argv[1]
-def engine(hf=None, use_mla=False, groups=("FullAttentionSpec",), model=folder, windows=None):
+def engine(hf=None, use_mla=False, groups=("FullAttentionSpec",), model=folder, windows=None, tp=1, pp=1):
     windows = windows or [None] * len(groups)
     specs = [NS(kv_cache_spec=type(name, (), {"sliding_window": w})()) for name, w in zip(groups, windows)]
-    config = NS(model_config=NS(use_mla=use_mla, hf_text_config=hf or NS(), model=model))
+    config = NS(model_config=NS(use_mla=use_mla, hf_text_config=hf or NS(), model=model),
+                parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp))
     return unsupported_reason(config, NS(kv_cache_groups=specs))
 print(json.dumps({
     "plain": engine(),
@@ -221,6 +222,8 @@ print(json.dumps({
     "mla": engine(use_mla=True),
     "hybrid": engine(groups=("FullAttentionSpec", "MambaSpec")),
     "hub_name": engine(model="HuggingFaceTB/SmolLM2-135M"),
+    "tp": engine(tp=2),
+    "pp": engine(pp=2),
 }))
 """
 
@@ -234,6 +237,7 @@ def test_models_kdn_cannot_serve_are_named_and_served_nothing(setup):
     assert "hybrid KV cache manager is off" in why["hma_off"]
     assert "CPU_MLA" in why["mla"] and "hybrid" in why["hybrid"] and "MambaSpec" in why["hybrid"]
     assert "not a local HF checkpoint" in why["hub_name"]
+    assert "tensor parallelism over 2 ranks" in why["tp"] and "pipeline parallelism over 2 ranks" in why["pp"]
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,13 @@ def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
         return ("MLA on vLLM's CPU platform: its CPU_MLA backend prefills without a cached context (vLLM turns "
                 "prefix caching off there), so a hit's remaining tokens would be computed without the prefix; "
                 "kdn serves MLA models on GPU MLA backends")
+    parallel = getattr(vllm_config, "parallel_config", None)
+    ranks = {kind: getattr(parallel, f"{kind}_parallel_size", 1) for kind in ("tensor", "pipeline")}
+    split = [f"{kind} parallelism over {n} ranks" for kind, n in ranks.items() if n > 1]
+    if split:
+        return (f"{' and '.join(split)}: each rank holds part of the model's KV (its KV heads, or its layers) and kdn "
+                "stores a chunk's whole KV from one process; it does not shard chunks by rank yet (an MLA latent, "
+                "which every tensor-parallel rank holds whole, included)")
     folder = Path(model.model)
     if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
         return f"{model.model} is not a local HF checkpoint folder (kdn fingerprints the checkpoint's files)"
