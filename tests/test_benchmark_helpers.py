@@ -3,6 +3,7 @@ starts), checked on inputs whose answer is known."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -146,7 +147,40 @@ def test_a_record_made_outside_a_checkout_names_the_commit_its_runner_gives(monk
     assert info.provenance()["git_sha"] == "unknown"
     monkeypatch.setenv("KDN_COMMIT", "6bd3ed2")
     monkeypatch.setattr(info, "git_sha", lambda folder, exclude=None: "abc123")
+    monkeypatch.setattr(info, "kdn_checkout", lambda: Path("/src/kdn"))
     assert info.provenance()["git_sha"] == "abc123"
+
+
+def test_an_installed_kdn_inside_another_repository_names_no_commit(tmp_path, monkeypatch):
+    """pyenv is a git clone: a kdn installed into its site-packages found pyenv's commit and a
+    MuSiQue record named it (f6a5b409, no commit of kdn's). Only a checkout's own layout
+    (pyproject.toml beside python/kdn) gives a commit."""
+    import importlib.util
+
+    from kdn import info
+
+    def git(folder, *args):
+        subprocess.run(["git", *args], cwd=folder, check=True, capture_output=True)
+
+    def load(path):
+        path.parent.mkdir(parents=True)
+        path.write_text(Path(info.__file__).read_text())
+        spec = importlib.util.spec_from_file_location("info_copy", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    git(tmp_path, "init", "-q")
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'kdn'\n")
+    git(tmp_path, "add", "pyproject.toml")
+    git(tmp_path, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    installed = load(tmp_path / "lib" / "site-packages" / "kdn" / "info.py")
+    monkeypatch.delenv("KDN_COMMIT", raising=False)
+    assert installed.git_sha(tmp_path / "lib") == head  # what a record named before
+    assert installed.kdn_checkout() is None and installed.checkout_sha() == "unknown"
+    source = load(tmp_path / "python" / "kdn" / "info.py")
+    assert source.kdn_checkout() == tmp_path.resolve() and source.checkout_sha().startswith(head)
 
 
 def test_a_record_names_the_commit_its_run_started_at_and_any_that_landed_while_it_ran(monkeypatch):

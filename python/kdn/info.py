@@ -70,10 +70,20 @@ def provenance(libraries=("kdn", "torch", "transformers", "numpy"), sha: str | N
     }
 
 
+def kdn_checkout() -> Path | None:
+    """The source checkout this module runs from (the folder holding ``pyproject.toml`` and
+    ``python/kdn``), or None for an installed kdn: one inside some other repository (a pyenv or venv
+    that is a git clone) must not take that repository's commit for kdn's."""
+    here = Path(__file__).resolve().parent
+    root = here.parent.parent
+    return root if here.parent.name == "python" and (root / "pyproject.toml").is_file() else None
+
+
 def checkout_sha() -> str:
     """The commit of kdn's checkout (``+dirty`` with changes outside benchmarks/results), else
     ``$KDN_COMMIT`` (an installed kdn whose runner names its commit), else "unknown"."""
-    found = git_sha(Path(__file__).parent, exclude="benchmarks/results")
+    root = kdn_checkout()
+    found = git_sha(root, exclude="benchmarks/results") if root is not None else "unknown"
     return os.environ.get("KDN_COMMIT", found) if found == "unknown" else found
 
 
