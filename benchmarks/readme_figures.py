@@ -253,6 +253,32 @@ def tiers_tables(path: Path) -> str:
     return "\n".join([*lines, "", *_provenance(path, record)]) + "\n"
 
 
+def accuracy_table(path: Path) -> str:
+    """``kdn eval``'s summary.json: each method's quality with its 95% interval, its paired
+    difference from the full prefill, the KV it stored (and how much smaller than fp16: half the
+    exact fp32 reuse's), and how many answers kept the full prefill's very tokens."""
+    record = json.loads(path.read_text())
+    summary, n = record["summary"], record["summary"]["full"]["n"]
+    fp16 = summary["reuse"]["stored_bytes_mean"] / 2 if "reuse" in summary else None
+    lines = [f"| method | {record['metric']} [95% CI] | vs full (paired) | stored | vs fp16 | same tokens as full |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for method, m in summary.items():
+        low, high = m["quality_ci95"]
+        paired = "-" if m["vs_full"] is None else "{:+.3f} [{:+.3f}, {:+.3f}]".format(m["vs_full"]["mean"],
+                                                                                      *m["vs_full"]["ci95"])
+        stored = m.get("stored_bytes_mean") or 0
+        smaller = f"{fp16 / stored:.1f}x" if fp16 and stored and method != "reuse" else "-"
+        same = "-" if method == "full" else f"{round(m['identical_to_full'] * m['n'])}/{m['n']}"
+        lines.append(f"| {method} | {m['quality']:.3f} [{low:.2f}, {high:.2f}] | {paired} | "
+                     f"{stored / 2**20:.1f} MiB | {smaller} | {same} |" if stored else
+                     f"| {method} | {m['quality']:.3f} [{low:.2f}, {high:.2f}] | {paired} | - | - | {same} |")
+    calibration = record.get("calibration")
+    if calibration:
+        lines += ["", f"{n} samples; kvtc calibrated on {', '.join(calibration['samples'])} "
+                      f"({calibration['tokens']:,} tokens, content `{calibration['content'][:8]}`)."]
+    return "\n".join([*lines, "", *_provenance(path, record)]) + "\n"
+
+
 RESULTS = ROOT / "benchmarks" / "results"
 FIGURES = {  # the block's name in README.md -> (renderer, record)
     "ttft": (ttft_table, RESULTS / "ttft" / "bench_ttft.json"),
@@ -265,6 +291,7 @@ FIGURES = {  # the block's name in README.md -> (renderer, record)
     "serving-peers-128": (serving_table, RESULTS / "serving" / "peers-128" / "bench_serving.json"),
     "serving-peers-chat": (serving_table, RESULTS / "serving" / "peers-chat" / "bench_serving.json"),
     "serving-fleet": (fleet_table, RESULTS / "fleet" / "bench_serving.json"),
+    "accuracy-musique-8word": (accuracy_table, RESULTS / "accuracy" / "qwen15-musique-8word" / "summary.json"),
 }
 
 
