@@ -55,9 +55,11 @@ def _x(ratio: float | None) -> str:
 
 
 def _end_load(run: dict) -> str:
-    if "load_average" not in run:
+    """The load when the record was written (``kdn eval`` records its start's too: not this one)."""
+    load = run.get("load_average_written", run.get("load_average"))
+    if load is None:
         return ", its load not recorded"
-    return ", load average {:.1f} / {:.1f} / {:.1f} (1 / 5 / 15 min) at its end".format(*run["load_average"])
+    return ", load average {:.1f} / {:.1f} / {:.1f} (1 / 5 / 15 min) at its end".format(*load)
 
 
 def _provenance(path: Path, record: dict, rows: dict[str, tuple[float, float]] | None = None) -> list[str]:
