@@ -18,7 +18,7 @@ from kdn import KDNConfig
 from serving_costs import by_served
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # where figures blocks may sit
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # where figures blocks may sit
 LOAD_SPREAD = 1.0  # configurations whose mean loads differ by more than this are marked
 
 VLLM_ROWS = {  # bench_vllm.py's configurations, as the README names them
