@@ -440,6 +440,12 @@ def judged(chaos, result: dict, alone: dict | None, args) -> dict:
     return out
 
 
+def miss_s_from_prefix(prefix: dict) -> float:
+    """A miss's price from the prefix cache's own run: its seconds over the documents it prefilled
+    (its hits counted free, so at most what a miss cost it)."""
+    return prefix["requests"] / prefix["throughput_rps"] / prefix["docs_prefilled"]
+
+
 def bound(rows: list[dict]) -> list[dict]:
     """kdn's free-hit estimate per docqa run: vLLM alone's throughput (every request a miss) x requests /
     the documents kdn prefilled (and kdn's share of it with a miss priced instead by the prefix cache's
@@ -457,10 +463,10 @@ def bound(rows: list[dict]) -> list[dict]:
         if row["config"].startswith("kdn") and alone and row.get("docs_prefilled"):
             row["miss_bound_rps"] = alone["throughput_rps"] * row["requests"] / row["docs_prefilled"]
             row["of_miss_bound"] = row["throughput_rps"] / row["miss_bound_rps"]
-            if prefix and prefix.get("docs_prefilled"):  # a second price: the prefix cache's run over its misses
-                miss_s = prefix["requests"] / prefix["throughput_rps"] / prefix["docs_prefilled"]
-                row["of_miss_bound_prefix_priced"] = (row["throughput_rps"] * row["docs_prefilled"] * miss_s
-                                                      / row["requests"])
+            capped = find("vllm-prefix" + suffix, row) or find("vllm-prefix" + steps, row)  # the same step caps
+            if capped and capped.get("docs_prefilled"):  # a second price: the prefix cache's run over its misses
+                row["of_miss_bound_prefix_priced"] = (row["throughput_rps"] * row["docs_prefilled"]
+                                                      * miss_s_from_prefix(capped) / row["requests"])
             replay = row.get("replay")
             if replay and not replay["docs_prefilled"]:  # the seconds a miss and a hit each take alone
                 hits = row["requests"] - row["docs_prefilled"]

@@ -269,11 +269,11 @@ def accuracy_table(path: Path) -> str:
         paired = "-" if m["vs_full"] is None else "{:+.3f} [{:+.3f}, {:+.3f}]".format(m["vs_full"]["mean"],
                                                                                       *m["vs_full"]["ci95"])
         stored = m.get("stored_bytes_mean") or 0
+        size = f"{stored / 2**20:.1f} MiB" if stored else "-"
         smaller = f"{fp16 / stored:.1f}x" if fp16 and stored and method != "reuse" else "-"
         same = "-" if method == "full" else f"{round(m['identical_to_full'] * m['n'])}/{m['n']}"
-        lines.append(f"| {method} | {m['quality']:.3f} [{low:.2f}, {high:.2f}] | {paired} | "
-                     f"{stored / 2**20:.1f} MiB | {smaller} | {same} |" if stored else
-                     f"| {method} | {m['quality']:.3f} [{low:.2f}, {high:.2f}] | {paired} | - | - | {same} |")
+        quality = f"{m['quality']:.3f} [{low:.2f}, {high:.2f}]"
+        lines.append(f"| {method} | {quality} | {paired} | {size} | {smaller} | {same} |")
     calibration = record.get("calibration")
     if calibration:
         lines += ["", f"{n} samples; kvtc calibrated on {', '.join(calibration['samples'])} "

@@ -91,6 +91,8 @@ def miss_price() -> None:
     each kdn row's share of the free-hit estimate (and of the serial estimate, where a replay priced
     its hits) under either price (the lower price, the higher estimate). A row whose step caps
     (``+lpT``) the run has no prefix-cache row for is left out."""
+    from bench_serving import miss_s_from_prefix
+
     for path in sorted(glob.glob(str(RESULTS / "serving" / "**" / "bench_serving.json"), recursive=True)):
         rows = json.loads(Path(path).read_text())["rows"]
         for row in rows:
@@ -104,7 +106,7 @@ def miss_price() -> None:
             if alone is None or prefix is None or not prefix.get("docs_prefilled"):
                 continue
             sampled = 1 / alone["throughput_rps"]
-            from_misses = prefix["requests"] / prefix["throughput_rps"] / prefix["docs_prefilled"]
+            from_misses = miss_s_from_prefix(prefix)
             low = min(sampled, from_misses)
             share = row["throughput_rps"] * row["docs_prefilled"] * low / row["requests"]
             serial, replay = "", row.get("replay")
