@@ -29,6 +29,15 @@ def mistral_config(window: int = 128) -> transformers.PretrainedConfig:
         bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+def llama_config(kv_heads: int = 4) -> transformers.PretrainedConfig:
+    """Llama's attention with ``kv_heads`` KV heads (grouped-query: 8 query heads), small: a model a
+    tensor-parallel engine splits by heads (two ranks: two KV heads each)."""
+    return transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=512, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=kv_heads, head_dim=64, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0)
+
+
 def save_random(config, tokenizer_folder, folder, scale: float = 4.0, seed: int = 0) -> str:
     """A random-weight model of ``config`` (its linear weights ``scale`` times the initializer's, so
     that greedy decoding does not repeat one token) saved in fp32 to ``folder`` beside the tokenizer

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import kdn
 from kdn.engine import Prefix
 from kdn.integrations.vllm import lookups
 from kdn.integrations.vllm.lookups import LookupClient, LookupServer, WorkerNotServing, request_digest, socket_path
@@ -175,3 +176,51 @@ def test_idle_connections_never_lock_the_scheduler_out_and_long_requests_are_bou
         s.close()
     client.close()
     server.close()
+
+
+def test_each_tensor_parallel_rank_holds_its_share_of_the_heads_as_vllm_splits_them():
+    """vLLM's ``QKVParallelLinear``: ``total // ranks`` heads a rank, or each head over ``ranks // total``
+    ranks when there are fewer heads than ranks; an MLA latent is every rank's whole. Each share is
+    keyed apart (the whole model's fingerprint for one holding every head)."""
+    from kdn.integrations.vllm.ranks import Rank
+    from kdn.keys import shard_fingerprint
+    from kdn.layout import ModelLayout
+
+    gqa, latent = ModelLayout(4, 4, 64, "float32", 100), ModelLayout(4, 1, 288, "bfloat16", 100, latent=True)
+    assert [Rank.of(gqa, r, 2).heads for r in range(2)] == [(0, 2), (2, 2)]
+    assert [Rank.of(gqa, r, 8).heads for r in range(8)] == [(i // 2, 1) for i in range(8)]
+    assert [Rank.of(latent, r, 4).heads for r in range(4)] == [None] * 4 and Rank.of(latent, 3, 4).keys_shared
+    assert Rank.of(gqa, 0, 1) == Rank() and not Rank.of(gqa, 1, 2).keys_shared
+    fp = bytes(range(16))
+    shares = {shard_fingerprint(fp, first, n, 4) for first, n in ((0, 2), (2, 2), (0, 1), (1, 1))}
+    assert len(shares) == 4 and fp not in shares and shard_fingerprint(fp, 0, 4, 4) == fp
+    for first, n in ((3, 2), (-1, 1), (0, 0)):
+        with pytest.raises(kdn.InvalidInputError, match="not a shard"):
+            shard_fingerprint(fp, first, n, 4)
+
+
+def test_the_scheduler_asks_every_rank_and_a_hit_is_what_all_of_them_hold(runtime_dir):
+    """A tensor-parallel engine's worker per rank answers for its own share: the hit is the least of
+    theirs; a rank that does not answer is no answer; a store has ended once every rank said so; a
+    rank that refused the engine refuses it for all."""
+    from kdn.integrations.vllm.ranks import RankLookups
+
+    paths = [socket_path(f"engine-tp|store|rank {r}") for r in range(2)]
+    ended = [[["req-1", "req-2"]], [["req-2"], ["req-1"]]]  # what each rank says has ended, answer by answer
+    servers = [LookupServer(path, lambda tokens, limit, scope, n=n: held(n), lambda r=r: ended[r].pop(0)
+                            if ended[r] else []) for r, (path, n) in enumerate(zip(paths, (48, 32)))]
+    asked = RankLookups(paths)
+    try:
+        assert asked.lookup(np.arange(60), 59) == held(32)  # rank 1 holds less
+        assert asked.take_ended() == [request_digest("req-2")]  # rank 1 has not said req-1 yet
+        assert tokens_of(asked.lookup(np.arange(60), 59)) == 32
+        assert asked.take_ended() == [request_digest("req-1")]
+        servers[1].serving = False
+        with pytest.raises(WorkerNotServing):
+            asked.lookup(np.arange(60), 59)
+        servers[1].close()
+        assert asked.lookup(np.arange(60), 59) is None  # the scheduler asks its own tiers
+    finally:
+        asked.close()
+        for server in servers:
+            server.close()

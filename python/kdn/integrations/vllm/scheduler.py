@@ -17,6 +17,7 @@ from kdn.engine.requests import Request, Requests, request_digest
 from kdn.integrations.vllm import metrics, process
 from kdn.integrations.vllm.kv_layers import KVGroups
 from kdn.integrations.vllm.lookups import LookupClient, WorkerNotServing
+from kdn.integrations.vllm.ranks import RankLookups
 from kdn.integrations.vllm.scope import Scopes, Unservable
 from kdn.integrations.vllm.specs import KDNConnectorMetadata, LoadSpec, SaveSpec
 
@@ -39,12 +40,15 @@ class SchedulerSide:
     stores the worker runs each step. ``lookups`` asks the worker's process (its memory tier is its
     own), ``owner`` names this engine's claims in a shared remote store (:func:`kdn.engine.requests.claim_owner`);
     ``loads_async``: hits load before their request is scheduled (vLLM's asynchronous KV load,
-    ``vllm_load`` in kv_connector_extra_config), else in its step."""
+    ``vllm_load`` in kv_connector_extra_config), else in its step. ``keys_shared``: every worker keys
+    a chunk as ``session`` does, so a load reads the chunks the lookup found without looking again
+    (False for tensor-parallel ranks holding shares of the heads: each looks in its own share)."""
 
-    def __init__(self, engine: Engine, session: ModelSession, block_size: int, lookups: LookupClient, owner: str,
-                 loads_async: bool = False, groups: KVGroups | None = None):
+    def __init__(self, engine: Engine, session: ModelSession, block_size: int, lookups: LookupClient | RankLookups,
+                 owner: str, loads_async: bool = False, groups: KVGroups | None = None, keys_shared: bool = True):
         self.engine, self.session, self.block_size, self._lookups = engine, session, block_size, lookups
         self.owner, self.loads_async, self.groups = owner, loads_async, groups or KVGroups()
+        self.keys_shared = keys_shared
         self.requests = Requests(engine, owner, count=metrics.count)
         self.not_serving = False  # the worker refused the engine (its answer to a lookup): requests run without kdn
         self.scopes = Scopes()
@@ -119,8 +123,8 @@ class SchedulerSide:
         # loaded now; vLLM schedules it once loaded
         end = req.local + num_external_tokens
         self._before.append(LoadSpec(req.id, list(request.prompt_token_ids or [])[:end], req.local, end,
-                                     [list(ids) for ids in blocks.get_block_ids()], req.scope, req.found,
-                                     before=True))
+                                     [list(ids) for ids in blocks.get_block_ids()], req.scope,
+                                     req.found if self.keys_shared else None, before=True))
         req.load, req.found = 0, None
         self._loaded_before.add(req.id)
 
@@ -166,7 +170,7 @@ class SchedulerSide:
         if record.load:
             tokens = record.tokens[:done].tolist()
             meta.loads.append(LoadSpec(record.id, tokens, done - record.load, done, req.block_ids, record.scope,
-                                       record.found))
+                                       record.found if self.keys_shared else None))
             record.load, record.found = 0, None
 
     def _maybe_save(self, meta: KDNConnectorMetadata, req_id: str, computed: int, scheduled: int) -> None:
