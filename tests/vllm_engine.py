@@ -179,8 +179,9 @@ def main() -> None:
 
         connector.drain()
         stats = connector.stats()
-        if args.tensor_parallel > 1:  # each rank's worker: its stores drained, its counters
-            stats["ranks"] = llm.collective_rpc(_drained_stats)
+        if args.tensor_parallel > 1:  # each rank's worker: its stores drained, its counters (rank 0's stand
+            ranks = llm.collective_rpc(_drained_stats)  # for the engine's; the scheduler's own apart)
+            stats = {**ranks[0], "scheduler": stats["connector"], "ranks": ranks}
         from kdn import _core
 
         stats["host_buffers"] = _core.buffer_pool_stats()  # page-locked on a GPU engine (pin_host_memory)
