@@ -12,7 +12,8 @@ locking's cost), on 4 KiB and on huge pages, their DMAs alone and whole loads fr
 per chunk, no host copy; also on a thread while the main thread is idle or spins in Python, as an
 async load runs beside vLLM's engine loop), and the paged copies alone (one call; a call per chunk
 before; each also on a thread beside a Python loop); int8 and int4 chunks
-(decoded by the CUDA decoder; GB/s of the KV they decode to); a layer-wise
+(decoded by the CUDA decoder; GB/s of the KV they decode to), their coded bytes' DMA alone, and the
+link speed below which each beats the raw page-locked hit (:func:`coded_wins_below`); a layer-wise
 load (each layer group a new list of the same chunks, as the stream hands them; its device decodes
 counted); a store's gather of the last chunk (a served prompt's new tail) and of the whole prompt.
 
@@ -38,6 +39,23 @@ from timing import save_result, timed
 
 LAYERS, HEADS, DIM, CHUNK, BLOCK = 32, 8, 128, 256, 16
 FINGERPRINT = bytes(16)
+
+
+def coded_wins_below(raw_s: float, raw_dma_s: float, raw_bytes: int, coded_s: float, coded_dma_s: float,
+                     coded_bytes: int) -> float:
+    """The link speed (GB/s) below which a coded hit is faster than the raw one, from one run's whole
+    loads and their DMAs alone: each load is its DMA (bytes / link) plus what does not scale with the
+    link (decode, paged copies, host work: its time less its DMA's), DMA and the rest in series as the
+    load runs them; ``inf`` where the coded load's fixed part is no larger (it wins on every link).
+
+    Example:
+        >>> round(coded_wins_below(0.080, 0.040, 2_000_000_000, 0.070, 0.020, 1_000_000_000), 1)
+        100.0
+    """
+    fixed_raw, fixed_coded = raw_s - raw_dma_s, coded_s - coded_dma_s
+    if fixed_coded <= fixed_raw:
+        return float("inf")
+    return (raw_bytes - coded_bytes) / (fixed_coded - fixed_raw) / 1e9
 
 
 def main() -> None:
@@ -154,6 +172,20 @@ def main() -> None:
         synced(receive_coded)()  # its first: staging allocated
         row(f"whole load into the blocks, {spec} chunks", timed(synced(receive_coded), args.repeats), moved=nbytes,
             coded_bytes=moved)
+        if device.type == "cuda":  # the link's share of it: the coded bytes' DMA alone, from pinned memory
+            host = torch.empty(moved, dtype=torch.uint8, pin_memory=True)
+            landed = torch.empty(moved, dtype=torch.uint8, device=device)
+            row(f"  their DMA alone ({spec}, pinned)", timed(synced(lambda: landed.copy_(host, non_blocking=True)),
+                                                             args.repeats), moved=moved)
+            del host, landed
+            raw = "whole load into the blocks, page-locked raw chunks (huge pages)"
+            wins = coded_wins_below(rows[raw]["seconds"], rows["  their DMAs alone (huge pages)"]["seconds"], nbytes,
+                                    rows[f"whole load into the blocks, {spec} chunks"]["seconds"],
+                                    rows[f"  their DMA alone ({spec}, pinned)"]["seconds"], moved)
+            rows[f"whole load into the blocks, {spec} chunks"]["coded_wins_below_gb_s"] = wins
+            link = nbytes / rows["torch copy, pinned host -> device"]["seconds"] / 1e9
+            print(f"  a {spec} hit beats the raw hit on links slower than "
+                  f"{'any' if wins == float('inf') else f'{wins:.1f} GB/s'} (this link: {link:.1f} GB/s)", flush=True)
     groups = [(g, min(g + args.layer_group, LAYERS)) for g in range(0, LAYERS, args.layer_group)]
     decodes = []
 

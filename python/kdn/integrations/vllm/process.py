@@ -76,7 +76,10 @@ def drain() -> None:
 
 
 def stats() -> dict:
-    """This process' connector counters (lookups, hit/loaded/stored tokens, load errors, seconds)
-    and the tiers' own counters: ``{"connector": {...}, "memory": {...}, "disk": {...}, ...}``."""
+    """This process' connector counters (lookups, hit/loaded/stored tokens, load errors, seconds),
+    the layout each worker reads vLLM's blocks as (:func:`kdn.engine.paged.vllm_layout`'s name: which
+    one a GPU attention backend handed) and the tiers' own counters: ``{"connector": {...},
+    "block_layouts": ["packed"], "memory": {...}, "disk": {...}, ...}``."""
     tiers = {name: s for t in tier_stats() for name, s in t.items()}
-    return {"connector": metrics.totals(), **tiers}
+    layouts = sorted({w.layout.name for w in list(_workers)})
+    return {"connector": metrics.totals(), "block_layouts": layouts, **tiers}

@@ -48,7 +48,7 @@ class WorkerSide:
         self._layer_groups = (groups or KVGroups()).table_of([name for name, _ in ordered])
         self._failed: set[str] = set()  # a windowed model's requests whose async load failed: recomputed whole
         self._warned_window = False
-        self._layout: PagedLayout = self._describe([t for _, t in ordered])
+        self.layout: PagedLayout = self._describe([t for _, t in ordered])  # how kdn reads vLLM's blocks
         # kdn's C++ core copies chunks in and out of the blocks by the strides that describe them
         # (kdn.engine.paged, kdn/paged.h); on a GPU with the CUDA twin, on vLLM's current stream
         self._blocks = [t for _, t in ordered]
@@ -108,8 +108,8 @@ class WorkerSide:
     def _paged(self, block_ids: list, start: int = 0) -> PagedBlocks:
         """A request's blocks (``block_ids``: a table per KV cache group) as kdn's copies take them."""
         if self._layer_groups is None:
-            return PagedBlocks(self._blocks, self._layout, block_ids[0], start)
-        return PagedBlocks(self._blocks, self._layout, block_ids, start, self._layer_groups)
+            return PagedBlocks(self._blocks, self.layout, block_ids[0], start)
+        return PagedBlocks(self._blocks, self.layout, block_ids, start, self._layer_groups)
 
     def _account(self, spec: LoadSpec, served: Served | None, hit: int, clock: metrics.LoadClock,
                  blocks: PagedBlocks, stale_step: bool) -> None:
