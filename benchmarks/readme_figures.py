@@ -305,6 +305,60 @@ def families_table(path: Path) -> str:
     return "\n".join([*lines, "", *_provenance(path, record, rows)]) + "\n"
 
 
+def _device(path: Path, record: dict, device: dict) -> str:
+    """A GPU run's provenance: its command, commit, date, device and driver (the host beside them)."""
+    run = record["run"]
+    driver = f" (driver {device['driver']})" if device.get("driver") else ""
+    return (f"Record `{path.relative_to(ROOT)}`: `{run['command']}`, commit `{run['git_sha'][:7]}`, "
+            f"{run['date'][:10]}, {device.get('name')}{driver}, torch {run['versions']['torch']}, host "
+            f"{run['cpus']} cores ({run['cpu']}).")
+
+
+def gpu_ttft_table(path: Path) -> str:
+    """gpu_vllm.py's TTFT step: per context length, each engine's two timed questions (a new question
+    after the stored context, its first token), and kdn memory's hit against vLLM alone and its
+    prefix cache."""
+    record = json.loads(path.read_text())
+    ttft, rows = record["ttft"], record["ttft"]["rows"]
+    names = [n for n in rows[0] if n not in ("tokens", "agreement")]
+    lines = [f"{ttft['shape']} shape (random weights), {record['dtype']}, vLLM's GPU engine: a new 24-token question "
+             "after a stored context, its first token; each cell the two timed questions' `generate` seconds "
+             "(min-max); every engine answered vLLM alone's tokens" + ("" if ttft["same_tokens_as_vllm_alone"]
+                                                                      else " **except where marked**") + ":", "",
+             "| context | " + " | ".join(n.replace("vllm", "vLLM") for n in names)
+             + " | kdn memory vs vLLM alone | vs the prefix cache |",
+             "|---:|" + "---:|" * (len(names) + 2)]
+    for row in rows:
+        cells = []
+        for name in names:
+            seconds = (row.get(name) or {}).get("seconds")
+            verdicts = row.get("agreement", {}).get(name) or []
+            odd = " (other tokens)" if any(v.startswith("DIFFERENT") for v in verdicts) else ""
+            cells.append(f"{1e3 * min(seconds):,.0f}-{1e3 * max(seconds):,.0f} ms{odd}" if seconds else "failed")
+
+        def mean(name: str) -> float:
+            return sum(row[name]["seconds"]) / len(row[name]["seconds"])
+
+        lines.append(f"| {row['tokens']:,} | " + " | ".join(cells) +
+                     f" | {mean('vllm alone') / mean('kdn memory'):.1f}x faster | "
+                     f"{mean('kdn memory') / mean('vllm prefix cache'):.1f}x slower |")
+    return "\n".join([*lines, "", _device(path, record, record["device"])]) + "\n"
+
+
+def gpu_link_line(path: Path) -> str:
+    """bench_gpu_load.py: a hit's bytes in one host-to-device copy, from pinned and from pageable memory
+    (the floor a host tier's hit stands on; the run's other rows, with what they did and did not
+    measure, are in ``results/gpu/VLLM.md``)."""
+    record = json.loads(path.read_text())
+    rows = record["rows"]
+    pinned, pageable = rows["torch copy, pinned host -> device"], rows["torch copy, pageable host -> device"]
+    return (f"{record['tokens']:,} tokens of {record['shape'][0]} layers x {record['shape'][1]} KV heads x "
+            f"{record['shape'][2]} dims, {record['dtype']}: {record['bytes'] / 1e9:.2f} GB in one host-to-device copy "
+            f"take {1e3 * pinned['seconds']:.1f} ms from pinned memory ({pinned['gb_per_s']:.1f} GB/s) and "
+            f"{1e3 * pageable['seconds']:.1f} ms from pageable memory ({pageable['gb_per_s']:.1f} GB/s), the median "
+            f"of each copy's repeats.\n\n{_device(path, record, {'name': record.get('device_name')})}\n")
+
+
 FIGURES = {  # the block's name in README.md -> (renderer, record)
     "ttft": (ttft_table, RESULTS / "ttft" / "bench_ttft.json"),
     "ttft-qwen15": (ttft_table, RESULTS / "ttft" / "qwen15" / "bench_ttft.json"),
@@ -313,6 +367,8 @@ FIGURES = {  # the block's name in README.md -> (renderer, record)
     "vllm-peers": (vllm_table, RESULTS / "vllm" / "peers" / "bench_vllm.json"),
     "vllm-peers-bf16": (vllm_table, RESULTS / "vllm" / "peers-bf16" / "bench_vllm.json"),
     "vllm-tensor-parallel": (families_table, RESULTS / "vllm-tp" / "bench_vllm.json"),
+    "gpu-ttft": (gpu_ttft_table, RESULTS / "gpu" / "vllm_h200" / "run3" / "gpu_vllm.json"),
+    "gpu-link": (gpu_link_line, RESULTS / "gpu" / "stage_h200_a99990c" / "bench_gpu_load.json"),
     "serving-peers-32": (serving_table, RESULTS / "serving" / "peers-32" / "bench_serving.json"),
     "serving-peers-128": (serving_table, RESULTS / "serving" / "peers-128" / "bench_serving.json"),
     "serving-peers-chat": (serving_table, RESULTS / "serving" / "peers-chat" / "bench_serving.json"),
