@@ -176,6 +176,8 @@ def e2e(args, shape: str, model: Path, work: Path, result: dict, save) -> dict:
     for i, backend in enumerate(backends):  # the first's names bare (earlier runs' records)
         at, backend_flag = (f" [{backend}]" if i else ""), ("--attention-backend", backend)
         disk = work / f"{shape}-kv{'-' + backend if i else ''}"
+        for folder in (disk, *([work / f"{shape}-kv-dropped"] if i == 0 else [])):  # a rerun starts empty too
+            shutil.rmtree(folder, ignore_errors=True)
         steps = [("alone", None, ()), ("stores", {"disk_dir": str(disk)}, ()), ("served", {"disk_dir": str(disk)}, ())]
         if i == 0:  # a failed load and in-step loads: the first backend's
             steps += [("load_fails", {"disk_dir": str(work / f"{shape}-kv-dropped")}, ("--drop-after-lookup",)),
@@ -227,6 +229,7 @@ def ttft(args, shape: str, model: Path, work: Path) -> dict:
         files[name].write_text(json.dumps(prompts))
     memory = {"memory_bytes": args.kdn_memory}
     disk = {"disk_dir": str(work / "ttft-kv"), "disk_queue_bytes": "16GiB"}  # a 32K 8B prompt is 4.3 GB
+    shutil.rmtree(work / "ttft-kv", ignore_errors=True)  # a rerun on the same machine stores anew
     # kdn's engines wait after each prompt (untimed, recorded) until its store has landed: a GPU store
     # is sealed on the store thread after its prompt, and a question asked meanwhile waits for it
     landed = "--drain-between"
@@ -307,9 +310,9 @@ def main() -> None:
     parser.add_argument("--tokenizer", required=True, type=Path, help="a folder with a tokenizer's files")
     parser.add_argument("--models", default="/tmp/kdn-models", type=Path, help="where the random models are saved")
     parser.add_argument("--shapes", default="smollm2", help="shapes run end to end (the TTFT step's engines "
-                        "check the --ttft-shape's tokens against vLLM alone's too): tiny, smollm2, llama8b, or a family "
-                        "of issue 63, small: mla (DeepSeek-V2), gemma3 (sliding and full layers), mistral "
-                        "(every layer sliding)")
+                        "check the --ttft-shape's tokens against vLLM alone's too): tiny, smollm2, llama8b, or a "
+                        "family of issue 63, small: mla (DeepSeek-V2), gemma3 (sliding and full layers), "
+                        "mistral (every layer sliding)")
     parser.add_argument("--backends", default="FLASH_ATTN",
                         help="vLLM attention backends the end-to-end step runs, the first with every engine; each "
                              "other: vLLM alone, a store, a new engine served from it, the HF reader of that store")

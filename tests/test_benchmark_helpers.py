@@ -194,3 +194,34 @@ def test_a_record_names_the_commit_its_run_started_at_and_any_that_landed_while_
     monkeypatch.setattr(timing, "checkout_sha", lambda: "eb26825+dirty")
     info = timing.run_info()
     assert info["git_sha"] == "459497b" and info["git_sha_at_save"] == "eb26825+dirty"
+
+
+def test_a_coded_hit_wins_below_the_link_speed_where_its_decode_outweighs_the_bytes_it_saves():
+    """``bench_gpu_load.coded_wins_below``: a load is its DMA (bytes over the link) plus what does not
+    scale with the link; the crossover is where the bytes a codec saves take as long as its extra work."""
+    from bench_gpu_load import coded_wins_below
+
+    raw_bytes, coded_bytes = 2_000_000_000, 500_000_000
+    link = 50e9  # the measured DMAs below are these bytes at 50 GB/s
+    wins = coded_wins_below(0.040 + raw_bytes / link, raw_bytes / link, raw_bytes,
+                            0.070 + coded_bytes / link, coded_bytes / link, coded_bytes)
+    assert wins == pytest.approx((raw_bytes - coded_bytes) / 0.030 / 1e9)  # 50 GB/s: a tie on this very link
+    for speed, coded_faster in ((wins * 0.9, True), (wins * 1.1, False)):
+        raw_s, coded_s = 0.040 + raw_bytes / (speed * 1e9), 0.070 + coded_bytes / (speed * 1e9)
+        assert (coded_s < raw_s) == coded_faster
+    assert coded_wins_below(0.080, 0.040, raw_bytes, 0.050, 0.020, coded_bytes) == float("inf")  # less work too
+
+
+def test_a_gpu_run_tells_a_near_tie_from_other_tokens():
+    """``gpu_vllm.agreement``: where a served engine's greedy tokens first differ from vLLM alone's, a
+    bf16 near-tie (vLLM alone's two best within TIE nats, the engine took the second) is not wrong KV;
+    anything else is "DIFFERENT"."""
+    from gpu_vllm import TIE, agreement
+
+    best = [[5, -1.0], [6, -1.0 - TIE / 2]]
+    reference = {"results": [{"tokens": [1, 5, 7], "logprobs": [[[1, -0.1]], best, [[7, -0.2]]]},
+                             {"tokens": [1, 5], "logprobs": [[[1, -0.1]], [[5, -1.0], [6, -3.0]]]}]}
+    served = {"results": [{"tokens": [1, 6, 9]}, {"tokens": [1, 6]}]}
+    assert agreement(reference, served) == [f"tie at 1 (margin {TIE / 2:.3f})", "DIFFERENT at 1"]
+    assert agreement(reference, reference) == ["same", "same"]
+    assert agreement(reference, {"error": "no answer"}) is None
