@@ -24,7 +24,9 @@ counted); a store's gather of the last chunk (a served prompt's new tail) and of
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -58,6 +60,22 @@ def coded_wins_below(raw_s: float, raw_dma_s: float, raw_bytes: int, coded_s: fl
     return (raw_bytes - coded_bytes) / (fixed_coded - fixed_raw) / 1e9
 
 
+def crossover(rows: dict, spec: str, raw_bytes: int, coded_bytes: int) -> None:
+    """Print and keep (``coded_wins_below_gb_s`` in the coded load's row) the link speed below which
+    ``spec``'s hit beats the raw page-locked one, from this run's rows; nothing where a row is missing."""
+    names = ("whole load into the blocks, page-locked raw chunks (huge pages)", "  their DMAs alone (huge pages)",
+             f"whole load into the blocks, {spec} chunks", f"  their DMA alone ({spec}, pinned)",
+             "torch copy, pinned host -> device")
+    if not all(name in rows for name in names):
+        return
+    raw, raw_dma, coded, coded_dma, link = (rows[name]["seconds"] for name in names)
+    wins = coded_wins_below(raw, raw_dma, raw_bytes, coded, coded_dma, coded_bytes)
+    rows[names[2]]["coded_wins_below_gb_s"] = wins
+    print(f"  the {spec} hit beats the raw hit on links slower than "
+          f"{'any' if wins == float('inf') else f'{wins:.1f} GB/s'} (this link: {raw_bytes / link / 1e9:.1f} GB/s)",
+          flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=16384)
@@ -69,6 +87,26 @@ def main() -> None:
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_gpu_load: no CUDA device")
+    nbytes = 2 * LAYERS * HEADS * DIM * args.tokens * 2
+    info = {"tokens": args.tokens, "bytes": nbytes, "shape": [LAYERS, HEADS, DIM], "dtype": "bfloat16",
+            "device": args.device}
+    if args.device == "cuda":
+        info["device_name"] = torch.cuda.get_device_name()
+    rows: dict[str, dict] = {}
+    # a device call is one try: the rows measured before a failure, or before .ci/gpu's `timeout`
+    # stops the run (SIGTERM), are kept, with what stopped it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_gpu_load: stopped (SIGTERM)"))
+    try:
+        measure(args, rows)
+    except BaseException as e:
+        info["error"] = repr(e)
+        raise
+    finally:
+        print(f"wrote {save_result(Path(args.out) / 'bench_gpu_load.json', {**info, 'rows': rows})}")
+
+
+def measure(args, rows: dict[str, dict]) -> None:
+    """Every row of the module docstring into ``rows``, in order, each printed as it is measured."""
     n, device = args.tokens, torch.device(args.device)
     gen = torch.Generator().manual_seed(0)
     kv = [torch.randn(1, HEADS, n, DIM, generator=gen).to(torch.bfloat16) for _ in range(2 * LAYERS)]
@@ -89,8 +127,6 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize()
         return run
-
-    rows: dict[str, dict] = {}
 
     def row(name: str, seconds: float, moved: int = nbytes, **extra) -> None:
         rows[name] = {"seconds": seconds, "gb_per_s": moved / seconds / 1e9, **extra}
@@ -178,14 +214,7 @@ def main() -> None:
             row(f"  their DMA alone ({spec}, pinned)", timed(synced(lambda: landed.copy_(host, non_blocking=True)),
                                                              args.repeats), moved=moved)
             del host, landed
-            raw = "whole load into the blocks, page-locked raw chunks (huge pages)"
-            wins = coded_wins_below(rows[raw]["seconds"], rows["  their DMAs alone (huge pages)"]["seconds"], nbytes,
-                                    rows[f"whole load into the blocks, {spec} chunks"]["seconds"],
-                                    rows[f"  their DMA alone ({spec}, pinned)"]["seconds"], moved)
-            rows[f"whole load into the blocks, {spec} chunks"]["coded_wins_below_gb_s"] = wins
-            link = nbytes / rows["torch copy, pinned host -> device"]["seconds"] / 1e9
-            print(f"  a {spec} hit beats the raw hit on links slower than "
-                  f"{'any' if wins == float('inf') else f'{wins:.1f} GB/s'} (this link: {link:.1f} GB/s)", flush=True)
+            crossover(rows, spec, nbytes, moved)
     groups = [(g, min(g + args.layer_group, LAYERS)) for g in range(0, LAYERS, args.layer_group)]
     decodes = []
 
@@ -204,10 +233,6 @@ def main() -> None:
     whole = [(s, min(CHUNK, n - s), bytes(16)) for s in range(0, n, CHUNK)]
     row("store gather, the whole prompt", timed(lambda: source.pack(whole, FINGERPRINT), args.repeats))
     row("  of which the blocks to host (emit)", timed(lambda: source.emit(0, n), args.repeats))
-    info = {"tokens": n, "bytes": nbytes, "shape": [LAYERS, HEADS, DIM], "dtype": "bfloat16", "device": args.device}
-    if device.type == "cuda":
-        info["device_name"] = torch.cuda.get_device_name()
-    print(f"wrote {save_result(Path(args.out) / 'bench_gpu_load.json', {**info, 'rows': rows})}")
 
 
 if __name__ == "__main__":
