@@ -13,7 +13,8 @@ per chunk, no host copy; also on a thread while the main thread is idle or spins
 async load runs beside vLLM's engine loop), and the paged copies alone (one call; a call per chunk
 before; each also on a thread beside a Python loop); int8 and int4 chunks
 (decoded by the CUDA decoder; GB/s of the KV they decode to), their coded bytes' DMA alone, and the
-link speed below which each beats the raw page-locked hit (:func:`coded_wins_below`); a layer-wise
+link speed below which each beats the raw page-locked hit (:func:`coded_wins_below`); a disk hit
+(its reads alone and its whole load) with the pool's idle cap at 1 GiB and holding one hit; a layer-wise
 load (each layer group a new list of the same chunks, as the stream hands them; its device decodes
 counted); a store's gather of the last chunk (a served prompt's new tail) and of the whole prompt.
 
@@ -74,6 +75,43 @@ def crossover(rows: dict, spec: str, raw_bytes: int, coded_bytes: int) -> None:
     print(f"  the {spec} hit beats the raw hit on links slower than "
           f"{'any' if wins == float('inf') else f'{wins:.1f} GB/s'} (this link: {raw_bytes / link / 1e9:.1f} GB/s)",
           flush=True)
+
+
+def disk_hits(args, rows: dict, blobs: list, layers: list, layout, ids: list, synced, row) -> None:
+    """A disk hit's reads (the disk tier's 4 reader threads, a warm page cache) and its whole load
+    into the blocks, with the buffer pool's idle cap at its default 1 GiB and holding one hit (what a
+    CUDA engine now keeps: ``kdn.engine.host_pool``): under the default, a hit larger than the cap has
+    the rest of its blocks made (and page-locked, on a device) afresh at every hit."""
+    import shutil
+    import tempfile
+
+    from kdn.engine.host_pool import SLACK
+    from kdn.storage.disk import DiskTier
+
+    folder = tempfile.mkdtemp(prefix="kdn-bench-disk-")
+    try:
+        tier = DiskTier(folder, 1 << 40, fsync=False)
+        keys = [_core.blob_parse(b, verify_checksum=False)["key"] for b in blobs]  # each file under its own key
+        for key, blob in zip(keys, blobs):
+            tier.put(key, blob, wait=True)
+        hit = sum(len(b) for b in blobs)
+        limit = _core.buffer_pool_stats()["limit_bytes"]
+
+        def reads() -> None:
+            tier.get_many(keys)  # freed at once: their blocks back to the pool
+
+        def load() -> None:
+            PagedBlocks(layers, layout, ids).receive(None, tier.get_many(keys), args.tokens)
+
+        for name, cap in (("the pool's idle cap 1 GiB", 1 << 30), ("the cap holding one hit", hit + hit // SLACK)):
+            _core.buffer_pool_trim()
+            _core.buffer_pool_set_limit(cap)  # what prepare_for sets on a CUDA engine (locking on already)
+            synced(load)()  # its first: the blocks made
+            row(f"disk hit, reads alone, {name}", timed(reads, args.repeats), pool=_core.buffer_pool_stats())
+            row(f"disk hit, whole load into the blocks, {name}", timed(synced(load), args.repeats))
+        _core.buffer_pool_set_limit(limit)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def main() -> None:
@@ -215,6 +253,7 @@ def measure(args, rows: dict[str, dict]) -> None:
                                                              args.repeats), moved=moved)
             del host, landed
             crossover(rows, spec, nbytes, moved)
+    disk_hits(args, rows, blobs, layers, layout, ids, synced, row)
     groups = [(g, min(g + args.layer_group, LAYERS)) for g in range(0, LAYERS, args.layer_group)]
     decodes = []
 

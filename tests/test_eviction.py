@@ -179,6 +179,47 @@ def test_an_engine_asks_for_page_locking_only_for_a_model_on_a_cuda_device_and_o
     assert asks(KDNConfig(), "cuda") == 1
 
 
+def test_a_cuda_engine_keeps_idle_host_blocks_for_its_longest_hit(monkeypatch):
+    """A model on a CUDA device keeps the pool's idle page-locked blocks for one hit of its longest
+    prompt (``Engine.serving_on(device, hit_bytes)``; the vLLM worker: max_model_len x the KV's bytes a
+    token): a disk hit larger than the default 1 GiB cap had the rest of its blocks locked afresh at
+    every hit. Raised, never lowered; at most a quarter of the memory; a cap set by
+    ``KDN_BUFFER_POOL_BYTES`` stays; a CPU model or ``pin_host_memory=False`` changes nothing."""
+    import os
+
+    import torch
+
+    from kdn import KDN, KDNConfig
+    from kdn.engine.host_pool import SLACK
+
+    monkeypatch.delenv("KDN_BUFFER_POOL_BYTES", raising=False)
+    before = _core.buffer_pool_stats()["limit_bytes"]
+    cuda, hit = torch.device("cuda"), 3 << 30
+
+    def cap() -> int:
+        return _core.buffer_pool_stats()["limit_bytes"]
+
+    try:
+        _core.buffer_pool_set_limit(1 << 30)
+        engine = KDN(KDNConfig()).engine
+        engine.serving_on(torch.device("cpu"), hit)
+        KDN(KDNConfig(pin_host_memory=False)).engine.serving_on(cuda, hit)
+        assert cap() == 1 << 30
+        engine.serving_on(cuda, hit)
+        assert cap() == hit + hit // SLACK
+        engine.serving_on(cuda, 1 << 20)  # a smaller model beside it: the cap stays
+        assert cap() == hit + hit // SLACK
+        engine.serving_on(cuda, 1 << 50)
+        assert cap() == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+        _core.buffer_pool_set_limit(1 << 30)
+        monkeypatch.setenv("KDN_BUFFER_POOL_BYTES", "1GiB")
+        engine.serving_on(cuda, hit)
+        assert cap() == 1 << 30
+    finally:
+        _core.buffer_pool_set_limit(before)
+        _core.buffer_pool_lock_pages(False)
+
+
 def test_host_arrays_are_writable_and_blobs_are_not():
     import torch
 

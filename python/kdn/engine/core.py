@@ -25,12 +25,12 @@ import dataclasses
 import threading
 from collections.abc import Callable
 
-from kdn import _core
 from kdn._core import InvalidInputError
 from kdn.config_sources import apply_process_env
 from kdn.engine.audit import AuditReport
 from kdn.engine.audit import audit as audit_stored
 from kdn.engine.chunks import ChunkIO, Packed, Prefix
+from kdn.engine.host_pool import prepare_for
 from kdn.engine.pages import Pages
 from kdn.engine.parts import Calibrations, Segments, Sidecars
 from kdn.engine.retention import Retention
@@ -170,12 +170,11 @@ class Engine:
         config's tenant (``namespace``, ``secret``) and, when given, the tenant ``namespace`` within it."""
         return self.sessions.of(model).within(namespace)
 
-    def serving_on(self, device) -> None:
-        """A model this engine serves computes on ``device`` (a ``torch.device``): on a CUDA device (with
-        ``config.pin_host_memory``) kdn's pooled host buffers are page-locked from now on, so a
-        hit's raw chunks go to the device by DMA straight from the tiers' blobs."""
-        if device.type == "cuda" and self.config.pin_host_memory:
-            _core.buffer_pool_lock_pages(True)
+    def serving_on(self, device, hit_bytes: int = 0) -> None:
+        """A model this engine serves computes on ``device`` (a ``torch.device``), its longest hit
+        ``hit_bytes`` of KV: on a CUDA device (with ``config.pin_host_memory``) kdn's pooled host buffers
+        are page-locked from now on, and kept for one such hit (:func:`kdn.engine.host_pool.prepare_for`)."""
+        prepare_for(device, self.config.pin_host_memory, hit_bytes)
 
     def checkpoint_session(self, layout, fingerprint: bytes) -> ModelSession:
         """The session, in the config's tenant, of a model known by its checkpoint's ``fingerprint``

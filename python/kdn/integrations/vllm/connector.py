@@ -207,7 +207,7 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
             return
         try:
             self._worker = WorkerSide(self.engine, self.session, self.block_size, kv_caches, self.attention_kernel,
-                                      self.groups)
+                                      self.groups, self._vllm_config.model_config.max_model_len)
         except InvalidInputError as e:
             self.reason = f"vLLM's KV layout is not one kdn reads: {e}"
             log.warning("kdn: not serving this engine: %s", self.reason)

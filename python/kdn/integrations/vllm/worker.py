@@ -37,11 +37,12 @@ class WorkerSide:
     """The worker's half of :class:`kdn.integrations.vllm.KDNConnector` over the KV blocks vLLM
     registered (``kv_caches``: one tensor per layer, read and written by the strides of the layout
     ``kernel(layer)`` names, :func:`kdn.engine.paged.vllm_layout`; ``groups``: vLLM's KV cache groups,
-    a block table each). Raises InvalidInputError when the blocks are not laid out as kdn can read
+    a block table each; ``longest``: the longest prompt the engine takes, whose hit the host buffers
+    are kept for on a GPU). Raises InvalidInputError when the blocks are not laid out as kdn can read
     (then the connector serves nothing)."""
 
     def __init__(self, engine: Engine, session: ModelSession, block_size: int, kv_caches: dict[str, torch.Tensor],
-                 kernel: Callable[[torch.Tensor], str], groups: KVGroups | None = None):
+                 kernel: Callable[[torch.Tensor], str], groups: KVGroups | None = None, longest: int = 0):
         self.engine, self.session, self.block_size, self._kernel = engine, session, block_size, kernel
         ordered = sorted(kv_caches.items(), key=lambda item: layer_index(item[0]))
         # each layer's KV cache group (whose block table it reads), or None: one table for all layers
@@ -52,7 +53,9 @@ class WorkerSide:
         # kdn's C++ core copies chunks in and out of the blocks by the strides that describe them
         # (kdn.engine.paged, kdn/paged.h); on a GPU with the CUDA twin, on vLLM's current stream
         self._blocks = [t for _, t in ordered]
-        engine.serving_on(self._blocks[0].device)  # on a GPU: hits upload straight from the tiers' blobs
+        # on a GPU: hits upload straight from the tiers' blobs, and a hit of the engine's longest prompt
+        # (``longest`` tokens, vLLM's max_model_len) is read into host blocks locked once
+        engine.serving_on(self._blocks[0].device, longest * session.layout.bytes_per_token())
         self._errors: set[int] = set()
         self._served = ServedRequests()  # what kdn served each running request, where its saves ended
         self._streams: list = []  # (load spec, LayerStream) of this step's layer-wise loads
