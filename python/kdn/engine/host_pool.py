@@ -1,11 +1,11 @@
 """The process' pooled host buffers (kdn/buffer_pool.h) made ready for a model serving on a device.
 
 On a CUDA device the pool page-locks its blocks, so that a hit's raw chunks go up by DMA straight
-from the tiers' blobs. Locking a block costs the driver far more than filling it (an H200 machine's
-first 2.15 GB staging took 1.5 s, `benchmarks/results/gpu/VLLM.md`), so a hit read from disk, the
-node or a remote tier must land in blocks locked once and reused: the pool keeps idle blocks for
-at most one hit of the longest prompt the engine takes (its default cap, 1 GiB, is half of one
-16K-token Llama-3-8B hit; the other half was locked afresh, and unlocked, at every such hit).
+from the tiers' blobs. Page-locking memory costs the driver more than filling it (an H200 machine's
+first 2.15 GB of pinned staging took 1.5 s, 0.15 s warm: `benchmarks/results/gpu/VLLM.md`), so a
+hit read from disk, the node or a remote tier should land in blocks locked once and reused: the pool
+keeps idle blocks for one hit of the longest prompt the engine takes (its default cap, 1 GiB, is
+half of one 16K-token Llama-3-8B hit; the other half was made and locked afresh at every such hit).
 
 Example:
     >>> import torch
