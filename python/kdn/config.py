@@ -84,9 +84,10 @@ class KDNConfig:
             tier's blobs, disk reads) as they are allocated, so that a hit's raw chunks go to the
             device by DMA straight from where the tier holds them (no host copy; the link's full
             speed). Default True; the locked bytes are the memory tier's and the pool's
-            (``kdn._core.buffer_pool_stats()``): the vLLM connector keeps idle locked blocks for one
-            hit of the engine's longest prompt (``max_model_len``; at most a quarter of the memory,
-            unless ``KDN_BUFFER_POOL_BYTES`` caps them), so hits read from disk reuse them.
+            (``kdn._core.buffer_pool_stats()``): idle locked blocks are kept for one hit of the vLLM
+            engine's longest prompt (``max_model_len``), or an HF model's largest hit so far (at most a
+            quarter of the memory, unless ``KDN_BUFFER_POOL_BYTES`` caps them), so hits read from disk
+            reuse them.
         remote_url: a Redis / Valkey store shared by processes and machines, or None (default):
             ``redis://[user:password@]host:port[/db]``, ``rediss://`` (TLS),
             ``redis+cluster://host:port`` (any node of a Redis Cluster), ``unix:///path``.

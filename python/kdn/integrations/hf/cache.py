@@ -88,7 +88,7 @@ def load_cache(engine: Engine, model, tokens, limit: int, edits=None, started: f
     for layer i); else a whole read. ``namespace``: the tenant read (:meth:`kdn.engine.Engine.session`)."""
     session = engine.session(model, namespace)
     device = next(model.parameters()).device
-    engine.serving_on(device)
+    engine.serving_on(device, min(limit, len(tokens)) * session.layout.bytes_per_token())  # the largest hit yet kept
     if edits and namespace is not None:
         raise InvalidInputError("edits are not served within a per-call namespace yet; set KDNConfig.namespace")
     if edits:
