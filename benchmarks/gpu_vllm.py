@@ -25,7 +25,7 @@ With --backends FLASH_ATTN,TRITON_ATTN,FLASHINFER the end-to-end step also runs 
 vLLM alone, a store, a new engine served from it, the HF reader of that store; every engine records
 the layout kdn read its blocks as (``block_layouts``).
 
-    python benchmarks/gpu_vllm.py --out gpu_out --device cuda --tokenizer .gpu/tokenizer
+    python benchmarks/gpu_vllm.py --out gpu_out --device cuda --tokenizer /tmp/stage/tokenizer  # unpacked by .ci/gpu
     python benchmarks/gpu_vllm.py --out /tmp/rehearsal --device cpu --python VENV_PYTHON --shapes tiny \\
         --ttft-shape tiny --lengths 512,1024 --tokenizer TOKENIZER_DIR
 """
