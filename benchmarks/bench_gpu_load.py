@@ -88,7 +88,7 @@ def disk_hits(args, blobs: list, layers: list, layout, ids: list, synced, row) -
     import shutil
     import tempfile
 
-    from kdn.engine.host_pool import SLACK
+    from kdn.engine.host_pool import idle_cap_for
     from kdn.storage.disk import DiskTier
 
     folder = tempfile.mkdtemp(prefix="kdn-bench-disk-")
@@ -100,15 +100,15 @@ def disk_hits(args, blobs: list, layers: list, layout, ids: list, synced, row) -
         hit = sum(len(b) for b in blobs)
         limit = _core.buffer_pool_stats()["limit_bytes"]
         for name, cap, threads in (("the pool's idle cap 1 GiB, 4 readers", 1 << 30, 4),
-                                   ("the cap holding one hit, 4 readers", hit + hit // SLACK, 4),
-                                   ("the cap holding one hit, 16 readers", hit + hit // SLACK, 16)):
+                                   ("the cap holding one hit, 4 readers", idle_cap_for(hit), 4),
+                                   ("the cap holding one hit, 16 readers", idle_cap_for(hit), 16)):
             tier = DiskTier(folder, 1 << 40, fsync=False, read_threads=threads)
 
             def load(tier=tier) -> None:
                 PagedBlocks(layers, layout, ids).receive(None, tier.get_many(keys), args.tokens)
 
             _core.buffer_pool_trim()
-            _core.buffer_pool_set_limit(cap)  # what prepare_for sets on a CUDA engine (locking on already)
+            _core.buffer_pool_set_limit(cap)  # idle_cap_for: what a CUDA engine sets (locking on already)
             synced(load)()  # its first: the blocks made
             row(f"disk hit, reads alone, {name}", timed(lambda tier=tier: tier.get_many(keys), args.repeats),
                 pool=_core.buffer_pool_stats())  # the blobs freed at once: their blocks back to the pool

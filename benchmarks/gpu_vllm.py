@@ -240,10 +240,9 @@ def ttft(args, shape: str, model: Path, work: Path) -> dict:
                                           max_tokens=1),  # the hit's own step, not async's extra steps
             "kdn memory, pageable": engine(args, model, files["all"], {**memory, "pin_host_memory": False},
                                            landed, max_tokens=1)}  # before: staged through pinned memory
-    coded = [f"kdn memory, {spec}" for spec in args.codecs.split(",") if spec]
-    for name in coded:  # fewer bytes over the link, decoded on the device (lossy: tokens reported, not checked)
-        runs[name] = engine(args, model, files["all"], {**memory, "memory_codec": name.split(", ")[1]}, landed,
-                            max_tokens=1)
+    coded = {f"kdn memory, {spec}": spec for spec in args.codecs.split(",") if spec}
+    for name, spec in coded.items():  # fewer bytes over the link, decoded on the device (lossy: tokens reported)
+        runs[name] = engine(args, model, files["all"], {**memory, "memory_codec": spec}, landed, max_tokens=1)
     stored = engine(args, model, files["warm"], disk, landed, max_tokens=1)
     runs["kdn disk, new engine"] = engine(args, model, files["timed"], {**disk, "memory_bytes": "1MiB"},
                                           max_tokens=1)

@@ -32,7 +32,13 @@ def prepare_for(device, pin: bool, hit_bytes: int = 0) -> None:
     _core.buffer_pool_lock_pages(True)
     if hit_bytes <= 0 or "KDN_BUFFER_POOL_BYTES" in os.environ:
         return
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    wanted = min(hit_bytes + hit_bytes // SLACK, memory // 4)
+    wanted = idle_cap_for(hit_bytes)
     if wanted > _core.buffer_pool_stats()["limit_bytes"]:
         _core.buffer_pool_set_limit(wanted)
+
+
+def idle_cap_for(hit_bytes: int) -> int:
+    """The pool's idle cap that holds one hit of ``hit_bytes`` of KV: its blocks' bytes, at most a
+    quarter of the machine's memory."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(hit_bytes + hit_bytes // SLACK, memory // 4)
