@@ -244,6 +244,20 @@ def full_cache(model: torch.nn.Module) -> DynamicCache | None:
     return DynamicCache() if windowed(model.config) else None
 
 
+def check_length(cache, length: int, what: str) -> None:
+    """Raise :class:`kdn.compat.UnvouchedError` unless every layer of the HF ``cache`` that counts
+    tokens, and the cache itself (what ``generate`` derives positions from), says ``length``: a
+    structural check that a release changing how a cache counts (transformers 5.25's state layers)
+    cannot pass."""
+    from kdn.compat import UnvouchedError
+
+    counts = [int(layer.get_seq_length()) for layer in cache.layers if hasattr(layer, "get_seq_length")]
+    whole = int(cache.get_seq_length())
+    if whole != length or any(n != length for n in counts):
+        raise UnvouchedError(f"{what} holds {length} tokens, but transformers {transformers.__version__} counts "
+                             f"{whole} (its layers: {counts}): kdn does not know this release's cache bookkeeping")
+
+
 def kv_list_to_cache(model: torch.nn.Module, kv: list[torch.Tensor]) -> DynamicCache:
     """Build a DynamicCache for ``model`` that holds the tensors of ``kv`` without copying them
     (every layer a plain one for a model with sliding windows: :func:`full_cache`; an MLA model's

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from kdn import _core
 from kdn._core import InvalidInputError
 from kdn.engine import Engine, HFTarget
-from kdn.layout import ModelLayout, cache_arg, cache_to_kv_list, output_cache
+from kdn.layout import ModelLayout, cache_arg, cache_to_kv_list, check_length, output_cache
 
 log = logging.getLogger("kdn")
 
@@ -98,6 +98,7 @@ def hybrid_cache(model, layout: ModelLayout, kv: list[torch.Tensor] | None, stat
     """An HF cache for ``model`` holding ``kv`` (the attention layers' K and V, kdn's order) and
     ``state`` (:func:`unpack_state`): where a prefill left off at a chunk boundary. Both None: empty."""
     cache = DynamicCache(config=model.config)
+    length = 0 if kv is None else int(kv[0].shape[-2])
     attention = [i for i in range(len(cache.layers)) if i not in layout.recurrent]
     for n, i in enumerate(attention if kv is not None else ()):
         layer, k, v = cache.layers[i], kv[2 * n], kv[2 * n + 1]
@@ -110,6 +111,9 @@ def hybrid_cache(model, layout: ModelLayout, kv: list[torch.Tensor] | None, stat
         layer.conv_states[0].copy_(window)
         layer.recurrent_states[0].copy_(recurrent)
         layer.has_previous_state[0] = True
+        if hasattr(layer, "cumulative_length_linear"):  # transformers >= 5.25 counts a state layer's tokens
+            layer.cumulative_length_linear.fill_(length)
+    check_length(cache, length, "a hybrid cache rebuilt from a stored state")
     return cache
 
 
