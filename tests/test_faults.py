@@ -158,6 +158,83 @@ def test_symlinks_inside_the_tier_are_never_followed(tmp_path):
     assert len(reopened) == 0
 
 
+NOBODY = 65534  # another local user
+
+
+def _forged(cache: KDN, model, victim, other) -> dict:
+    """Blobs holding ``other``'s KV under ``victim``'s chunk keys (anyone can compute them: keys are
+    content-addressed), sealed right: what another local user plants without the secret."""
+    cache.store(model, other, full_prefill(model, other)[1])
+    blobs = {}
+    for mine, theirs in zip(cache.chunk_keys(model, victim), cache.chunk_keys(model, other)):
+        blob = bytearray(cache.memory.get(theirs))
+        blob[52:68] = mine  # the header's chunk key
+        _core.blob_reseal(blob)
+        blobs[mine] = bytes(blob)
+    return blobs
+
+
+def _plant(folder: Path, blobs: dict, shard_owner: int | None, file_owner: int) -> None:
+    for k, blob in blobs.items():
+        shard = folder / k.hex()[:2]
+        if not shard.exists():
+            shard.mkdir()
+            if shard_owner is not None:
+                os.chmod(shard, 0o777)
+                os.chown(shard, shard_owner, shard_owner)
+        path = shard / f"{k.hex()}.kdnb"
+        path.write_bytes(blob)
+        os.chown(path, file_owner, file_owner)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's files needs root (CI runs as root)")
+def test_a_node_tier_another_local_user_planted_kv_in_is_never_read(tiny_llama, tmp_path, caplog):
+    """Issue 80's probe: another user makes the node folder a symlink to a world-writable sticky
+    folder and fills it with 0777 shard folders holding another prompt's KV under the victim's chunk
+    names. A fresh victim process refuses that folder by name (the link is another user's; one of
+    ours to such a folder is refused too); a node folder of ours that was 0777 is narrowed to 0700
+    and what the other user planted in it (shard folders, files) is a miss: the model's own logits."""
+    model = tiny_llama
+    victim, other = random_ids(model, 3 * CHUNK + 1, seed=21), random_ids(model, 3 * CHUNK + 1, seed=22)
+    blobs = _forged(KDN(KDNConfig(chunk_size=CHUNK)), model, victim, other)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    os.chmod(shm, 0o1777)  # what /dev/shm and /tmp are
+    public = shm / "public"
+    public.mkdir()
+    os.chmod(public, 0o1777)
+    _plant(public, blobs, NOBODY, NOBODY)
+    (public / "tmp").mkdir(mode=0o777)
+    node = shm / "kdn-0"
+    node.symlink_to(public)
+    os.lchown(node, NOBODY, NOBODY)
+    config = KDNConfig(chunk_size=CHUNK, node_dir=str(node))
+    with pytest.raises(InvalidInputError, match=f"symlink of uid {NOBODY}"):
+        KDN(config)
+    os.lchown(node, 0, 0)  # a link of ours to a folder anyone can write: refused too
+    with pytest.raises(InvalidInputError, match="writable by other users"):
+        KDN(config)
+
+    ours = tmp_path / "node"
+    ours.mkdir()
+    os.chmod(ours, 0o777)
+    planted = dict(list(blobs.items())[:2])
+    _plant(ours, planted, NOBODY, NOBODY)  # shard folders and files of another user
+    rest = dict(list(blobs.items())[2:])
+    _plant(ours, rest, None, NOBODY)  # a shard folder of ours (as root makes it), another user's file
+    with caplog.at_level("WARNING", logger="kdn"):
+        cache = KDN(KDNConfig(chunk_size=CHUNK, node_dir=str(ours)))
+    assert stat.S_IMODE(os.stat(ours).st_mode) == 0o700 and any("narrowed" in r.getMessage() for r in caplog.records)
+    assert cache.lookup(model, victim) == 0
+    kv, hit = cache.retrieve(model, victim)
+    assert hit == 0 and kv is None
+    out = cache.generate(model, victim, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, model.generate(victim, max_new_tokens=4, do_sample=False))
+    assert all((ours / k.hex()[:2] / f"{k.hex()}.kdnb").read_bytes() == b for k, b in blobs.items())  # not ours: kept
+    fresh = KDN(KDNConfig(chunk_size=CHUNK, node_dir=str(ours)))  # a new process: still none of the planted KV
+    assert fresh.lookup(model, victim) == 0
+
+
 def test_keyed_mode_refuses_files_written_without_the_secret(tiny_llama, tmp_path):
     ids = random_ids(tiny_llama, 3 * CHUNK + 1, seed=12)
     plain = KDN(KDNConfig(chunk_size=CHUNK, disk_dir=str(tmp_path)))

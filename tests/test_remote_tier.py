@@ -347,10 +347,12 @@ def test_the_store_tells_its_evictions_expiries_and_deletes_of_what_this_process
     itself, whoever made it: LRU evictions under maxmemory, an expiry, another process's delete;
     what the events leave held is exactly what the store holds."""
     require_redis()
-    server = RedisServer(tmp_path / "redis", None, "--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+    server = RedisServer(tmp_path / "redis", None, "--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru",
+                         "--notify-keyspace-events", "Egx")  # the operator's setting (kdn adds 'e' only if told)
     try:
-        tier, other = fresh_tier(server.url), RemoteTier(server.url)
+        tier, other = fresh_tier(server.url, options={"configure_events": True}), RemoteTier(server.url)
         tier.record_events(True)
+        assert "e" in server.cli("CONFIG", "GET", "notify-keyspace-events").stdout.split()[-1]
         other.put(key(100), blob_for(100, 1024), wait=True)
         tier.put(key(100), blob_for(100, 1024), wait=True)  # found there: another process's announcement
         for i in range(24):  # ~260 KB each: the store evicts the least recent
@@ -376,6 +378,27 @@ def test_the_store_tells_its_evictions_expiries_and_deletes_of_what_this_process
         tier.record_events(False)
         tier.put(key(1), blob_for(1, 1024), wait=True)
         assert tier.take_events() == []
+    finally:
+        server.stop()
+
+
+def test_kv_events_never_reconfigure_a_server_kdn_was_not_told_it_owns(tmp_path, caplog):
+    """Issue 80's probe: KV events ran ``CONFIG SET notify-keyspace-events`` on any server. Without
+    ``configure_events`` kdn only reads the setting: a server without the flags keeps its own (one
+    warning names it), and this process's own writes and deletes are still announced."""
+    require_redis()
+    server = RedisServer(tmp_path / "redis", None)
+    try:
+        before = server.cli("CONFIG", "GET", "notify-keyspace-events").stdout
+        with caplog.at_level("WARNING", logger="kdn"):
+            tier = fresh_tier(server.url)
+            tier.record_events(True)
+            tier.put(key(1), blob_for(1), wait=True)
+            assert tier.remove(key(1))
+        assert server.cli("CONFIG", "GET", "notify-keyspace-events").stdout == before
+        assert any("notify-keyspace-events" in r.getMessage() and "configure_events" in r.getMessage()
+                   for r in caplog.records)
+        assert tier.take_events() == [(True, key(1)), (False, key(1))]
     finally:
         server.stop()
 

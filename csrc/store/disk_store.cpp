@@ -77,11 +77,6 @@ bool mac_matches(const std::string& mac_key, const uint8_t* data, size_t size, c
   return diff == 0;
 }
 
-bool is_symlink(const std::string& path) {
-  struct stat st;
-  return ::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode);
-}
-
 bool read_at(int fd, uint8_t* data, size_t size, size_t offset, const std::string& path, std::string* error) {
   size_t done = 0;
   while (done < size) {
@@ -101,7 +96,7 @@ bool read_at(int fd, uint8_t* data, size_t size, size_t offset, const std::strin
 // symlink. nullptr with *missing set if it does not exist, or with *error set.
 // *bad is set when the file exists but is damaged (size or header wrong); *foreign when it is a
 // well-formed blob file of another key (tagged without a key here, untagged or failing the tag with one).
-BufferPtr read_file(const std::string& path, const std::string& mac_key, bool* missing, bool* bad,
+BufferPtr read_file(const std::string& path, const std::string& mac_key, bool group_shared, bool* missing, bool* bad,
                    bool* foreign, std::string* error) {
   const uint64_t tag_bytes = mac_key.empty() ? 0 : kMacBytes;
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
@@ -117,6 +112,9 @@ BufferPtr read_file(const std::string& path, const std::string& mac_key, bool* m
   BlobHeader h;
   if (::fstat(fd, &st) != 0) {
     *error = errno_text("cannot stat", path);
+  } else if ((st.st_mode & S_IWOTH) || (!group_shared && (st.st_uid != ::geteuid() || (st.st_mode & S_IWGRP)))) {
+    *foreign = true;  // another local user's file (or one others may rewrite): not this store's to read or delete
+    *error = "blob file " + path + " belongs to uid " + std::to_string(st.st_uid) + " or is writable by others (not read)";
   } else if (!S_ISREG(st.st_mode) || st.st_size <= 0 || static_cast<uint64_t>(st.st_size) > kMaxBlobFileBytes ||
              static_cast<uint64_t>(st.st_size) < kBlobHeaderBytes) {
     *bad = true;
@@ -167,6 +165,9 @@ DiskStore::DiskStore(DiskStoreOptions options)
     Status st = make_private_dir(options_.dir);
     if (!st.ok) throw InputError("DiskStore: " + st.message, __FILE__, __LINE__);
   }
+  if (!trusted_dir(options_.dir))
+    throw InputError("DiskStore: " + options_.dir + " is not a directory of this user's that no one else can write " +
+                     "(another local user could plant KV there)", __FILE__, __LINE__);
   Status st = make_private_dir(options_.dir + "/tmp");
   if (!st.ok) throw InputError("DiskStore: " + st.message, __FILE__, __LINE__);
   if (!options_.read_only) remove_stale_temporaries();
@@ -187,6 +188,12 @@ DiskStore::~DiskStore() {
   writer_.join();
 }
 
+bool DiskStore::trusted_dir(const std::string& path) const {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || (st.st_mode & S_IWOTH)) return false;
+  return options_.group_shared || (st.st_uid == ::geteuid() && !(st.st_mode & S_IWGRP));
+}
+
 Status DiskStore::make_private_dir(const std::string& path) const {
   const mode_t mode = options_.group_shared ? 02770 : 0700;
   if (::mkdir(path.c_str(), mode) == 0) {
@@ -195,7 +202,10 @@ Status DiskStore::make_private_dir(const std::string& path) const {
   }
   struct stat st;
   if (errno == EEXIST && ::lstat(path.c_str(), &st) == 0) {
-    if (S_ISDIR(st.st_mode)) return Status::Ok();
+    if (S_ISDIR(st.st_mode) && trusted_dir(path)) return Status::Ok();
+    if (S_ISDIR(st.st_mode))
+      return Status::Fail("cannot use " + path + ": it belongs to uid " + std::to_string(st.st_uid) +
+                          " or others can write it (another local user could plant KV there)");
     return Status::Fail("cannot create " + path + (S_ISLNK(st.st_mode)
                                                        ? ": it is a symlink (not followed inside a disk tier)"
                                                        : ": it exists and is not a directory"));
@@ -210,7 +220,7 @@ uint64_t DiskStore::file_bytes(const Buffer& blob) const {
 bool DiskStore::file_present(const Key128& key) const {
   const std::string path = path_of(key);
   struct stat st;
-  return !is_symlink(path.substr(0, path.rfind('/'))) && ::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+  return trusted_dir(path.substr(0, path.rfind('/'))) && ::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
          static_cast<uint64_t>(st.st_size) >= kBlobHeaderBytes + kBlobTrailerBytes;
 }
 
@@ -251,8 +261,7 @@ void DiskStore::rebuild_index() {
   std::vector<Found> found;
   std::error_code ec;
   for (fs::directory_iterator shard(options_.dir, ec), end; !ec && shard != end; shard.increment(ec)) {
-    std::error_code ec1;
-    if (shard->path().filename().string().size() != 2 || shard->is_symlink(ec1)) continue;
+    if (shard->path().filename().string().size() != 2 || !trusted_dir(shard->path().string())) continue;
     std::error_code ec2;
     for (fs::directory_iterator f(shard->path(), ec2); !ec2 && f != end; f.increment(ec2)) {
       std::string name = f->path().filename().string();
@@ -261,6 +270,7 @@ void DiskStore::rebuild_index() {
         continue;
       struct stat st;
       if (::lstat(f->path().c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;  // symlinks are not blobs
+      if (!options_.group_shared && st.st_uid != ::geteuid()) continue;  // another user's: not this store's
       const uint64_t bytes = static_cast<uint64_t>(st.st_size);
       const bool sparse = bytes > (1u << 20) && static_cast<uint64_t>(st.st_blocks) * 512 < bytes / 2;
       if (bytes < kBlobHeaderBytes + kBlobTrailerBytes || bytes > kMaxBlobFileBytes || sparse) {
@@ -292,7 +302,7 @@ bool DiskStore::adopt_locked(const Key128& key, uint64_t bytes, uint64_t owner) 
 void DiskStore::unlink_keys(const std::vector<Key128>& keys) {
   for (const auto& key : keys) {
     const std::string path = path_of(key);
-    if (!is_symlink(path.substr(0, path.rfind('/')))) ::unlink(path.c_str());
+    if (trusted_dir(path.substr(0, path.rfind('/')))) ::unlink(path.c_str());
   }
 }
 
@@ -470,8 +480,8 @@ BufferPtr DiskStore::get(const Key128& key) {
     }
   }
   std::string path = path_of(key), error;
-  bool missing = is_symlink(path.substr(0, path.rfind('/'))), corrupt = false, foreign = false;  // a planted shard link: a miss
-  BufferPtr blob = missing ? nullptr : read_file(path, options_.mac_key, &missing, &corrupt, &foreign, &error);
+  bool missing = !trusted_dir(path.substr(0, path.rfind('/'))), corrupt = false, foreign = false;  // a planted shard: a miss
+  BufferPtr blob = missing ? nullptr : read_file(path, options_.mac_key, options_.group_shared, &missing, &corrupt, &foreign, &error);
   if (blob) {
     BlobHeader h;
     Status st = blob_parse(blob->data(), blob->size(), /*verify_checksum=*/true, &h);
@@ -483,7 +493,7 @@ BufferPtr DiskStore::get(const Key128& key) {
       corrupt = true;
     }
   }
-  if (corrupt && !options_.read_only && !is_symlink(path.substr(0, path.rfind('/')))) {
+  if (corrupt && !options_.read_only && trusted_dir(path.substr(0, path.rfind('/')))) {
     ::unlink(path.c_str());
     error += " (deleted)";
   }
@@ -594,8 +604,7 @@ void DiskStore::clear() {
   foreign_.clear();
   std::error_code ec;
   for (fs::directory_iterator shard(options_.dir, ec), end; !ec && shard != end; shard.increment(ec)) {
-    std::error_code ec1;
-    if (shard->path().filename().string().size() != 2 || shard->is_symlink(ec1)) continue;  // never followed
+    if (shard->path().filename().string().size() != 2 || !trusted_dir(shard->path().string())) continue;  // never followed
     std::error_code ec2;
     for (fs::directory_iterator f(shard->path(), ec2); !ec2 && f != end; f.increment(ec2))
       if (f->path().extension() == kSuffix) ::unlink(f->path().c_str());  // unlink never follows a link

@@ -116,6 +116,9 @@ class DiskStore {
   bool file_present(const Key128& key) const;
   uint64_t file_bytes(const Buffer& blob) const;     // what the blob's file takes (tag included)
   Status make_private_dir(const std::string& path) const;  // 0700 (2770 group-shared); never a symlink
+  // A folder of the tier this store may read and write through: a real directory (never a symlink)
+  // this user owns that no one else can write (group-shared: the group may; no one else).
+  bool trusted_dir(const std::string& path) const;
   bool held_locked(const Key128& key);               // pending, or indexed with its file present
   void record_error(const std::string& error);
   void writer_loop();

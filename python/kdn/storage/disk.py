@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from pathlib import Path
 
 from kdn import _core, codecs
@@ -35,9 +36,12 @@ class DiskTier(StoreTier):
       writer (or by ``put(..., wait=True)``); reads return them as stored.
     * Two processes may share a directory: each sees the other's files on lookup, and a file that
       another process evicted is a miss at once (the index re-checks a file before claiming it).
-    * Trust: files 0600 and directories 0700 (``group_shared``: 0660 / 2770); a directory owned by
-      another user is refused unless ``group_shared``; symlinks inside the tier are never
-      followed. With ``mac_key`` (32 bytes) every file carries a keyed BLAKE3 tag that is
+    * Trust: files 0600 and directories 0700 (``group_shared``: 0660 / 2770). A folder another local
+      user could have planted KV in is refused (reached through another user's symlink, below a
+      folder another user owns or can write unless sticky, owned by another user unless
+      ``group_shared``, writable by others: one of ours is narrowed to 0700 first); inside it,
+      symlinks are never followed and a shard folder or file another user owns or can write is a
+      miss. With ``mac_key`` (32 bytes) every file carries a keyed BLAKE3 tag that is
       verified on read, so a writer without the secret cannot make this tier serve its bytes.
     * ``flush()`` waits for queued writes; it also runs at interpreter exit.
 
@@ -58,7 +62,7 @@ class DiskTier(StoreTier):
         self.name = name  # "node": the node's shared-memory tier (a tmpfs folder), same files
         c = codecs.parse(codec)
         self.codec = c.spec
-        _check_owner(directory, group_shared)
+        _check_trust(directory, group_shared, read_only)
         self._store = _core.DiskStore(str(directory), capacity_bytes, policy, queue_bytes, read_threads, fsync,
                                       c.id, c.params, mac_key, group_shared, read_only)
         self._warned: set[str] = set()
@@ -111,16 +115,51 @@ class DiskTier(StoreTier):
         return self._store.directory
 
 
-def _check_owner(directory, group_shared: bool) -> None:
-    """A disk tier in another user's directory would serve what that user wrote: refuse it unless
-    the tier is declared shared."""
-    try:
-        owner = os.stat(directory).st_uid
-    except FileNotFoundError:
-        return  # created by us
-    except OSError as e:
-        raise InvalidInputError(f"disk_dir {directory}: {e.strerror}") from None
-    if owner != os.geteuid() and not group_shared:
-        raise InvalidInputError(f"disk_dir {directory} belongs to uid {owner}, not to this user (uid {os.geteuid()}); "
-                                "pass disk_shared=True to share a disk tier between users, ideally with a secret")
+def _check_trust(directory, group_shared: bool, read_only: bool) -> None:
+    """Refuse a tier folder another local user could have planted KV in (without a secret kdn cannot
+    authenticate what it reads): reached through a symlink another user owns, below a folder another
+    user owns or can write (a sticky one such as /tmp or /dev/shm is fine: no one renames what is
+    ours there), owned by another user (unless ``group_shared``), or writable by anyone else (the
+    group too unless shared). A folder of ours that others could write is narrowed to 0700 first,
+    with a warning; the C++ store then reads no shard folder or file in it that is not ours."""
+    me, path = os.geteuid(), os.path.abspath(directory)
 
+    def refuse(why: str):
+        raise InvalidInputError(f"disk tier {directory}: {why}; another local user could plant KV there, so kdn "
+                                "does not read it (name a folder of yours, or pass disk_shared=True for a group "
+                                "tier, ideally with a secret)")
+
+    parts = path.split(os.sep)
+    for i in range(2, len(parts) + 1):  # every component as named: a link is followed only if ours or root's
+        named = os.sep.join(parts[:i]) or os.sep
+        try:
+            st = os.lstat(named)
+        except FileNotFoundError:
+            break
+        except OSError as e:
+            raise InvalidInputError(f"disk_dir {directory}: {e.strerror}") from None
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (me, 0):
+            refuse(f"{named} is a symlink of uid {st.st_uid}")
+    real = os.path.realpath(path)
+    for parent in list(Path(real).parents)[::-1]:  # from / down: no one else may rename a folder on the way
+        st = os.stat(parent)
+        if st.st_uid not in (me, 0) and not group_shared:
+            refuse(f"{parent} belongs to uid {st.st_uid}")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX and not (
+                group_shared and not st.st_mode & stat.S_IWOTH):
+            refuse(f"{parent} is writable by other users and not sticky")
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        return  # made by the store, 0700
+    if not stat.S_ISDIR(st.st_mode):
+        refuse("it is not a directory")
+    if st.st_uid != me and not group_shared:
+        refuse(f"it belongs to uid {st.st_uid}, not to this user (uid {me})")
+    wide = st.st_mode & (stat.S_IWOTH if group_shared else stat.S_IWGRP | stat.S_IWOTH)
+    if wide and (st.st_mode & stat.S_ISVTX or st.st_uid != me or read_only):
+        refuse(f"it is writable by other users (mode {stat.S_IMODE(st.st_mode):o})")
+    if wide:
+        os.chmod(real, 0o2770 if group_shared else 0o700)
+        log.warning("kdn disk tier %s was writable by other users (mode %o): narrowed to %o; what they put "
+                    "there is not read", directory, stat.S_IMODE(st.st_mode), 0o2770 if group_shared else 0o700)

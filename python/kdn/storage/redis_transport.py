@@ -32,6 +32,10 @@ class RedisTransport(RemoteTransport):
     @dataclasses.dataclass(frozen=True)
     class Options:
         direct: bool = True  # plain redis:// and unix:// through kdn's RESP client (False: redis-py)
+        # KV events: True lets kdn add the flags its removal watch needs to the server's
+        # notify-keyspace-events (CONFIG SET: for a server this deployment owns); False (default)
+        # only reads them, and without them announces just this process's own deletes, with a warning
+        configure_events: bool = False
 
     schemes = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
     supports_ranges = True
@@ -40,7 +44,8 @@ class RedisTransport(RemoteTransport):
     supports_ttl = True
 
     def __init__(self, url: str, timeout: float, options: Options | None = None):
-        direct = (options or self.Options()).direct
+        options = options or self.Options()
+        direct, self.configure_events = options.direct, options.configure_events
         try:
             import redis
             from redis.cluster import RedisCluster
@@ -48,11 +53,11 @@ class RedisTransport(RemoteTransport):
             raise InvalidInputError("the remote tier needs redis-py: pip install 'kdn[redis]'") from None
         scheme = _check_url(url)
         self.cluster = scheme.endswith("+cluster")
-        options = dict(socket_timeout=timeout, socket_connect_timeout=timeout)
+        connect = dict(socket_timeout=timeout, socket_connect_timeout=timeout)
         if self.cluster:
-            self.client = RedisCluster.from_url(url.replace("+cluster://", "://", 1), **options)
+            self.client = RedisCluster.from_url(url.replace("+cluster://", "://", 1), **connect)
         else:
-            self.client = redis.Redis.from_url(url, retry_on_timeout=False, **options)
+            self.client = redis.Redis.from_url(url, retry_on_timeout=False, **connect)
         self._direct = _Direct(url, timeout) if direct and scheme in ("redis", "unix") else None
 
     @property
@@ -154,8 +159,9 @@ class RedisTransport(RemoteTransport):
 
     def watch_removals(self, removed):
         """Redis keyspace notifications of evicted, expired and deleted names (one node's: None for a
-        cluster); the server's ``notify-keyspace-events`` gains the flags they need when it
-        lacks them (``Egex``), and None is returned, with a warning, when the server refuses that."""
+        cluster). They need the server's ``notify-keyspace-events`` to hold ``Egex`` (or ``EA``):
+        an operator's setting, which kdn changes only with ``Options(configure_events=True)``;
+        without the flags (or when the server refuses CONFIG) None is returned, with a warning."""
         if self.cluster:
             log.warning("kdn remote tier: a Redis Cluster's evictions are not watched (one node's "
                         "notifications would miss the others'); removals there are not announced")
@@ -163,6 +169,12 @@ class RedisTransport(RemoteTransport):
         try:
             flags = self.client.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
             wanted = set("Egex") - set(flags) - (set("gex") if "A" in flags else set())
+            if wanted and not self.configure_events:
+                log.warning("kdn remote tier: the server's notify-keyspace-events is %r, without %r: the store's "
+                            "own evictions and expiries are not announced (set it on the server, or pass "
+                            "remote_options={'configure_events': true} to let kdn set it)", flags,
+                            "".join(sorted(wanted)))
+                return None
             if wanted:
                 self.client.config_set("notify-keyspace-events", flags + "".join(sorted(wanted)))
         except Exception as e:  # noqa: BLE001 - a managed server refusing CONFIG, a down one

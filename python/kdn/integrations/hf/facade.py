@@ -11,9 +11,11 @@ import torch
 
 from kdn import _core
 from kdn._core import InvalidInputError
+from kdn.compat import UnvouchedError, refused
 from kdn.config import KDNConfig
 from kdn.engine import Engine, ModelSession, Retention
 from kdn.integrations.hf import generate as hf
+from kdn.integrations.hf import vouch
 from kdn.integrations.hf.cache import load_cache
 from kdn.layout import cache_arg, cache_to_kv_list, check_kv_matches
 
@@ -58,11 +60,13 @@ class KDN:
 
     def _attention_only(self, model, what: str, namespace: str | None = None) -> ModelSession:
         """The model's session; InvalidInputError naming ``what`` for a hybrid model (served by
-        :meth:`generate` alone)."""
+        :meth:`generate` alone), :class:`kdn.compat.UnvouchedError` for a model whose caches kdn cannot
+        vouch for (:mod:`kdn.integrations.hf.vouch`)."""
         from kdn.integrations.hf.hybrid import refuse
 
         session = self.session(model, namespace)
         refuse(session.layout, what)
+        vouch.check(model, session.layout, what)
         return session
 
     def calibrate(self, model, contexts, codec: str = "kvtc", **options) -> bytes:
@@ -110,6 +114,8 @@ class KDN:
         none of each other's; the same string as a vLLM request's ``cache_salt`` shares with it."""
         session = self.session(model, namespace)
         tokens = session.tokens(token_ids)
+        if not vouch.served(model, session.layout, "KDN.lookup"):
+            return 0
         if session.layout.recurrent:  # a hybrid model's: up to the last stored state (its payload is read)
             from kdn.integrations.hf.hybrid import held
 
@@ -128,7 +134,11 @@ class KDN:
         Returns the number of leading tokens a retrieve can now serve (fewer than given, with one
         warning, when the prompt's KV is larger than the tiers hold).
         """
-        session = self._attention_only(model, "KDN.store", namespace)
+        try:
+            session = self._attention_only(model, "KDN.store", namespace)
+        except UnvouchedError as e:
+            refused(f"KDN.store for {type(model).__name__}", str(e))
+            return 0
         tokens = session.tokens(token_ids)
         kv = cache_to_kv_list(past_key_values)
         check_kv_matches(session.layout, kv, len(tokens))
@@ -170,8 +180,13 @@ class KDN:
         over a pruned cache's padding rows): run the model under
         ``kdn.edits.steer.applied(model, biases)`` (``generate`` does).
         """
+        try:
+            session = self._attention_only(model, "KDN.retrieve", namespace)
+        except UnvouchedError as e:
+            refused(f"KDN.retrieve for {type(model).__name__}", str(e))
+            self._local.last_retrieve = {"hit_tokens": 0, "stream": None, "lossy": False, "edit": None, "bias": None}
+            return None, 0
         started = time.perf_counter()
-        session = self._attention_only(model, "KDN.retrieve", namespace)
         tokens = session.tokens(token_ids)
         cache, load = load_cache(self.engine, model, tokens, _limit(limit, len(tokens), "retrieve"), edits, started,
                                     namespace)

@@ -11,6 +11,7 @@ from transformers.generation.streamers import BaseStreamer
 from kdn._core import InvalidInputError
 from kdn.engine import Engine, Load, Retention
 from kdn.engine.stream import DeliveryError
+from kdn.integrations.hf import vouch
 from kdn.integrations.hf.cache import load_cache
 from kdn.layout import CACHE_ARG, cache_arg, cache_to_kv_list, full_cache, kv_list_to_cache, output_cache, prefill_cache
 
@@ -121,8 +122,12 @@ def generate(engine: Engine, model, input_ids, **generate_kwargs):
     keep = generate_kwargs.pop("store", True)
     if not isinstance(keep, bool):
         raise InvalidInputError(f"generate: store must be True or False, got {keep!r}")
-    started = time.perf_counter()
     session = engine.session(model, namespace)
+    if not vouch.served(model, session.layout, "KDN.generate"):  # a reading kdn cannot vouch for: the model alone
+        generate_kwargs.update(cache_arg(full_cache(model)))
+        out = model.generate(ids, return_dict_in_generate=True, use_cache=True, **generate_kwargs)
+        return _returned(out, {"hit_tokens": 0, "prompt_tokens": int(ids.shape[1]), "refused": True}, want_dict)
+    started = time.perf_counter()
     if session.layout.recurrent:  # a hybrid model: its state kept at chunk boundaries
         from kdn.integrations.hf import hybrid
 
