@@ -42,7 +42,8 @@ class UnvouchedError(InvalidInputError):
     them, or a check at first use failed): the face serves the request nothing (a full prefill)."""
 
 
-def _parts(version: str) -> tuple:
+def version_tuple(version: str) -> tuple:
+    """``"5.25.0"`` -> ``(5, 25, 0)`` (a local or pre-release suffix ends it: ``"2.13.0+cpu"`` -> ``(2, 13, 0)``)."""
     out = []
     for piece in version.split("+")[0].split("."):
         digits = "".join(c for c in piece if c.isdigit()) if piece else ""
@@ -66,7 +67,7 @@ def within(package: str, version: str | None) -> bool | None:
     if version is None or package not in TESTED:
         return None
     low, high = TESTED[package]
-    return _parts(low) <= _parts(version) <= _parts(high)
+    return version_tuple(low) <= version_tuple(version) <= version_tuple(high)
 
 
 def versions() -> list[dict]:

@@ -27,6 +27,7 @@ from kdn.integrations.vllm.lookups import LookupClient
 from kdn.integrations.vllm.ranks import Rank, RankLookups
 from kdn.integrations.vllm.scheduler import SchedulerSide
 from kdn.integrations.vllm.specs import KDNConnectorMetadata
+from kdn.integrations.vllm.vouch import runs_v2_model_runner
 from kdn.integrations.vllm.worker import WorkerSide
 
 log = logging.getLogger("kdn")
@@ -97,7 +98,7 @@ def loads_async(load: str, vllm_config) -> bool:
 
     if getattr(vllm_config.scheduler_config, "async_scheduling", False):
         return True
-    return not current_platform.is_cpu() and bool(getattr(vllm_config, "use_v2_model_runner", False))
+    return not current_platform.is_cpu() and runs_v2_model_runner(vllm_config)
 
 
 class KDNConnector(KVConnectorBase_V1, SupportsHMA):

