@@ -110,29 +110,32 @@ def test_a_vllm_request_kdn_cannot_key_is_unservable_never_an_exception(tmp_path
     from types import SimpleNamespace as Request
 
     from kdn.integrations.vllm.scope import Scopes, Unservable
+    from kdn.integrations.vllm.vouch import KEYED_FIELDS
+
+    def request(**fields):  # a vLLM Request's fields that kdn keys by, None unless given
+        return Request(**{**dict.fromkeys(KEYED_FIELDS), **fields})
 
     scopes = Scopes()
-    plain = Request(prompt_embeds=None, cache_salt=None, lora_request=None, mm_features=None)
-    assert scopes.of(plain) is None
-    for bad in (Request(prompt_embeds=torch.zeros(3, 8)),
-                Request(lora_request=Request(lora_name="gone", lora_path=str(tmp_path / "nowhere"))),
-                Request(mm_features=[Request(identifier=None, mm_position=None)]),
-                Request(cache_salt=b"bytes")):
+    assert scopes.of(request()) is None
+    for bad in (request(prompt_embeds=torch.zeros(3, 8)),
+                request(lora_request=Request(lora_name="gone", lora_path=str(tmp_path / "nowhere"))),
+                request(mm_features=[Request(identifier=None, mm_position=None)]),
+                request(cache_salt=b"bytes")):
         with pytest.raises(Unservable):
             scopes.of(bad)
 
     def image(offset):
         return [Request(modality="image", identifier="img-1", mm_position=Request(offset=offset, length=4))]
 
-    with_image = {scopes.of(Request(mm_features=image(3))), scopes.of(Request(mm_features=image(5))),
-                  scopes.of(Request(cache_salt="\udc80" * 3000))}
+    with_image = {scopes.of(request(mm_features=image(3))), scopes.of(request(mm_features=image(5))),
+                  scopes.of(request(cache_salt="\udc80" * 3000))}
     assert len(with_image) == 3 and None not in with_image
     folder = tmp_path / "adapter"
     folder.mkdir()
     (folder / "adapter_config.json").write_text('{"r": 8}')
     (folder / "adapter_model.safetensors").write_bytes(b"weights")
     lora = Request(lora_name="x", lora_path=str(folder))
-    first = scopes.of(Request(lora_request=lora))
+    first = scopes.of(request(lora_request=lora))
     assert first == request_scope(adapter=adapter_fingerprint(folder))
     (folder / "adapter_model.safetensors").write_bytes(b"other weights")  # reloaded in place: new files
-    assert scopes.of(Request(lora_request=lora)) != first
+    assert scopes.of(request(lora_request=lora)) != first

