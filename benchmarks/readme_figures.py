@@ -359,6 +359,26 @@ def gpu_link_line(path: Path) -> str:
             f"of each copy's repeats.\n\n{_device(path, record, {'name': record.get('device_name')})}\n")
 
 
+def compat_table(path: Path) -> str:
+    """.ci/compat: the versions each row of the compatibility matrix resolved, and its tests' outcome."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    latest = {}
+    for row in rows:  # the last run of each row
+        latest[row["row"]] = row
+    out = ["| row | torch | transformers | PEFT | numpy | tests (HF caches, PEFT, vLLM and SGLang readings) | when |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, row in latest.items():
+        v = row["versions"]
+        tests = (f"{row['passed']} passed, {row['failed'] + row['errors']} failed, {row['skipped']} skipped "
+                 f"in {row['seconds']} s" if "passed" in row else "the whole suite (README line 2)")
+        out.append(f"| {name} | {v['torch']} | {v['transformers']} | {v['peft']} | {v['numpy']} | {tests} | "
+                   f"{row['date']}, commit {row['commit']} |")
+    machine = next((r for r in latest.values() if "cpu" in r), None)
+    where = f" on {machine['cpus']} cores of an {machine['cpu']}" if machine else ""
+    return ("\n".join(out) + f"\n\nEach row in a venv resolved at that moment (`.ci/compat`{where}); record: "
+            f"`{path.relative_to(ROOT)}`.\n")
+
+
 FIGURES = {  # the block's name in README.md -> (renderer, record)
     "ttft": (ttft_table, RESULTS / "ttft" / "bench_ttft.json"),
     "ttft-qwen15": (ttft_table, RESULTS / "ttft" / "qwen15" / "bench_ttft.json"),
@@ -373,6 +393,7 @@ FIGURES = {  # the block's name in README.md -> (renderer, record)
     "serving-peers-128": (serving_table, RESULTS / "serving" / "peers-128" / "bench_serving.json"),
     "serving-peers-chat": (serving_table, RESULTS / "serving" / "peers-chat" / "bench_serving.json"),
     "serving-fleet": (fleet_table, RESULTS / "fleet" / "bench_serving.json"),
+    "compat": (compat_table, RESULTS / "compat" / "matrix.jsonl"),
     "accuracy-musique-8word": (accuracy_table, RESULTS / "accuracy" / "qwen15-musique-8word" / "summary.json"),
 }
 

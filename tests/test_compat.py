@@ -105,3 +105,20 @@ def test_versions_name_each_library_against_its_tested_range():
     assert within("peft", None) is None
     with pytest.raises(InvalidInputError):
         raise UnvouchedError("an UnvouchedError is an InvalidInputError")
+
+
+def test_kdn_version_and_info_name_the_versions_against_the_tested_ranges(capsys):
+    """``kdn --version`` prints kdn's version; ``kdn info`` each library kdn reads the internals of,
+    with the range CI tested (a version outside it is said to be so)."""
+    import kdn
+    from kdn.cli import main
+    from kdn.info import _against_tested
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"kdn {kdn.__version__}"
+    assert main(["info"]) in (0, None)
+    out = capsys.readouterr().out
+    assert f"{transformers.__version__} (tested {TESTED['transformers'][0]} - {TESTED['transformers'][1]})" in out
+    outside = {"package": "transformers", "installed": "5.14.1", "tested": TESTED["transformers"], "inside": False}
+    assert "OUTSIDE the tested" in _against_tested(outside)
