@@ -37,7 +37,9 @@ def reason(model, layout: ModelLayout) -> str | None:
     with _lock:
         if model in _verdicts:
             return _verdicts[model]
+    training = getattr(model, "training", False)
     try:
+        model.eval()  # a model being trained runs dropout: the canary compares the computation, not its noise
         _check_adapters(model)
         _check_resume(model, layout)
         verdict = None
@@ -45,6 +47,8 @@ def reason(model, layout: ModelLayout) -> str | None:
         verdict = str(e)
     except Exception as e:  # noqa: BLE001 - any failure of kdn's path on this release is a refusal, not a crash
         verdict = f"kdn's cache path failed on transformers {transformers.__version__}: {type(e).__name__}: {e}"
+    finally:
+        model.train(training)
     with _lock:
         _verdicts[model] = verdict
     return verdict
