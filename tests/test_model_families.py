@@ -268,3 +268,28 @@ def test_which_hybrids_hf_resumes_exactly_from_a_cached_state(family, resumes):
         resumed = model(ids[:, 64:], **cache_arg(pieces)).logits[0, -1]
     assert bool((whole - resumed).abs().max() < 1e-4) == resumes
     assert (model.config.model_type in RESUMING_HYBRIDS) == resumes
+
+
+@pytest.mark.parametrize("family", ["granite-4-h", "qwen3-next"])
+def test_a_hybrid_answers_the_models_own_tokens_at_every_prompt_length_miss_hit_and_new_process(family, tmp_path):
+    """Issue 80's canary: prompts of 40 (under a chunk), 64 and 65 (at a boundary and past it), 128
+    and 200 tokens over one document, each asked as a miss, then as a hit, then by a new KDN over the
+    same disk: every answer the model's own greedy tokens with its first logits within 1e-4."""
+    from model_families import random_model
+
+    model = random_model(_hybrids()[family]())
+    config = KDNConfig(chunk_size=64, disk_dir=str(tmp_path / "kv"))
+    doc = random_ids(model, 200, seed=11)[0].tolist()
+    writer = KDN(config)
+    prompts = [torch.tensor([doc[:n]]) for n in (40, 64, 65, 128, 200)]
+    for ids in prompts:
+        want, first, _ = _greedy(model.generate, ids)
+        for cache in (writer, writer):  # a miss (or a shorter stored prefix), then a hit
+            got, served, _ = _greedy(lambda i, **kw: cache.generate(model, i, **kw), ids)
+            assert got == want and (served - first).abs().max() < 1e-4, (ids.shape[1], cache.last_generate)
+    reader = KDN(config)  # a new process: the disk alone
+    for ids in prompts:
+        want, first, _ = _greedy(model.generate, ids)
+        got, served, out = _greedy(lambda i, **kw: reader.generate(model, i, **kw), ids)
+        assert got == want and (served - first).abs().max() < 1e-4, (ids.shape[1], out["kdn_stats"])
+    assert reader.lookup(model, prompts[-1][0]) == 192
