@@ -1,4 +1,4 @@
-"""The `kdn` command line: info, install, demo, eval, verify, deposit."""
+"""The `kdn` command line: info, install, demo, eval, verify, deposit; stats, ls, evict (kdn.cli_operate)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import os
 import shlex
 import subprocess
 import sys
+
+from kdn import cli_operate
 
 
 class InstallFailed(RuntimeError):
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     dep.add_argument("--disk-bytes", default=None, help="the disk tier's capacity, e.g. 64GiB (default: what the "
                                                         "folder holds + 16 GiB: nothing of it is evicted)")
     dep.add_argument("--dtype", default=None, choices=[None, "float32", "float16", "bfloat16"])
+    cli_operate.add_parsers(sub)
     args = parser.parse_args(argv)
 
     if args.command == "info":
@@ -144,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_verify_command(args)
     elif args.command == "deposit":
         return run_deposit_command(args)
+    elif args.command in cli_operate.COMMANDS:
+        return cli_operate.run(args, store_config, load_any_model, unknown_model)
     return 0
 
 

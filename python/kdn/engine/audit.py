@@ -44,6 +44,7 @@ class AuditReport:
     dropped: list = dataclasses.field(default_factory=list)
     worst: float = 0.0
     invalid: int = 0
+    stored: list = dataclasses.field(default_factory=list)  # the rebuilt prompts' tokens (``kdn ls``)
 
 
 def stored_prompts(io: ChunkIO, session: ModelSession, keys) -> tuple[list[np.ndarray], int, int]:
@@ -93,9 +94,10 @@ def audit(io: ChunkIO, session: ModelSession, model, keys, sample: int | None = 
           seed: int = 0, progress=None) -> AuditReport:
     """Recompute up to ``sample`` stored prompts (all with None) with ``model`` and compare their
     chunks with the store; with ``drop``, chunks that differ are dropped from every tier (with
-    their pointers). ``progress(iterable)`` wraps the loop (a progress bar)."""
+    their pointers; ``sample=0``: none, the prompts rebuilt only). ``progress(iterable)`` wraps the
+    loop (a progress bar)."""
     prompts, entries, unreached = stored_prompts(io, session, keys)
-    report = AuditReport(entries=entries, prompts=len(prompts), unreached=unreached)
+    report = AuditReport(entries=entries, prompts=len(prompts), unreached=unreached, stored=prompts)
     chosen = prompts if sample is None or sample >= len(prompts) else random.Random(seed).sample(prompts, sample)
     tolerance = EXACT_TOLERANCE.get(session.layout.torch_dtype, 6e-2)
     device = next(model.parameters()).device

@@ -349,12 +349,15 @@ class ChunkIO:
         """Drop every stored chunk and pointer from every tier."""
         self.tiers.clear()
 
-    def remove(self, session: ModelSession, tokens: np.ndarray) -> int:
-        """Drop the chunks of ``tokens`` (and their pointers) from every tier; returns how many chunks were held."""
+    def remove(self, session: ModelSession, tokens: np.ndarray, first: int = 0) -> int:
+        """Drop the chunks of ``tokens`` from chunk ``first`` on (and their pointers) from every tier;
+        returns how many chunks were held."""
         chunk = session.chunk_size
         keys = session.prefix_keys(tokens, include_partial=True)
         held = 0
         for i, key in enumerate(keys):
+            if i < first:
+                continue
             held += self.tiers.remove(key)
             for probe in session.probe_keys(keys[i - 1] if i else ROOT, tokens[i * chunk:(i + 1) * chunk]):
                 self.tiers.drop(probe)

@@ -376,10 +376,10 @@ class Engine:
         """Make the chunks ``keys`` evictable again; how many were pinned."""
         return sum(self.tiers.unpin(k) for k in keys)
 
-    def evict(self, session: ModelSession, tokens) -> int:
-        """Remove the chunks of ``tokens`` and their pointers from every tier (the remote store
-        too); how many chunks were held."""
-        return self.chunks.remove(session, tokens)
+    def evict(self, session: ModelSession, tokens, first: int = 0) -> int:
+        """Remove the chunks of ``tokens`` (from chunk ``first`` on: a prefix other prompts share stays)
+        and their pointers from every tier (the remote store too); how many chunks were held."""
+        return self.chunks.remove(session, tokens, first)
 
     def clear(self) -> None:
         """Drop every stored chunk and pointer from every tier."""

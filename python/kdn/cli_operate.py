@@ -1,0 +1,113 @@
+"""The operator's commands of the ``kdn`` CLI over a store another process wrote: ``kdn stats`` (per
+tier), ``kdn ls`` (the prompts a model has stored) and ``kdn evict`` (by text, file, token ids or
+age), each with ``--json``; the work is :mod:`kdn.operate`'s. Exit 0 on success, 1 when nothing
+matched, 2 when the store or the arguments cannot be used (one line on stderr)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+COMMANDS = ("stats", "ls", "evict")
+
+
+def add_parsers(sub) -> None:
+    """The three commands' parsers on ``sub`` (the CLI's subparsers)."""
+    store = "a disk or node tier's folder, or a remote store URL (redis://host:port/db, mooncake://...)"
+    stats = sub.add_parser("stats", help="what a store holds, per tier: entries, bytes, hits, misses, ages")
+    stats.add_argument("store", help=store)
+    listing = sub.add_parser("ls", help="the prompts a model has stored (rebuilt from their chunks' pointers)")
+    evict = sub.add_parser("evict", help="remove stored prompts by text, file, token ids or age (a prefix other "
+                                         "stored prompts share stays)")
+    for p in (listing, evict):
+        p.add_argument("store", help=store)
+        p.add_argument("--model", required=True, help="smollm2-135m, stories260k, qwen2.5-coder-*, or an HF folder")
+        p.add_argument("--dtype", default=None, choices=[None, "float32", "float16", "bfloat16"])
+    for p in (stats, listing, evict):
+        p.add_argument("--chunk-size", type=int, default=256, help="the chunk size the store was written with")
+        p.add_argument("--json", action="store_true", help="print JSON (one object) instead of text")
+    which = evict.add_mutually_exclusive_group(required=True)
+    which.add_argument("--text", help="the text the prompts to remove begin with (a document), as the model's "
+                                      "tokenizer splits it")
+    which.add_argument("--file", help="a file holding the prompt's text")
+    which.add_argument("--tokens", help="the prompt's token ids, comma-separated")
+    which.add_argument("--older-than", type=float, metavar="SECONDS",
+                       help="every stored prompt whose newest chunk file is older (folder tiers)")
+
+
+def run(args, store_config, load_any_model, unknown_model) -> int:
+    """Run ``kdn stats`` / ``ls`` / ``evict`` as parsed by :func:`add_parsers`, with the CLI's own
+    ways of opening a store and a model (:func:`kdn.cli.store_config`, ``load_any_model``,
+    ``unknown_model``: passed in, so that this room does not import the CLI back)."""
+    from kdn import KDN, operate
+    from kdn._core import KDNError
+
+    def fail(message: str) -> int:
+        print(f"kdn {args.command}: {message}", file=sys.stderr)
+        return 2
+
+    try:
+        cache = KDN(store_config(args.store, args.chunk_size))  # a read-only folder still removes
+    except KDNError as e:
+        return fail(str(e))
+    except Exception as e:  # noqa: BLE001 - an unreachable store (connection refused, auth, timeout)
+        return fail(f"cannot read {args.store}: {type(e).__name__}: {e}")
+    if args.command == "stats":
+        return _print(args, operate.stats(cache), _stats_text)
+    why = unknown_model(args.model)
+    if why:
+        return fail(why)
+    try:
+        model, tokenizer = load_any_model(args.model, dtype=args.dtype)
+    except KDNError as e:
+        return fail(str(e))
+    rows = operate.listing(cache, model, tokenizer)
+    if args.command == "ls":
+        return _print(args, {"prompts": rows}, _listing_text)
+    if args.older_than is not None:
+        chosen = [r["token_ids"] for r in rows if r["age_seconds"] is not None and r["age_seconds"] > args.older_than]
+    else:
+        try:
+            given = _prompt_tokens(args, tokenizer)
+        except (OSError, ValueError) as e:
+            return fail(str(e))
+        # the stored prompts that begin with it (a document and the questions asked after it) or that it
+        # begins with (the stored part of it), else itself
+        chosen = [r["token_ids"] for r in rows if r["token_ids"][:len(given)] == given[:len(r["token_ids"])]]
+        chosen = chosen or [given]
+    kept = [r["token_ids"] for r in rows if r["token_ids"] not in chosen]
+    removed = operate.evict(cache, model, chosen, kept)
+    cache.flush()
+    code = _print(args, {"prompts": len(chosen), "chunks_removed": removed},
+                  lambda out: f"{out['chunks_removed']} chunks of {out['prompts']} prompts removed")
+    return code if removed else 1
+
+
+def _prompt_tokens(args, tokenizer) -> list[int]:
+    if args.tokens is not None:
+        return [int(t) for t in args.tokens.split(",") if t.strip()]
+    text = args.text if args.text is not None else open(args.file, encoding="utf-8").read()
+    return tokenizer(text)["input_ids"]
+
+
+def _print(args, out, as_text) -> int:
+    print(json.dumps(out, indent=1) if args.json else as_text(out))
+    return 0
+
+
+def _stats_text(out: dict) -> str:
+    lines = []
+    for tier, row in out.items():
+        ages = (f", files {row['newest_seconds']:.0f}-{row['oldest_seconds']:.0f} s old"
+                if "oldest_seconds" in row else "")
+        lines.append(f"{tier}: {row['entries']} entries, {row.get('used_bytes', 0) / 2**20:.1f} MiB{ages}")
+    return "\n".join(lines) or "no lasting tier"
+
+
+def _listing_text(out: dict) -> str:
+    lines = [f"{len(out['prompts'])} stored prompts"]
+    for row in out["prompts"]:
+        age = f", {row['age_seconds']:.0f} s old" if row["age_seconds"] is not None else ""
+        lines.append(f"  {row['tokens']:>7} tokens ({row['served']} served, {row['chunks']} chunks, "
+                     f"{'+'.join(row['tiers'])}{age}) {row.get('text', '')!r}")
+    return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""kdn for operators (issue 85, first part): ``kdn stats``, ``kdn ls`` and ``kdn evict`` over a store
+another process wrote (a disk folder, a Redis server), compared with what the store holds: the
+listing is exactly the stored prompts, an evicted document is a miss in a new engine while the
+others (and a prefix they share, and another tenant's copy) still hit, and what stays reads back
+as a full prefill's KV."""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from conftest import full_prefill
+from kdn import KDN, KDNConfig
+from kdn.cli import main
+
+CHUNK = 32
+
+
+def _cli(capsys, *args) -> tuple[int, dict]:
+    code = main([*args, "--chunk-size", str(CHUNK), "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def _prompts(model):
+    g = torch.Generator().manual_seed(7)
+    doc = torch.randint(3, 500, (3 * CHUNK,), generator=g).tolist()
+    other = torch.randint(3, 500, (2 * CHUNK,), generator=g).tolist()
+    questions = [torch.randint(3, 500, (CHUNK,), generator=g).tolist() for _ in range(2)]
+    return {"doc+q1": doc + questions[0], "doc+q2": doc + questions[1], "other": other}
+
+
+@pytest.fixture(params=["disk", "redis"])
+def store(request, tmp_path):
+    if request.param == "disk":
+        return str(tmp_path / "kv"), {"disk_dir": str(tmp_path / "kv")}
+    server = request.getfixturevalue("redis_server")
+    KDN(KDNConfig(remote_url=server.url)).clear()
+    return server.url, {"remote_url": server.url}
+
+
+def test_ls_lists_what_another_process_stored_and_evict_removes_one_document(stories, store, capsys, monkeypatch):
+    model, _ = stories
+    where, settings = store
+    prompts = _prompts(model)
+    writer = KDN(KDNConfig(chunk_size=CHUNK, **settings))
+    for ids in prompts.values():
+        ids = torch.tensor([ids])
+        writer.store(model, ids, full_prefill(model, ids)[1])
+    tenant = KDN(KDNConfig(chunk_size=CHUNK, namespace="tenant-b", **settings))  # another tenant's copy
+    tenant.store(model, torch.tensor([prompts["other"]]), full_prefill(model, torch.tensor([prompts["other"]]))[1])
+    writer.flush(), tenant.flush()
+    monkeypatch.delenv("KDN_NAMESPACE", raising=False)
+
+    code, stats = _cli(capsys, "stats", where)
+    tier = "disk" if "disk_dir" in settings else "remote"
+    assert code == 0 and stats[tier]["entries"] == len(list((writer.disk or writer.remote).keys()))
+    code, listed = _cli(capsys, "ls", where, "--model", "stories260k")
+    assert code == 0
+    assert sorted(p["token_ids"] for p in listed["prompts"]) == sorted(prompts.values())  # not tenant-b's
+    assert all(p["served"] == p["tokens"] and tier in p["tiers"] for p in listed["prompts"])
+
+    code, out = _cli(capsys, "evict", where, "--model", "stories260k", "--tokens",
+                     ",".join(map(str, prompts["doc+q1"])))
+    assert code == 0 and out == {"prompts": 1, "chunks_removed": 1}  # q1's chunk: the document stays, q2's
+    code, out = _cli(capsys, "evict", where, "--model", "stories260k", "--tokens",
+                     ",".join(map(str, prompts["other"])))
+    assert code == 0 and out["chunks_removed"] == 2
+    reader = KDN(KDNConfig(chunk_size=CHUNK, **settings))  # a new engine
+    assert reader.lookup(model, prompts["other"], limit=2 * CHUNK) == 0
+    assert reader.lookup(model, prompts["doc+q1"], limit=4 * CHUNK) == 3 * CHUNK  # the shared document only
+    ids = torch.tensor([prompts["doc+q2"]])
+    assert reader.lookup(model, ids[0], limit=4 * CHUNK) == 4 * CHUNK
+    kv, hit = reader.retrieve(model, ids)
+    with torch.inference_mode():
+        logits = model(ids[:, hit:], past_key_values=kv).logits[0, -1]
+    torch.testing.assert_close(logits, full_prefill(model, ids)[0], rtol=1e-4, atol=1e-4)  # exact, as stored
+    other_tenant = KDN(KDNConfig(chunk_size=CHUNK, namespace="tenant-b", **settings))
+    assert other_tenant.lookup(model, prompts["other"], limit=2 * CHUNK) == 2 * CHUNK  # untouched
+    code, listed = _cli(capsys, "ls", where, "--model", "stories260k")
+    assert [p["token_ids"] for p in listed["prompts"]] == [prompts["doc+q2"]]  # the document: q2's prefix now
+
+
+def test_evict_older_than_removes_the_prompts_not_written_since(stories, tmp_path, capsys):
+    model, _ = stories
+    prompts = _prompts(model)
+    writer = KDN(KDNConfig(chunk_size=CHUNK, disk_dir=str(tmp_path / "kv")))
+    for ids in prompts.values():
+        ids = torch.tensor([ids])
+        writer.store(model, ids, full_prefill(model, ids)[1])
+    writer.flush()
+    old = time.time() - 3600
+    for key in writer.chunk_keys(model, prompts["other"]):
+        os.utime(writer.disk.store.path_of(key), (old, old))
+    code, out = _cli(capsys, "evict", str(tmp_path / "kv"), "--model", "stories260k", "--older-than", "600")
+    assert code == 0 and out == {"prompts": 1, "chunks_removed": 2}
+    reader = KDN(KDNConfig(chunk_size=CHUNK, disk_dir=str(tmp_path / "kv")))
+    assert reader.lookup(model, prompts["other"], limit=2 * CHUNK) == 0
+    assert reader.lookup(model, prompts["doc+q1"], limit=4 * CHUNK) == 4 * CHUNK
+    code, out = _cli(capsys, "evict", str(tmp_path / "kv"), "--model", "stories260k", "--older-than", "600")
+    assert code == 1 and out["chunks_removed"] == 0  # nothing that old is left
+    assert main(["ls", str(tmp_path / "nowhere"), "--model", "stories260k"]) == 2
