@@ -16,7 +16,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from kdn.integrations.vllm.vouch import DROPPED, KEYED_FIELDS, OWN_METHODS, READS, missing_request_fields, runs_v2_model_runner
+from kdn.integrations.vllm.vouch import (
+    DROPPED,
+    KEYED_FIELDS,
+    OWN_METHODS,
+    READS,
+    missing_request_fields,
+    runs_v2_model_runner,
+)
 
 CONNECTOR = Path(__file__).parents[1] / "python" / "kdn" / "integrations" / "vllm" / "connector.py"
 BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
