@@ -21,8 +21,11 @@ from kdn.integrations.vllm.vouch import (
     KEYED_FIELDS,
     OWN_METHODS,
     READS,
+    class_attributes,
+    classes_of,
     missing_request_fields,
     runs_v2_model_runner,
+    unread_fields,
 )
 
 CONNECTOR = Path(__file__).parents[1] / "python" / "kdn" / "integrations" / "vllm" / "connector.py"
@@ -62,32 +65,6 @@ def source(request):
     return read
 
 
-def _classes(text: str) -> dict:
-    return {c.name: c for c in ast.parse(text).body if isinstance(c, ast.ClassDef)}
-
-
-def _attributes(classes: dict, name: str) -> set:
-    """Every attribute a class of ``classes`` (and its bases among them) declares, assigns to self or defines."""
-    found, c = set(), classes.get(name)
-    if c is None:
-        return found
-    for node in c.body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            found.add(node.target.id)
-        elif isinstance(node, ast.Assign):
-            found |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            found.add(node.name)
-            for s in ast.walk(node):
-                targets = s.targets if isinstance(s, ast.Assign) else [s.target] if isinstance(s, ast.AnnAssign) else []
-                found |= {t.attr for t in targets
-                          if isinstance(t, ast.Attribute) and getattr(t.value, "id", "") == "self"}
-    for base in c.bases:
-        if isinstance(base, ast.Name):
-            found |= _attributes(classes, base.id)
-    return found
-
-
 def _methods(c: ast.ClassDef) -> dict:
     """name -> (positional parameter names, abstract?) of a class's methods."""
     return {f.name: ([a.arg for a in f.args.posonlyargs + f.args.args],
@@ -96,28 +73,24 @@ def _methods(c: ast.ClassDef) -> dict:
 
 
 def test_every_field_kdn_reads_is_in_vllms_source(source):
-    missing = {}
-    for (path, name), fields in READS.items():
-        classes = _classes(source(path))
-        assert name in classes, f"{path} has no class {name}"
-        lacking = set(fields) - _attributes(classes, name)
-        if lacking:
-            missing[f"{path}:{name}"] = sorted(lacking)
-    assert not missing, f"fields kdn reads that this vLLM does not have: {missing}"
+    """What the connector checks at start-up in the installed vLLM (:func:`unread_fields`; a vLLM
+    lacking one is served nothing, by name), here against each vLLM's source."""
+    assert unread_fields(source) == {}, "fields kdn reads that this vLLM does not have"
+    assert set(unread_fields(lambda path: "")) == {f"{path}:{name}" for path, name in READS}
 
 
 def test_a_field_vllm_dropped_is_replaced_as_its_source_says(source):
     """A field kdn reads where it exists (:data:`kdn.integrations.vllm.vouch.DROPPED`): where this vLLM
     lacks it, its source says what replaced it (vLLM 0.34: a resumed request comes back as a new one)."""
     for (path, name, field), (said_in, line) in DROPPED.items():
-        if field not in _attributes(_classes(source(path)), name):
+        if field not in class_attributes(classes_of(source(path)), name):
             assert line in source(said_in), f"{name}.{field} is gone and {said_in} no longer says {line!r}"
 
 
 def test_the_connector_keeps_vllms_connector_interface(source):
-    base = _classes(source(BASE))
+    base = classes_of(source(BASE))
     hooks = {**_methods(base["SupportsHMA"]), **_methods(base["KVConnectorBase_V1"])}
-    ours = _methods(_classes(CONNECTOR.read_text())["KDNConnector"])
+    ours = _methods(classes_of(CONNECTOR.read_text())["KDNConnector"])
     for name, (params, abstract) in hooks.items():
         if abstract:
             assert name in ours, f"KDNConnector lacks vLLM's abstract {name}{tuple(params)}"
@@ -151,3 +124,32 @@ def test_vllm_034_without_the_v1_runner_counts_as_the_v2_runner(monkeypatch):
     for version, v2 in (("0.34.0", True), ("0.35.1", True), ("0.32.0", False)):
         monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(__version__=version))
         assert runs_v2_model_runner(SimpleNamespace()) is v2
+
+
+def test_an_installed_vllm_lacking_a_field_is_named_at_start_up(tmp_path, monkeypatch):
+    """The connector's start-up check (:func:`installed_vllm_lacks`, read from the installed package's
+    files): a vLLM whose ``Request`` has no ``cache_salt`` is refused, the field named."""
+    import importlib.machinery
+    import importlib.util
+
+    from kdn.integrations.vllm import vouch
+
+    root = tmp_path / "site"
+    for (path, name), fields in READS.items():
+        file = root / path
+        file.parent.mkdir(parents=True, exist_ok=True)
+        kept = [f for f in fields if (name, f) != ("Request", "cache_salt")]
+        body = "".join(f"    {f}: int\n" for f in kept)
+        file.write_text((file.read_text() if file.exists() else "") + f"class {name}:\n{body}\n")
+    (root / "vllm" / "__init__.py").write_text("__version__ = '9.9.9'\n")
+    spec = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
+    spec.submodule_search_locations = [str(root / "vllm")]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "vllm" else None)
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    vouch.installed_vllm_lacks.cache_clear()
+    try:
+        why = vouch.installed_vllm_lacks()
+    finally:
+        vouch.installed_vllm_lacks.cache_clear()
+    assert why is not None and "vLLM 9.9.9" in why and "Request: cache_salt" in why

@@ -27,7 +27,7 @@ from kdn.integrations.vllm.lookups import LookupClient
 from kdn.integrations.vllm.ranks import Rank, RankLookups
 from kdn.integrations.vllm.scheduler import SchedulerSide
 from kdn.integrations.vllm.specs import KDNConnectorMetadata
-from kdn.integrations.vllm.vouch import runs_v2_model_runner
+from kdn.integrations.vllm.vouch import installed_vllm_lacks, runs_v2_model_runner
 from kdn.integrations.vllm.worker import WorkerSide
 
 log = logging.getLogger("kdn")
@@ -35,6 +35,9 @@ log = logging.getLogger("kdn")
 
 def unsupported_reason(vllm_config, kv_cache_config) -> str | None:
     """Why kdn cannot serve this engine's model, or None."""
+    unvouched = installed_vllm_lacks()  # what kdn reads of vLLM, checked against this vLLM's source
+    if unvouched:
+        return unvouched
     model = vllm_config.model_config
     groups = KVGroups.of(kv_cache_config)
     odd = [spec for spec in groups.specs if spec not in SERVED_SPECS]

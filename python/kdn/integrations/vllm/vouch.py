@@ -12,6 +12,10 @@ Example:
 
 from __future__ import annotations
 
+import ast
+import functools
+from collections.abc import Callable
+
 # (source file in the vllm package, class) -> the attributes kdn reads of its objects
 READS = {
     ("vllm/v1/request.py", "Request"): ("request_id", "prompt_token_ids", "cache_salt", "lora_request",
@@ -71,3 +75,66 @@ def runs_v2_model_runner(vllm_config) -> bool:
     from kdn.compat import version_tuple
 
     return version_tuple(getattr(vllm, "__version__", "0")) >= (0, 34, 0)
+
+
+def class_attributes(classes: dict, name: str) -> set:
+    """Every attribute the class ``name`` of ``classes`` (``{name: ast.ClassDef}`` of one source file)
+    and its bases among them declare, assign to ``self`` or define."""
+    found, c = set(), classes.get(name)
+    if c is None:
+        return found
+    for node in c.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            found.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            found |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found.add(node.name)
+            for s in ast.walk(node):
+                targets = s.targets if isinstance(s, ast.Assign) else [s.target] if isinstance(s, ast.AnnAssign) else []
+                found |= {t.attr for t in targets
+                          if isinstance(t, ast.Attribute) and getattr(t.value, "id", "") == "self"}
+    for base in c.bases:
+        if isinstance(base, ast.Name):
+            found |= class_attributes(classes, base.id)
+    return found
+
+
+def classes_of(text: str) -> dict:
+    """``{name: ast.ClassDef}`` of the top-level classes in a source file's ``text``."""
+    return {c.name: c for c in ast.parse(text).body if isinstance(c, ast.ClassDef)}
+
+
+def unread_fields(read: Callable[[str], str]) -> dict:
+    """``{"path:Class": [fields]}`` of :data:`READS` that the vLLM whose files ``read(path)`` returns
+    lacks (a missing file or class: all its fields); empty when kdn can read all it reads."""
+    missing = {}
+    for (path, name), fields in READS.items():
+        try:
+            lacking = set(fields) - class_attributes(classes_of(read(path)), name)
+        except (OSError, KeyError, SyntaxError):
+            lacking = set(fields)
+        if lacking:
+            missing[f"{path}:{name}"] = sorted(lacking)
+    return missing
+
+
+@functools.lru_cache(maxsize=1)
+def installed_vllm_lacks() -> str | None:
+    """Why kdn cannot vouch for its reading of the installed vLLM (a field of :data:`READS` it lacks),
+    or None: read once per process from the installed package's source."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return "vLLM is not installed"
+    root = Path(list(spec.submodule_search_locations)[0]).parent
+    missing = unread_fields(lambda path: (root / path).read_text())
+    if not missing:
+        return None
+    import vllm
+
+    lacking = "; ".join(f"{where}: {', '.join(fields)}" for where, fields in missing.items())
+    return (f"vLLM {getattr(vllm, '__version__', '?')} lacks fields kdn reads of it ({lacking}): kdn cannot "
+            "vouch for this release")
