@@ -45,7 +45,7 @@ def test_a_running_engine_announces_what_kdn_files_and_evicts_as_its_tiers_hold(
     redis = None
     if shutil.which("redis-server") or os.environ.get("KDN_REQUIRE_SERVERS") == "1":
         redis = RedisServer(tmp_path / "redis", None, "--maxmemory", str(10 * chunk_bytes),
-                            "--maxmemory-policy", "allkeys-lru", "--notify-keyspace-events", "Egx")  # the operator's
+                            "--maxmemory-policy", "allkeys-lru", "--notify-keyspace-events", "Egex")  # the operator's
         settings["remote_url"] = redis.url
     try:
         out = engine(setup, settings, "--prefix-caching", "--max-tokens", "1", "--kv-events", str(_free_port()),

@@ -7,11 +7,15 @@ another tenant's chunks are keyed under another root, which its listing never re
 
 Example:
     >>> from kdn import operate
-    >>> cache = kdn.KDN(kdn.KDNConfig(disk_dir="kv", chunk_size=16))
-    >>> [p["tokens"] for p in operate.listing(cache, model)]      # the prompts stored for this model
-    [62]
-    >>> operate.evict(cache, model, [p["token_ids"] for p in operate.listing(cache, model)])
-    3
+    >>> cache = kdn.KDN(kdn.KDNConfig(disk_dir="kv-operated", chunk_size=32))   # pointers every 16 tokens
+    >>> stored = cache.store(model, ids, model(ids, use_cache=True).past_key_values)   # as a server would
+    >>> cache.flush()                                    # its queued writes on disk, where a listing reads
+    >>> [p["served"] == stored for p in operate.listing(cache, model)]   # the prompts stored for this model
+    [True]
+    >>> operate.evict(cache, model, [p["token_ids"] for p in operate.listing(cache, model)]) > 0
+    True
+    >>> operate.listing(cache, model)
+    []
 """
 
 from __future__ import annotations
