@@ -555,7 +555,8 @@ bool DiskStore::remove(const Key128& key) {
     known = pending_.erase(key) != 0 || known;  // a queued write of it is skipped
     foreign_.erase(key);
   }
-  bool unlinked = ::unlink(path_of(key).c_str()) == 0;
+  const std::string path = path_of(key);  // never in a shard folder another user owns or can write
+  bool unlinked = trusted_dir(path.substr(0, path.rfind('/'))) && ::unlink(path.c_str()) == 0;
   return known || unlinked;
 }
 

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "deposit":
         return run_deposit_command(args)
     elif args.command in cli_operate.COMMANDS:
-        return cli_operate.run(args, store_config, load_any_model, unknown_model)
+        return cli_operate.run(args, store_config, open_model)
     return 0
 
 
@@ -268,11 +268,8 @@ def run_verify_command(args) -> int:
         return fail(f"cannot read {store}: {type(e).__name__}: {e}")
     if not keys:
         return fail(f"{store} holds no kdn entries")
-    why = unknown_model(args.model)
-    if why:
-        return fail(why)
     try:
-        model, _ = load_any_model(args.model, dtype=args.dtype)
+        model, _ = open_model(args.model, args.dtype)
     except KDNError as e:
         return fail(str(e))
     session = cache.session(model)
@@ -292,6 +289,17 @@ def run_verify_command(args) -> int:
         print(f"kdn verify: checked nothing: {why}", file=sys.stderr)
         return 1
     return 1 if report.mismatches else 0
+
+
+def open_model(name_or_path: str, dtype: str | None = None):
+    """(model, tokenizer) on the CPU for a command's ``--model``; an InvalidInputError naming why a name
+    is neither a model kdn knows nor a checkpoint folder (:func:`unknown_model`)."""
+    from kdn._core import InvalidInputError
+
+    why = unknown_model(name_or_path)
+    if why:
+        raise InvalidInputError(why)
+    return load_any_model(name_or_path, dtype=dtype)
 
 
 def load_any_model(name_or_path: str, device: str = "cpu", dtype: str | None = None):

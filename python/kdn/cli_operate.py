@@ -35,10 +35,10 @@ def add_parsers(sub) -> None:
                        help="every stored prompt whose newest chunk file is older (folder tiers)")
 
 
-def run(args, store_config, load_any_model, unknown_model) -> int:
+def run(args, store_config, open_model) -> int:
     """Run ``kdn stats`` / ``ls`` / ``evict`` as parsed by :func:`add_parsers`, with the CLI's own
-    ways of opening a store and a model (:func:`kdn.cli.store_config`, ``load_any_model``,
-    ``unknown_model``: passed in, so that this room does not import the CLI back)."""
+    ways of opening a store and a model (:func:`kdn.cli.store_config`, :func:`kdn.cli.open_model`:
+    passed in, so that this room does not import the CLI back)."""
     from kdn import KDN, operate
     from kdn._core import KDNError
 
@@ -54,11 +54,8 @@ def run(args, store_config, load_any_model, unknown_model) -> int:
         return fail(f"cannot read {args.store}: {type(e).__name__}: {e}")
     if args.command == "stats":
         return _print(args, operate.stats(cache), _stats_text)
-    why = unknown_model(args.model)
-    if why:
-        return fail(why)
     try:
-        model, tokenizer = load_any_model(args.model, dtype=args.dtype)
+        model, tokenizer = open_model(args.model, args.dtype)
     except KDNError as e:
         return fail(str(e))
     rows = operate.listing(cache, model, tokenizer)
