@@ -42,6 +42,9 @@ def main() -> None:
     parser.add_argument("--pretend-kernel", default="",
                         help="tell kdn vLLM picked this CPU attention kernel (e.g. vec16, as for head sizes "
                              "not a multiple of 32): one whose blocks kdn does not read")
+    parser.add_argument("--kv-params", default="",
+                        help="JSON file: a list, one per prompt, of the kv_transfer_params it is asked with (or "
+                             "null): e.g. {\"kdn\": {\"passages\": [[1, 90], [90, 170]], \"recompute_ratio\": 1.0}}")
     parser.add_argument("--cache-salt", default=None, help="vLLM's cache_salt of every prompt (a tenant)")
     parser.add_argument("--lora-plan", default="",
                         help="JSON list, one per prompt: the LoRA adapter folder it is asked with, or null "
@@ -145,6 +148,10 @@ def main() -> None:
     with open(args.prompts) as f:
         prompts = json.load(f)
     adapters: dict = {}  # folder -> its LoRARequest (one id per folder)
+    asked = []
+    if args.kv_params:
+        with open(args.kv_params) as f:
+            asked = json.load(f)
     for i, ids in enumerate(prompts):
         t0 = time.perf_counter()
         prompt = TokensPrompt(prompt_token_ids=ids, **({"cache_salt": args.cache_salt} if args.cache_salt else {}))
@@ -153,7 +160,11 @@ def main() -> None:
             from vllm.lora.request import LoRARequest
 
             adapters[lora] = LoRARequest(f"adapter-{len(adapters) + 1}", len(adapters) + 1, lora)
-        out = llm.generate([prompt], params, use_tqdm=False, lora_request=adapters.get(lora))[0]
+        ask = params
+        if i < len(asked) and asked[i] is not None:
+            ask = params.clone()
+            ask.extra_args = {**(params.extra_args or {}), "kv_transfer_params": asked[i]}
+        out = llm.generate([prompt], ask, use_tqdm=False, lora_request=adapters.get(lora))[0]
         results.append({"tokens": list(out.outputs[0].token_ids), "seconds": time.perf_counter() - t0,
                         "cached_tokens": out.num_cached_tokens})
         if args.logprobs:  # per generated token: [[token, logprob], ...] best first

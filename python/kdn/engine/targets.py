@@ -318,6 +318,23 @@ class PagedBlocks:
         return HostSpan(*self.emit(min(start for start, _, _ in chunks),
                                    max(start + count for start, count, _ in chunks)))
 
+    def lay(self, kv: list[torch.Tensor], start: int, end: int) -> None:
+        """Write positions [start, end) of ``kv`` (HF per-layer ``[1, kv_heads, >= end, head_dim]``, the
+        sequence from position 0) into the blocks (one block table: blending's KV, never a windowed model's)."""
+        if self.grouped:
+            raise InvalidInputError("blended KV is laid into one block table, not per KV cache group")
+        if end <= start:
+            return
+        chunk = torch.stack([torch.stack([kv[2 * i][0, :, start:end], kv[2 * i + 1][0, :, start:end]])
+                             for i in range(len(self.layers))]).transpose(2, 3).contiguous().to(self.layers[0].dtype)
+        ids = np.ascontiguousarray(self.runs[0][2])
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                _core.paged_copy_cuda(self.layers, ids, chunk, 0, start, end - start, False,
+                                      layout=self.layout.as_dict(), stream=self.stream.cuda_stream)
+        else:
+            _core.paged_copy_cpu(self.layers, ids, chunk, 0, start, end - start, False, layout=self.layout.as_dict())
+
     def emit(self, start: int, end: int) -> tuple[int, list[torch.Tensor]]:
         """``(first, kv)``: tokens ``[first, end)`` (``first``: ``start`` rounded down to a block) as HF
         per-layer tensors ``[1, kv_heads, end - first, head_dim]`` (views of one gathered chunk)."""

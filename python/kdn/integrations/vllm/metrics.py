@@ -29,7 +29,11 @@ NAMES = ("lookups", "hit_tokens", "loads", "loaded_tokens", "load_errors",
          "in_flight_waits", "stalled_claims",
          # chunks kept pinned as requests asked (kv_transfer_params retain), and retentions refused by
          # the operator's bound (retain_fraction)
-         "retained_chunks", "refused_retentions")
+         "retained_chunks", "refused_retentions",
+         # blending (requests that named passages): requests served a blended span, its tokens, the
+         # tokens the selective recompute computed again (summed over layers), its seconds, and the
+         # passages computed on their own and stored as segments for the next request
+         "blends", "blended_tokens", "recomputed_layer_tokens", "blend_seconds", "stored_passages")
 
 _lock = threading.Lock()
 _totals = dict.fromkeys(NAMES, 0)

@@ -58,6 +58,15 @@ def worker_here(engine: Engine) -> bool:
     return any(w.engine is engine for w in list(_workers))
 
 
+def blender(engine: Engine) -> tuple[object, str | None]:
+    """``(stack, None)``: the layers the worker of this process holding ``engine`` blends with; or
+    ``(None, why)`` where there are none."""
+    for worker in list(_workers):
+        if worker.engine is engine:
+            return worker.stack, worker.blend_reason
+    return None, "the worker runs in another process than the scheduler (blending runs beside both)"
+
+
 def ended_stores(engine: Engine) -> list[str]:
     """The requests whose store the workers of this process holding ``engine`` have ended (landed,
     refused or failed) since the last call: the scheduler waits no more for them."""

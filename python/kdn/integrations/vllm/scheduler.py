@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from kdn._core import InvalidInputError
-from kdn.engine import Engine, ModelSession, Retention
+from kdn.engine import Engine, ModelSession, Retention, passages
 from kdn.engine.requests import Request, Requests, request_digest
-from kdn.integrations.vllm import metrics, process
+from kdn.integrations.vllm import blend, metrics, process
 from kdn.integrations.vllm.kv_layers import KVGroups
 from kdn.integrations.vllm.lookups import LookupClient, WorkerNotServing
 from kdn.integrations.vllm.ranks import RankLookups
@@ -43,10 +43,12 @@ class SchedulerSide:
     ``loads_async``: hits load before their request is scheduled (vLLM's asynchronous KV load,
     ``vllm_load`` in kv_connector_extra_config), else in its step. ``keys_shared``: every worker keys
     a chunk as ``session`` does, so a load reads the chunks the lookup found without looking again
-    (False for tensor-parallel ranks holding shares of the heads: each looks in its own share)."""
+    (False for tensor-parallel ranks holding shares of the heads: each looks in its own share).
+    ``blending``: how a request that names its passages is blended (:mod:`.blend`)."""
 
     def __init__(self, engine: Engine, session: ModelSession, block_size: int, lookups: LookupClient | RankLookups,
-                 owner: str, loads_async: bool = False, groups: KVGroups | None = None, keys_shared: bool = True):
+                 owner: str, loads_async: bool = False, groups: KVGroups | None = None, keys_shared: bool = True,
+                 blending: blend.Options | None = None):
         self.engine, self.session, self.block_size, self._lookups = engine, session, block_size, lookups
         self.owner, self.loads_async, self.groups = owner, loads_async, groups or KVGroups()
         self.keys_shared = keys_shared
@@ -56,6 +58,9 @@ class SchedulerSide:
         self._scheduled: dict[str, _Scheduled] = {}
         self._before: list[LoadSpec] = []  # async loads to start this step
         self._loaded_before: set[str] = set()  # requests an async load served: their next schedule is no restart
+        self.blending = blending or blend.Options()
+        self._blends: dict[str, passages.Blend] = {}  # requests that named passages: their pieces
+        self._blend_loads: set[str] = set()  # those whose hit is a blended span
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.not_serving:
@@ -90,7 +95,37 @@ class SchedulerSide:
                                         retain, store)
         if external is None:
             return None, False  # vLLM skips the request this step and asks again
+        planned = self._blend_of(request, session, tokens)
+        self._blend_loads.discard(request.request_id)
+        if planned is not None and planned.end > num_computed_tokens + external:
+            record = self.requests.get(request.request_id)  # the blended span, not the exact prefix, is loaded
+            record.check = record.found = None
+            self._blend_loads.add(request.request_id)
+            return planned.end - num_computed_tokens, False  # recomputed in the step, with the engine's layers
         return external, self.loads_async and external > 0
+
+    def _blend_of(self, request, session: ModelSession, tokens: np.ndarray) -> passages.Blend | None:
+        """The blend of a request that names its passages (kept for its load and its store), or None:
+        it asked none, or cannot be blended here (said once, and served its exact prefix)."""
+        self._blends.pop(request.request_id, None)
+        try:
+            asked = blend.asked(request, self.blending.separator)
+        except InvalidInputError as e:
+            self.scopes.warn_once(request.request_id, f"kv_transfer_params: kdn's {e}",
+                                  "is served its exact prefix only")
+            return None
+        if asked is None:
+            return None
+        stack, why = process.blender(self.engine)
+        if stack is None or (self.blending.prefix_caching and not getattr(request, "cache_salt", None)):
+            why = why or ("vLLM's prefix cache is on and the request has no cache_salt: its blended blocks would "
+                          "enter vLLM's prefix cache, where an exact request could be served them")
+            self.scopes.warn_once(request.request_id, f"blending: {why}", "is served its exact prefix only")
+            return None
+        spans, ratio, selection = asked
+        planned = self._blends[request.request_id] = passages.plan(self.engine, session, tokens, spans,
+                                                                   self.blending.bos, ratio, selection)
+        return planned
 
     def hit_of(self, req_id: str) -> tuple[int, tuple]:
         """Where a request's kdn hit starts (the tokens vLLM's own prefix cache held at its lookup), and
@@ -171,8 +206,9 @@ class SchedulerSide:
         record = req.request
         if record.load:
             tokens = record.tokens[:done].tolist()
+            blended = self._blends.get(record.id) if record.id in self._blend_loads else None
             meta.loads.append(LoadSpec(record.id, tokens, done - record.load, done, req.block_ids, record.scope,
-                                       record.found if self.keys_shared else None))
+                                       record.found if self.keys_shared else None, blend=blended))
             record.load, record.found = 0, None
 
     def _maybe_save(self, meta: KDNConnectorMetadata, req_id: str, computed: int, scheduled: int) -> None:
@@ -200,10 +236,13 @@ class SchedulerSide:
         blocks = -(-n // self.block_size)
         meta.saves.append(SaveSpec(req_id, record.tokens[:n].tolist(), [ids[:blocks] for ids in req.block_ids],
                                    check, record.scope, None if partial else record.retain, partial=partial,
-                                   kept_from=self.groups.kept_from(computed, self.block_size)))
+                                   kept_from=self.groups.kept_from(computed, self.block_size),
+                                   blend=None if partial else self._blends.get(req_id)))
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._scheduled.pop(request.request_id, None)
         self._loaded_before.discard(request.request_id)
+        self._blends.pop(request.request_id, None)
+        self._blend_loads.discard(request.request_id)
         self.requests.finished(request.request_id)
         return False, None  # the KV was copied out in the step that finished the prefill

@@ -21,6 +21,7 @@ class LoadSpec:
     scope: bytes | None = None
     found: object = None  # what the scheduler's lookup found (a kdn.engine.Prefix): loaded without a second lookup
     before: bool = False  # loaded before the request is scheduled (vLLM's async KV load), reported when done
+    blend: object = None  # a kdn.engine.passages.Blend: [start, end) is joined from its passages, recomputed
 
 
 @dataclasses.dataclass
@@ -38,6 +39,7 @@ class SaveSpec:
     retain: float | None = None  # seconds the request asked its prompt be kept pinned (kv_transfer_params)
     partial: bool = False  # the prefill goes on: its request's store has not ended
     kept_from: int = 0
+    blend: object = None  # a kdn.engine.passages.Blend: its pieces no tier holds are computed and stored
 
 
 @dataclasses.dataclass

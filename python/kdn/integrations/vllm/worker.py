@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kdn._core import InvalidInputError
-from kdn.engine import Engine, ModelSession
+from kdn.engine import Engine, ModelSession, passages
 from kdn.engine.paged import PagedLayout, vllm_layout
 from kdn.engine.served import Served, ServedRequests
 from kdn.engine.stores import StoreJob, StoreQueue
@@ -38,12 +38,16 @@ class WorkerSide:
     registered (``kv_caches``: one tensor per layer, read and written by the strides of the layout
     ``kernel(layer)`` names, :func:`kdn.engine.paged.vllm_layout`; ``groups``: vLLM's KV cache groups,
     a block table each; ``longest``: the longest prompt the engine takes, whose hit the host buffers
-    are kept for on a GPU). Raises InvalidInputError when the blocks are not laid out as kdn can read
-    (then the connector serves nothing)."""
+    are kept for on a GPU; ``stack``: the engine's own layers, :mod:`kdn.integrations.vllm.layers`,
+    that blended loads recompute with, or None and ``blend_reason`` why not). Raises
+    InvalidInputError when the blocks are not laid out as kdn can read (then the connector serves
+    nothing)."""
 
     def __init__(self, engine: Engine, session: ModelSession, block_size: int, kv_caches: dict[str, torch.Tensor],
-                 kernel: Callable[[torch.Tensor], str], groups: KVGroups | None = None, longest: int = 0):
+                 kernel: Callable[[torch.Tensor], str], groups: KVGroups | None = None, longest: int = 0,
+                 stack=None, blend_reason: str | None = None):
         self.engine, self.session, self.block_size, self._kernel = engine, session, block_size, kernel
+        self.stack, self.blend_reason = stack, blend_reason
         ordered = sorted(kv_caches.items(), key=lambda item: layer_index(item[0]))
         # each layer's KV cache group (whose block table it reads), or None: one table for all layers
         self._layer_groups = (groups or KVGroups()).table_of([name for name, _ in ordered])
@@ -99,6 +103,9 @@ class WorkerSide:
             tokens = np.asarray(spec.tokens, dtype=np.uint32)
             blocks = self._paged(spec.block_ids, spec.start)
             clock = metrics.LoadClock(blocks.stream)
+            if spec.blend is not None:  # joined from its passages and recomputed here, before the forward
+                self._account(spec, served, self._blend(spec, served, tokens, blocks), clock, blocks, stale_step=True)
+                continue
             # layer-wise when the engine streams: layers arrive while the model computes the ones before
             load = self.engine.load(self.session.within(spec.scope), tokens, spec.end, blocks,
                                     lambda _, blocks=blocks: blocks, clock.began, spec.found)
@@ -107,6 +114,25 @@ class WorkerSide:
             if load.stream is not None:
                 self._streams.append((spec, load))
             self._account(spec, served, load.hit, clock, blocks, stale_step=True)
+
+    def _blend(self, spec: LoadSpec, served: Served, tokens: np.ndarray, blocks: PagedBlocks) -> int:
+        """Lay the blended span of ``spec`` into its blocks (:func:`kdn.engine.passages.blended`); the
+        tokens laid (short of ``spec.end`` where a passage is gone since the lookup: vLLM recomputes
+        from there). Blended KV is its own fidelity class: nothing computed over it is stored."""
+        began = time.perf_counter()
+        try:
+            end, kv, recomputed = passages.blended(self.engine, self.session.within(spec.scope), self.stack,
+                                                   spec.blend, tokens, self.stack.device)
+            if kv is not None:
+                blocks.lay(kv, spec.start, end)
+        except Exception as exc:  # noqa: BLE001 - a failed blend is a failed load: vLLM computes the span
+            log.warning("kdn: a blended load failed (%s); vLLM computes its tokens", exc)
+            end, recomputed = 0, 0
+        if end > spec.start:
+            served.lossy = True
+            metrics.count(blends=1, blended_tokens=end - spec.start, recomputed_layer_tokens=recomputed)
+        metrics.count(blend_seconds=time.perf_counter() - began)
+        return end
 
     def _paged(self, block_ids: list, start: int = 0) -> PagedBlocks:
         """A request's blocks (``block_ids``: a table per KV cache group) as kdn's copies take them."""
@@ -219,6 +245,10 @@ class WorkerSide:
         for spec in meta.saves:
             n = len(spec.tokens)
             session = self.session.within(spec.scope)
+            if spec.blend is not None and self.stack is not None:  # its passages, for the next request
+                stored = passages.store_missing(self.engine, session, self.stack, spec.blend,
+                                                np.asarray(spec.tokens, dtype=np.uint32), self.stack.device)
+                metrics.count(stored_passages=stored)
             served = self._served.get(spec.req_id) or Served()
             if spec.check is not None:
                 served.checked = spec.check[1] - spec.check[0]
