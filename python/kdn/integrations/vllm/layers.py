@@ -113,3 +113,29 @@ def stack_of(model, vllm_config) -> VLLMStack:
     if why:
         raise UnsupportedModelError(f"kdn cannot blend in this engine: {why}")
     return VLLMStack(model)
+
+
+VOUCH_TOKENS = 32
+
+
+def vouch(stack: VLLMStack, tokens, computed: list[torch.Tensor]) -> str | None:
+    """Compare the KV ``stack`` computes for a prompt's first tokens with ``computed``, what the
+    engine's own forward wrote into its blocks for them (HF per-layer ``[1, kv_heads, >= n,
+    head_dim]``): None when they agree within the dtype's rounding, else what differs. Blending waits
+    for this (once per engine): kdn reads vLLM's modules, and says so by name where a release
+    computes otherwise."""
+    from kdn.engine.recompute import selective_prefill
+
+    n = min(len(tokens), VOUCH_TOKENS, computed[0].shape[2])
+    ref = [t[:, :, :n].to(torch.float32) for t in computed]
+    ours = [torch.zeros(t.shape, dtype=computed[0].dtype, device=stack.device) for t in ref]
+    ids = torch.as_tensor([int(t) for t in tokens[:n]], device=stack.device)[None]
+    selective_prefill(stack, ids, ours, 0, 1.0)
+    tolerance = 1e-3 if computed[0].dtype == torch.float32 else 5e-2
+    for index, (a, b) in enumerate(zip(ours, ref)):
+        error = (a.to(torch.float32).cpu() - b.cpu()).abs().max().item() / max(b.abs().max().item(), 1e-6)
+        if not error <= tolerance:
+            side = "K" if index % 2 == 0 else "V"
+            return (f"the engine's layers as kdn runs them give layer {index // 2}'s {side} {error:.2g} (relative) "
+                    f"away from the engine's own forward (tolerance {tolerance:g})")
+    return None

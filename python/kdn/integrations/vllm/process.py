@@ -58,13 +58,14 @@ def worker_here(engine: Engine) -> bool:
     return any(w.engine is engine for w in list(_workers))
 
 
-def blender(engine: Engine) -> tuple[object, str | None]:
-    """``(stack, None)``: the layers the worker of this process holding ``engine`` blends with; or
-    ``(None, why)`` where there are none."""
+def blender(engine: Engine) -> tuple[object, bool, str | None]:
+    """``(stack, vouched, why)``: the layers the worker of this process holding ``engine`` blends with
+    and whether a prefill has vouched for them (:func:`kdn.integrations.vllm.layers.vouch`); or
+    ``(None, False, why)`` where there are none."""
     for worker in list(_workers):
         if worker.engine is engine:
-            return worker.stack, worker.blend_reason
-    return None, "the worker runs in another process than the scheduler (blending runs beside both)"
+            return worker.stack, worker.blend_vouched, worker.blend_reason
+    return None, False, "the worker runs in another process than the scheduler (blending runs beside both)"
 
 
 def ended_stores(engine: Engine) -> list[str]:

@@ -116,7 +116,7 @@ class SchedulerSide:
             return None
         if asked is None:
             return None
-        stack, why = process.blender(self.engine)
+        stack, vouched, why = process.blender(self.engine)
         if stack is None or (self.blending.prefix_caching and not getattr(request, "cache_salt", None)):
             why = why or ("vLLM's prefix cache is on and the request has no cache_salt: its blended blocks would "
                           "enter vLLM's prefix cache, where an exact request could be served them")
@@ -125,6 +125,11 @@ class SchedulerSide:
         spans, ratio, selection = asked
         planned = self._blends[request.request_id] = passages.plan(self.engine, session, tokens, spans,
                                                                    self.blending.bos, ratio, selection)
+        if not vouched:  # its passages are stored once a prefill vouched for the layers; nothing blended yet
+            self.scopes.warn_once(request.request_id, "blending: not yet vouched for: blending starts once kdn has "
+                                  "run the engine's layers over a prompt the engine computed itself and found its KV",
+                                  "is served its exact prefix only")
+            planned.held = 0
         return planned
 
     def hit_of(self, req_id: str) -> tuple[int, tuple]:

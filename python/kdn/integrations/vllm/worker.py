@@ -25,7 +25,7 @@ from kdn.engine.served import Served, ServedRequests
 from kdn.engine.stores import StoreJob, StoreQueue
 from kdn.engine.stream import DeliveryError
 from kdn.engine.targets import PagedBlocks
-from kdn.integrations.vllm import metrics
+from kdn.integrations.vllm import layers, metrics
 from kdn.integrations.vllm.kv_layers import KVGroups, layer_index
 from kdn.integrations.vllm.lookups import MAX_ENDED
 from kdn.integrations.vllm.specs import KDNConnectorMetadata, LoadSpec, SaveSpec
@@ -48,6 +48,7 @@ class WorkerSide:
                  stack=None, blend_reason: str | None = None):
         self.engine, self.session, self.block_size, self._kernel = engine, session, block_size, kernel
         self.stack, self.blend_reason = stack, blend_reason
+        self.blend_vouched = False  # the stack's KV compared with a prefill the engine computed (layers.vouch)
         ordered = sorted(kv_caches.items(), key=lambda item: layer_index(item[0]))
         # each layer's KV cache group (whose block table it reads), or None: one table for all layers
         self._layer_groups = (groups or KVGroups()).table_of([name for name, _ in ordered])
@@ -245,11 +246,9 @@ class WorkerSide:
         for spec in meta.saves:
             n = len(spec.tokens)
             session = self.session.within(spec.scope)
-            if spec.blend is not None and self.stack is not None:  # its passages, for the next request
-                stored = passages.store_missing(self.engine, session, self.stack, spec.blend,
-                                                np.asarray(spec.tokens, dtype=np.uint32), self.stack.device)
-                metrics.count(stored_passages=stored)
             served = self._served.get(spec.req_id) or Served()
+            if self.stack is not None:
+                self._blending_save(spec, session, served)
             if spec.check is not None:
                 served.checked = spec.check[1] - spec.check[0]
             store = served.unstorable() is None and not served.covers(n, self.session.probe_step)
@@ -278,6 +277,26 @@ class WorkerSide:
             self.stores.put(StoreJob(spec.req_id, session, tokens, dataclasses.replace(served), packed, check, first,
                                      kv, spec.retain, final=not spec.partial))
         self._served.step_ended()  # vLLM recomputes what failed: the recomputed prefill is stored
+
+    def _blending_save(self, spec: SaveSpec, session: ModelSession, served: Served) -> None:
+        """A finished prefill, for blending: the first whose blocks hold exact KV (computed by the
+        engine, or an exact hit) vouches for the engine's layers as kdn runs them (blending waits for
+        it); a request that named passages has those no tier holds computed alone and stored."""
+        if not self.blend_vouched and not served.lossy and not served.failed:
+            first = self._paged(spec.block_ids).emit(0, min(len(spec.tokens), layers.VOUCH_TOKENS))[1]
+            self._vouched(layers.vouch(self.stack, spec.tokens, first))
+        if spec.blend is not None and self.blend_vouched:
+            stored = passages.store_missing(self.engine, session, self.stack, spec.blend,
+                                            np.asarray(spec.tokens, dtype=np.uint32), self.stack.device)
+            metrics.count(stored_passages=stored)
+
+    def _vouched(self, why: str | None) -> None:
+        if why is None:
+            self.blend_vouched = True
+            log.info("kdn: blending vouched for: the engine's layers, run by kdn, give the KV of its own forward")
+        else:
+            self.stack, self.blend_reason = None, why
+            log.warning("kdn: blending is off in this engine: %s", why)
 
     def _windowed(self, spec: SaveSpec, blocks: PagedBlocks, todo: list) -> list | None:
         """The chunks of ``todo`` a windowed model's save packs: those its request's earlier saves did
