@@ -8,7 +8,7 @@ import torch
 
 from kdn.engine.recompute import SELECTIONS
 from kdn.engine.recompute import selective_prefill as _recompute
-from kdn.rope import UnsupportedModelError, inv_freq
+from kdn.rope import UnsupportedModelError, inv_freq, shift_keys
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -39,20 +39,27 @@ def _rotate(x, cos, sin):
 
 
 class HFStack:
-    """An HF Llama-family model's layers as the engine's recompute runs them."""
+    """An HF Llama-family model's layers as the engine's recompute runs them (and its RoPE, that
+    :mod:`kdn.engine.passages` re-rotates stored keys with)."""
 
-    def __init__(self, model, n: int, device):
+    def __init__(self, model):
         check_supported(model)
-        self.inner, config = model.model, model.config
+        self.model, self.inner, config = model, model.model, model.config
         self.layers = len(self.inner.layers)
         self.window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-        self._n, self._device = n, device
+        self.device = next(model.parameters()).device
         self._cos = self._sin = None
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.inner.embed_tokens(ids)
-        self._cos, self._sin = self.inner.rotary_emb(h, torch.arange(self._n, device=self._device)[None])
+        self._cos, self._sin = self.inner.rotary_emb(h, torch.arange(ids.shape[1], device=ids.device)[None])
         return h
+
+    def rotate(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
+        """``keys`` ([1, kv_heads, n, head_dim] at positions p) rotated to p + ``delta``."""
+        moved = [keys.contiguous().clone()]
+        shift_keys(self.model, moved, delta)
+        return moved[0]
 
     def qkv(self, index: int, h: torch.Tensor, positions: torch.Tensor) -> tuple:
         layer = self.inner.layers[index]
@@ -77,7 +84,7 @@ def selective_prefill(model, ids: torch.Tensor, kv: list[torch.Tensor], n_cached
                       segments: list[tuple[int, int]] | None = None) -> tuple[list[torch.Tensor], dict]:
     """:func:`kdn.engine.recompute.selective_prefill` over an HF model's own modules: the KV of ``ids``
     ([1, n]) reusing ``kv``'s first ``n_cached`` tokens where it can (``kv`` updated in place)."""
-    return _recompute(HFStack(model, ids.shape[1], ids.device), ids, kv, n_cached, ratio, check_layer, selection,
+    return _recompute(HFStack(model), ids, kv, n_cached, ratio, check_layer, selection,
                       segments)
 
 
