@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 setup = test_vllm.setup  # the fixture: (vLLM venv's python, SmolLM2's folder, prompts), for this module too
 PASSAGE = 80  # tokens of each passage (MuSiQue's are ~150-400): four of them and a question, ~350 tokens
 ORDERS = [[0, 1, 2, 3], [2, 0, 3, 1], [3, 2, 1, 0], [1, 3, 0, 2]]
+SEPARATOR = "\n\n[passage]\n"  # a text client's prompt: passages between separators, the question after
 
 
 def _rag(tokenizer, example: dict, order: list, system: bool = True) -> tuple[list, list, list]:
@@ -42,11 +43,15 @@ def rag(setup, smollm2, tmp_path_factory):
     tokenizer = smollm2[1]
     first = [_rag(tokenizer, data[0], order) for order in ORDERS]
     second = [_rag(tokenizer, data[1], order, system=False) for order in ORDERS[:2]]
+    texts = [c["text"][:400] for c in data[2]["ctxs"][:3]]
+    separated = [[1] + tokenizer("Answer from the passages." + SEPARATOR + SEPARATOR.join(texts[i] for i in order)
+                                 + SEPARATOR + "Question: " + data[2]["question"] + "\nAnswer:",
+                                 add_special_tokens=False).input_ids for order in ([0, 1, 2], [2, 0, 1])]
     folder = tmp_path_factory.mktemp("rag")
-    every = [p for p, _, _ in first + second]
+    every = [p for p, _, _ in first + second] + separated
     (folder / "all.json").write_text(json.dumps(every))
     out = engine(setup, None, "--logprobs", "3", prompts=str(folder / "all.json"))["results"]
-    return {"first": first, "second": second, "folder": folder, "examples": data[:2],
+    return {"first": first, "second": second, "separated": separated, "folder": folder, "examples": data[:2],
             "reference": {tuple(p): r for p, r in zip(every, out)}}
 
 
@@ -148,8 +153,22 @@ def test_naive_reuse_lays_each_passage_rerotated_where_the_hf_face_does(rag, ble
     system, question = a[1:spans_a[0][0]], c[spans_c[-1][1]:]
     cache = kdn.KDN(kdn.KDNConfig(disk_dir=blended["disk"]))
     naive, stats = cache.blend(model, [system] + [passages[i] for i in ORDERS[2]], question, mode="naive")
-    assert stats["segment_hits"] == 4 and stats["tokens"] == spans_c[-1][1]
+    # the four passages the engine stored (and BOS and the system line once an HF blend stored them)
+    assert stats["segment_hits"] >= 4 and stats["tokens"] == spans_c[-1][1]
     with torch.inference_mode():
         logits = model(torch.tensor([question]), past_key_values=naive).logits[0, -1]
     first = blended["out"]["results"][2]["logprobs"][0][0]  # [token, logprob] the engine chose first
     assert abs(torch.log_softmax(logits, -1)[first[0]].item() - first[1]) < 1e-3
+
+
+def test_a_text_prompt_is_blended_at_the_separator_the_engine_is_configured_with(setup, rag):
+    """``blend_separator`` (a string, tokenized by the engine's tokenizer): the passages of a prompt
+    are what lies between separators, the question what follows the last; the same passages in
+    another order are blended (ratio 1.0, asked without naming spans)."""
+    prompts, params = _ask(rag, "separated", rag["separated"], [{"kdn": {"recompute_ratio": 1.0}}] * 2)
+    out = engine(setup, {"blend_separator": SEPARATOR}, "--logprobs", "3", "--kv-params", params, prompts=prompts)
+    connector = out["stats"]["connector"]
+    assert connector["stored_passages"] == 4 and connector["blends"] == 1  # the instruction's piece, three passages
+    for got, prompt in zip(out["results"], rag["separated"]):
+        assert got["tokens"] == rag["reference"][tuple(prompt)]["tokens"]
+    assert _logprob_gap(out["results"][1], rag["reference"][tuple(rag["separated"][1])]) < 1e-3
