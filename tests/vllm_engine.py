@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--kv-params", default="",
                         help="JSON file: a list, one per prompt, of the kv_transfer_params it is asked with (or "
                              "null): e.g. {\"kdn\": {\"passages\": [[1, 90], [90, 170]], \"recompute_ratio\": 1.0}}")
+    parser.add_argument("--record-ttft", action="store_true",
+                        help="record each prompt's time to first token as vLLM's own stats time it (from arrival)")
     parser.add_argument("--cache-salt", default=None, help="vLLM's cache_salt of every prompt (a tenant)")
     parser.add_argument("--lora-plan", default="",
                         help="JSON list, one per prompt: the LoRA adapter folder it is asked with, or null "
@@ -137,7 +139,8 @@ def main() -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args.tensor_parallel)))
         gpu.update(tensor_parallel_size=args.tensor_parallel, distributed_executor_backend="mp")
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=args.prefix_caching,
-              kv_transfer_config=transfer, max_model_len=args.max_model_len, seed=0, **gpu)
+              kv_transfer_config=transfer, max_model_len=args.max_model_len, seed=0,
+              **({"disable_log_stats": False} if args.record_ttft else {}), **gpu)
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=args.logprobs or None)
     if args.warmup:
@@ -167,6 +170,8 @@ def main() -> None:
         out = llm.generate([prompt], ask, use_tqdm=False, lora_request=adapters.get(lora))[0]
         results.append({"tokens": list(out.outputs[0].token_ids), "seconds": time.perf_counter() - t0,
                         "cached_tokens": out.num_cached_tokens})
+        if args.record_ttft:
+            results[-1]["ttft_seconds"] = out.metrics.first_token_latency if out.metrics is not None else None
         if args.logprobs:  # per generated token: [[token, logprob], ...] best first
             results[-1]["logprobs"] = [sorted(([t, lp.logprob] for t, lp in step.items()), key=lambda x: -x[1])
                                        for step in out.outputs[0].logprobs or []]

@@ -61,6 +61,7 @@ class SchedulerSide:
         self.blending = blending or blend.Options()
         self._blends: dict[str, passages.Blend] = {}  # requests that named passages: their pieces
         self._blend_loads: set[str] = set()  # those whose hit is a blended span
+        self._said_unvouched = False
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.not_serving:
@@ -126,9 +127,10 @@ class SchedulerSide:
         planned = self._blends[request.request_id] = passages.plan(self.engine, session, tokens, spans,
                                                                    self.blending.bos, ratio, selection)
         if not vouched:  # its passages are stored once a prefill vouched for the layers; nothing blended yet
-            self.scopes.warn_once(request.request_id, "blending: not yet vouched for: blending starts once kdn has "
-                                  "run the engine's layers over a prompt the engine computed itself and found its KV",
-                                  "is served its exact prefix only")
+            if not self._said_unvouched:
+                self._said_unvouched = True
+                log.info("kdn: blending starts once kdn has run the engine's layers over a prompt whose exact KV "
+                         "the engine holds and found that KV; until then requests are served their exact prefix")
             planned.held = 0
         return planned
 
