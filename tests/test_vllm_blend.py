@@ -172,3 +172,18 @@ def test_a_text_prompt_is_blended_at_the_separator_the_engine_is_configured_with
     for got, prompt in zip(out["results"], rag["separated"]):
         assert got["tokens"] == rag["reference"][tuple(prompt)]["tokens"]
     assert _logprob_gap(out["results"][1], rag["reference"][tuple(rag["separated"][1])]) < 1e-3
+
+
+def test_a_passage_gone_between_lookup_and_load_ends_the_blend_there_and_vllm_computes_the_rest(setup, rag):
+    """The third piece of the second prompt's blend is evicted right after its lookup: the blended span
+    ends before it (BOS and the system line, then the first passage), the load reports the rest,
+    vLLM recomputes it, and the answer is vLLM alone's (ratio 1.0)."""
+    (a, spans_a, _), (b, spans_b, _) = rag["first"][:2]
+    prompts, params = _ask(rag, "dropped", [a, b], [_blend(spans_a, 1.0), _blend(spans_b, 1.0)])
+    out = engine(setup, {}, "--logprobs", "3", "--kv-params", params, "--drop-passage-at-lookup", "2:2",
+                 prompts=prompts)
+    connector = out["stats"]["connector"]
+    assert connector["blends"] == 1 and connector["blended_tokens"] == spans_b[1][0]  # up to the second passage
+    assert connector["load_errors"] == 1 and connector["stored_passages"] == 6  # and the dropped one again
+    assert out["results"][1]["tokens"] == rag["reference"][tuple(b)]["tokens"]
+    assert _logprob_gap(out["results"][1], rag["reference"][tuple(b)]) < 1e-3

@@ -39,6 +39,9 @@ def main() -> None:
     parser.add_argument("--drop-chunk-at-lookup", default="",
                         help="N:I: right after the N-th lookup (1-based), drop chunk I of that prompt's stored "
                              "prefix (evicted between lookup and load: the load fails part-way)")
+    parser.add_argument("--drop-passage-at-lookup", default="",
+                        help="N:I: right after the N-th lookup (1-based), drop piece I of that prompt's blend "
+                             "(a passage evicted between lookup and load: the blended span ends before it)")
     parser.add_argument("--pretend-kernel", default="",
                         help="tell kdn vLLM picked this CPU attention kernel (e.g. vec16, as for head sizes "
                              "not a multiple of 32): one whose blocks kdn does not read")
@@ -117,6 +120,22 @@ def main() -> None:
             return found
 
         connector.KDNConnector.get_num_new_matched_tokens = lookup_then_drop_one
+    if args.drop_passage_at_lookup:
+        import forge
+        from kdn.integrations import vllm as connector
+
+        at, index = (int(x) for x in args.drop_passage_at_lookup.split(":"))
+        lookup, calls = connector.KDNConnector.get_num_new_matched_tokens, []
+
+        def lookup_then_drop_passage(self, request, num_computed_tokens):
+            found = lookup(self, request, num_computed_tokens)
+            calls.append(request.request_id)
+            planned = self._scheduler._blends.get(request.request_id) if self._scheduler is not None else None
+            if len(calls) == at and planned is not None:
+                forge.tiers(self.engine).drop(planned.pieces[index].key)
+            return found
+
+        connector.KDNConnector.get_num_new_matched_tokens = lookup_then_drop_passage
     t0 = time.perf_counter()
     gpu = {"gpu_memory_utilization": args.gpu_memory_utilization} if args.device == "cuda" else {}
     if args.device == "cuda" and args.attention_backend != "auto":

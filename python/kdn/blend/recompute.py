@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kdn.engine.recompute import SELECTIONS
+from kdn.engine.recompute import SELECTIONS, missing_parts
 from kdn.engine.recompute import selective_prefill as _recompute
 from kdn.rope import UnsupportedModelError, inv_freq, shift_keys
 
@@ -18,14 +18,7 @@ _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn
 def check_supported(model) -> None:
     """Raise UnsupportedModelError naming the architecture and what is missing."""
     arch = type(model).__name__
-    inner = getattr(model, "model", None)
-    missing = [f"model.{p}" for p in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(inner, p)]
-    if not missing:
-        layer = inner.layers[0]
-        missing += [f"layers[i].{p}" for p in _LAYER_PARTS if not hasattr(layer, p)]
-        attn = getattr(layer, "self_attn", None)
-        missing += [f"self_attn.{p}" for p in _ATTN_PARTS if not hasattr(attn, p)]
-        missing += [f"no self_attn.{p} (per-head norms)" for p in ("q_norm", "k_norm") if hasattr(attn, p)]
+    missing = missing_parts(model, ("embed_tokens", "layers", "norm", "rotary_emb"), _LAYER_PARTS, _ATTN_PARTS)
     if arch not in SUPPORTED or missing:
         reasons = ([] if arch in SUPPORTED else [f"architecture not in {', '.join(SUPPORTED)}"]) + missing
         raise UnsupportedModelError(f"{arch} cannot be blended: " + "; ".join(reasons))

@@ -55,6 +55,21 @@ class LayerStack(Protocol):
         ``attended`` ([1, tokens, heads * head_dim]): output projection, residuals and MLP."""
 
 
+def missing_parts(model, model_parts: tuple, layer_parts: tuple, attention_parts: tuple) -> list[str]:
+    """What a decoder ``model`` (``model.model.layers[i].self_attn``, as HF's and vLLM's Llama family
+    nest them) lacks of the parts a :class:`LayerStack` over it runs, and per-head norms it has that
+    the stack would skip; empty when it has them all."""
+    inner = getattr(model, "model", None)
+    missing = [f"model.{p}" for p in model_parts if not hasattr(inner, p)]
+    if not missing:
+        layer = inner.layers[0]
+        missing += [f"layers[i].{p}" for p in layer_parts if not hasattr(layer, p)]
+        attn = getattr(layer, "self_attn", None)
+        missing += [f"self_attn.{p}" for p in attention_parts if not hasattr(attn, p)]
+        missing += [f"no self_attn.{p} (per-head norms)" for p in ("q_norm", "k_norm") if hasattr(attn, p)]
+    return missing
+
+
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 

@@ -8,6 +8,7 @@ import inspect
 
 import torch
 
+from kdn.engine.recompute import missing_parts, selective_prefill
 from kdn.rope import UnsupportedModelError
 
 # vLLM model classes whose layers compute as LlamaDecoderLayer does (Qwen2's adds q/k/v biases in qkv_proj)
@@ -47,14 +48,7 @@ def unblendable(model, vllm_config) -> str | None:
     hf = vllm_config.model_config.hf_text_config
     if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
         return "sliding-window attention"
-    inner = getattr(model, "model", None)
-    missing = [f"model.{p}" for p in ("embed_tokens", "layers") if not hasattr(inner, p)]
-    if not missing:
-        layer = inner.layers[0]
-        missing += [f"layers[i].{p}" for p in _LAYER_PARTS if not hasattr(layer, p)]
-        attn = getattr(layer, "self_attn", None)
-        missing += [f"self_attn.{p}" for p in _ATTN_PARTS if not hasattr(attn, p)]
-        missing += [f"self_attn.{p} (per-head norms)" for p in ("q_norm", "k_norm") if hasattr(attn, p)]
+    missing = missing_parts(model, ("embed_tokens", "layers"), _LAYER_PARTS, _ATTN_PARTS)
     if missing:
         return f"{arch}'s modules lack {', '.join(missing)}"
     return None
@@ -124,8 +118,6 @@ def vouch(stack: VLLMStack, tokens, computed: list[torch.Tensor]) -> str | None:
     head_dim]``): None when they agree within the dtype's rounding, else what differs. Blending waits
     for this (once per engine): kdn reads vLLM's modules, and says so by name where a release
     computes otherwise."""
-    from kdn.engine.recompute import selective_prefill
-
     n = min(len(tokens), VOUCH_TOKENS, computed[0].shape[2])
     ref = [t[:, :, :n].to(torch.float32) for t in computed]
     ours = [torch.zeros(t.shape, dtype=computed[0].dtype, device=stack.device) for t in ref]
