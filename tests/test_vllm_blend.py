@@ -105,10 +105,10 @@ def test_a_rag_prompt_in_another_order_is_blended_and_ratio_one_is_vllm_alones_a
 
 def test_a_new_engine_blends_the_passages_another_stored_at_the_recompute_ratio(setup, rag, blended):
     """A new engine process over the same disk: its first prompt (an exact hit of what the first
-    engine stored) vouches for its layers; then a fourth order at 0.15 recomputes 15% of the span
-    after layer 1 (layers 0 and 1 whole), the passages read from the disk folder."""
-    (a, _, _), _, _, (d, spans_d, _) = rag["first"]
-    prompts, params = _ask(rag, "new-engine", [a, d], [None, _blend(spans_d, 0.15)])
+    engine stored, asking to blend) vouches for its layers; then a fourth order at 0.15 recomputes
+    15% of the span after layer 1 (layers 0 and 1 whole), the passages read from the disk folder."""
+    (a, spans_a, _), _, _, (d, spans_d, _) = rag["first"]
+    prompts, params = _ask(rag, "new-engine", [a, d], [_blend(spans_a, 0.15), _blend(spans_d, 0.15)])
     out = engine(setup, {"disk_dir": blended["disk"]}, "--kv-params", params, prompts=prompts)
     connector, span = out["stats"]["connector"], spans_d[-1][1]
     assert out["results"][0]["tokens"] == rag["reference"][tuple(a)]["tokens"]
@@ -125,7 +125,7 @@ def test_passages_cached_by_hf_are_blended_in_vllm_and_vllms_are_blended_in_hf(s
     disk = str(tmp_path / "from-hf")
     counts = kdn.KDN(kdn.KDNConfig(disk_dir=disk)).store_segments(model, passages)
     assert counts == {"already_stored": 0, "computed": 5}  # BOS, and four passages behind it
-    prompts, params = _ask(rag, "from-hf", [e, f], [None, _blend(spans_f, 1.0)])
+    prompts, params = _ask(rag, "from-hf", [e, f], [_blend(spans_e, 1.0), _blend(spans_f, 1.0)])  # e vouches
     out = engine(setup, {"disk_dir": disk}, "--logprobs", "3", "--kv-params", params, prompts=prompts)
     connector = out["stats"]["connector"]
     assert connector["blends"] == 1 and connector["stored_passages"] == 0  # every piece HF's

@@ -42,6 +42,8 @@ def unblendable(model, vllm_config) -> str | None:
     arch = type(model).__name__
     if arch not in SUPPORTED:
         return f"{arch} is not one of {', '.join(SUPPORTED)}"
+    if getattr(vllm_config, "lora_config", None) is not None:
+        return "LoRA adapters are enabled (vLLM's LoRA layers compute each request's adapter inside its forward)"
     parallel = getattr(vllm_config, "parallel_config", None)
     if getattr(parallel, "tensor_parallel_size", 1) > 1 or getattr(parallel, "pipeline_parallel_size", 1) > 1:
         return "a tensor- or pipeline-parallel engine (each rank holds a share of the weights)"

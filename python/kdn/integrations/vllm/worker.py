@@ -247,7 +247,7 @@ class WorkerSide:
             n = len(spec.tokens)
             session = self.session.within(spec.scope)
             served = self._served.get(spec.req_id) or Served()
-            if self.stack is not None:
+            if self.stack is not None and spec.blend is not None:
                 self._blending_save(spec, session, served)
             if spec.check is not None:
                 served.checked = spec.check[1] - spec.check[0]
@@ -279,16 +279,20 @@ class WorkerSide:
         self._served.step_ended()  # vLLM recomputes what failed: the recomputed prefill is stored
 
     def _blending_save(self, spec: SaveSpec, session: ModelSession, served: Served) -> None:
-        """A finished prefill, for blending: the first whose blocks hold exact KV (computed by the
-        engine, or an exact hit) vouches for the engine's layers as kdn runs them (blending waits for
-        it); a request that named passages has those no tier holds computed alone and stored."""
-        if not self.blend_vouched and not served.lossy and not served.failed:
-            first = self._paged(spec.block_ids).emit(0, min(len(spec.tokens), layers.VOUCH_TOKENS))[1]
-            self._vouched(layers.vouch(self.stack, spec.tokens, first))
-        if spec.blend is not None and self.blend_vouched:
-            stored = passages.store_missing(self.engine, session, self.stack, spec.blend,
-                                            np.asarray(spec.tokens, dtype=np.uint32), self.stack.device)
-            metrics.count(stored_passages=stored)
+        """A finished prefill of a request that named passages: the first whose blocks hold exact KV
+        (computed by the engine, or an exact hit) vouches for the engine's layers as kdn runs them
+        (blending waits for it: an engine whose requests never blend runs none of it); then its
+        passages no tier holds are computed alone and stored."""
+        try:
+            if not self.blend_vouched and not served.lossy and not served.failed:
+                first = self._paged(spec.block_ids).emit(0, min(len(spec.tokens), layers.VOUCH_TOKENS))[1]
+                self._vouched(layers.vouch(self.stack, spec.tokens, first))
+            if self.blend_vouched:
+                stored = passages.store_missing(self.engine, session, self.stack, spec.blend,
+                                                np.asarray(spec.tokens, dtype=np.uint32), self.stack.device)
+                metrics.count(stored_passages=stored)
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's step: blending goes off, serving goes on
+            self._vouched(f"running the engine's layers failed ({type(exc).__name__}: {exc})")
 
     def _vouched(self, why: str | None) -> None:
         if why is None:
