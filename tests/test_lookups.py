@@ -224,3 +224,46 @@ def test_the_scheduler_asks_every_rank_and_a_hit_is_what_all_of_them_hold(runtim
         asked.close()
         for server in servers:
             server.close()
+
+
+def test_a_blend_query_carries_the_workers_readiness_and_its_held_pieces_between_lookups(runtime_dir):
+    """The scheduler of a multiprocess engine asks the worker's socket whether it blends and how many
+    of a prompt's pieces its tiers hold; lookups on the same connection still answer, a worker that
+    refused the engine (or whose answer failed) says it does not blend, and a gone one is no answer."""
+    from kdn.integrations.vllm.blend import Readiness
+
+    path = socket_path("engine-blend|store")
+    held_keys = {bytes([i]) * 16 for i in range(3)}
+    asked = []
+
+    def readiness(keys):
+        asked.append(keys)
+        if len(keys) == 7:
+            raise RuntimeError("the worker's tiers failed")
+        held = next((i for i, k in enumerate(keys) if k not in held_keys), len(keys))
+        return Readiness(True, vouched=len(keys) != 5, held=held)
+
+    server = LookupServer(path, lambda tokens, limit, scope: held(32), readiness=readiness)
+    client = LookupClient(path, timeout=1.0)
+    try:
+        keys = [bytes([i]) * 16 for i in range(4)]
+        assert client.readiness(keys) == Readiness(True, True, 3, None) and asked[-1] == keys
+        assert tokens_of(client.lookup(np.arange(40), 39)) == 32  # a lookup between two queries
+        assert client.readiness(keys[:1] + keys[3:] + keys[1:3]) == Readiness(True, True, 1, None)
+        assert client.readiness([bytes([9]) * 16] + keys) == Readiness(True, False, 0, None)  # 5: not vouched
+        failed = client.readiness(keys + keys[:3])
+        assert not failed.blends and "the worker's tiers failed" in failed.why
+        assert client.readiness([b"short"]).blends is False and len(asked) == 4  # never sent
+        server.serving = False
+        assert client.readiness(keys) == Readiness(False, False, 0, "the worker refused this engine's KV layout")
+    finally:
+        server.close()
+    assert client.readiness(keys) is None  # nobody listens
+    client.close()
+    silent = LookupServer(path, lambda tokens, limit, scope: held(32))  # a server that cannot blend says so
+    asker = LookupClient(path)
+    try:
+        assert asker.readiness(keys) == Readiness(False, why="no blending")
+    finally:
+        asker.close()
+        silent.close()

@@ -83,3 +83,22 @@ def test_bad_spans_and_ratios_are_refused_by_name():
             passages.check_ratio(ratio)
     with pytest.raises(InvalidInputError, match="selection 'best'"):
         passages.check_ratio(0.2, "best")
+
+
+@pytest.mark.parametrize("rope, refused", [(None, False), ({"rope_type": "linear", "factor": 2.0}, False),
+                                           ({"rope_type": "llama3", "factor": 8.0}, False),
+                                           ({"rope_type": "yarn", "factor": 4.0}, True),
+                                           ({"type": "dynamic", "factor": 2.0}, True)])
+def test_a_vllm_engine_whose_rope_cannot_be_re_rotated_by_its_rotary_embedding_is_not_blended(rope, refused):
+    """vLLM folds YaRN's magnitude scale into its rotation and dynamic NTK's frequencies change with
+    the length: either engine is refused by name before its modules are read; the others go on to
+    the module check (which a bare model object fails, by name)."""
+    from types import SimpleNamespace
+
+    from kdn.integrations.vllm.layers import unblendable
+
+    model = type("LlamaForCausalLM", (), {})()
+    hf = SimpleNamespace(sliding_window=None, rope_parameters=rope)
+    config = SimpleNamespace(lora_config=None, parallel_config=None, model_config=SimpleNamespace(hf_text_config=hf))
+    why = unblendable(model, config)
+    assert ("RoPE scaling" in why) is refused and (("modules lack" in why) is not refused), why

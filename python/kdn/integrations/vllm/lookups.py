@@ -14,6 +14,11 @@ requests whose store has ended
 :func:`request_digest` of its id: the last ``MAX_ENDED`` the worker reported, each told once to
 every connection (two clients of one worker do not take each other's).
 
+A blend query (the scope's size ``0xFFFFFFFE``) asks instead, for a prompt's pieces (``tokens``: how
+many 16-byte piece keys follow, :mod:`kdn.engine.passages`), whether the worker blends: the reply is
+``u8`` 0 (it does not), 1 (its layers are not vouched for yet) or 2, ``u32`` the leading pieces its
+tiers hold, ``u32`` bytes of why it does not (UTF-8, at most ``MAX_WHY``), then that text.
+
 Trust: the socket's folder must be a real directory (not a symlink) owned by this user and closed to
 others; one another local user created first is never used (a private folder in this user's home
 is used instead, and a warning names the squatted one). Answers are clamped to the limit asked; a
@@ -41,11 +46,16 @@ import numpy as np
 
 from kdn.engine import Prefix
 from kdn.engine.requests import ID_DIGEST_BYTES, request_digest
+from kdn.integrations.vllm.blend import Readiness
 
 log = logging.getLogger("kdn")
 
 _REQUEST = struct.Struct("<III")
 _NO_SCOPE = 0xFFFFFFFF
+_BLEND_QUERY = 0xFFFFFFFE  # in the scope's place: a blend query (Readiness), its piece keys follow
+_BLEND_REPLY = struct.Struct("<BII")  # 0 no / 1 unvouched / 2 vouched, leading pieces held, bytes of why
+MAX_WHY = 1024
+MAX_PIECES = 1 << 16  # a blend query naming more pieces is not a prompt's: the connection is dropped
 SCOPE_BYTES = 16
 _REPLY = struct.Struct("<qII")  # hit (-1: could not look up; _NOT_SERVING), the last chunk's tokens, keys that follow
 _NOT_SERVING = -2  # the hit a worker that refused vLLM's KV layout answers: it will load and store nothing
@@ -119,11 +129,13 @@ class LookupServer:
     """Answers lookups with ``lookup(tokens, limit, scope) -> Prefix`` from a thread per
     connection, each answer with the requests ``ended()`` says have had their store end (each told
     once to each connection); once ``serving`` is False (its worker refused the engine) every
-    answer says so."""
+    answer says so; a blend query is answered with ``readiness(piece keys)``."""
 
     def __init__(self, path: str, lookup: Callable[[np.ndarray, int, bytes | None], Prefix],
-                 ended: Callable[[], list[str]] = list):
+                 ended: Callable[[], list[str]] = list,
+                 readiness: Callable[[list[bytes]], Readiness] = lambda keys: Readiness(False, why="no blending")):
         self.path, self._lookup, self._ended, self.serving = path, lookup, ended, True
+        self._readiness = readiness
         if os.path.exists(path):
             os.unlink(path)  # a socket left by an engine that died: nobody listens on it
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -171,6 +183,9 @@ class LookupServer:
 
     def _read_request(self, conn: socket.socket):
         n, limit, size = _REQUEST.unpack(_read_exactly(conn, _REQUEST.size))
+        if size == _BLEND_QUERY and n <= MAX_PIECES:
+            keys = _read_exactly(conn, 16 * n)
+            return [keys[16 * i:16 * i + 16] for i in range(n)], None, _BLEND_QUERY
         if n > MAX_TOKENS or size not in (_NO_SCOPE, SCOPE_BYTES):
             return None
         scope = None if size == _NO_SCOPE else _read_exactly(conn, size)
@@ -192,6 +207,12 @@ class LookupServer:
             with self._lock:
                 if conn in self._conns:
                     self._conns[conn] = time.monotonic()
+            if scope == _BLEND_QUERY:
+                try:
+                    conn.sendall(self._blend_reply(tokens))
+                except OSError:
+                    return
+                continue
             try:
                 if not self.serving:
                     raise WorkerNotServing
@@ -210,6 +231,16 @@ class LookupServer:
                 conn.sendall(reply)
             except OSError:
                 return
+
+    def _blend_reply(self, keys: list[bytes]) -> bytes:
+        try:
+            ready = Readiness(False, why="the worker refused this engine's KV layout") if not self.serving \
+                else self._readiness(keys)
+        except Exception as e:  # a failed answer is "no blending" for the asker, never a dead server
+            ready = Readiness(False, why=f"the worker's answer failed ({type(e).__name__}: {e})")
+        why = (ready.why or "").encode()[:MAX_WHY]
+        state = 2 if ready.blends and ready.vouched else int(ready.blends)
+        return _BLEND_REPLY.pack(state, min(ready.held, len(keys)), len(why)) + why
 
     def close(self) -> None:
         """Stop listening and drop every connection (as the worker's exit would)."""
@@ -266,14 +297,49 @@ class LookupClient:
             hit = self._ask(request, limit, warn=True)
             return None if hit is _FAILED else hit
 
+    def readiness(self, keys: list[bytes]) -> Readiness | None:
+        """Whether the worker blends a prompt of these piece keys, and how many of them, from the first,
+        its tiers hold; None when no worker answers."""
+        if len(keys) > MAX_PIECES or any(len(k) != 16 for k in keys):
+            return Readiness(False, why=f"{len(keys)} pieces, or a key not of 16 bytes")
+        request = _REQUEST.pack(len(keys), 0, _BLEND_QUERY) + b"".join(keys)
+        with self._lock:
+            for warn in (False, True):  # a kept connection the server dropped (idle): one more try
+                try:
+                    if self._conn is None:
+                        self._connect()
+                    self._conn.sendall(request)
+                    state, held, size = _BLEND_REPLY.unpack(_read_exactly(self._conn, _BLEND_REPLY.size))
+                    if size > MAX_WHY or state > 2:
+                        raise ConnectionError("not a blend reply of kdn's server")
+                    why = _read_exactly(self._conn, size).decode(errors="replace") or None
+                    return Readiness(state > 0, state == 2, min(held, len(keys)), why)
+                except (OSError, ConnectionError) as e:
+                    self._dropped(e, warn)
+        return None
+
+    def _connect(self) -> None:
+        if not os.path.exists(self.path):
+            raise FileNotFoundError(self.path)
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._conn.settimeout(self.timeout)
+        self._conn.connect(self.path)
+
+    def _dropped(self, e: Exception, warn: bool) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if warn and not self._warned:
+            self._warned = True
+            log.warning("kdn: the worker's lookup server at %s did not answer (%s); the scheduler "
+                        "asks its own tiers (a memory tier private to the worker is not seen)", self.path, e)
+
     def _ask(self, request: bytes, limit: int, warn: bool):
         try:
             if self._conn is None:
                 if not os.path.exists(self.path):
                     return _FAILED
-                self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self._conn.settimeout(self.timeout)
-                self._conn.connect(self.path)
+                self._connect()
             self._conn.sendall(request)
             hit, last_tokens, n = _REPLY.unpack(_read_exactly(self._conn, _REPLY.size))
             if n > limit + 1:  # every key serves at least one token: not a reply of kdn's server
@@ -286,13 +352,7 @@ class LookupClient:
             ended = _read_exactly(self._conn, ID_DIGEST_BYTES * count)
             self._ended += [ended[i:i + ID_DIGEST_BYTES] for i in range(0, len(ended), ID_DIGEST_BYTES)]
         except (OSError, ConnectionError) as e:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-            if warn and not self._warned:
-                self._warned = True
-                log.warning("kdn: the worker's lookup server at %s did not answer (%s); the scheduler "
-                            "asks its own tiers (a memory tier private to the worker is not seen)", self.path, e)
+            self._dropped(e, warn)
             return _FAILED
         if hit == _NOT_SERVING:
             raise WorkerNotServing(f"the worker behind {self.path} refused this engine's KV layout")

@@ -7,8 +7,9 @@ import threading
 import weakref
 
 from kdn.config import KDNConfig
-from kdn.engine import Engine, ModelSession
+from kdn.engine import Engine, ModelSession, passages
 from kdn.integrations.vllm import metrics
+from kdn.integrations.vllm.blend import Readiness
 from kdn.integrations.vllm.lookups import LookupServer, socket_path
 from kdn.integrations.vllm.ranks import Rank
 
@@ -37,7 +38,8 @@ def serve_lookups(path: str, engine: Engine, session: ModelSession) -> None:
                 metrics.count(lookups=1)
                 return engine.find(session.within(scope), tokens, limit, holders=True)
 
-            _lookup_servers[path] = LookupServer(path, lookup, lambda: ended_stores(engine))
+            _lookup_servers[path] = LookupServer(path, lookup, lambda: ended_stores(engine),
+                                                 lambda keys: readiness(engine, keys) or Readiness(False))
 
 
 def refuse_lookups(path: str) -> None:
@@ -58,14 +60,16 @@ def worker_here(engine: Engine) -> bool:
     return any(w.engine is engine for w in list(_workers))
 
 
-def blender(engine: Engine) -> tuple[object, bool, str | None]:
-    """``(stack, vouched, why)``: the layers the worker of this process holding ``engine`` blends with
-    and whether a prefill has vouched for them (:func:`kdn.integrations.vllm.layers.vouch`); or
-    ``(None, False, why)`` where there are none."""
+def readiness(engine: Engine, keys: list[bytes]) -> Readiness | None:
+    """Whether the worker of this process holding ``engine`` blends (it has the engine's layers,
+    :mod:`kdn.integrations.vllm.layers`, and a prefill vouched for them), and how many of a prompt's
+    piece ``keys``, from the first, its tiers hold; None where no worker of this process holds it."""
     for worker in list(_workers):
         if worker.engine is engine:
-            return worker.stack, worker.blend_vouched, worker.blend_reason
-    return None, False, "the worker runs in another process than the scheduler (blending runs beside both)"
+            if worker.stack is None:
+                return Readiness(False, why=worker.blend_reason)
+            return Readiness(True, worker.blend_vouched, passages.leading_held(engine, keys))
+    return None
 
 
 def ended_stores(engine: Engine) -> list[str]:

@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 
 from kdn.engine import Prefix
+from kdn.integrations.vllm.blend import Readiness
 from kdn.integrations.vllm.lookups import MAX_ENDED, LookupClient
 from kdn.layout import ModelLayout
 
@@ -79,6 +80,17 @@ class RankLookups:
             if least is None or found.tokens < least.tokens:
                 least = found
         return least
+
+    def readiness(self, keys: list[bytes]) -> Readiness | None:
+        """Whether every rank's worker blends (:meth:`LookupClient.readiness`): the least of what they
+        hold, the first refusal; None when one does not answer."""
+        answers = [client.readiness(keys) for client in self.clients]
+        if any(a is None for a in answers):
+            return None
+        refused = [a for a in answers if not a.blends]
+        if refused:
+            return refused[0]
+        return Readiness(True, all(a.vouched for a in answers), min(a.held for a in answers))
 
     def take_ended(self) -> list[bytes]:
         """The requests whose store every rank has said has ended since the last call."""

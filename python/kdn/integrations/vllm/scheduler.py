@@ -15,6 +15,7 @@ from kdn._core import InvalidInputError
 from kdn.engine import Engine, ModelSession, Retention, passages
 from kdn.engine.requests import Request, Requests, request_digest
 from kdn.integrations.vllm import blend, metrics, process
+from kdn.integrations.vllm.blend import Readiness
 from kdn.integrations.vllm.kv_layers import KVGroups
 from kdn.integrations.vllm.lookups import LookupClient, WorkerNotServing
 from kdn.integrations.vllm.ranks import RankLookups
@@ -117,16 +118,20 @@ class SchedulerSide:
             return None
         if asked is None:
             return None
-        stack, vouched, why = process.blender(self.engine)
-        if stack is None or (self.blending.prefix_caching and not getattr(request, "cache_salt", None)):
-            why = why or ("vLLM's prefix cache is on and the request has no cache_salt: its blended blocks would "
-                          "enter vLLM's prefix cache, where an exact request could be served them")
+        spans, ratio, selection = asked
+        pieces = passages.cut(session, tokens, spans, self.blending.bos)
+        keys = [p.key for p in passages.candidates(pieces, len(tokens))]
+        ready = process.readiness(self.engine, keys) if process.worker_here(self.engine) \
+            else self._lookups.readiness(keys)  # the worker's process holds its layers and its memory tier
+        ready = ready or Readiness(False, why="the worker's lookup server did not answer")
+        if not ready.blends or (self.blending.prefix_caching and not getattr(request, "cache_salt", None)):
+            why = ready.why if not ready.blends else (
+                "vLLM's prefix cache is on and the request has no cache_salt: its blended blocks would "
+                "enter vLLM's prefix cache, where an exact request could be served them")
             self.scopes.warn_once(request.request_id, f"blending: {why}", "is served its exact prefix only")
             return None
-        spans, ratio, selection = asked
-        planned = self._blends[request.request_id] = passages.plan(self.engine, session, tokens, spans,
-                                                                   self.blending.bos, ratio, selection)
-        if not vouched:  # its passages are stored once a prefill vouched for the layers; nothing blended yet
+        planned = self._blends[request.request_id] = passages.Blend(pieces, ready.held, ratio, selection)
+        if not ready.vouched:  # its passages are stored once a prefill vouched for the layers; nothing blended yet
             if not self._said_unvouched:
                 self._said_unvouched = True
                 log.info("kdn: blending starts once kdn has run the engine's layers over a prompt whose exact KV "
