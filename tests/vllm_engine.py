@@ -72,6 +72,12 @@ def main() -> None:
     parser.add_argument("--multiprocess", action="store_true",
                         help="vLLM's default engine core (VLLM_ENABLE_V1_MULTIPROCESSING=1): on the CPU its worker runs"
                              " in another process than its scheduler (stats: the worker's)")
+    parser.add_argument("--speculative", default=None,
+                        help="vLLM's speculative_config as JSON (e.g. method ngram, num_speculative_tokens 3, "
+                             "prompt_lookup_max 4); its spec_decode counters are recorded")
+    parser.add_argument("--kv-role", default="kv_both", help="the connector's kv_role (kv_producer, kv_consumer)")
+    parser.add_argument("--ready-file", default=None,
+                        help="a file to create once the engine is up, just before its first prompt is asked")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -86,7 +92,7 @@ def main() -> None:
     transfer = None
     if args.kdn:
         transfer = KVTransferConfig(kv_connector="KDNConnector", kv_connector_module_path="kdn.integrations.vllm",
-                                    kv_role="kv_both", kv_connector_extra_config=json.loads(args.kdn),
+                                    kv_role=args.kv_role, kv_connector_extra_config=json.loads(args.kdn),
                                     kv_load_failure_policy="recompute")
     if args.transfer:
         transfer = KVTransferConfig(**json.loads(args.transfer))
@@ -163,9 +169,11 @@ def main() -> None:
     if args.tensor_parallel > 1:  # vllm-cpu binds each rank's threads; a 2-core machine has one NUMA node
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args.tensor_parallel)))
         gpu.update(tensor_parallel_size=args.tensor_parallel, distributed_executor_backend="mp")
+    if args.speculative:
+        gpu.update(speculative_config=json.loads(args.speculative), disable_log_stats=False)
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=args.prefix_caching,
               kv_transfer_config=transfer, max_model_len=args.max_model_len, seed=0,
-              **({"disable_log_stats": False} if args.record_ttft else {}), **gpu)
+              **({"disable_log_stats": False} if args.record_ttft and not args.speculative else {}), **gpu)
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=args.logprobs or None)
     if args.warmup:
@@ -180,6 +188,8 @@ def main() -> None:
     if args.kv_params:
         with open(args.kv_params) as f:
             asked = json.load(f)
+    if args.ready_file:
+        open(args.ready_file, "w").close()
     for i, ids in enumerate(prompts):
         t0 = time.perf_counter()
         prompt = TokensPrompt(prompt_token_ids=ids, **({"cache_salt": args.cache_salt} if args.cache_salt else {}))
@@ -194,7 +204,7 @@ def main() -> None:
             ask.extra_args = {**(params.extra_args or {}), "kv_transfer_params": asked[i]}
         out = llm.generate([prompt], ask, use_tqdm=False, lora_request=adapters.get(lora))[0]
         results.append({"tokens": list(out.outputs[0].token_ids), "seconds": time.perf_counter() - t0,
-                        "cached_tokens": out.num_cached_tokens})
+                        "cached_tokens": out.num_cached_tokens, "kv_transfer_params": out.kv_transfer_params})
         if args.record_ttft:
             results[-1]["ttft_seconds"] = out.metrics.first_token_latency if out.metrics is not None else None
         if args.logprobs:  # per generated token: [[token, logprob], ...] best first
@@ -240,8 +250,13 @@ def main() -> None:
         from kdn import _core
 
         stats["host_buffers"] = _core.buffer_pool_stats()  # page-locked on a GPU engine (pin_host_memory)
+    speculated = None
+    if args.speculative:  # vLLM's own counters: drafted and accepted tokens
+        speculated = {m.name: m.value for m in llm.get_metrics()
+                      if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")}
     print("KDN-RESULT " + json.dumps({"load_seconds": load_s, "results": results, "stats": stats,
-                                      "versions": versions(), "events": events}), flush=True)
+                                      "versions": versions(), "events": events, "speculated": speculated}),
+          flush=True)
     # kdn's stores are drained: skip vLLM's teardown (~6 s of each engine here); another connector (LMCache) may
     # still be sending at exit, and a multiprocess engine's children must be shut down (they hold our stdout)
     if not args.transfer and not args.multiprocess:

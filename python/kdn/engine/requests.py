@@ -93,18 +93,19 @@ class Requests:
         self._live[req_id] = Request(req_id, np.zeros(0, np.uint32), keyed=False)
 
     def lookup(self, session: ModelSession, req_id: str, tokens: np.ndarray, scope: bytes | None, found: Prefix,
-               computed: int, retain: Retention | None = None, store: bool = True) -> int | None:
+               computed: int, retain: Retention | None = None, store: bool = True, wait: bool = True) -> int | None:
         """A request's lookup (``found``, in ``session``: its model within ``scope``) once the engine's
         own cache holds ``computed`` tokens: how many tokens kdn will load, or None when it waits for
         another's prefill of its document (the engine asks again later). An ephemeral request
-        (``store=False``) claims nothing and checks nothing. Counted through ``count``: requests
+        (``store=False``) claims nothing and checks nothing; ``wait=False`` (an engine that never
+        loads) waits for no one and claims nothing. Counted through ``count``: requests
         that waited (``in_flight_waits``) and waits a stalled claim ended (``stalled_claims``)."""
         req = self._live.get(req_id)
         if req is None or not req.keyed:
             req = self._live[req_id] = Request(req_id, tokens)
         req.tokens, req.scope, req.retain, req.store, req.found = tokens, scope, retain, store, found
         hit = found.tokens
-        if self._held(req, hit, session):
+        if wait and self._held(req, hit, session):
             return None
         span = self.engine.sample_check(hit - computed) if store else 0  # verified: the engine computes the last ones
         req.check = (hit - span, hit) if span else None

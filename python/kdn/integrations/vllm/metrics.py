@@ -33,7 +33,10 @@ NAMES = ("lookups", "hit_tokens", "loads", "loaded_tokens", "load_errors",
          # blending (requests that named passages): requests served a blended span, its tokens, the
          # tokens the selective recompute computed again (summed over layers), its seconds, and the
          # passages computed on their own and stored as segments for the next request
-         "blends", "blended_tokens", "recomputed_layer_tokens", "blend_seconds", "stored_passages")
+         "blends", "blended_tokens", "recomputed_layer_tokens", "blend_seconds", "stored_passages",
+         # disaggregated prefill (kv_consumer): requests that waited for their prefiller's store, and
+         # waits that ended at prefill_wait_s with less of it stored (the rest computed)
+         "prefill_waits", "prefill_wait_timeouts")
 
 _lock = threading.Lock()
 _totals = dict.fromkeys(NAMES, 0)

@@ -12,10 +12,11 @@ from typing import Any
 import numpy as np
 
 from kdn._core import InvalidInputError
-from kdn.engine import Engine, ModelSession, Retention, passages
+from kdn.engine import Engine, ModelSession, Prefix, Retention, passages
 from kdn.engine.requests import Request, Requests, request_digest
 from kdn.integrations.vllm import blend, metrics, process
 from kdn.integrations.vllm.blend import Readiness
+from kdn.integrations.vllm.disaggregated import Handoffs, Role, expected, handed_off
 from kdn.integrations.vllm.kv_layers import KVGroups
 from kdn.integrations.vllm.lookups import LookupClient, WorkerNotServing
 from kdn.integrations.vllm.ranks import RankLookups
@@ -45,11 +46,12 @@ class SchedulerSide:
     ``vllm_load`` in kv_connector_extra_config), else in its step. ``keys_shared``: every worker keys
     a chunk as ``session`` does, so a load reads the chunks the lookup found without looking again
     (False for tensor-parallel ranks holding shares of the heads: each looks in its own share).
-    ``blending``: how a request that names its passages is blended (:mod:`.blend`)."""
+    ``blending``: how a request that names its passages is blended (:mod:`.blend`); ``role``: whether
+    it loads and stores (vLLM's ``kv_role``, :mod:`.disaggregated`)."""
 
     def __init__(self, engine: Engine, session: ModelSession, block_size: int, lookups: LookupClient | RankLookups,
                  owner: str, loads_async: bool = False, groups: KVGroups | None = None, keys_shared: bool = True,
-                 blending: blend.Options | None = None):
+                 blending: blend.Options | None = None, role: Role | None = None):
         self.engine, self.session, self.block_size, self._lookups = engine, session, block_size, lookups
         self.owner, self.loads_async, self.groups = owner, loads_async, groups or KVGroups()
         self.keys_shared = keys_shared
@@ -63,6 +65,8 @@ class SchedulerSide:
         self._blends: dict[str, passages.Blend] = {}  # requests that named passages: their pieces
         self._blend_loads: set[str] = set()  # those whose hit is a blended span
         self._said_unvouched = False
+        self.role = role or Role()  # vLLM's kv_role: a prefiller never loads, a decoder never stores
+        self.handoffs = Handoffs(self.role.wait_s, metrics.count)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.not_serving:
@@ -75,7 +79,12 @@ class SchedulerSide:
             return 0, False
         tokens = np.asarray(request.prompt_token_ids or [], dtype=np.uint32)
         retain, store = self.retention_of(request)
+        store = store and self.role.stores
         session = self.session.within(scope)
+        if not self.role.loads:  # a prefiller: computes and stores every prompt, waits for no one
+            self.requests.lookup(session, request.request_id, tokens, scope, Prefix([], 0, 0), num_computed_tokens,
+                                 retain, store, wait=False)
+            return 0, False
         began = time.perf_counter()
         found = None  # the last token is computed: limit len - 1
         if not process.worker_here(self.engine):  # ask the worker's process: its memory tier is its own
@@ -93,6 +102,8 @@ class SchedulerSide:
             found = self.engine.find(session, tokens, len(tokens) - 1, holders=process.worker_here(self.engine))
             metrics.count(lookups=1)
         metrics.count(lookup_seconds=time.perf_counter() - began)
+        if self.handoffs.waits(request.request_id, found.tokens, expected(request, session.chunk_size)):
+            return None, False  # the prefiller's store is still landing: vLLM asks again next step
         external = self.requests.lookup(session, request.request_id, tokens, scope, found, num_computed_tokens,
                                         retain, store)
         if external is None:
@@ -256,5 +267,8 @@ class SchedulerSide:
         self._loaded_before.discard(request.request_id)
         self._blends.pop(request.request_id, None)
         self._blend_loads.discard(request.request_id)
+        self.handoffs.forget(request.request_id)
+        record = self.requests.get(request.request_id)
         self.requests.finished(request.request_id)
-        return False, None  # the KV was copied out in the step that finished the prefill
+        # the KV was copied out in the step that finished the prefill; a prefiller tells its decoder
+        return False, handed_off(request, record is not None and record.store)
