@@ -144,6 +144,15 @@ def test_no_file_in_the_package_is_over_400_lines():
     assert not long, f"split these (a file has one job): {long}"
 
 
+def test_no_cpp_cuda_or_test_file_is_over_600_lines():
+    """The size rule for the C++ and CUDA core and for the tests: a file over 600 lines holds more
+    than one responsibility (the package's Python files have 400)."""
+    files = [*(ROOT / "csrc").rglob("*.cpp"), *(ROOT / "csrc").rglob("*.h"), *(ROOT / "kernels").rglob("*.cu"),
+             *(ROOT / "kernels").rglob("*.cuh"), *(ROOT / "tests").glob("*.py")]
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > 600}
+    assert files and not long, f"split these (a file has one job): {long}"
+
+
 _ENV_READ = re.compile(r"""(?:environ(?:\.get|\.setdefault|\.pop)?\(?\[?\s*|getenv\(\s*)["'](KDN_[A-Z0-9_]+)["']"""
                        r"""|\$\{?(KDN_[A-Z0-9_]+)|(?:^|\s|export\s)(KDN_[A-Z0-9_]+)=""", re.M)
 

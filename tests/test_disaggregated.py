@@ -20,10 +20,13 @@ def test_roles_are_vllms_and_a_prefiller_hands_its_decoder_what_it_stored():
     assert Role.of(None, 1.0) == Role.of("kv_both", 1.0) == Role(True, True, 1.0)
     with pytest.raises(InvalidInputError, match="kv_role 'kv_prefill'"):
         Role.of("kv_prefill", 1.0)
-    assert handed_off(request(700), stored=True) is None  # no do_remote_decode: no hand-off
-    assert handed_off(request(700, {"do_remote_decode": True}), stored=True) == {
+    producer, remote = Role.of("kv_producer", 1.0), {"do_remote_decode": True}
+    assert handed_off(producer, request(700), stored=True) is None  # no do_remote_decode: no hand-off
+    assert handed_off(producer, request(700, remote), stored=True) == {
         "do_remote_prefill": True, "do_remote_decode": False, "kdn": {"prefilled": 700}}
-    assert handed_off(request(700, {"do_remote_decode": True}), stored=False)["kdn"] == {"prefilled": 0}
+    assert handed_off(producer, request(700, remote), stored=False)["kdn"] == {"prefilled": 0}
+    # kdn beside the hand-off's connector (kv_both in a MultiConnector): that one's parameters, never kdn's
+    assert handed_off(Role.of("kv_both", 1.0), request(700, remote), stored=True) is None
 
 
 @pytest.mark.parametrize("n, params, want", [

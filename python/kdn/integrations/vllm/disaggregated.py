@@ -39,10 +39,12 @@ def _asked(request) -> dict:
     return params if isinstance(params, dict) else {}
 
 
-def handed_off(request, stored: bool) -> dict | None:
-    """The ``kv_transfer_params`` a producer's finished request hands its decoder (None: it did not
-    ask ``do_remote_decode``); ``prefilled`` is 0 when its KV was not stored."""
-    if not _asked(request).get("do_remote_decode"):
+def handed_off(role: Role, request, stored: bool) -> dict | None:
+    """The ``kv_transfer_params`` a producer's finished request hands its decoder; ``prefilled`` is 0
+    when its KV was not stored. None where kdn is not the hand-off: the request did not ask
+    ``do_remote_decode``, or this engine is no ``kv_producer`` (beside a transfer connector in
+    vLLM's MultiConnector, e.g. NIXL's ``kv_both``, the hand-off's parameters are that one's)."""
+    if role.loads or not _asked(request).get("do_remote_decode"):
         return None
     prefilled = len(request.prompt_token_ids or []) if stored else 0
     return {"do_remote_prefill": True, "do_remote_decode": False, "kdn": {"prefilled": prefilled}}

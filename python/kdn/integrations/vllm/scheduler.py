@@ -271,4 +271,4 @@ class SchedulerSide:
         record = self.requests.get(request.request_id)
         self.requests.finished(request.request_id)
         # the KV was copied out in the step that finished the prefill; a prefiller tells its decoder
-        return False, handed_off(request, record is not None and record.store)
+        return False, handed_off(self.role, request, record is not None and record.store)
