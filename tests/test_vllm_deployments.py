@@ -79,7 +79,8 @@ def test_a_decoder_asked_first_waits_for_its_prefiller_and_one_whose_prefiller_n
                                                                                                    tmp_path):
     """The decoder starts first (its prefiller's store not there yet): it waits, and is served the
     whole prompt once the prefiller, started after it, has stored it. A decoder whose prefiller never
-    stores waits its bound (``prefill_wait_s``), then computes: vLLM alone's tokens either way."""
+    stores, or whose store is down, waits its bound (``prefill_wait_s``), then computes: vLLM alone's
+    tokens every time."""
     import os
     import subprocess
     import sys
@@ -111,9 +112,44 @@ def test_a_decoder_asked_first_waits_for_its_prefiller_and_one_whose_prefiller_n
     connector = waited["stats"]["connector"]
     assert connector["prefill_waits"] >= 1 and connector["prefill_wait_timeouts"] == 0
     assert connector["loads"] == 2 and connector["loaded_tokens"] >= 2 * 3 * 256 and connector["stores"] == 0
-    alone = engine(setup, {"disk_dir": str(tmp_path / "empty"), "prefill_wait_s": 2}, "--kv-role", "kv_consumer",
-                   "--kv-params", params)
-    assert [r["tokens"] for r in alone["results"]] == want
-    connector = alone["stats"]["connector"]
-    assert connector["prefill_waits"] == connector["prefill_wait_timeouts"] == 2 and connector["loads"] == 0
-    assert all(r["seconds"] >= 2 for r in alone["results"])
+    # no prefiller comes; and the store itself is down (a Redis port nobody listens on)
+    for store in ({"disk_dir": str(tmp_path / "empty")}, {"remote_url": "redis://127.0.0.1:9"}):
+        alone = engine(setup, {**store, "prefill_wait_s": 2}, "--kv-role", "kv_consumer", "--kv-params", params)
+        assert [r["tokens"] for r in alone["results"]] == want, store
+        connector = alone["stats"]["connector"]
+        assert connector["prefill_waits"] == connector["prefill_wait_timeouts"] == 2 and connector["loads"] == 0
+        assert all(r["seconds"] >= 2 for r in alone["results"])
+
+
+def _multi(example_dir: str, disk: str) -> str:
+    """vLLM's MultiConnector: its example connector (a stand-in for a transfer connector: it saves
+    and loads whole prompts in a folder) first, kdn (a disk folder) second."""
+    return json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                       "kv_connector_extra_config": {"connectors": [
+                           {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                            "kv_connector_extra_config": {"shared_storage_path": example_dir}},
+                           {"kv_connector": "KDNConnector", "kv_connector_module_path": "kdn.integrations.vllm",
+                            "kv_role": "kv_both", "kv_connector_extra_config": {"disk_dir": disk}}]}})
+
+
+def test_kdn_beside_another_connector_loads_only_what_the_first_did_not(setup, tmp_path):
+    """In vLLM's MultiConnector after another connector: an engine stores through both; a new engine
+    is served by the first connector (kdn loads nothing, though it holds the prompts); one whose
+    first connector holds nothing is served by kdn. vLLM alone's tokens every time, and kdn produces
+    no transfer parameters (it is not the hand-off)."""
+    first, second = _prompts(setup)
+    doc = test_vllm.DOC  # two documents: the example connector keys a prompt's block-aligned prefix
+    prompts = tmp_path / "two-documents.json"
+    prompts.write_text(json.dumps([first, first[:doc][::-1] + second[doc:]]))
+    want = [r["tokens"] for r in engine(setup, prompts=str(prompts))["results"]]
+    disk, example = str(tmp_path / "disk"), str(tmp_path / "example")
+    runs = [engine(setup, None, "--transfer", _multi(example, disk), prompts=str(prompts)),  # stored through both
+            engine(setup, None, "--transfer", _multi(example, disk), prompts=str(prompts)),  # the example's hit
+            engine(setup, None, "--transfer", _multi(str(tmp_path / "empty"), disk), prompts=str(prompts))]  # kdn's
+    for out in runs:
+        assert [r["tokens"] for r in out["results"]] == want
+        assert all(r["kv_transfer_params"] is None for r in out["results"])
+    stored, first, second = (out["stats"]["connector"] for out in runs)
+    assert stored["stores"] == 2 and stored["loads"] == 0
+    assert first["loads"] == 0 and all(r["cached_tokens"] > 0 for r in runs[1]["results"])
+    assert second["loads"] == 2 and second["loaded_tokens"] >= 2 * 3 * 256 and second["load_errors"] == 0

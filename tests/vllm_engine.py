@@ -96,7 +96,7 @@ def main() -> None:
                                     kv_load_failure_policy="recompute")
     if args.transfer:
         transfer = KVTransferConfig(**json.loads(args.transfer))
-        if transfer.kv_connector_module_path.startswith("lmcache."):
+        if (transfer.kv_connector_module_path or "").startswith("lmcache."):
             _let_vllm_scan_llvmlite()
     if args.pretend_kernel:
         from kdn.integrations import vllm as connector
@@ -237,7 +237,8 @@ def main() -> None:
         listener.close()
         events = listener.summary()
     stats = {}
-    if transfer is not None and not args.transfer:
+    kdn_inside = args.transfer and "KDNConnector" in args.transfer  # kdn as one of a MultiConnector's
+    if transfer is not None and (not args.transfer or kdn_inside):
         from kdn.integrations import vllm as connector
 
         connector.drain()
