@@ -21,6 +21,10 @@ weights). Steps, each engine in its own process (tests/vllm_engine.py), results 
           bytes (effective GB/s) and where they went (the load thread's queue, the host, the device);
           with --codecs, the memory tier also holding int8 / int4 chunks (decoded on the device)
 
+  blend   a RAG prompt's passages stored by one order and blended in two others from kdn's memory
+          tier (the recompute on the device, with the engine's layers): at 1.0 vLLM alone's tokens
+          (or a near-tie's), at 0.15 its TTFT beside vLLM alone's
+
 With --backends FLASH_ATTN,TRITON_ATTN,FLASHINFER the end-to-end step also runs each other backend:
 vLLM alone, a store, a new engine served from it, the HF reader of that store; every engine records
 the layout kdn read its blocks as (``block_layouts``).
@@ -211,6 +215,45 @@ def e2e(args, shape: str, model: Path, work: Path, result: dict, save) -> dict:
     return result
 
 
+def blend(args, shape: str, model: Path, work: Path) -> dict:
+    """The ``blend`` step: a RAG prompt of four random passages asked in one order (computed, its
+    passages stored) and in another (blended from kdn's memory tier with the engine's own layers on
+    the device) at ``recompute_ratio`` 1.0, vLLM alone's tokens required (or a near-tie's), and at
+    0.15, its TTFT beside vLLM alone's (the tokens of a lossy class reported, not required)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    vocab, rng = len(AutoTokenizer.from_pretrained(model)), random.Random(3)
+    passages = [[rng.randrange(1000, vocab - 1000) for _ in range(args.passage_tokens)] for _ in range(4)]
+    question = [rng.randrange(1000, vocab - 1000) for _ in range(24)]
+    prompts, asked = [], {1.0: [], 0.15: []}
+    for order in ([0, 1, 2, 3], [2, 0, 3, 1], [3, 2, 1, 0]):
+        ids, spans = [1], []
+        for i in order:
+            spans.append([len(ids), len(ids) + len(passages[i])])
+            ids = ids + passages[i]
+        prompts.append(ids + question)
+        for ratio in asked:
+            asked[ratio].append({"kdn": {"passages": spans, "recompute_ratio": ratio}})
+    folder = work / f"{shape}-blend"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "prompts.json").write_text(json.dumps(prompts))
+    out = {"alone": engine(args, model, folder / "prompts.json", None, "--record-ttft")}
+    for ratio, params in asked.items():
+        (folder / f"params-{ratio:g}.json").write_text(json.dumps(params))
+        out[f"blend@{ratio:g}"] = engine(args, model, folder / "prompts.json", {}, "--record-ttft", "--kv-params",
+                                         str(folder / f"params-{ratio:g}.json"))
+    exact = agreement(out["alone"], out["blend@1"])
+    counters = {name: r.get("stats", {}).get("connector", {}) for name, r in out.items() if name != "alone"}
+    checks = {"blend@1 answers vLLM alone's tokens (or a near-tie's)": exact is not None and not any(
+                  v.startswith("DIFFERENT") for v in exact),
+              "both blend the second and third prompts": all(c.get("blends") == 2 for c in counters.values())}
+    ttfts = {name: [x.get("ttft_seconds") for x in r.get("results", [])] for name, r in out.items()}
+    return {"passage_tokens": args.passage_tokens, "runs": out, "agreement": exact, "ttft_seconds": ttfts,
+            "counters": counters, "checks": checks, "passed": all(checks.values())}
+
+
 def ttft(args, shape: str, model: Path, work: Path) -> dict:
     """The ``ttft`` step: per length a stored context and two timed questions, one new token each."""
     from transformers import AutoTokenizer
@@ -322,7 +365,8 @@ def main() -> None:
     parser.add_argument("--lengths", default="4096,16384,32768", help="context lengths the TTFT step times")
     parser.add_argument("--e2e-tokens", type=int, default=1500, help="document tokens of the end-to-end prompts")
     parser.add_argument("--kdn-memory", default="24GiB", help="kdn's memory tier in the TTFT step")
-    parser.add_argument("--steps", default="e2e,ttft")
+    parser.add_argument("--steps", default="e2e,ttft,blend")
+    parser.add_argument("--passage-tokens", type=int, default=512, help="tokens of each passage in the blend step")
     parser.add_argument("--timeout", type=int, default=240, help="seconds one engine may take")
     args = parser.parse_args()
     args.max_model_len = max(int(x) for x in args.lengths.split(",")) + 256
@@ -342,12 +386,18 @@ def main() -> None:
         path.write_text(json.dumps(record, indent=2))
 
     steps = args.steps.split(",")
-    shapes = args.shapes.split(",") if "e2e" in steps else []
+    shapes = args.shapes.split(",") if "e2e" in steps or "blend" in steps else []
     for shape in dict.fromkeys(shapes + ([args.ttft_shape] if "ttft" in steps else [])):
         t0 = time.perf_counter()
         model = save_model(work / shape, shape, args.tokenizer, args.device, args.dtype, args.max_model_len)
         print(f"{shape}: model saved in {time.perf_counter() - t0:.0f} s", flush=True)
-        if shape in shapes:
+        if shape in shapes and "blend" in steps and shape in ("tiny", "smollm2", "llama8b"):  # Llamas blend
+            t0 = time.perf_counter()
+            record.setdefault("blend", {})[shape] = result = blend(args, shape, model, work)
+            save()
+            print(f"{shape} blend ({time.perf_counter() - t0:.0f} s): " + ", ".join(
+                f"{name}: {'ok' if ok else 'FAILED'}" for name, ok in result["checks"].items()), flush=True)
+        if shape in shapes and "e2e" in steps:
             t0 = time.perf_counter()
             result = record.setdefault("e2e", {}).setdefault(shape, {})
             e2e(args, shape, model, work, result, save)
@@ -372,6 +422,7 @@ def main() -> None:
     record["finished"] = time.strftime("%FT%T%z")
     save()
     failed = [f"{s} end to end" for s, r in record.get("e2e", {}).items() if not r["passed"]]
+    failed += [f"{s} blend" for s, r in record.get("blend", {}).items() if not r["passed"]]
     if "ttft" in record and (record["ttft"]["errors"] or not record["ttft"]["same_tokens_as_vllm_alone"]):
         failed.append("ttft (an engine failed or answered other tokens)")
     print(f"wrote {path}: {'FAILED ' + ', '.join(failed) if failed else 'every check passed'}", flush=True)
