@@ -359,6 +359,16 @@ def gpu_link_line(path: Path) -> str:
             f"of each copy's repeats.\n\n{_device(path, record, {'name': record.get('device_name')})}\n")
 
 
+def _load(row: dict) -> str:
+    return f"{row['load_before'][0]:.1f}-{row['load_after'][0]:.1f}"
+
+
+def _closed(path: Path, record: dict, lines: list[str]) -> str:
+    """A table's lines and, after them, its record's provenance (each row's load before and after)."""
+    loads = {name: (r["load_before"][0], r["load_after"][0]) for name, r in record["rows"].items()}
+    return "\n".join([*lines, "", *_provenance(path, record, loads)]) + "\n"
+
+
 def rag_table(path: Path) -> str:
     """bench_vllm_rag.py: RAG questions whose passages come in a new order, TTFT and QA F1 per configuration."""
     record = json.loads(path.read_text())
@@ -378,10 +388,8 @@ def rag_table(path: Path) -> str:
         diff = "" if name == "vllm" else f"{d['mean']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]"
         lines.append(f"| {name} | {_ms(r['ttft_mean_s'])} | {_x(r['ttft_vs_vllm'])} | "
                      f"{_x(r['ttft_vs_prefix_cache'])} | {r['f1']:.3f} | {diff} | {r['same_tokens_as_vllm']}/{n} | "
-                     f"{r['load_before'][0]:.1f}-{r['load_after'][0]:.1f} |")
-    loads = {name: (r["load_before"][0], r["load_after"][0]) for name, r in rows.items()}
-    lines += ["", *_provenance(path, record, loads)]
-    return "\n".join(lines) + "\n"
+                     f"{_load(r)} |")
+    return _closed(path, record, lines)
 
 
 def rag_serving_table(path: Path) -> str:
@@ -400,10 +408,8 @@ def rag_serving_table(path: Path) -> str:
     for name, r in rows.items():
         lines.append(f"| {name} | {r['questions_per_s']:.3f} | {_x(r['throughput_vs_prefix_cache'])} | "
                      f"{_ms(r['ttft_mean_s'])} | {r['same_tokens_as_vllm']}/{n} | "
-                     f"{r['load_before'][0]:.1f}-{r['load_after'][0]:.1f} |")
-    loads = {name: (r["load_before"][0], r["load_after"][0]) for name, r in rows.items()}
-    lines += ["", *_provenance(path, record, loads)]
-    return "\n".join(lines) + "\n"
+                     f"{_load(r)} |")
+    return _closed(path, record, lines)
 
 
 def compat_table(path: Path) -> str:
