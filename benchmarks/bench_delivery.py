@@ -103,7 +103,8 @@ class Bench:
 def stages(bench, ids: torch.Tensor) -> dict:
     """The whole path's stages measured apart: transfer (remote reads), decode + layout, compute."""
     from kdn import _core
-    from kdn.layout import empty_kv_list, kv_list_to_cache
+    from kdn.engine.layout import empty_kv_list
+    from kdn.layout import kv_list_to_cache
 
     kdn = bench.reader("whole", None)
     session = kdn.session(bench.model)

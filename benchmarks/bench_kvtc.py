@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kdn  # noqa: E402
 from kdn import _core, codecs, kvtc  # noqa: E402
-from kdn.layout import empty_kv_list  # noqa: E402
+from kdn.engine.layout import empty_kv_list  # noqa: E402
 from timing import samples, save_result  # noqa: E402
 
 TEXT = Path(__file__).resolve().parents[1] / "README.md"

@@ -23,6 +23,7 @@ from kdn import KDNConfig
 from kdn.engine import Engine
 from kdn.engine.paged import vllm_layout
 from kdn.engine.targets import NULL_BLOCK, PagedBlocks
+from kdn.layout import layout_of
 from kdn.models.tiny import tiny_model
 from timing import save_result
 
@@ -38,13 +39,13 @@ def main() -> None:
     n = args.tokens
     model = tiny_model("llama", layers=LAYERS, heads=9, kv_heads=HEADS, head_dim=DIM, vocab_size=512)
     folder = tempfile.mkdtemp(prefix="kdn-window-")
-    writer = Engine(KDNConfig(chunk_size=CHUNK, disk_dir=folder))
+    writer = Engine(KDNConfig(chunk_size=CHUNK, disk_dir=folder), layout_of=layout_of)
     session = writer.session(model)
     tokens = session.tokens(torch.randint(3, 512, (1, n), generator=torch.Generator().manual_seed(0)))
     writer.save(session, tokens, [torch.randn(1, HEADS, n, DIM) for _ in range(2 * LAYERS)])
     writer.flush()  # the disk tier holds every chunk before a new engine reads it
     engines = {"memory": writer, "disk (a new engine)": Engine(KDNConfig(chunk_size=CHUNK, disk_dir=folder,
-                                                                          memory_bytes=1))}
+                                                                          memory_bytes=1), layout_of=layout_of)}
     blocks = [torch.zeros(-(-n // BLOCK) + 1, HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)]
     layout = vllm_layout(blocks[0], "vec")
     table = list(range(1, -(-n // BLOCK) + 1))  # block 0: vLLM's null block

@@ -138,6 +138,35 @@ def test_the_layer_rule_catches_a_cycle():
     assert cycles(import_graph(sources)) == [("delivery", "engine")]
 
 
+MODEL_LIBRARIES = ("transformers", "peft", "vllm", "sglang")  # read by their adapters and faces alone
+FACES = ("kdn.layout", "kdn.integrations", "kdn.models", "kdn.edits", "kdn.blend")
+
+
+def model_library_imports(sources: dict[str, str], under: tuple = ("kdn.engine", "kdn.storage")) -> list[str]:
+    """``module: imported`` for every import (lazy ones in functions included) of a model library or a
+    face by a module ``under`` the engine or the storage: they read models only through what a face hands them."""
+    found = []
+    for module, text in sources.items():
+        if not module.startswith(under):
+            continue
+        for node in ast.walk(ast.parse(text)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            found += [f"{module}: {n}" for n in names
+                      if n.split(".")[0] in MODEL_LIBRARIES or n.startswith(FACES)]
+    return sorted(found)
+
+
+def test_the_engine_and_the_storage_read_no_model_library():
+    assert model_library_imports(_package_sources()) == []
+
+
+def test_the_model_library_rule_catches_a_lazy_import():
+    sources = {"kdn.engine.core": "def f():\n    from transformers import AutoConfig\n    import kdn.layout\n",
+               "kdn.storage.disk": "import numpy", "kdn.integrations.hf.facade": "import transformers"}
+    assert model_library_imports(sources) == ["kdn.engine.core: kdn.layout", "kdn.engine.core: transformers"]
+
+
 def test_no_file_in_the_package_is_over_400_lines():
     lines = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
     long = {name: n for name, n in lines.items() if n > 400}

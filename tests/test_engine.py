@@ -9,14 +9,14 @@ from conftest import full_prefill, random_ids
 from kdn import KDN, KDNConfig
 from kdn.engine import Engine, HFLayers, HFTarget
 from kdn.engine.served import Served
-from kdn.layout import cache_to_kv_list
+from kdn.layout import cache_to_kv_list, layout_of
 
 
 @pytest.mark.parametrize("delivery", ["layerwise", "whole"])
 def test_a_load_whole_or_layer_by_layer_is_a_full_prefills_kv(stories, delivery):
     model, _ = stories
     ids = random_ids(model, 300)
-    engine = Engine(KDNConfig(chunk_size=64, delivery=delivery))
+    engine = Engine(KDNConfig(chunk_size=64, delivery=delivery), layout_of=layout_of)
     session = engine.session(model)
     tokens = session.tokens(ids)
     _, cache = full_prefill(model, ids)
@@ -38,7 +38,8 @@ def test_a_load_whole_or_layer_by_layer_is_a_full_prefills_kv(stories, delivery)
 def test_blobs_copied_into_another_engine_load_as_a_full_prefills_kv_there(stories):
     model, _ = stories
     ids = random_ids(model, 256, seed=2)
-    src, dst = Engine(KDNConfig(chunk_size=64)), Engine(KDNConfig(chunk_size=64, memory_codec="lossless"))
+    src = Engine(KDNConfig(chunk_size=64), layout_of=layout_of)
+    dst = Engine(KDNConfig(chunk_size=64, memory_codec="lossless"), layout_of=layout_of)
     session, there = src.session(model), dst.session(model)
     tokens = session.tokens(ids)
     truth = [t.detach() for t in cache_to_kv_list(full_prefill(model, ids)[1])]
@@ -52,7 +53,7 @@ def test_blobs_copied_into_another_engine_load_as_a_full_prefills_kv_there(stori
 def test_save_refuses_kv_computed_over_what_the_rule_forbids_for_every_face(stories):
     model, _ = stories
     ids = random_ids(model, 200, seed=1)
-    engine = Engine(KDNConfig(chunk_size=64))
+    engine = Engine(KDNConfig(chunk_size=64), layout_of=layout_of)
     session = engine.session(model)
     tokens = session.tokens(ids)
     kv = [t.detach() for t in cache_to_kv_list(full_prefill(model, ids)[1])]
@@ -70,7 +71,7 @@ def test_a_prompt_is_hashed_once_per_session_and_its_keys_are_the_chained_keys(s
     from kdn.keys import prefix_keys
 
     model, _ = stories
-    engine = Engine(KDNConfig(chunk_size=64))
+    engine = Engine(KDNConfig(chunk_size=64), layout_of=layout_of)
     session = engine.session(model)
     for n in (0, 1, 63, 64, 65, 200, 256):
         tokens = session.tokens(random_ids(model, n, seed=n)) if n else session.tokens([])
@@ -126,7 +127,7 @@ def test_a_paged_load_reads_only_the_chunks_its_layers_take_kv_from(stories):
 
     model, _ = stories
     ids = random_ids(model, 300, seed=3)
-    engine = Engine(KDNConfig(chunk_size=64))
+    engine = Engine(KDNConfig(chunk_size=64), layout_of=layout_of)
     session = engine.session(model)
     tokens = session.tokens(ids)
     truth = [t.detach() for t in cache_to_kv_list(full_prefill(model, ids)[1])]

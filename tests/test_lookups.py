@@ -182,9 +182,9 @@ def test_each_tensor_parallel_rank_holds_its_share_of_the_heads_as_vllm_splits_t
     """vLLM's ``QKVParallelLinear``: ``total // ranks`` heads a rank, or each head over ``ranks // total``
     ranks when there are fewer heads than ranks; an MLA latent is every rank's whole. Each share is
     keyed apart (the whole model's fingerprint for one holding every head)."""
+    from kdn.engine.layout import ModelLayout
     from kdn.integrations.vllm.ranks import Rank
     from kdn.keys import shard_fingerprint
-    from kdn.layout import ModelLayout
 
     gqa, latent = ModelLayout(4, 4, 64, "float32", 100), ModelLayout(4, 1, 288, "bfloat16", 100, latent=True)
     assert [Rank.of(gqa, r, 2).heads for r in range(2)] == [(0, 2), (2, 2)]

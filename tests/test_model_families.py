@@ -8,7 +8,7 @@ import transformers
 
 from conftest import full_prefill, random_ids
 from kdn import KDN, KDNConfig
-from kdn.layout import cache_arg, cache_to_kv_list, prefill_cache, windowed
+from kdn.layout import cache_arg, cache_to_kv_list, full_kv, prefill_cache, windowed
 
 CHUNK = 16
 WINDOW = 24
@@ -178,7 +178,7 @@ def test_a_hybrid_model_resumes_from_its_stored_state_with_a_full_prefills_answe
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     key = session.prefix_keys(session.tokens(prompts[0][0, :256]))[-1]
     assert reader.engine.sidecars.read(session, state_address(key)) == pack_state(reference, session.layout)
-    report = reader.engine.audit(session, model, list(reader.disk.keys()))  # `kdn verify`: the chunks, recomputed
+    report = reader.engine.audit(session, lambda ids: full_kv(model, ids), list(reader.disk.keys()))  # `kdn verify`
     assert report.checked >= 1 and report.compared >= 4 and not report.mismatches
 
 
@@ -222,7 +222,7 @@ def test_calls_a_hybrid_model_is_not_served_by_and_unresumable_hybrids_are_refus
     mamba and attention in one layer (Falcon-H1), and state-space models without attention (Mamba),
     are refused by name; attention-only families have no recurrent layers."""
     from kdn import InvalidInputError
-    from kdn.layout import ModelLayout, recurrent_layers
+    from kdn.layout import layout_from_config, recurrent_layers
     from model_families import random_model
 
     model = random_model(_hybrids()["granite-4-h"]())
@@ -239,7 +239,7 @@ def test_calls_a_hybrid_model_is_not_served_by_and_unresumable_hybrids_are_refus
     assert cache.stats()["memory"]["used_bytes"] == 0
     for config in (transformers.JambaConfig(), transformers.MambaConfig(), transformers.FalconH1Config()):
         with pytest.raises(InvalidInputError, match="hybrid or recurrent model"):
-            ModelLayout.from_config(config, torch.float32)
+            layout_from_config(config, torch.float32)
     for config in (transformers.LlamaConfig(), transformers.Gemma3TextConfig(), transformers.MistralConfig(),
                    transformers.Qwen2Config()):
         assert recurrent_layers(config.get_text_config()) == [], type(config).__name__

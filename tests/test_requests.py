@@ -11,7 +11,7 @@ from conftest import full_prefill, random_ids
 from kdn import KDNConfig
 from kdn.engine import Engine, HFTarget
 from kdn.engine.requests import Requests, request_digest
-from kdn.layout import cache_to_kv_list
+from kdn.layout import cache_to_kv_list, layout_of
 
 
 class Clock:
@@ -36,7 +36,7 @@ def question(doc, seed: int, model, n: int = 20):
 @pytest.fixture
 def setup(stories):
     model, _ = stories
-    engine = Engine(KDNConfig(chunk_size=64, verify_fraction=0))
+    engine = Engine(KDNConfig(chunk_size=64, verify_fraction=0), layout_of=layout_of)
     clock = Clock()
     return model, engine, engine.session(model), Requests(engine, "engine-a", clock=clock), clock
 
@@ -117,7 +117,7 @@ def test_of_two_engines_sharing_a_store_one_computes_a_document_and_a_stalled_cl
         stories, redis_server):
     model, _ = stories
     config = KDNConfig(chunk_size=64, remote_url=redis_server.url, verify_fraction=0, memory_bytes=1 << 26)
-    engines = [Engine(config), Engine(config)]
+    engines = [Engine(config, layout_of=layout_of), Engine(config, layout_of=layout_of)]
     clock, counted = Clock(), []
     a, b = (Requests(e, owner, clock=clock) for e, owner in zip(engines, ("engine-a", "engine-b")))
     b.count = lambda **c: counted.append(c)

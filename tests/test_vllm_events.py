@@ -34,6 +34,7 @@ def test_a_running_engine_announces_what_kdn_files_and_evicts_as_its_tiers_hold(
     chunks in the disk folder and in the remote store."""
     from kdn import KDNConfig
     from kdn.engine import Engine
+    from kdn.layout import describe_checkpoint
 
     docs = [np.random.default_rng(300 + i).integers(100, 40000, 4 * CHUNK).tolist() for i in range(4)]
     prompts = tmp_path / "docs.json"
@@ -64,7 +65,7 @@ def test_a_running_engine_announces_what_kdn_files_and_evicts_as_its_tiers_hold(
         block = len(next(iter(own.values()))[0])  # vLLM's block size: a chunk completes CHUNK // block of them
         per_chunk = CHUNK // block
         reader, session = Engine.for_checkpoint(KDNConfig(**settings, write_policy="memory-only"), setup[1],
-                                                torch.float32)
+                                                torch.float32, lambda: describe_checkpoint(setup[1], torch.float32))
         there = {"STORAGE": set(), "STORAGE/REMOTE": set()}
         for doc in docs:
             for i, key in enumerate(session.prefix_keys(np.asarray(doc, dtype=np.uint32))):

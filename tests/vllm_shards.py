@@ -9,6 +9,7 @@ one JSON line. Run in the vLLM venv (the same transformers, so the same checkpoi
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -26,13 +27,14 @@ def main() -> None:
     from kdn import KDNConfig
     from kdn.engine import Engine, HFTarget
     from kdn.integrations.vllm.ranks import Rank
-    from kdn.layout import ModelLayout, cache_to_kv_list, kv_list_to_cache, prefill_cache
+    from kdn.layout import cache_to_kv_list, describe_checkpoint, kv_list_to_cache, layout_of, prefill_cache
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     config = KDNConfig(**json.loads(args.kdn))
-    layout = ModelLayout.of(model)
+    layout = layout_of(model)
     shares = [Rank.of(layout, r, args.ranks).heads or (0, layout.kv_heads) for r in range(args.ranks)]
-    readers = [Engine.for_checkpoint(config, args.model, torch.float32, model.config, heads) for heads in shares]
+    describe = functools.partial(describe_checkpoint, args.model, torch.float32, model.config)
+    readers = [Engine.for_checkpoint(config, args.model, torch.float32, describe, heads) for heads in shares]
     results = []
     with open(args.prompts) as f:
         prompts = json.load(f)

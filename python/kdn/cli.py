@@ -246,10 +246,13 @@ def unknown_model(name: str) -> str | None:
 def run_verify_command(args) -> int:
     """``kdn verify``: 0 when every recomputed chunk matches, 1 when some differ or nothing could be
     checked, 2 when the store or the arguments cannot be used (one line on stderr)."""
+    import functools
+
     from tqdm import tqdm
 
     from kdn import KDN
     from kdn._core import KDNError
+    from kdn.layout import full_kv
 
     def fail(message: str) -> int:
         print(f"kdn verify: {message}", file=sys.stderr)
@@ -273,7 +276,7 @@ def run_verify_command(args) -> int:
     except KDNError as e:
         return fail(str(e))
     session = cache.session(model)
-    report = cache.engine.audit(session, model, keys, args.sample, args.drop, args.seed,
+    report = cache.engine.audit(session, functools.partial(full_kv, model), keys, args.sample, args.drop, args.seed,
                    progress=lambda it: tqdm(it, desc="recomputing stored prompts", unit="prompt"))
     print(f"{report.entries} entries, {report.prompts} stored prompts rebuilt from their pointers, "
           f"{report.checked} recomputed, {report.compared} chunks compared: {len(report.mismatches)} differ "

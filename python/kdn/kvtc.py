@@ -69,13 +69,13 @@ def calibrate(model, contexts, prerope: bool = True, key_weight: float = KEY_WEI
     all is enough for PCA over a plane's channels). Returns its bytes (see :func:`load`).
     ``per_head``: one basis per KV head (see :func:`fit`), what pruned (``kvzip``) deposits need. An MLA
     model's latent vector is fit as stored (``prerope`` does not apply: its RoPE key is a part of it)."""
-    from kdn.layout import ModelLayout, cache_to_kv_list, prefill_cache
+    from kdn.layout import cache_to_kv_list, layout_of, prefill_cache
     from kdn.rope import inv_freq as model_inv_freq
 
     contexts = [list(map(int, c)) for c in contexts]
     if not contexts or any(len(c) <= SINK for c in contexts):
         raise InvalidInputError(f"calibrate: give contexts of more than {SINK} tokens each")
-    layout = ModelLayout.of(model)
+    layout = layout_of(model)
     prerope = prerope and not layout.latent  # an MLA vector is fit as stored: RoPE is only on its last values
     inv_freq = model_inv_freq(model).double() if prerope else None
     samples: list[list[np.ndarray]] = [[] for _ in range(2 * layout.layers)]

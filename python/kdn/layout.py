@@ -1,8 +1,8 @@
-"""Conversions between HF caches and kdn's per-layer KV lists; the model's KV layout."""
+"""The transformers adapter: a model's KV layout read from its config, and conversions between HF
+caches and kdn's per-layer KV lists (the engine, :mod:`kdn.engine.layout`, reads no model library)."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import torch
@@ -10,100 +10,74 @@ import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kdn import _core
 from kdn._core import InvalidInputError
+from kdn.engine.layout import DTYPES, ModelLayout, dtype_name
 
 # transformers 5.24 renamed forward's and generate's ``past_key_values`` (argument and output field) to
 # ``cache``; the old name warns until its removal (5.40). kdn speaks the installed version's name.
 _MAJOR_MINOR = tuple(int(n) for n in re.findall(r"\d+", transformers.__version__)[:2])
 CACHE_ARG = "cache" if _MAJOR_MINOR >= (5, 24) else "past_key_values"
 
-_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+def layout_of(model: torch.nn.Module) -> ModelLayout:
+    """The KV layout of a live transformers ``model`` (:func:`layout_from_config` of its config and
+    parameters' dtype); an MLA model is refused by name where this transformers caches K and V per head.
 
-
-@dataclasses.dataclass(frozen=True)
-class ModelLayout:
-    """The KV shape of a decoder: layers, KV heads, head dim, dtype name, vocabulary size.
-
-    ``latent``: an MLA model (DeepSeek-V2/V3, Kimi, GLM): a serving engine caches one latent vector
-    per token and layer (``kv_lora_rank + qk_rope_head_dim``, 576 for DeepSeek), stored once, its
-    first half as the "K" plane and its second as the "V" plane of one head (so every codec and copy
-    that works on K and V planes works on it unchanged). HF's cache of such a model holds the same
-    vector as a "key" (the normalised latent) and a "value" (the RoPE key): :func:`cache_to_kv_list`
-    and :func:`kv_list_to_cache` join and split them, so HF and vLLM store the same bytes.
-
-    ``recurrent``: a hybrid model's mamba or linear-attention layers, whose state is no KV: ``layers``
-    and the chunks hold its attention layers alone, and the HF face keeps the recurrent layers' state
-    at each prompt's last chunk boundary beside them (:mod:`kdn.integrations.hf.hybrid`)."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: str
-    vocab_size: int
-    latent: bool = False
-    recurrent: tuple = ()  # a hybrid model's recurrent layers (their indices); ``layers`` counts the others
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> ModelLayout:
-        layout = cls.from_config(model.config, next(model.parameters()).dtype)
-        if layout.latent and not all(hasattr(m, "expand_kv") for m in model.modules() if hasattr(m, "kv_b_proj")):
-            raise InvalidInputError(f"this transformers ({transformers.__version__}) caches an MLA model's K and V "
-                                    "per head; kdn stores the latent vector, which transformers >= 5.15 caches")
-        return layout
-
-    @classmethod
-    def from_config(cls, config, dtype: torch.dtype) -> ModelLayout:
-        """The layout of a model of HF ``config`` run in ``dtype`` (what a serving engine knows); a model
-        with recurrent layers (:func:`recurrent_layers`) is a hybrid one (:attr:`recurrent`) where HF's
-        cache keeps their state beside attention layers, and refused by name otherwise."""
-        config = config.get_text_config()
-        states = ()
-        if recurrent := recurrent_layers(config):
-            states = _state_layers(config)
-            if states is None or getattr(config, "model_type", None) not in RESUMING_HYBRIDS:
-                raise InvalidInputError(
-                    f"{type(config).__name__} has {', '.join(recurrent)} layers (a hybrid or recurrent model): kdn "
-                    f"serves the hybrid models whose recurrent state it reads and HF resumes exactly "
-                    f"({', '.join(RESUMING_HYBRIDS)}; docs/models.md), not this one")
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        if dtype not in _DTYPES:
-            raise InvalidInputError(f"model dtype {dtype} is not supported (float32, float16, bfloat16)")
-        rank = getattr(config, "kv_lora_rank", None)
-        if rank:  # MLA: one latent vector (and its RoPE key) per token, split in two planes of one head
-            width = rank + config.qk_rope_head_dim
-            if width % 2:
-                raise InvalidInputError(f"an MLA latent of {width} values (odd) is not supported")
-            return cls(layers=config.num_hidden_layers, kv_heads=1, head_dim=width // 2, dtype=_DTYPES[dtype],
-                       vocab_size=config.vocab_size, latent=True)
-        return cls(
-            layers=config.num_hidden_layers - len(states),
-            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            dtype=_DTYPES[dtype],
-            vocab_size=config.vocab_size,
-            recurrent=states,
-        )
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return {v: k for k, v in _DTYPES.items()}[self.dtype]
-
-    def bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * self.torch_dtype.itemsize
-
-
-def empty_kv_list(layout: ModelLayout, num_tokens: int) -> list[torch.Tensor]:
-    """``2 * layers`` uninitialised CPU tensors ``[1, kv_heads, num_tokens, head_dim]`` (K, V per layer).
-
-    They are views of one pooled kdn host buffer, so a retrieve writes into warm pages instead
-    of faulting in fresh ones (the largest cost of a copy into new memory; see buffer_pool.h).
+    Example:
+        >>> layout_of(model) == layout_from_config(model.config, next(model.parameters()).dtype)
+        True
     """
-    shape = (2 * layout.layers, 1, layout.kv_heads, num_tokens, layout.head_dim)
-    nbytes = layout.bytes_per_token() * num_tokens
-    flat = torch.frombuffer(_core.host_array(nbytes), dtype=layout.torch_dtype)
-    return list(flat.view(shape).unbind(0))
+    layout = layout_from_config(model.config, next(model.parameters()).dtype)
+    if layout.latent and not all(hasattr(m, "expand_kv") for m in model.modules() if hasattr(m, "kv_b_proj")):
+        raise InvalidInputError(f"this transformers ({transformers.__version__}) caches an MLA model's K and V "
+                                "per head; kdn stores the latent vector, which transformers >= 5.15 caches")
+    return layout
+
+
+def layout_from_config(config, dtype: torch.dtype) -> ModelLayout:
+    """The layout of a model of HF ``config`` run in ``dtype`` (what a serving engine knows); a model
+    with recurrent layers (:func:`recurrent_layers`) is a hybrid one (:attr:`ModelLayout.recurrent`) where
+    HF's cache keeps their state beside attention layers, and refused by name otherwise."""
+    config = config.get_text_config()
+    states = ()
+    if recurrent := recurrent_layers(config):
+        states = _state_layers(config)
+        if states is None or getattr(config, "model_type", None) not in RESUMING_HYBRIDS:
+            raise InvalidInputError(
+                f"{type(config).__name__} has {', '.join(recurrent)} layers (a hybrid or recurrent model): kdn "
+                f"serves the hybrid models whose recurrent state it reads and HF resumes exactly "
+                f"({', '.join(RESUMING_HYBRIDS)}; docs/models.md), not this one")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    name = dtype_name(dtype)
+    rank = getattr(config, "kv_lora_rank", None)
+    if rank:  # MLA: one latent vector (and its RoPE key) per token, split in two planes of one head
+        width = rank + config.qk_rope_head_dim
+        if width % 2:
+            raise InvalidInputError(f"an MLA latent of {width} values (odd) is not supported")
+        return ModelLayout(layers=config.num_hidden_layers, kv_heads=1, head_dim=width // 2, dtype=name,
+                           vocab_size=config.vocab_size, latent=True)
+    return ModelLayout(layers=config.num_hidden_layers - len(states),
+                       kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+                       dtype=name, vocab_size=config.vocab_size, recurrent=states)
+
+
+def describe_checkpoint(folder, dtype: torch.dtype, config=None) -> tuple[ModelLayout, bytes]:
+    """The layout and fingerprint (:func:`kdn.keys.checkpoint_fingerprint`) of the HF checkpoint in
+    ``folder`` run in ``dtype``, its ``config`` read from the folder when not given: what
+    :meth:`kdn.engine.Engine.for_checkpoint` asks of a serving engine's model on first use."""
+    from transformers import AutoConfig
+
+    from kdn.keys import checkpoint_fingerprint
+
+    config = AutoConfig.from_pretrained(folder) if config is None else config
+    return layout_from_config(config, dtype), checkpoint_fingerprint(folder, dtype)
+
+
+def full_kv(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """The KV of one forward of ``model`` over ``ids`` (``[1, n]``), on the CPU, as kdn lists it
+    (:func:`cache_to_kv_list`): the reference a stored chunk is compared with."""
+    with torch.inference_mode():
+        return [t.cpu() for t in cache_to_kv_list(prefill_cache(model, ids.to(next(model.parameters()).device)))]
 
 
 def cache_arg(cache) -> dict:
@@ -221,7 +195,7 @@ def check_kv_matches(layout: ModelLayout, kv: list[torch.Tensor], num_tokens: in
                 f"cache layer {i // 2} has shape {tuple(t.shape)}, expected [1, {want[0]}, seq, {want[1]}]: "
                 "is it from a different model (or a batch larger than 1)?"
             )
-        if _DTYPES.get(t.dtype) != layout.dtype:
+        if DTYPES.get(t.dtype) != layout.dtype:
             raise InvalidInputError(f"cache dtype {t.dtype} differs from the model dtype {layout.dtype}")
         if t.shape[2] < num_tokens:
             raise InvalidInputError(f"cache holds {t.shape[2]} tokens but {num_tokens} token ids were given")

@@ -78,7 +78,7 @@ def listing(cache, model, tokenizer=None, words: int = 12) -> list[dict]:
     chunk file, and with ``tokenizer`` its first ``words`` words."""
     session = cache.session(model)
     rows = []
-    for tokens in cache.engine.audit(session, model, stored_keys(cache), sample=0).stored:
+    for tokens in cache.engine.audit(session, None, stored_keys(cache), sample=0).stored:
         found = cache.engine.find(session, tokens, len(tokens))
         holding = [t.name for t in tiers_of(cache) if all(t.contains(key) for key in found.keys)]
         row = {"tokens": int(len(tokens)), "served": int(found.tokens), "chunks": len(found.keys),

@@ -22,7 +22,6 @@ from kdn._core import BlobError
 from kdn.engine.chunks import ChunkIO
 from kdn.engine.session import ROOT, ModelSession
 from kdn.engine.verify import EXACT_TOLERANCE, plane_error
-from kdn.layout import cache_to_kv_list, prefill_cache
 
 
 @dataclasses.dataclass
@@ -89,10 +88,10 @@ def stored_prompts(io: ChunkIO, session: ModelSession, keys) -> tuple[list[np.nd
     return sorted(leaves, key=lambda t: (len(t), t.tobytes())), entries, unreached
 
 
-@torch.inference_mode()
-def audit(io: ChunkIO, session: ModelSession, model, keys, sample: int | None = None, drop: bool = False,
+def audit(io: ChunkIO, session: ModelSession, recompute, keys, sample: int | None = None, drop: bool = False,
           seed: int = 0, progress=None) -> AuditReport:
-    """Recompute up to ``sample`` stored prompts (all with None) with ``model`` and compare their
+    """Recompute up to ``sample`` stored prompts (all with None; ``recompute(ids)``: the KV list of a
+    full prefill of ``[1, n]`` ids, on the CPU; unused with ``sample=0``) and compare their
     chunks with the store; with ``drop``, chunks that differ are dropped from every tier (with
     their pointers; ``sample=0``: none, the prompts rebuilt only). ``progress(iterable)`` wraps the
     loop (a progress bar)."""
@@ -100,7 +99,6 @@ def audit(io: ChunkIO, session: ModelSession, model, keys, sample: int | None = 
     report = AuditReport(entries=entries, prompts=len(prompts), unreached=unreached, stored=prompts)
     chosen = prompts if sample is None or sample >= len(prompts) else random.Random(seed).sample(prompts, sample)
     tolerance = EXACT_TOLERANCE.get(session.layout.torch_dtype, 6e-2)
-    device = next(model.parameters()).device
     size = session.chunk_size
     vocab = session.layout.vocab_size
     for tokens in (progress or iter)(chosen):
@@ -112,8 +110,7 @@ def audit(io: ChunkIO, session: ModelSession, model, keys, sample: int | None = 
             continue
         report.checked += 1
         found = io.find(session, tokens, hit)
-        ids = torch.as_tensor(tokens[:hit].astype(np.int64), device=device)[None]
-        reference = [t.cpu() for t in cache_to_kv_list(prefill_cache(model, ids))]
+        reference = recompute(torch.as_tensor(tokens[:hit].astype(np.int64))[None])
         differ = []
         for i in range(len(found.keys)):
             rows = slice(i * size, min((i + 1) * size, hit))

@@ -8,7 +8,7 @@ stored under exact keys).
 
 Example:
     >>> from kdn.engine import Engine, HFTarget
-    >>> engine = Engine(kdn.KDNConfig(chunk_size=16))
+    >>> engine = Engine(kdn.KDNConfig(chunk_size=16), layout_of=kdn.layout.layout_of)  # live HF models
     >>> session = engine.session(model)
     >>> tokens = session.tokens(ids)
     >>> kv = [t.detach() for t in kdn.layout.cache_to_kv_list(model(ids, use_cache=True).past_key_values)]
@@ -39,7 +39,7 @@ from kdn.engine.session import ModelSession, Sessions
 from kdn.engine.stream import Deliverer, DeliveryError, LayerStream
 from kdn.engine.targets import HFTarget, Target
 from kdn.engine.verify import plane_error
-from kdn.keys import checkpoint_fingerprint, shard_fingerprint, tenant_fingerprint
+from kdn.keys import shard_fingerprint, tenant_fingerprint
 from kdn.storage import TierManager
 
 
@@ -78,7 +78,8 @@ class Load:
 
 class Engine:
     """kdn's engine for one :class:`kdn.KDNConfig`: its tiers (:attr:`tiers`, a
-    :class:`kdn.storage.TierManager`), the model sessions (:meth:`session` for a live model,
+    :class:`kdn.storage.TierManager`), the model sessions (:meth:`session` for a live model, whose
+    layout ``layout_of(model)`` reads: :func:`kdn.layout.layout_of` for transformers,
     :meth:`checkpoint_session` / :meth:`for_checkpoint` for a model known by its checkpoint), and
     what faces file beside prefixes: :attr:`segments`, :attr:`sidecars`, :attr:`calibrations`
     (:mod:`kdn.engine.parts`). Its chunk reader/writer and deliverer are its own (``engine/`` only)."""
@@ -86,14 +87,14 @@ class Engine:
     _registry: list = []  # (config, (folder, dtype, heads), engine, session): one per checkpoint per process
     _registry_lock = threading.Lock()
 
-    def __init__(self, config, tiers: TierManager | None = None):
+    def __init__(self, config, tiers: TierManager | None = None, layout_of=None):
         apply_process_env()  # KDN_BUFFER_POOL_*: checked (a bad value is one typed error) and applied
         self.config = config
         self.chunks = ChunkIO(tiers if tiers is not None else TierManager(config))
         self.delivery = Deliverer(self.chunks, config)
         self.sessions = Sessions(config.chunk_size, min(config.probe_step, config.chunk_size),
                                  on_new=self._on_new_session, namespace=config.namespace,
-                                 key=config.tenant_key())
+                                 key=config.tenant_key(), layout_of=layout_of)
         self.segments, self.sidecars = Segments(self.chunks.tiers), Sidecars(self.chunks.tiers)
         self.calibrations = Calibrations(self.chunks)
 
@@ -107,24 +108,20 @@ class Engine:
             self.chunks.tiers.set_quota(session.within(namespace).fingerprint, quota)
 
     @classmethod
-    def for_checkpoint(cls, config, folder, dtype, hf_config=None, heads=None) -> tuple[Engine, ModelSession]:
+    def for_checkpoint(cls, config, folder, dtype, describe, heads=None) -> tuple[Engine, ModelSession]:
         """This process' engine and session for the checkpoint in ``folder`` run in ``dtype`` under
         ``config`` (one per equal config, the ``secret`` included: a process' faces share its tiers),
-        for a serving engine without the model's weights. ``hf_config``: the model's transformers
-        config (None: read from ``folder``); ``heads``: ``(first, count)`` of the KV heads this process
+        for a serving engine without the model's weights. ``describe()``: the checkpoint's
+        ``(ModelLayout, fingerprint)``, asked on first use only (:func:`kdn.layout.describe_checkpoint`
+        for a transformers checkpoint); ``heads``: ``(first, count)`` of the KV heads this process
         holds (a tensor-parallel rank's, keyed apart: :func:`kdn.keys.shard_fingerprint`), None: all."""
-        from transformers import AutoConfig
-
-        from kdn.layout import ModelLayout
         with cls._registry_lock:
             for known, place, engine, session in cls._registry:
                 if place == (str(folder), str(dtype), heads) and known == config:
                     return engine, session
-            hf_config = AutoConfig.from_pretrained(folder) if hf_config is None else hf_config
-            layout = ModelLayout.from_config(hf_config, dtype)
+            layout, fingerprint = describe()
             if layout.recurrent:  # a serving engine's recurrent state is not stored yet (docs/models.md)
                 raise InvalidInputError("kdn serves a hybrid model in its HF face only, not in a serving engine")
-            fingerprint = checkpoint_fingerprint(folder, dtype)
             if heads is not None:
                 fingerprint = shard_fingerprint(fingerprint, *heads, layout.kv_heads)
                 layout = dataclasses.replace(layout, kv_heads=heads[1])
@@ -259,11 +256,12 @@ class Engine:
         verifier.dropped(self.chunks.drop_chunks(session, tokens, found, differ), why)
         return False
 
-    def audit(self, session: ModelSession, model, keys, sample: int | None = None, drop: bool = False,
+    def audit(self, session: ModelSession, recompute, keys, sample: int | None = None, drop: bool = False,
               seed: int = 0, progress=None) -> AuditReport:
-        """Recompute stored prompts among ``keys`` with ``model`` and compare their chunks with the
-        store (:func:`kdn.engine.audit.audit`)."""
-        return audit_stored(self.chunks, session, model, keys, sample, drop, seed, progress)
+        """Recompute stored prompts among ``keys`` (``recompute(ids)``: a full prefill's KV list of
+        ``[1, n]`` ids, :func:`kdn.layout.full_kv` for a transformers model) and compare their chunks
+        with the store (:func:`kdn.engine.audit.audit`)."""
+        return audit_stored(self.chunks, session, recompute, keys, sample, drop, seed, progress)
 
     # -- claims: engines sharing a remote store tell each other which chunk each is computing ----
     def computing_keys(self, session: ModelSession, tokens, hit: int) -> list[bytes]:

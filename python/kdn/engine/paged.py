@@ -119,7 +119,7 @@ class PagedLayout:
     def latent(cls, layer: torch.Tensor) -> PagedLayout:
         """vLLM's MLA caches: ``[blocks, block_size, latent]`` (the GPU MLA backends) or ``[blocks, 1,
         block_size, latent]`` (CPU_MLA), one latent vector per token; its first half is kdn's K plane,
-        its second half the V plane, of one head (:class:`kdn.layout.ModelLayout` ``latent``)."""
+        its second half the V plane, of one head (:class:`kdn.engine.layout.ModelLayout` ``latent``)."""
         if layer.dim() == 4 and layer.shape[1] == 1:
             layer = layer[:, 0]
         _expect(layer, 3, "[blocks, block_size, latent] or [blocks, 1, block_size, latent]")

@@ -12,6 +12,7 @@ import numpy as np
 from kdn import _core
 from kdn._core import InvalidInputError
 from kdn.config import check_namespace
+from kdn.engine.layout import ModelLayout
 from kdn.keys import (
     adapter_state,
     model_fingerprint,
@@ -22,7 +23,6 @@ from kdn.keys import (
     tenant_fingerprint,
     token_array,
 )
-from kdn.layout import ModelLayout
 
 ROOT = bytes(16)  # the parent key of a prompt's first chunk
 
@@ -150,10 +150,13 @@ class ModelSession:
 
 class Sessions:
     """The :class:`ModelSession` of each live model object, rebuilt when the model changes (a new
-    dtype or device, new weights): the fingerprint is re-checked on every call (cheap when cached)."""
+    dtype or device, new weights): the fingerprint is re-checked on every call (cheap when cached).
+    ``layout_of(model)``: the model's :class:`ModelLayout`, read by its face's library adapter
+    (:func:`kdn.layout.layout_of` for transformers); None: this engine serves no live model."""
 
     def __init__(self, chunk_size: int, probe_step: int = 0, on_new=None, namespace: str | None = None,
-                 key: bytes = b""):
+                 key: bytes = b"", layout_of=None):
+        self.layout_of = layout_of
         self.chunk_size = chunk_size
         self.probe_step = probe_step
         self.namespace, self._key = namespace, key  # the config's tenant: every session's root
@@ -161,13 +164,16 @@ class Sessions:
         self._by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def of(self, model) -> ModelSession:
+        if self.layout_of is None:
+            raise InvalidInputError("this engine was made without a reader of live models (Engine(config, "
+                                    "layout_of=kdn.layout.layout_of)): it serves sessions made by checkpoint_session")
         fingerprint = tenant_fingerprint(model_fingerprint(model), self.namespace, self._key)
         adapters = adapter_state(model)  # a PEFT model: which of its adapters compute is in the keys too
         if adapters:
             fingerprint = _core.blake3(b"kdn/adapters\0" + fingerprint + adapters, 16)
         session = self._by_model.get(model)
         if session is None or session.fingerprint != fingerprint:
-            session = ModelSession(ModelLayout.of(model), fingerprint, self.chunk_size, self.probe_step)
+            session = ModelSession(self.layout_of(model), fingerprint, self.chunk_size, self.probe_step)
             self._by_model[model] = session
             if self._on_new is not None:
                 self._on_new(session)

@@ -28,9 +28,9 @@ import torch
 
 from kdn import _core, codecs
 from kdn._core import InvalidInputError
+from kdn.engine.layout import ModelLayout, empty_kv_list
 from kdn.engine.paged import PagedLayout
 from kdn.engine.session import ModelSession
-from kdn.layout import ModelLayout, empty_kv_list
 
 
 class Target(Protocol):

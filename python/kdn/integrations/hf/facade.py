@@ -17,7 +17,7 @@ from kdn.engine import Engine, ModelSession, Retention
 from kdn.integrations.hf import generate as hf
 from kdn.integrations.hf import vouch
 from kdn.integrations.hf.cache import load_cache
-from kdn.layout import cache_arg, cache_to_kv_list, check_kv_matches
+from kdn.layout import cache_arg, cache_to_kv_list, check_kv_matches, layout_of
 
 log = logging.getLogger("kdn")
 
@@ -49,7 +49,7 @@ class KDN:
 
     def __init__(self, config: KDNConfig | None = None):
         self.config = config or KDNConfig()
-        self.engine = Engine(self.config)
+        self.engine = Engine(self.config, layout_of=layout_of)
         self._local = threading.local()
 
     # -- the engine -----------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from transformers import DynamicCache
 from kdn import _core
 from kdn._core import InvalidInputError
 from kdn.engine import Engine, HFTarget
-from kdn.layout import ModelLayout, cache_arg, cache_to_kv_list, check_length, output_cache
+from kdn.engine.layout import ModelLayout
+from kdn.layout import cache_arg, cache_to_kv_list, check_length, output_cache
 
 log = logging.getLogger("kdn")
 

@@ -22,7 +22,8 @@ import transformers
 from transformers import DynamicCache
 
 from kdn.compat import UnvouchedError, refused
-from kdn.layout import ModelLayout, cache_arg, cache_to_kv_list, check_length, full_cache, kv_list_to_cache
+from kdn.engine.layout import ModelLayout
+from kdn.layout import cache_arg, cache_to_kv_list, check_length, full_cache, kv_list_to_cache
 
 PROMPT, PREFIX = 16, 9  # the canary: a 16-token prompt resumed after 9 tokens
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}  # max |logit difference| / max |logit|; 16-bit: 3e-2

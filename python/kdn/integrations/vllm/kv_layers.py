@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from kdn.layout import ModelLayout
+from kdn.engine.layout import ModelLayout
 
 SERVED_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec")
 

@@ -12,6 +12,7 @@ from kdn.integrations.vllm import metrics
 from kdn.integrations.vllm.blend import Readiness
 from kdn.integrations.vllm.lookups import LookupServer, socket_path
 from kdn.integrations.vllm.ranks import Rank
+from kdn.layout import describe_checkpoint
 
 _lookup_servers: dict[str, LookupServer] = {}  # socket path -> the server of this process' worker
 _lock = threading.Lock()
@@ -24,7 +25,9 @@ def store_for(config: KDNConfig, vllm_config, rank: Rank) -> tuple[Engine, Model
     engine id names one vLLM engine)."""
     model = vllm_config.model_config
     # one engine per (config, model) in a process: the scheduler's lookups see the worker's stores
-    engine, session = Engine.for_checkpoint(config, model.model, model.dtype, model.hf_config, rank.heads)
+    engine, session = Engine.for_checkpoint(config, model.model, model.dtype,
+                                            lambda: describe_checkpoint(model.model, model.dtype, model.hf_config),
+                                            rank.heads)
     key = (repr(config), config.tenant_key(), str(model.model), str(model.dtype))  # repr hides the secret
     name = f"{getattr(vllm_config.kv_transfer_config, 'engine_id', None) or ''}|{key}"
     return engine, session, [socket_path(name if rank.ranks == 1 else f"{name}|rank {r}") for r in range(rank.ranks)]

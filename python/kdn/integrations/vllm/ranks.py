@@ -10,9 +10,10 @@ import dataclasses
 import numpy as np
 
 from kdn.engine import Prefix
+from kdn.engine.layout import ModelLayout
 from kdn.integrations.vllm.blend import Readiness
 from kdn.integrations.vllm.lookups import MAX_ENDED, LookupClient
-from kdn.layout import ModelLayout
+from kdn.layout import layout_from_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,7 @@ class Rank:
 
             rank = get_tensor_model_parallel_rank()
         model = vllm_config.model_config
-        return cls.of(ModelLayout.from_config(model.hf_config, model.dtype), rank, ranks)
+        return cls.of(layout_from_config(model.hf_config, model.dtype), rank, ranks)
 
     @property
     def keys_shared(self) -> bool:
