@@ -301,6 +301,7 @@ def test_vllm_serve_answers_through_openai_with_kdn_counters_on_metrics(setup, t
     the second question about the same document comes back sooner, and kdn's counters (per tier
     too, and the scheduler process' own: two questions of a new document at once, one waits) are
     on vLLM's Prometheus /metrics."""
+    import dashboards
     from vllm_servers import VLLMServer
 
     python, folder, _ = setup
@@ -320,6 +321,16 @@ def test_vllm_serve_answers_through_openai_with_kdn_counters_on_metrics(setup, t
     # two questions of a new document at once: one waited for the other's prefill, a count that
     # lives in the scheduler's process and reaches /metrics too
     assert all(out["together"]) and out["metrics"].get("vllm:kdn_in_flight_waits_total", 0) >= 1
+    # the latency histograms: one observation per lookup, load and store, their sums the counters'
+    # seconds; the tiers' reads observed; every metric the repository's Grafana dashboard queries is here
+    metrics = out["metrics"]
+    for name in ("lookup", "load", "store"):
+        assert metrics.get(f"vllm:kdn_{name}_duration_seconds_count", 0) >= 1, name
+        assert metrics[f"vllm:kdn_{name}_duration_seconds_sum"] == pytest.approx(
+            metrics[f"vllm:kdn_{name}_seconds_total"], rel=1e-6, abs=1e-9), name
+    assert metrics["vllm:kdn_load_duration_seconds_count"] == metrics["vllm:kdn_loads_total"]
+    assert metrics.get("vllm:kdn_tier_read_duration_seconds_count", 0) >= 1
+    assert dashboards.named(dashboards.load()) - set(out["names"]) == set()
 
 
 def test_redis_going_down_mid_run_costs_hits_not_answers(setup, reference, tmp_path):

@@ -63,7 +63,8 @@ def main() -> None:
         if kdn.get("vllm:kdn_in_flight_waits_total", 0) >= 1:
             break
     print("KDN-RESULT " + json.dumps({"answers": answers, "together": together, "metrics": kdn,
-                                           "too_long": too_long, "pair_tries": attempt + 1}), flush=True)
+                                           "names": metric_names(args.url), "too_long": too_long,
+                                           "pair_tries": attempt + 1}), flush=True)
 
 
 def kdn_metrics(url: str) -> dict:
@@ -76,6 +77,12 @@ def kdn_metrics(url: str) -> dict:
             name = name.split("{")[0]
             kdn[name] = kdn.get(name, 0.0) + float(value)
     return kdn
+
+
+def metric_names(url: str) -> list[str]:
+    """Every sample's name on vLLM's /metrics (what a dashboard's queries may name)."""
+    metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    return sorted({line.split("{")[0].split(" ")[0] for line in metrics.splitlines() if line and line[0] != "#"})
 
 
 if __name__ == "__main__":

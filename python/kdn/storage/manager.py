@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -13,6 +14,7 @@ from kdn.storage.disk import DiskTier
 from kdn.storage.memory import MemoryTier
 
 log = logging.getLogger("kdn")
+READ_TIMES = 4096  # the read times a tier keeps until taken (take_reads): a bound, not a sample
 
 
 def build_tiers(config: KDNConfig) -> list[Tier]:
@@ -69,6 +71,8 @@ class TierManager:
             raise InvalidInputError("TierManager: the first tier must be a MemoryTier")
         self.memory = self.tiers[0]
         self.served = {t.name: 0 for t in self.tiers}  # chunks each tier served to readers (fetch)
+        # seconds of each batched read from each tier (fetch), the latest READ_TIMES per tier, until taken
+        self._reads = {t.name: collections.deque(maxlen=READ_TIMES) for t in self.tiers}
         below = next((t for t in self.tiers[1:] if t.local), None)
         if below is not None and config.write_policy == "write-back":
             self.memory.spill_to(below)
@@ -163,7 +167,10 @@ class TierManager:
                 if not todo:
                     break
                 wanted = [variants[i][v] for i in todo]
-                for i, address, blob in zip(todo, wanted, tier.get_many(wanted)):
+                began = time.perf_counter()
+                got = tier.get_many(wanted)
+                self._reads[tier.name].append(time.perf_counter() - began)
+                for i, address, blob in zip(todo, wanted, got):
                     if blob is not None:
                         found[i] = (blob, address) if level == 0 else self._promote(address, blob, v > 0, level)
                         source[i] = tier.name
@@ -176,6 +183,14 @@ class TierManager:
             if not exact:  # chunks, not pointers or calibrations
                 self.served[name] += 1
         return blobs, addresses
+
+    def take_reads(self) -> dict[str, list[float]]:
+        """``{tier: [seconds, ...]}`` of the batched reads :meth:`fetch` made of each tier since the last
+        call (at most ``READ_TIMES`` per tier, the latest), each tier's list emptied."""
+        taken = {}
+        for name, times in self._reads.items():
+            taken[name] = [times.popleft() for _ in range(len(times))]
+        return taken
 
     def _memory_get(self, addresses: list[bytes]):
         for address in addresses:

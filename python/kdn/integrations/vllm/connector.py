@@ -301,7 +301,7 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
         # first caller takes the increments and the other finds none
         tiers = process.tier_stats()
         delta = metrics.increments({f"{tier}_chunks": sum(t.get(tier, {}).get("served", 0) for t in tiers)
-                                    for tier in ("memory", "node", "disk", "remote")})
+                                    for tier in metrics.TIERS}, process.tier_reads())
         return metrics.KDNStats(data=delta) if any(delta.values()) else None
 
     @classmethod

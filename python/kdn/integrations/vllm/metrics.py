@@ -1,5 +1,6 @@
-"""The vLLM connector's counters: this process' totals, the increments vLLM collects from both
-connector halves each interval (it sums them), and their Prometheus counters ``vllm:kdn_<name>``."""
+"""The vLLM connector's counters and latency histograms: this process' totals, the increments vLLM
+collects from both connector halves each interval (it sums them), and their Prometheus metrics:
+counters ``vllm:kdn_<name>`` and histograms ``vllm:kdn_<lookup|load|store|tier_read>_duration_seconds``."""
 
 from __future__ import annotations
 
@@ -38,16 +39,30 @@ NAMES = ("lookups", "hit_tokens", "loads", "loaded_tokens", "load_errors",
          # waits that ended at prefill_wait_s with less of it stored (the rest computed)
          "prefill_waits", "prefill_wait_timeouts")
 
+# Histograms, in Prometheus's conventions (seconds; ``_bucket``, ``_sum``, ``_count``): each lookup,
+# load and store the counters above time (one ``count`` call each), and each batched read of one tier
+# (``tier`` label). Their observations travel in an interval's data as lists under ``<counter>:samples``
+# and ``tier_read_seconds:<tier>``, at most SAMPLES of each per interval (the latest).
+HISTOGRAMS = {"lookup_seconds": "vllm:kdn_lookup_duration_seconds", "load_seconds": "vllm:kdn_load_duration_seconds",
+              "store_seconds": "vllm:kdn_store_duration_seconds"}
+TIER_READS = "vllm:kdn_tier_read_duration_seconds"
+TIERS = ("memory", "node", "disk", "remote")
+BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+SAMPLES = 4096
+
 _lock = threading.Lock()
 _totals = dict.fromkeys(NAMES, 0)
 _reported = dict(_totals)  # what increments() last handed out
+_samples = {name: [] for name in HISTOGRAMS}  # observations not handed out yet
 
 
 def count(**deltas) -> None:
-    """Add to this process' counters."""
+    """Add to this process' counters (a histogram's counter, ``lookup_seconds`` say, is one observation)."""
     with _lock:
         for name, value in deltas.items():
             _totals[name] += value
+            if name in _samples:
+                _samples[name] = _samples[name][-(SAMPLES - 1):] + [value]
 
 
 def totals() -> dict:
@@ -56,13 +71,20 @@ def totals() -> dict:
         return dict(_totals)
 
 
-def increments(absolute: dict) -> dict:
+def increments(absolute: dict, reads: dict | None = None) -> dict:
     """Each counter's increase since the last call, after setting those given as ``absolute`` values
-    (the tiers' served counts); in one process the first caller takes them and the next finds none."""
+    (the tiers' served counts), with the histograms' observations since (``reads``: ``{tier: [seconds]}``
+    of the tiers' batched reads); in one process the first caller takes them and the next finds none."""
     with _lock:
         _totals.update(absolute)
         delta = {name: _totals[name] - _reported[name] for name in NAMES}
         _reported.update(_totals)
+        for name, observed in _samples.items():
+            if observed:
+                delta[f"{name}:samples"], _samples[name] = observed, []
+    for tier, seconds in (reads or {}).items():
+        if seconds:
+            delta[f"tier_read_seconds:{tier}"] = list(seconds[-SAMPLES:])
     return delta
 
 
@@ -116,12 +138,13 @@ class KDNStats(KVConnectorStats):
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
+        for name, value in other.data.items():  # counters add, a histogram's observations join
+            self.data[name] = self.data.get(name, [] if isinstance(value, list) else 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        """The counters (what vLLM logs each interval); a histogram's observations as their count."""
+        return {name: len(value) if isinstance(value, list) else value for name, value in self.data.items()}
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
@@ -137,8 +160,23 @@ class KDNPromMetrics(KVConnectorPromMetrics):
             counter = self._counter_cls(name=f"vllm:kdn_{name}", labelnames=labelnames,
                                         documentation=f"kdn connector: {name.replace('_', ' ')}")
             self._counters[name] = {i: counter.labels(*values) for i, values in per_engine_labelvalues.items()}
+        for name, metric in HISTOGRAMS.items():
+            histogram = self._histogram_cls(name=metric, labelnames=labelnames, buckets=BUCKETS,
+                                            documentation=f"kdn connector: seconds of each {name.split('_')[0]}")
+            self._counters[f"{name}:samples"] = {i: histogram.labels(*values)
+                                                 for i, values in per_engine_labelvalues.items()}
+        reads = self._histogram_cls(name=TIER_READS, labelnames=[*labelnames, "tier"], buckets=BUCKETS,
+                                    documentation="kdn connector: seconds of each batched read of one tier")
+        for tier in TIERS:
+            self._counters[f"tier_read_seconds:{tier}"] = {i: reads.labels(*values, tier)
+                                                          for i, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
-            if name in self._counters and value > 0:
+            if name not in self._counters:
+                continue
+            if isinstance(value, list):
+                for seconds in value:
+                    self._counters[name][engine_idx].observe(seconds)
+            elif value > 0:
                 self._counters[name][engine_idx].inc(value)

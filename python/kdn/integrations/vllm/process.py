@@ -86,6 +86,15 @@ def tier_stats() -> list[dict]:
     return [engine.stats() for engine in Engine.checkpoint_engines()]
 
 
+def tier_reads() -> dict[str, list[float]]:
+    """The seconds of each batched tier read every engine of this process made since the last call."""
+    reads: dict[str, list[float]] = {}
+    for engine in Engine.checkpoint_engines():
+        for tier, seconds in engine.take_read_times().items():
+            reads.setdefault(tier, []).extend(seconds)
+    return reads
+
+
 def drain() -> None:
     """Wait until every connector of this process has stored what it queued (tests, benchmarks)."""
     for worker in list(_workers):
