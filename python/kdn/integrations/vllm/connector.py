@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -90,11 +91,15 @@ class FaceOptions:
     from stale state and answer garbage (vllm-project/vllm#49250; measured with vLLM 0.26 on an
     H200). ``blend_separator``: what separates a text prompt's passages (:mod:`.blend`; None:
     requests name their passages' spans). ``prefill_wait_s``: how long a ``kv_consumer`` engine's
-    request waits for its prefiller's store (:mod:`.disaggregated`) before computing what is missing."""
+    request waits for its prefiller's store (:mod:`.disaggregated`) before computing what is missing.
+    ``admin``: where the worker serves :mod:`kdn.admin`'s endpoint (``"127.0.0.1:PORT"`` or
+    ``"unix:/path"``; None: nowhere), ``admin_token`` its bearer token (default: ``$KDN_ADMIN_TOKEN``)."""
 
     load: str = "auto"
     blend_separator: object = None
     prefill_wait_s: float = 10.0
+    admin: str | None = None
+    admin_token: str | None = None
 
 
 def face_options(extra: dict) -> tuple[dict, FaceOptions]:
@@ -107,7 +112,10 @@ def face_options(extra: dict) -> tuple[dict, FaceOptions]:
     wait = settings.pop("prefill_wait_s", FaceOptions.prefill_wait_s)
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 3600:
         raise InvalidInputError(f"kv_connector_extra_config prefill_wait_s: seconds within [0, 3600], got {wait!r:.40}")
-    return settings, FaceOptions(load, settings.pop("blend_separator", None), float(wait))
+    admin, token = settings.pop("admin", None), settings.pop("admin_token", None) or os.environ.get("KDN_ADMIN_TOKEN")
+    if admin is not None and not isinstance(admin, str):
+        raise InvalidInputError(f"kv_connector_extra_config admin: 'host:port' or 'unix:/path', got {admin!r:.40}")
+    return settings, FaceOptions(load, settings.pop("blend_separator", None), float(wait), admin, token)
 
 
 def loads_async(load: str, vllm_config) -> bool:
@@ -155,6 +163,11 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.WORKER:
             self._lookups_path = lookups[self.rank.rank]
             process.serve_lookups(self._lookups_path, self.engine, self.session)
+            if options.admin is not None:
+                if self.rank.ranks > 1:  # each rank holds its share of the heads: one endpoint would act on one
+                    raise InvalidInputError("kv_connector_extra_config admin: not served with tensor parallel "
+                                            "ranks (each holds a share of the KV heads) yet")
+                process.serve_admin(options.admin, options.admin_token, self.engine, self.session)
             if self.events_on and self.rank.rank == 0:  # announced under rank 0's keys, as the scheduler's
                 self.engine.record_tier_events(True)
             return

@@ -3,6 +3,7 @@ server of its worker, and the worker halves (to drain their stores and read thei
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 
@@ -14,7 +15,10 @@ from kdn.integrations.vllm.lookups import LookupServer, socket_path
 from kdn.integrations.vllm.ranks import Rank
 from kdn.layout import describe_checkpoint
 
+log = logging.getLogger("kdn")
+
 _lookup_servers: dict[str, LookupServer] = {}  # socket path -> the server of this process' worker
+_admin_servers: dict = {}  # address -> this process' admin endpoint
 _lock = threading.Lock()
 _workers: weakref.WeakSet = weakref.WeakSet()  # this process' worker halves
 
@@ -43,6 +47,16 @@ def serve_lookups(path: str, engine: Engine, session: ModelSession) -> None:
 
             _lookup_servers[path] = LookupServer(path, lookup, lambda: ended_stores(engine),
                                                  lambda keys: readiness(engine, keys) or Readiness(False))
+
+
+def serve_admin(address: str, token: str | None, engine: Engine, session: ModelSession) -> None:
+    """Start this process' admin endpoint (:mod:`kdn.admin`) on ``address`` (once per address)."""
+    from kdn.admin import AdminServer
+
+    with _lock:
+        if address not in _admin_servers:
+            _admin_servers[address] = AdminServer(engine, session, address, token)
+            log.info("kdn: admin endpoint on %s", _admin_servers[address].url)
 
 
 def refuse_lookups(path: str) -> None:

@@ -1,0 +1,113 @@
+"""The admin endpoint (issue 85 item 2) over a real engine and real HTTP (a loopback port, a unix
+socket): lookups agree with the engine's, a pin holds memory within the operator's bound, an evicted
+document is a miss in a new engine while the other still reads back as a full prefill's KV, and bad
+input, a missing token and an exposed port without one are refused by name."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from conftest import full_prefill
+from kdn import KDN, InvalidInputError, KDNConfig
+from kdn.admin import AdminServer
+
+CHUNK = 32
+
+
+def _ask(url: str, path: str, body=None, token: str | None = None) -> tuple[int, dict]:
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + path, data, headers), timeout=30) as reply:
+            return reply.status, json.load(reply)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+@pytest.fixture
+def served(stories, tmp_path):
+    """A writer over a disk folder holding two documents, and its admin endpoint."""
+    model, _ = stories
+    g = torch.Generator().manual_seed(11)
+    docs = {name: torch.randint(3, 500, (1, 3 * CHUNK), generator=g) for name in ("a", "b")}
+    writer = KDN(KDNConfig(chunk_size=CHUNK, disk_dir=str(tmp_path / "kv"), memory_bytes=1 << 24,
+                           retain_fraction=0.5))
+    for ids in docs.values():
+        writer.store(model, ids, full_prefill(model, ids)[1])
+    writer.flush()
+    server = AdminServer(writer.engine, writer.session(model), "127.0.0.1:0")
+    yield model, writer, docs, server
+    server.close()
+
+
+def test_lookup_pin_unpin_and_evict_act_on_the_store_and_a_new_engine_sees_them(served, tmp_path):
+    model, writer, docs, server = served
+    a, b = (docs[n][0].tolist() for n in ("a", "b"))
+    assert _ask(server.url, "/v1/lookup", {"tokens": a}) == (200, {"tokens": writer.lookup(model, a, limit=len(a))})
+    assert _ask(server.url, "/v1/lookup", {"tokens": a})[1]["tokens"] == 3 * CHUNK
+    status, stats = _ask(server.url, "/v1/stats")
+    assert status == 200 and stats["disk"]["entries"] == writer.stats()["disk"]["entries"] > 0
+
+    assert _ask(server.url, "/v1/pin", {"tokens": a, "seconds": 60}) == (200, {"pinned_chunks": 3})
+    assert writer.stats()["memory"]["pinned_bytes"] > 0
+    status, refused = _ask(server.url, "/v1/pin", {"tokens": a * 400, "seconds": 60})  # over retain_fraction
+    assert status == 400 and "retain_fraction" in refused["error"]
+    assert _ask(server.url, "/v1/unpin", {"tokens": a}) == (200, {"unpinned_chunks": 3})
+    assert writer.stats()["memory"]["pinned_bytes"] == 0
+
+    assert _ask(server.url, "/v1/evict", {"tokens": b}) == (200, {"evicted_chunks": 3})
+    reader = KDN(KDNConfig(chunk_size=CHUNK, disk_dir=str(tmp_path / "kv")))  # a new engine
+    assert reader.lookup(model, b, limit=len(b)) == 0
+    ids = docs["a"]
+    kv, hit = reader.retrieve(model, torch.cat([ids, ids[:, :5]], 1))
+    assert hit == 3 * CHUNK
+    reference = full_prefill(model, ids)[1]
+    for got, want in zip(kv.layers, reference.layers):
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+
+
+def test_bad_requests_are_refused_by_name_and_the_engine_keeps_serving(served):
+    model, writer, docs, server = served
+    a = docs["a"][0].tolist()
+    for path, body, words in (("/v1/lookup", {}, "'tokens'"), ("/v1/lookup", {"tokens": ["x"]}, "'tokens'"),
+                              ("/v1/lookup", {"tokens": [10**9]}, "vocabulary"),
+                              ("/v1/pin", {"tokens": a}, "seconds"),
+                              ("/v1/pin", {"tokens": a, "seconds": -1}, "retain"),
+                              ("/v1/evict", {"tokens": a, "first": -1}, "first"),
+                              ("/v1/lookup", b"{not json", "Expecting"), ("/v1/lookup", b"[1]", "JSON object")):
+        status, answer = _ask(server.url, path, body)
+        assert status == 400 and words in answer["error"], (path, body, answer)
+    assert _ask(server.url, "/v1/nothing", {"tokens": a})[0] == 404
+    assert _ask(server.url, "/v1/lookup", {"tokens": a}) == (200, {"tokens": 3 * CHUNK})
+
+
+def test_a_token_is_required_when_set_and_an_exposed_port_without_one_is_refused(served, tmp_path):
+    model, writer, docs, _ = served
+    session = writer.session(model)
+    with pytest.raises(InvalidInputError, match="admin_token"):
+        AdminServer(writer.engine, session, "0.0.0.0:0")
+    server = AdminServer(writer.engine, session, "127.0.0.1:0", token="s3cret")
+    try:
+        assert _ask(server.url, "/v1/stats")[0] == 401
+        assert _ask(server.url, "/v1/stats", token="wrong")[0] == 401
+        assert _ask(server.url, "/v1/stats", token="s3cret")[0] == 200
+    finally:
+        server.close()
+    path = str(tmp_path / "admin.sock")
+    server = AdminServer(writer.engine, session, f"unix:{path}")
+    try:
+        connection = http.client.HTTPConnection("localhost")
+        connection.sock = socket.socket(socket.AF_UNIX)
+        connection.sock.connect(path)
+        connection.request("POST", "/v1/lookup", json.dumps({"tokens": docs["a"][0].tolist()}))
+        reply = connection.getresponse()
+        assert reply.status == 200 and json.load(reply) == {"tokens": 3 * CHUNK}
+    finally:
+        server.close()
