@@ -111,3 +111,41 @@ def test_a_token_is_required_when_set_and_an_exposed_port_without_one_is_refused
         assert reply.status == 200 and json.load(reply) == {"tokens": 3 * CHUNK}
     finally:
         server.close()
+
+
+def test_kdn_warm_deposits_a_folder_and_pins_it_in_the_engine_that_serves_the_store(stories, tmp_path, capsys):
+    """`kdn warm` against an engine reading the same disk folder: every document stored and pinned in
+    that engine's memory (served from there exactly), a rerun deposits nothing again and pins again;
+    an endpoint that is not there is one line and exit 2."""
+    from kdn.cli import main
+
+    model, tokenizer = stories
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    texts = {"a.txt": "Lily had a red ball. She liked to throw it high in the sky. " * 5,
+             "b.txt": "Tom found a little dog in the park. The dog was sad and hungry. " * 5}
+    for name, text in texts.items():
+        (folder / name).write_text(text)
+    store = str(tmp_path / "kv")
+    serving = KDN(KDNConfig(chunk_size=CHUNK, disk_dir=store, memory_bytes=1 << 24, retain_fraction=0.5))
+    server = AdminServer(serving.engine, serving.session(model), "127.0.0.1:0")
+    try:
+        args = ["warm", str(folder), store, "--model", "stories260k", "--chunk-size", str(CHUNK),
+                "--admin", server.url, "--seconds", "120"]
+        assert main(args) == 0
+        assert "2 documents pinned for 120 s" in capsys.readouterr().out
+        pinned = serving.stats()["memory"]["pinned_entries"]
+        chunks = sum(len(tokenizer(t)["input_ids"]) // CHUNK for t in texts.values())
+        assert pinned == chunks > 0
+        assert main(args) == 0 and "(2 already stored)" in capsys.readouterr().out
+        for text in texts.values():
+            ids = tokenizer(text, return_tensors="pt").input_ids
+            kv, hit = serving.retrieve(model, ids)
+            assert hit >= ids.shape[1] // CHUNK * CHUNK
+            for got, want in zip(kv.layers, full_prefill(model, ids[:, :hit])[1].layers):
+                assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+        assert serving.stats()["memory"]["served"] >= chunks  # from the pinned memory, not the disk
+    finally:
+        server.close()
+    assert main([*args[:-4], "--admin", "http://127.0.0.1:9", "--seconds", "60"]) == 2
+    assert "admin endpoint" in capsys.readouterr().err

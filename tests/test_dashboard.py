@@ -1,5 +1,5 @@
 """The Grafana dashboard in deploy/grafana: a well-formed dashboard whose every kdn query names a
-metric the connector exports (a vLLM engine's /metrics is checked in tests/test_vllm.py)."""
+metric the connector exports (a vLLM engine's /metrics is checked in tests/test_vllm_serve.py)."""
 
 from __future__ import annotations
 

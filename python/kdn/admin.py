@@ -118,6 +118,36 @@ class AdminServer:
             os.unlink(self.url[len("unix:"):])
 
 
+def ask(url: str, path: str, body: dict | None = None, token: str | None = None, timeout: float = 60.0) -> dict:
+    """One request to an admin endpoint at ``url`` (``http://host:port`` or ``unix:/path``): its JSON
+    answer; a refusal (400, 401, 404) or an unreachable endpoint raises InvalidInputError saying why."""
+    import http.client
+    import socket
+    import urllib.parse
+
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        if url.startswith("unix:"):
+            connection = http.client.HTTPConnection("localhost", timeout=timeout)
+            connection.sock = socket.socket(socket.AF_UNIX)
+            connection.sock.settimeout(timeout)
+            connection.sock.connect(url[len("unix:"):])
+        else:
+            where = urllib.parse.urlsplit(url)
+            if where.scheme != "http" or not where.hostname:
+                raise InvalidInputError(f"admin: an endpoint http://host:port or unix:/path, got {url!r}")
+            connection = http.client.HTTPConnection(where.hostname, where.port or 80, timeout=timeout)
+        connection.request("POST" if data is not None else "GET", path, data, headers)
+        reply = connection.getresponse()
+        answer = json.loads(reply.read() or b"{}")
+    except (OSError, ValueError) as e:
+        raise InvalidInputError(f"admin endpoint {url}: {type(e).__name__}: {e}") from None
+    if reply.status != 200:
+        raise InvalidInputError(f"admin endpoint {url}{path}: {reply.status}: {answer.get('error', answer)}")
+    return answer
+
+
 def _tokens(body: dict, session) -> np.ndarray:
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) and not isinstance(t, bool)
@@ -182,4 +212,4 @@ def _handler(admin: AdminServer):
     return Handler
 
 
-__all__ = ["AdminServer"]
+__all__ = ["AdminServer", "ask"]

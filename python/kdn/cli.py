@@ -1,4 +1,4 @@
-"""The `kdn` command line: info, install, demo, eval, verify, deposit; stats, ls, evict (kdn.cli_operate)."""
+"""The `kdn` command line: info, install, demo, eval, verify, deposit; stats, ls, evict, warm (kdn.cli_operate)."""
 
 from __future__ import annotations
 
@@ -84,22 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     ver.add_argument("--disk-bytes", default=None, help="the disk tier's capacity (default: what the folder holds "
                                                         "+ 16 GiB); verify only reads: it deletes nothing but --drop")
     dep = sub.add_parser("deposit", help="store documents' KV (and edited forms) into a store, resumably")
-    dep.add_argument("source", help="a folder of .txt/.md files, or a JSONL file ({\"text\": ...} per line; "
-                                    "\"emphasize\": [[start, end], ...] or \"auto\" for --edit steer)")
-    dep.add_argument("store", help="a disk tier's folder (created if missing) or a remote store URL")
-    dep.add_argument("--model", required=True, help="smollm2-135m, stories260k, qwen2.5-coder-*, or an HF folder")
-    dep.add_argument("--edit", action="append", default=[], help="an edit to store too, e.g. kvzip:keep=0.3 "
-                                                                 "(repeatable)")
-    dep.add_argument("--emphasize", choices=["auto"], default=None,
-                     help="for --edit steer: documents without their own spans emphasize the sentences the "
-                          "model names as the most important (AutoPASTA at deposit)")
-    dep.add_argument("--edited-only", action="store_true",
-                     help="store only the --edit kvzip forms (and each document's partial last chunk): less space; "
-                          "exact readers miss the documents")
-    dep.add_argument("--chunk-size", type=int, default=256)
-    dep.add_argument("--disk-bytes", default=None, help="the disk tier's capacity, e.g. 64GiB (default: what the "
-                                                        "folder holds + 16 GiB: nothing of it is evicted)")
-    dep.add_argument("--dtype", default=None, choices=[None, "float32", "float16", "bfloat16"])
+    warm = sub.add_parser("warm", help="deposit documents, then pin them in a running engine (its admin endpoint)")
+    cli_operate.add_warm_arguments(warm)
+    for parser_of in (warm, dep):
+        _deposit_arguments(parser_of)
     cli_operate.add_parsers(sub)
     args = parser.parse_args(argv)
 
@@ -147,9 +135,31 @@ def main(argv: list[str] | None = None) -> int:
         return run_verify_command(args)
     elif args.command == "deposit":
         return run_deposit_command(args)
+    elif args.command == "warm":
+        return cli_operate.warm(args, run_deposit_command, open_model)
     elif args.command in cli_operate.COMMANDS:
         return cli_operate.run(args, store_config, open_model)
     return 0
+
+
+def _deposit_arguments(dep) -> None:
+    """``kdn deposit``'s arguments (``kdn warm`` takes them too)."""
+    dep.add_argument("source", help="a folder of .txt/.md files, or a JSONL file ({\"text\": ...} per line; "
+                                    "\"emphasize\": [[start, end], ...] or \"auto\" for --edit steer)")
+    dep.add_argument("store", help="a disk tier's folder (created if missing) or a remote store URL")
+    dep.add_argument("--model", required=True, help="smollm2-135m, stories260k, qwen2.5-coder-*, or an HF folder")
+    dep.add_argument("--edit", action="append", default=[], help="an edit to store too, e.g. kvzip:keep=0.3 "
+                                                                 "(repeatable)")
+    dep.add_argument("--emphasize", choices=["auto"], default=None,
+                     help="for --edit steer: documents without their own spans emphasize the sentences the "
+                          "model names as the most important (AutoPASTA at deposit)")
+    dep.add_argument("--edited-only", action="store_true",
+                     help="store only the --edit kvzip forms (and each document's partial last chunk): less space; "
+                          "exact readers miss the documents")
+    dep.add_argument("--chunk-size", type=int, default=256)
+    dep.add_argument("--disk-bytes", default=None, help="the disk tier's capacity, e.g. 64GiB (default: what the "
+                                                        "folder holds + 16 GiB: nothing of it is evicted)")
+    dep.add_argument("--dtype", default=None, choices=[None, "float32", "float16", "bfloat16"])
 
 
 def store_config(store: str, chunk_size: int, writes: bool = False, disk_bytes=None):

@@ -1,6 +1,7 @@
 """The operator's commands of the ``kdn`` CLI over a store another process wrote: ``kdn stats`` (per
 tier), ``kdn ls`` (the prompts a model has stored) and ``kdn evict`` (by text, file, token ids or
-age), each with ``--json``; the work is :mod:`kdn.operate`'s. Exit 0 on success, 1 when nothing
+age), each with ``--json``; the work is :mod:`kdn.operate`'s. ``kdn warm``: documents deposited, then
+pinned in a running engine through its admin endpoint (:mod:`kdn.admin`). Exit 0 on success, 1 when nothing
 matched, 2 when the store or the arguments cannot be used (one line on stderr)."""
 
 from __future__ import annotations
@@ -33,6 +34,45 @@ def add_parsers(sub) -> None:
     which.add_argument("--tokens", help="the prompt's token ids, comma-separated")
     which.add_argument("--older-than", type=float, metavar="SECONDS",
                        help="every stored prompt whose newest chunk file is older (folder tiers)")
+
+
+def add_warm_arguments(warm) -> None:
+    """``kdn warm``'s own arguments (the rest are ``kdn deposit``'s)."""
+    warm.add_argument("--admin", required=True, help="the running engine's admin endpoint: http://host:port or "
+                                                     "unix:/path (kv_connector_extra_config admin)")
+    warm.add_argument("--seconds", type=float, required=True, help="how long each document stays pinned in memory")
+    warm.add_argument("--admin-token", default=None, help="its bearer token (default: $KDN_ADMIN_TOKEN)")
+
+
+def warm(args, deposit, open_model) -> int:
+    """``kdn warm``: ``deposit(args)`` (``kdn deposit``: resumable, stored documents skipped), then each
+    document pinned for ``--seconds`` through the admin endpoint of the engine that serves the store.
+    0 when every document is pinned, 1 when the engine holds some not (it reads another store?), 2
+    on bad arguments, an unusable store or a refused pin (one line on stderr)."""
+    import os
+
+    from tqdm import tqdm
+
+    from kdn._core import KDNError
+    from kdn.admin import ask
+    from kdn.edits.batch import documents
+
+    code = deposit(args)
+    if code != 0:
+        return code
+    token = args.admin_token or os.environ.get("KDN_ADMIN_TOKEN")
+    try:
+        _, tokenizer = open_model(args.model, args.dtype)
+        pinned = {name: ask(args.admin, "/v1/pin", {"tokens": list(tokenizer(text)["input_ids"]),
+                                                    "seconds": args.seconds}, token)["pinned_chunks"]
+                  for name, text, _ in tqdm(documents(args.source), desc="pinning", unit="doc")}
+    except KDNError as e:
+        print(f"kdn warm: {e}", file=sys.stderr)
+        return 2
+    missing = sorted(name for name, chunks in pinned.items() if chunks == 0)
+    print(f"{len(pinned) - len(missing)} documents pinned for {args.seconds:g} s ({sum(pinned.values())} chunks)"
+          + (f"; not held by the engine: {', '.join(map(str, missing))}" if missing else ""))
+    return 1 if missing else 0
 
 
 def run(args, store_config, open_model) -> int:

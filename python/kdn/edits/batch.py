@@ -46,10 +46,13 @@ def documents(source: str | Path) -> list[tuple[str, str, list | None]]:
 
 
 def stored(kdn, model, ids: list[int], edits, keep_exact: bool = True) -> bool:
-    """Whether the exact KV of ``ids`` (with ``keep_exact``) and each edit's chunks (its last full
-    chunk) are stored."""
-    if keep_exact and kdn.lookup(model, ids, limit=len(ids)) < len(ids):
-        return False
+    """Whether the exact KV of ``ids`` (with ``keep_exact``: every chunk a store of them files, a
+    tail too short for a probe not among them) and each edit's chunks (its last full chunk) are stored."""
+    if keep_exact:
+        session = kdn.session(model)
+        filed, _ = kdn.engine.unheld(session, session.tokens(ids))
+        if not all(kdn.engine.holds(key) for key in filed):
+            return False
     keys = kdn.chunk_keys(model, ids)
     return not keys or all(kdn.engine.holds(edit.address(keys[-1])) for edit in edits)
 
