@@ -14,6 +14,7 @@ from kdn.storage.base import Tier, at_exit
 from kdn.storage.breaker import Breaker
 from kdn.storage.claims import Claims
 from kdn.storage.remote_events import RemoteEvents
+from kdn.storage.remote_queue import SendQueue
 from kdn.storage.sealing import Sealer
 from kdn.storage.transport import RemoteTransport, open_transport
 from kdn.storage.values import MANIFEST_MAGIC, Values, part_names
@@ -85,15 +86,12 @@ class RemoteTier(Tier):
         self.transport.max_value_bytes = part_bytes  # no value this tier writes is larger (part of the protocol)
         self._breaker = Breaker(url, retry_seconds, self._probe)
         self._stats = collections.Counter()
-        self._queue: collections.deque = collections.deque()
-        self._queued_bytes, self._sending = 0, False
-        self._cv = threading.Condition()
+        self._bad_lock = threading.Lock()
         self._bad: dict[str, bytes] = {}  # name -> digest of an unverifiable value read there (to repair)
         self.claims = Claims(self.transport, f"kdn:{FORMAT}:", self._call, self._mac_key)  # who computes a chunk
         self._events: RemoteEvents | None = None  # what this process filed and the store removed (KV events)
         self._check_connection()
-        self._writer = threading.Thread(target=self._write_loop, name="kdn-remote-writer", daemon=True)
-        self._writer.start()
+        self._queue = SendQueue(self._send, queue_bytes, self._breaker.allow)
         at_exit(self, "flush")
 
     # -- keys and values ------------------------------------------------------------------------
@@ -222,7 +220,7 @@ class RemoteTier(Tier):
         """Remember an unverifiable value under ``name`` (a digest of it), so that this process'
         next store of that chunk replaces it if it is still there (:meth:`_send`)."""
         data = bytes(memoryview(value))
-        with self._cv:
+        with self._bad_lock:
             self._bad[name] = hashlib.sha256(data).digest()
             while len(self._bad) > _BAD_NAMES:
                 self._bad.pop(next(iter(self._bad)))
@@ -232,14 +230,9 @@ class RemoteTier(Tier):
         del key  # the Redis key is the blob's key in this tier's codec (a lossy codec re-addresses it)
         if wait:
             return self._send([blob])
-        size = len(blob)
-        with self._cv:
-            if not self._breaker.allow() or self._queued_bytes + size > self.queue_bytes:
-                self._stats["dropped"] += 1
-                return False
-            self._queue.append(blob)
-            self._queued_bytes += size
-            self._cv.notify()
+        if not self._queue.put(blob):  # a full queue, or the store skipped now
+            self._stats["dropped"] += 1
+            return False
         return True
 
     def _send(self, blobs: list) -> bool:
@@ -254,7 +247,7 @@ class RemoteTier(Tier):
 
         def run():
             present = self.transport.exists([name for name, _, _, _ in todo])
-            with self._cv:
+            with self._bad_lock:
                 bad = {name: self._bad.pop(name) for name, _, _, _ in todo if name in self._bad}
             items, repairs, filed = [], [], []
             for (name, key, blob, codec), there in zip(todo, present):
@@ -324,29 +317,10 @@ class RemoteTier(Tier):
     def _ttl_ms(self):
         return max(1, round(self.ttl * 1000)) if self.ttl else None
 
-    def _write_loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue:
-                    self._cv.wait()
-                batch, size = [], 0
-                while self._queue and size < 32 << 20:
-                    batch.append(self._queue.popleft())
-                    size += len(batch[-1])
-                self._sending = True
-            try:
-                self._send(batch)
-            finally:
-                with self._cv:
-                    self._queued_bytes -= size
-                    self._sending = False
-                    self._cv.notify_all()
-
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued blobs have been sent (or dropped) and the store's removals logged (events
         on); True if the queue drained."""
-        with self._cv:
-            drained = self._cv.wait_for(lambda: not self._queue and not self._sending, timeout)
+        drained = self._queue.wait_sent(timeout)
         if self._events is not None:
             self._events.sync()
         return drained
@@ -388,8 +362,7 @@ class RemoteTier(Tier):
             self._events.cleared()
 
     def stats(self) -> dict:
-        with self._cv:
-            queued, queued_bytes = len(self._queue), self._queued_bytes
+        queued, queued_bytes = self._queue.waiting()
         return {"hits": self._stats["hits"], "misses": self._stats["misses"], "puts": self._stats["puts"],
                 "dropped": self._stats["dropped"], "errors": self._stats["errors"],
                 "corrupt": self._stats["corrupt"], "skipped": self._stats["skipped"],
