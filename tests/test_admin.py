@@ -142,8 +142,8 @@ def test_kdn_warm_deposits_a_folder_and_pins_it_in_the_engine_that_serves_the_st
             ids = tokenizer(text, return_tensors="pt").input_ids
             kv, hit = serving.retrieve(model, ids)
             assert hit >= ids.shape[1] // CHUNK * CHUNK
-            for got, want in zip(kv.layers, full_prefill(model, ids[:, :hit])[1].layers):
-                assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+            for got, want in zip(kv.layers, full_prefill(model, ids)[1].layers):  # as deposited: the whole text
+                assert torch.equal(got.keys, want.keys[:, :, :hit]) and torch.equal(got.values, want.values[:, :, :hit])
         assert serving.stats()["memory"]["served"] >= chunks  # from the pinned memory, not the disk
     finally:
         server.close()

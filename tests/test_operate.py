@@ -101,3 +101,31 @@ def test_evict_older_than_removes_the_prompts_not_written_since(stories, tmp_pat
     code, out = _cli(capsys, "evict", str(tmp_path / "kv"), "--model", "stories260k", "--older-than", "600")
     assert code == 1 and out["chunks_removed"] == 0  # nothing that old is left
     assert main(["ls", str(tmp_path / "nowhere"), "--model", "stories260k"]) == 2
+
+
+def test_evict_all_removes_one_tenants_prompts_and_no_one_elses(stories, tmp_path, capsys, monkeypatch):
+    """`kdn evict --all` under a tenant's KDN_NAMESPACE: every prompt of that tenant is a miss in a new
+    engine; the same text stored by the default tenant still hits and reads back as a full prefill."""
+    model, _ = stories
+    prompts = _prompts(model)
+    settings = {"disk_dir": str(tmp_path / "kv")}
+    for namespace in (None, "tenant-b"):
+        writer = KDN(KDNConfig(chunk_size=CHUNK, namespace=namespace, **settings))
+        for ids in prompts.values():
+            writer.store(model, torch.tensor([ids]), full_prefill(model, torch.tensor([ids]))[1])
+        writer.flush()
+    monkeypatch.setenv("KDN_NAMESPACE", "tenant-b")
+    code, out = _cli(capsys, "evict", settings["disk_dir"], "--model", "stories260k", "--all")
+    assert code == 0 and out["prompts"] == 3 and out["chunks_removed"] == 3 + 1 + 1 + 2
+    monkeypatch.delenv("KDN_NAMESPACE")
+    tenant = KDN(KDNConfig(chunk_size=CHUNK, namespace="tenant-b", **settings))
+    owner = KDN(KDNConfig(chunk_size=CHUNK, **settings))
+    for ids in prompts.values():
+        assert tenant.lookup(model, ids, limit=len(ids)) == 0
+        assert owner.lookup(model, ids, limit=len(ids)) == len(ids) // CHUNK * CHUNK
+    ids = torch.tensor([prompts["doc+q1"]])
+    kv, hit = owner.retrieve(model, ids)
+    reference = full_prefill(model, ids)[1]  # what was stored: the prompt's full prefill
+    assert hit == 4 * CHUNK - 1 and all(torch.equal(a.keys, b.keys[:, :, :hit]) and
+                                        torch.equal(a.values, b.values[:, :, :hit])
+                                        for a, b in zip(kv.layers, reference.layers))

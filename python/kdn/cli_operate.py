@@ -1,8 +1,9 @@
 """The operator's commands of the ``kdn`` CLI over a store another process wrote: ``kdn stats`` (per
 tier), ``kdn ls`` (the prompts a model has stored) and ``kdn evict`` (by text, file, token ids or
-age), each with ``--json``; the work is :mod:`kdn.operate`'s. ``kdn warm``: documents deposited, then
-pinned in a running engine through its admin endpoint (:mod:`kdn.admin`). Exit 0 on success, 1 when nothing
-matched, 2 when the store or the arguments cannot be used (one line on stderr)."""
+age, or all of a tenant's), each with ``--json``; the work is :mod:`kdn.operate`'s. ``kdn warm``:
+documents deposited, then pinned in a running engine through its admin endpoint (:mod:`kdn.admin`).
+Exit 0 on success, 1 when nothing matched, 2 when the store or the arguments cannot be used (one
+line on stderr)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def add_parsers(sub) -> None:
     which.add_argument("--tokens", help="the prompt's token ids, comma-separated")
     which.add_argument("--older-than", type=float, metavar="SECONDS",
                        help="every stored prompt whose newest chunk file is older (folder tiers)")
+    which.add_argument("--all", action="store_true",
+                       help="every prompt this tenant stored (KDN_NAMESPACE / KDN_SECRET name it; another "
+                            "tenant's keys derive from its own secret and are never reached)")
 
 
 def add_warm_arguments(warm) -> None:
@@ -101,7 +105,9 @@ def run(args, store_config, open_model) -> int:
     rows = operate.listing(cache, model, tokenizer)
     if args.command == "ls":
         return _print(args, {"prompts": rows}, _listing_text)
-    if args.older_than is not None:
+    if args.all:
+        chosen = [r["token_ids"] for r in rows]
+    elif args.older_than is not None:
         chosen = [r["token_ids"] for r in rows if r["age_seconds"] is not None and r["age_seconds"] > args.older_than]
     else:
         try:
