@@ -149,3 +149,22 @@ def test_kdn_warm_deposits_a_folder_and_pins_it_in_the_engine_that_serves_the_st
         server.close()
     assert main([*args[:-4], "--admin", "http://127.0.0.1:9", "--seconds", "60"]) == 2
     assert "admin endpoint" in capsys.readouterr().err
+
+
+def test_kdn_pin_and_unpin_keep_a_prompt_in_the_running_engine_by_text_or_tokens(served, capsys):
+    """`kdn pin` / `kdn unpin` through the endpoint: the prompt's chunks pinned in the serving engine's
+    memory (by its text through the model's tokenizer, or its token ids), unpinned again; a prompt the
+    engine does not hold is exit 1, a refused pin exit 2 with the endpoint's reason."""
+    from kdn.cli import main
+
+    model, writer, docs, server = served
+    tokens = ",".join(map(str, docs["a"][0].tolist()))
+    assert main(["pin", "--admin", server.url, "--tokens", tokens, "--seconds", "60", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"pinned_chunks": 3}
+    assert writer.stats()["memory"]["pinned_entries"] == 3
+    assert main(["unpin", "--admin", server.url, "--tokens", tokens]) == 0
+    assert "3 chunks unpinned" in capsys.readouterr().out and writer.stats()["memory"]["pinned_bytes"] == 0
+    assert main(["pin", "--admin", server.url, "--model", "stories260k", "--text", "Nobody stored this.",
+                 "--seconds", "60"]) == 1
+    assert main(["pin", "--admin", server.url, "--tokens", tokens, "--seconds", "-5"]) == 2
+    assert "retain" in capsys.readouterr().err

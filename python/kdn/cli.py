@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     for parser_of in (warm, dep):
         _deposit_arguments(parser_of)
     cli_operate.add_parsers(sub)
+    cli_operate.add_pin_parsers(sub)
     args = parser.parse_args(argv)
 
     if args.command == "info":
@@ -135,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_verify_command(args)
     elif args.command == "deposit":
         return run_deposit_command(args)
+    elif args.command in ("pin", "unpin"):
+        return cli_operate.pin(args, open_model)
     elif args.command == "warm":
         return cli_operate.warm(args, run_deposit_command, open_model)
     elif args.command in cli_operate.COMMANDS:

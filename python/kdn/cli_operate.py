@@ -1,9 +1,9 @@
 """The operator's commands of the ``kdn`` CLI over a store another process wrote: ``kdn stats`` (per
 tier), ``kdn ls`` (the prompts a model has stored) and ``kdn evict`` (by text, file, token ids or
-age, or all of a tenant's), each with ``--json``; the work is :mod:`kdn.operate`'s. ``kdn warm``:
-documents deposited, then pinned in a running engine through its admin endpoint (:mod:`kdn.admin`).
-Exit 0 on success, 1 when nothing matched, 2 when the store or the arguments cannot be used (one
-line on stderr)."""
+age, or all of a tenant's), each with ``--json``; the work is :mod:`kdn.operate`'s. Through a running
+engine's admin endpoint (:mod:`kdn.admin`): ``kdn pin`` / ``kdn unpin`` a stored prompt, and ``kdn
+warm`` (documents deposited, then pinned). Exit 0 on success, 1 when nothing matched, 2 when the
+store or the arguments cannot be used (one line on stderr)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,49 @@ def add_parsers(sub) -> None:
     which.add_argument("--all", action="store_true",
                        help="every prompt this tenant stored (KDN_NAMESPACE / KDN_SECRET name it; another "
                             "tenant's keys derive from its own secret and are never reached)")
+
+
+def add_pin_parsers(sub) -> None:
+    """``kdn pin`` / ``kdn unpin``: a stored prompt kept in (or let out of) a running engine's memory
+    through its admin endpoint (a pin lives in the process that serves)."""
+    for name, what in (("pin", "keep a stored prompt in a running engine's memory (its admin endpoint)"),
+                       ("unpin", "let a pinned prompt be evicted again (a running engine's admin endpoint)")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("--admin", required=True, help="the engine's admin endpoint: http://host:port or unix:/path")
+        p.add_argument("--admin-token", default=None, help="its bearer token (default: $KDN_ADMIN_TOKEN)")
+        p.add_argument("--model", default=None, help="the model whose tokenizer splits --text / --file")
+        p.add_argument("--dtype", default=None, choices=[None, "float32", "float16", "bfloat16"])
+        p.add_argument("--json", action="store_true", help="print JSON (one object) instead of text")
+        if name == "pin":
+            p.add_argument("--seconds", type=float, required=True, help="how long it stays pinned")
+        which = p.add_mutually_exclusive_group(required=True)
+        which.add_argument("--text", help="the prompt's text (with --model)")
+        which.add_argument("--file", help="a file holding the prompt's text (with --model)")
+        which.add_argument("--tokens", help="the prompt's token ids, comma-separated")
+
+
+def pin(args, open_model) -> int:
+    """``kdn pin`` / ``kdn unpin``: 0 when some chunk was pinned (unpinned), 1 when the engine holds
+    none of the prompt, 2 on bad arguments or a refusal (over the operator's bound, a wrong token)."""
+    import os
+
+    from kdn._core import KDNError
+    from kdn.admin import ask
+
+    try:
+        if args.tokens is None and args.model is None:
+            raise KDNError("--text and --file need --model (its tokenizer splits the text)")
+        tokenizer = None if args.tokens is not None else open_model(args.model, args.dtype)[1]
+        body = {"tokens": _prompt_tokens(args, tokenizer)}
+        if args.command == "pin":
+            body["seconds"] = args.seconds
+        out = ask(args.admin, f"/v1/{args.command}", body, args.admin_token or os.environ.get("KDN_ADMIN_TOKEN"))
+    except (KDNError, OSError, ValueError) as e:
+        print(f"kdn {args.command}: {e}", file=sys.stderr)
+        return 2
+    chunks = next(iter(out.values()))
+    _print(args, out, lambda o: f"{chunks} chunks {args.command}ned")
+    return 0 if chunks else 1
 
 
 def add_warm_arguments(warm) -> None:
