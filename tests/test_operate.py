@@ -129,3 +129,27 @@ def test_evict_all_removes_one_tenants_prompts_and_no_one_elses(stories, tmp_pat
     assert hit == 4 * CHUNK - 1 and all(torch.equal(a.keys, b.keys[:, :, :hit]) and
                                         torch.equal(a.values, b.values[:, :, :hit])
                                         for a, b in zip(kv.layers, reference.layers))
+
+
+def test_stats_with_a_model_says_what_this_tenant_holds(stories, tmp_path, capsys, monkeypatch):
+    """`kdn stats --model`: the tenant's prompts, their distinct chunks (a shared document once) and
+    their bytes, equal to the store's own blobs; another tenant's copy counted under its name only."""
+    model, _ = stories
+    prompts = _prompts(model)
+    settings = {"disk_dir": str(tmp_path / "kv")}
+    writers = {}
+    for namespace, chosen in ((None, list(prompts)), ("tenant-b", ["other"])):
+        writers[namespace] = KDN(KDNConfig(chunk_size=CHUNK, namespace=namespace, **settings))
+        for name in chosen:
+            ids = torch.tensor([prompts[name]])
+            writers[namespace].store(model, ids, full_prefill(model, ids)[1])
+        writers[namespace].flush()
+    monkeypatch.delenv("KDN_NAMESPACE", raising=False)
+    code, out = _cli(capsys, "stats", settings["disk_dir"], "--model", "stories260k")
+    keys = {k for name in prompts for k in writers[None].chunk_keys(model, prompts[name])}
+    assert code == 0 and out["tenant"]["prompts"] == 3 and out["tenant"]["chunks"] == len(keys) == 7
+    assert out["tenant"]["bytes"] == sum(len(writers[None].disk.get(k)) for k in keys)
+    monkeypatch.setenv("KDN_NAMESPACE", "tenant-b")
+    code, out = _cli(capsys, "stats", settings["disk_dir"], "--model", "stories260k")
+    assert out["tenant"] == {"namespace": "tenant-b", "prompts": 1, "chunks": 2, "bytes": out["tenant"]["bytes"]}
+    assert out["tenant"]["bytes"] > 0 and out["disk"]["entries"] > 9  # the folder holds both tenants' chunks

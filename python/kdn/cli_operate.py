@@ -18,6 +18,9 @@ def add_parsers(sub) -> None:
     store = "a disk or node tier's folder, or a remote store URL (redis://host:port/db, mooncake://...)"
     stats = sub.add_parser("stats", help="what a store holds, per tier: entries, bytes, hits, misses, ages")
     stats.add_argument("store", help=store)
+    stats.add_argument("--model", default=None, help="also what this tenant holds of the model: prompts, chunks, "
+                                                     "bytes")
+    stats.add_argument("--dtype", default=None, choices=[None, "float32", "float16", "bfloat16"])
     listing = sub.add_parser("ls", help="the prompts a model has stored (rebuilt from their chunks' pointers)")
     evict = sub.add_parser("evict", help="remove stored prompts by text, file, token ids or age (a prefix other "
                                          "stored prompts share stays)")
@@ -140,7 +143,13 @@ def run(args, store_config, open_model) -> int:
     except Exception as e:  # noqa: BLE001 - an unreachable store (connection refused, auth, timeout)
         return fail(f"cannot read {args.store}: {type(e).__name__}: {e}")
     if args.command == "stats":
-        return _print(args, operate.stats(cache), _stats_text)
+        out = operate.stats(cache)
+        if args.model is not None:
+            try:
+                out["tenant"] = operate.tenant_usage(cache, open_model(args.model, args.dtype)[0])
+            except KDNError as e:
+                return fail(str(e))
+        return _print(args, out, _stats_text)
     try:
         model, tokenizer = open_model(args.model, args.dtype)
     except KDNError as e:
@@ -184,6 +193,10 @@ def _print(args, out, as_text) -> int:
 def _stats_text(out: dict) -> str:
     lines = []
     for tier, row in out.items():
+        if tier == "tenant":
+            lines.append(f"tenant {row['namespace'] or '(default)'}: {row['prompts']} prompts, {row['chunks']} chunks, "
+                         f"{row['bytes'] / 2**20:.1f} MiB")
+            continue
         ages = (f", files {row['newest_seconds']:.0f}-{row['oldest_seconds']:.0f} s old"
                 if "oldest_seconds" in row else "")
         lines.append(f"{tier}: {row['entries']} entries, {row.get('used_bytes', 0) / 2**20:.1f} MiB{ages}")

@@ -59,6 +59,18 @@ def stats(cache) -> dict:
     return out
 
 
+def tenant_usage(cache, model) -> dict:
+    """What this tenant (``KDN_NAMESPACE`` / ``KDN_SECRET``) holds of ``model`` in the lasting tiers:
+    its stored ``prompts``, the distinct ``chunks`` they are made of (a shared prefix counted once)
+    and their ``bytes`` as the first tier holding each stores it."""
+    session = cache.session(model)
+    prompts = cache.engine.audit(session, None, stored_keys(cache), sample=0).stored
+    keys = list(dict.fromkeys(key for tokens in prompts
+                              for key in cache.engine.find(session, tokens, len(tokens)).keys))
+    return {"namespace": cache.config.namespace, "prompts": len(prompts), "chunks": len(keys),
+            "bytes": sum(cache.engine.stored_bytes(key) for key in keys)}
+
+
 def _ages(folder: str) -> list[float]:
     now, ages = time.time(), []
     for shard in os.scandir(folder):
