@@ -5,24 +5,17 @@ admin endpoint acting on the running engine's store."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 import kdn
 import test_vllm
+from kdn.admin import ask
 from test_vllm import run
 
 pytestmark = pytest.mark.slow
 setup = test_vllm.setup  # the fixture: (vLLM venv's python, SmolLM2's folder, prompts), for this module too
-
-
-def _admin(url: str, path: str, body: dict | None = None) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    with urllib.request.urlopen(urllib.request.Request(url + path, data), timeout=60) as reply:
-        return json.load(reply)
 
 
 def test_vllm_serve_answers_through_openai_with_kdn_counters_on_metrics(setup, tmp_path):
@@ -47,10 +40,10 @@ def test_vllm_serve_answers_through_openai_with_kdn_counters_on_metrics(setup, t
     with VLLMServer(python, folder, tmp_path / "serve.log", kdn={"admin": admin[len("http://"):]}) as server:
         out = run(python, "vllm_client.py", "--url", server.url, "--model", folder, "--document", str(document))
         tokens = AutoTokenizer.from_pretrained(folder)(document.read_text())["input_ids"]
-        held = _admin(admin, "/v1/lookup", {"tokens": tokens})["tokens"]
-        assert held >= 1024 and _admin(admin, "/v1/stats")["memory"]["entries"] >= held // 256
-        assert _admin(admin, "/v1/evict", {"tokens": tokens})["evicted_chunks"] >= held // 256
-        assert _admin(admin, "/v1/lookup", {"tokens": tokens}) == {"tokens": 0}  # gone from the running engine
+        held = ask(admin, "/v1/lookup", {"tokens": tokens})["tokens"]
+        assert held >= 1024 and ask(admin, "/v1/stats")["memory"]["entries"] >= held // 256
+        assert ask(admin, "/v1/evict", {"tokens": tokens})["evicted_chunks"] >= held // 256
+        assert ask(admin, "/v1/lookup", {"tokens": tokens}) == {"tokens": 0}  # gone from the running engine
     first, second = out["answers"]
     assert second["ttft"] < first["ttft"] and first["text"] and second["text"]
     assert out["metrics"].get("vllm:kdn_loaded_tokens_total", 0) > 1000

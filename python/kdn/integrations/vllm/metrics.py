@@ -4,6 +4,7 @@ counters ``vllm:kdn_<name>`` and histograms ``vllm:kdn_<lookup|load|store|tier_r
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -53,7 +54,7 @@ SAMPLES = 4096
 _lock = threading.Lock()
 _totals = dict.fromkeys(NAMES, 0)
 _reported = dict(_totals)  # what increments() last handed out
-_samples = {name: [] for name in HISTOGRAMS}  # observations not handed out yet
+_samples = {name: collections.deque(maxlen=SAMPLES) for name in HISTOGRAMS}  # observations not handed out yet
 
 
 def count(**deltas) -> None:
@@ -62,7 +63,7 @@ def count(**deltas) -> None:
         for name, value in deltas.items():
             _totals[name] += value
             if name in _samples:
-                _samples[name] = _samples[name][-(SAMPLES - 1):] + [value]
+                _samples[name].append(value)
 
 
 def totals() -> dict:
@@ -81,7 +82,8 @@ def increments(absolute: dict, reads: dict | None = None) -> dict:
         _reported.update(_totals)
         for name, observed in _samples.items():
             if observed:
-                delta[f"{name}:samples"], _samples[name] = observed, []
+                delta[f"{name}:samples"] = list(observed)
+                observed.clear()
     for tier, seconds in (reads or {}).items():
         if seconds:
             delta[f"tier_read_seconds:{tier}"] = list(seconds[-SAMPLES:])
