@@ -33,7 +33,7 @@ blocks may be the CPU 'vec' kernel's or a GPU backend's (:func:`kdn.engine.paged
 GPU, chunks are laid in and gathered out by kdn's CUDA paged copy on vLLM's current stream.
 Scheduler and worker share one kdn store per process; where vLLM runs them in different processes
 (``vllm serve``: the worker in a process of its own), the scheduler's lookups are answered by the
-worker's process over a unix socket (:mod:`kdn.integrations.vllm.lookups`), so that a memory tier,
+worker's process over a unix socket (:mod:`kdn.engine.channel`), so that a memory tier,
 private to the worker, is seen.
 
 The package, by role: :mod:`.connector` (the class vLLM instantiates; it delegates), :mod:`.scheduler`
@@ -41,7 +41,7 @@ The package, by role: :mod:`.connector` (the class vLLM instantiates; it delegat
 the blocks, stores out of them), :mod:`.kv_layers` (vLLM's KV layers and their KV cache groups),
 :mod:`.specs` (what one tells the other each step), :mod:`.process`
 (what one process' connectors share), :mod:`.metrics` (counters on vLLM's /metrics) and
-:mod:`.lookups` (the scheduler's lookups answered in the worker's process).
+:mod:`kdn.engine.channel` (the scheduler's lookups answered in the worker's process).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ __all__ = ["KDNConnector", "drain", "stats", "unsupported_reason"]
 
 def __getattr__(name: str) -> Any:
     """The connector and its process-wide helpers, imported on first use: importing this package
-    (for :mod:`.lookups`, say) does not import vLLM."""
+    (for :mod:`.blend`, say) does not import vLLM."""
     if name in ("KDNConnector", "unsupported_reason"):
         from kdn.integrations.vllm import connector
 

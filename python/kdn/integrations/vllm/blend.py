@@ -31,18 +31,6 @@ class Options:
                    bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False)))
 
 
-@dataclasses.dataclass(frozen=True)
-class Readiness:
-    """What the worker holding the engine's layers answers for a prompt's pieces: whether it blends
-    at all (``why`` not), whether a prefill has vouched for its layers (:func:`.layers.vouch`), and
-    how many of the pieces, from the first, its tiers hold."""
-
-    blends: bool
-    vouched: bool = False
-    held: int = 0
-    why: str | None = None
-
-
 def separator_tokens(separator, model_folder: str) -> list[int] | None:
     """``blend_separator`` as token ids: a list of ids as given, a string tokenized by the engine's
     tokenizer (no special tokens); None when no separator is configured."""

@@ -21,12 +21,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kdn._core import InvalidInputError
 from kdn.config import KDNConfig
+from kdn.engine.channel import LookupClient
 from kdn.engine.requests import claim_owner
 from kdn.integrations.vllm import blend, layers, metrics, process
 from kdn.integrations.vllm.disaggregated import Role
 from kdn.integrations.vllm.events import Announcer, TierEvents, hit_sources
 from kdn.integrations.vllm.kv_layers import SERVED_SPECS, KVGroups, cpu_attention_isa
-from kdn.integrations.vllm.lookups import LookupClient
 from kdn.integrations.vllm.ranks import Rank, RankLookups
 from kdn.integrations.vllm.scheduler import SchedulerSide
 from kdn.integrations.vllm.specs import KDNConnectorMetadata

@@ -9,9 +9,9 @@ import weakref
 
 from kdn.config import KDNConfig
 from kdn.engine import Engine, ModelSession, passages
+from kdn.engine.channel import LookupServer, socket_path
+from kdn.engine.messages import Readiness
 from kdn.integrations.vllm import metrics
-from kdn.integrations.vllm.blend import Readiness
-from kdn.integrations.vllm.lookups import LookupServer, socket_path
 from kdn.integrations.vllm.ranks import Rank
 from kdn.layout import describe_checkpoint
 

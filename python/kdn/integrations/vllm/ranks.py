@@ -10,9 +10,9 @@ import dataclasses
 import numpy as np
 
 from kdn.engine import Prefix
+from kdn.engine.channel import LookupClient
 from kdn.engine.layout import ModelLayout
-from kdn.integrations.vllm.blend import Readiness
-from kdn.integrations.vllm.lookups import MAX_ENDED, LookupClient
+from kdn.engine.messages import MAX_ENDED, Readiness
 from kdn.layout import layout_from_config
 
 
@@ -62,7 +62,7 @@ class Rank:
 
 
 class RankLookups:
-    """:class:`kdn.integrations.vllm.lookups.LookupClient`'s calls asked of every rank's worker (one
+    """:class:`kdn.engine.channel.LookupClient`'s calls asked of every rank's worker (one
     socket each, ``paths`` by rank): each holds its own share in its own memory tier. A hit is the
     least any rank holds; no answer from one rank is no answer (the scheduler asks its own tiers)."""
 
@@ -72,7 +72,7 @@ class RankLookups:
 
     def lookup(self, tokens: np.ndarray, limit: int, scope: bytes | None = None) -> Prefix | None:
         """The least of what the ranks hold (:meth:`LookupClient.lookup` of each; raises
-        :class:`kdn.integrations.vllm.lookups.WorkerNotServing` when one refused the engine)."""
+        :class:`kdn.engine.channel.WorkerNotServing` when one refused the engine)."""
         least = None
         for client in self.clients:
             found = client.lookup(tokens, limit, scope)

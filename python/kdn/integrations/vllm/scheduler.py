@@ -13,12 +13,12 @@ import numpy as np
 
 from kdn._core import InvalidInputError
 from kdn.engine import Engine, ModelSession, Prefix, Retention, passages
+from kdn.engine.channel import LookupClient, WorkerNotServing
+from kdn.engine.messages import Readiness
 from kdn.engine.requests import Request, Requests, request_digest
 from kdn.integrations.vllm import blend, metrics, process
-from kdn.integrations.vllm.blend import Readiness
 from kdn.integrations.vllm.disaggregated import Handoffs, Role, expected, handed_off
 from kdn.integrations.vllm.kv_layers import KVGroups
-from kdn.integrations.vllm.lookups import LookupClient, WorkerNotServing
 from kdn.integrations.vllm.ranks import RankLookups
 from kdn.integrations.vllm.scope import Scopes, Unservable
 from kdn.integrations.vllm.specs import KDNConnectorMetadata, LoadSpec, SaveSpec

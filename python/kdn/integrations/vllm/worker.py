@@ -20,6 +20,7 @@ import torch
 
 from kdn._core import InvalidInputError
 from kdn.engine import Engine, ModelSession, passages
+from kdn.engine.messages import MAX_ENDED
 from kdn.engine.paged import PagedLayout, vllm_layout
 from kdn.engine.served import Served, ServedRequests
 from kdn.engine.stores import StoreJob, StoreQueue
@@ -27,7 +28,6 @@ from kdn.engine.stream import DeliveryError
 from kdn.engine.targets import PagedBlocks
 from kdn.integrations.vllm import layers, metrics
 from kdn.integrations.vllm.kv_layers import KVGroups, layer_index
-from kdn.integrations.vllm.lookups import MAX_ENDED
 from kdn.integrations.vllm.specs import KDNConnectorMetadata, LoadSpec, SaveSpec
 
 log = logging.getLogger("kdn")

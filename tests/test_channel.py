@@ -1,6 +1,7 @@
-"""The scheduler-to-worker lookup channel (kdn.integrations.vllm.lookups): answers come from the worker's
-lookup, a dead or failing worker is "no answer" (the scheduler then asks its own tiers), and the
-socket lives in a folder only its user can open."""
+"""The scheduler-to-worker lookup channel (kdn.engine.channel, its typed messages kdn.engine.messages):
+answers come from the worker's lookup, a dead or failing worker is "no answer" (the scheduler then
+asks its own tiers), the socket lives in a folder only its user can open, and a frame that is not
+the channel's is refused unread."""
 
 import os
 import socket
@@ -12,9 +13,10 @@ import numpy as np
 import pytest
 
 import kdn
-from kdn.engine import Prefix
-from kdn.integrations.vllm import lookups
-from kdn.integrations.vllm.lookups import LookupClient, LookupServer, WorkerNotServing, request_digest, socket_path
+from kdn.engine import Prefix, channel, messages
+from kdn.engine.channel import LookupClient, LookupServer, WorkerNotServing, socket_path
+from kdn.engine.messages import Readiness
+from kdn.engine.requests import request_digest
 from kdn.keys import request_scope
 
 
@@ -127,7 +129,7 @@ def test_a_folder_another_user_made_first_is_never_used(runtime_dir, tmp_path, m
 
 
 def test_an_answer_beyond_the_limit_is_clamped_and_a_silent_connection_dropped(runtime_dir, monkeypatch):
-    monkeypatch.setattr(lookups, "IDLE_S", 0.3)
+    monkeypatch.setattr(channel, "IDLE_S", 0.3)
     path = socket_path("engine-a|store")
     server = LookupServer(path, lambda tokens, limit, scope: held(5))
     client = LookupClient(path, timeout=1.0)
@@ -154,7 +156,7 @@ def test_an_answer_beyond_the_limit_is_clamped_and_a_silent_connection_dropped(r
 def test_idle_connections_never_lock_the_scheduler_out_and_long_requests_are_bounded(runtime_dir, monkeypatch):
     """Issue 62: ``MAX_CONNECTIONS`` idle connections (another process of this user) make room for a
     new one (the one idle longest is closed), and a request over ``MAX_TOKENS`` is dropped unread."""
-    monkeypatch.setattr(lookups, "MAX_CONNECTIONS", 8)
+    monkeypatch.setattr(channel, "MAX_CONNECTIONS", 8)
     path = socket_path("engine-a|store")
     server = LookupServer(path, lambda tokens, limit, scope: held(min(limit, 16)))
     idle = []
@@ -170,7 +172,7 @@ def test_idle_connections_never_lock_the_scheduler_out_and_long_requests_are_bou
     huge = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     huge.settimeout(2)
     huge.connect(path)
-    huge.sendall(lookups._REQUEST.pack(lookups.MAX_TOKENS + 1, 1, lookups._NO_SCOPE))
+    huge.sendall(messages.FRAME.pack(messages.VERSION, messages.Lookup.KIND, messages.Lookup.bound() + 4))
     assert huge.recv(1) == b""  # dropped before a byte of its tokens was read
     for s in (*idle, huge):
         s.close()
@@ -230,8 +232,6 @@ def test_a_blend_query_carries_the_workers_readiness_and_its_held_pieces_between
     """The scheduler of a multiprocess engine asks the worker's socket whether it blends and how many
     of a prompt's pieces its tiers hold; lookups on the same connection still answer, a worker that
     refused the engine (or whose answer failed) says it does not blend, and a gone one is no answer."""
-    from kdn.integrations.vllm.blend import Readiness
-
     path = socket_path("engine-blend|store")
     held_keys = {bytes([i]) * 16 for i in range(3)}
     asked = []
@@ -267,3 +267,41 @@ def test_a_blend_query_carries_the_workers_readiness_and_its_held_pieces_between
     finally:
         asker.close()
         silent.close()
+
+
+def test_every_message_reads_back_as_sent_and_a_frame_not_of_this_channel_is_refused_unread(runtime_dir):
+    """The typed protocol: each message encodes and decodes to itself; a frame of another version, of
+    a kind not asked for, or whose body is not its kind's shape ends its connection (the asker then
+    asks its own tiers), and the server keeps serving others."""
+    sent = [messages.Lookup(np.arange(7, dtype=np.uint32), 6, request_scope("t")), messages.Lookup(np.arange(3), 2),
+            messages.LookupAnswer(messages.FOUND, held(40, 8), (request_digest("a"),)),
+            messages.LookupAnswer(messages.NOT_SERVING), messages.BlendQuery((b"k" * 16, b"j" * 16)),
+            Readiness(True, False, 1, "why"), Readiness(False)]
+    for message in sent:
+        body = messages.frame(message)[messages.FRAME.size:]
+        back = (message.decode(body, 40) if isinstance(message, messages.LookupAnswer) else message.decode(body))
+        if isinstance(message, messages.Lookup):
+            assert back.tokens.tolist() == list(message.tokens) and (back.limit, back.scope) == (message.limit,
+                                                                                                message.scope)
+        else:
+            assert back == message
+    for bad in (messages.Lookup.decode, messages.BlendQuery.decode, Readiness.decode):
+        with pytest.raises(messages.ProtocolError):
+            bad(b"\x01\x02\x03")
+    path = socket_path("engine-proto|store")
+    server = LookupServer(path, lambda tokens, limit, scope: held(16))
+    client = LookupClient(path, timeout=1.0)
+    try:
+        for head in (messages.FRAME.pack(messages.VERSION + 1, messages.Lookup.KIND, 0),  # another kdn
+                     messages.FRAME.pack(messages.VERSION, messages.LookupAnswer.KIND, 0),  # not a request
+                     messages.FRAME.pack(messages.VERSION, messages.BlendQuery.KIND, 5) + b"\x09" * 5):  # no shape
+            rogue = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            rogue.settimeout(2)
+            rogue.connect(path)
+            rogue.sendall(head)
+            assert rogue.recv(1) == b""  # dropped, nothing answered
+            rogue.close()
+        assert tokens_of(client.lookup(np.arange(40), 39)) == 16  # still serving
+    finally:
+        client.close()
+        server.close()
