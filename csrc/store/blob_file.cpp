@@ -80,8 +80,45 @@ bool read_at(int fd, uint8_t* data, size_t size, size_t offset, const std::strin
   return true;
 }
 
+namespace {
+
+// Sections `spans` of the blob whose header `h` heads `buf` (the blob's size), read from `fd` with
+// section 0 and the trailer, then verified: false with *error set (and *bad for a failed sum).
+bool read_sections(int fd, Buffer& buf, const BlobHeader& h, const SectionSpans& spans, const std::string& path,
+                   bool* bad, std::string* error, uint64_t* read_bytes) {
+  uint8_t* data = buf.data();
+  const uint64_t table = blob_table_bytes(h), trailer = kBlobHeaderBytes + h.payload_bytes;
+  if (table > h.payload_bytes || !read_at(fd, data + kBlobHeaderBytes, table, kBlobHeaderBytes, path, error) ||
+      !read_at(fd, data + trailer, buf.size() - trailer, trailer, path, error))
+    return false;
+  *read_bytes = kBlobHeaderBytes + table + (buf.size() - trailer);
+  const auto ranges = blob_section_ranges(h, data + kBlobHeaderBytes, table);
+  for (const auto& [first, last] : spans) {
+    if (first < 1 || first > last || last >= ranges.size()) {
+      *bad = true;
+      *error = "blob file " + path + " has no sections " + std::to_string(first) + "-" + std::to_string(last);
+      return false;
+    }
+    const uint64_t begin = ranges[first].first, end = ranges[last].second;
+    if (!read_at(fd, data + begin, end - begin, begin, path, error)) return false;
+    *read_bytes += end - begin;
+  }
+  for (const auto& [first, last] : spans) {
+    if (Status st = blob_verify_sections(data, buf.size(), first, last); !st.ok) {
+      *bad = true;
+      *error = "blob file " + path + ": " + st.message;
+      return false;
+    }
+  }
+  buf.mark_partial();
+  buf.mark_verified();
+  return true;
+}
+
+}  // namespace
+
 BufferPtr read_file(const std::string& path, const std::string& mac_key, bool group_shared, bool* missing, bool* bad,
-                   bool* foreign, std::string* error) {
+                   bool* foreign, std::string* error, const SectionSpans* sections, uint64_t* read_bytes) {
   const uint64_t tag_bytes = mac_key.empty() ? 0 : kMacBytes;
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) {
@@ -120,13 +157,20 @@ BufferPtr read_file(const std::string& path, const std::string& mac_key, bool gr
     buf = std::make_shared<Buffer>(static_cast<size_t>(blob_total_bytes(h)));
     std::memcpy(buf->data(), head, kBlobHeaderBytes);
     uint8_t tag[kMacBytes];
-    if (!read_at(fd, buf->data() + kBlobHeaderBytes, buf->size() - kBlobHeaderBytes, kBlobHeaderBytes, path, error) ||
+    if (sections && !sections->empty() && !tag_bytes && h.kind == kBlobKindKV && h.codec == kCodecRaw &&
+        blob_sections(h) > 0) {
+      uint64_t got = 0;
+      if (!read_sections(fd, *buf, h, *sections, path, bad, error, &got)) buf.reset();
+      else if (read_bytes) *read_bytes = got;
+    } else if (!read_at(fd, buf->data() + kBlobHeaderBytes, buf->size() - kBlobHeaderBytes, kBlobHeaderBytes, path, error) ||
         (tag_bytes && !read_at(fd, tag, kMacBytes, buf->size(), path, error))) {
       buf.reset();
     } else if (tag_bytes && !mac_matches(mac_key, buf->data(), buf->size(), tag)) {
       *foreign = true;
       *error = "blob file " + path + " fails its keyed tag (written without the secret, or altered)";
       buf.reset();
+    } else if (read_bytes) {
+      *read_bytes = buf->size() + tag_bytes;
     }
   }
   ::close(fd);

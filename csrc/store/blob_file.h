@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace kdn {
 namespace blob_file {
@@ -29,8 +31,14 @@ bool read_at(int fd, uint8_t* data, size_t size, size_t offset, const std::strin
 // symlink. nullptr with *missing set if it does not exist, or with *error set.
 // *bad is set when the file exists but is damaged (size or header wrong); *foreign when it is a
 // well-formed blob file of another key (tagged without a key here, untagged or failing the tag with one).
+// With `sections` (inclusive ranges [first, last] of a version-2 KV blob's sections; the file not
+// keyed): only the header, section 0, those sections and the trailer are read, each range verified
+// by its section sums, and the buffer (the blob's size) is marked partial and verified; a blob that
+// cannot be read in part (version 1, keyed, coded, not KV) is read whole.
+using SectionSpans = std::vector<std::pair<uint64_t, uint64_t>>;
 BufferPtr read_file(const std::string& path, const std::string& mac_key, bool group_shared, bool* missing, bool* bad,
-                   bool* foreign, std::string* error);
+                   bool* foreign, std::string* error, const SectionSpans* sections = nullptr,
+                   uint64_t* read_bytes = nullptr);
 
 }  // namespace blob_file
 }  // namespace kdn

@@ -283,7 +283,7 @@ Key128 DiskStore::file_key(const Key128& key, const BufferPtr& blob) const {
 
 bool DiskStore::put(const Key128& given_key, const BufferPtr& blob) {
   KDN_CHECK(blob != nullptr, "DiskStore.put: blob is null");
-  if (options_.read_only) return false;
+  if (options_.read_only || blob->partial()) return false;  // a blob read in part is never filed
   const Key128 key = file_key(given_key, blob);
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -295,7 +295,7 @@ bool DiskStore::put(const Key128& given_key, const BufferPtr& blob) {
 
 bool DiskStore::put_async(const Key128& given_key, const BufferPtr& blob) {
   KDN_CHECK(blob != nullptr, "DiskStore.put_async: blob is null");
-  if (options_.read_only) return false;
+  if (options_.read_only || blob->partial()) return false;  // a blob read in part is never filed
   const Key128 key = file_key(given_key, blob);
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -343,7 +343,9 @@ bool DiskStore::flush_for(double seconds) {
                            [this] { return queue_.empty() && !writing_; });
 }
 
-BufferPtr DiskStore::get(const Key128& key) {
+BufferPtr DiskStore::get(const Key128& key) { return get_sections(key, nullptr); }
+
+BufferPtr DiskStore::get_sections(const Key128& key, const blob_file::SectionSpans* sections) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = pending_.find(key);
@@ -353,11 +355,14 @@ BufferPtr DiskStore::get(const Key128& key) {
     }
   }
   std::string path = path_of(key), error;
+  uint64_t read_bytes = 0;
   bool missing = !trusted_dir(path.substr(0, path.rfind('/'))), corrupt = false, foreign = false;  // a planted shard: a miss
-  BufferPtr blob = missing ? nullptr : read_file(path, options_.mac_key, options_.group_shared, &missing, &corrupt, &foreign, &error);
+  BufferPtr blob = missing ? nullptr : read_file(path, options_.mac_key, options_.group_shared, &missing, &corrupt, &foreign, &error,
+                                                  sections, &read_bytes);
   if (blob) {
     BlobHeader h;
-    Status st = blob_parse(blob->data(), blob->size(), /*verify_checksum=*/true, &h);
+    // a partial read verified its sections and its header (section 0); a whole one is checked whole
+    Status st = blob_parse(blob->data(), blob->size(), /*verify_checksum=*/!blob->partial(), &h);
     if (st.ok && h.key == key) {
       blob->mark_verified();
     } else {
@@ -372,6 +377,7 @@ BufferPtr DiskStore::get(const Key128& key) {
   }
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    stats_.read_bytes += read_bytes;
     if (blob) {
       if (index_.contains(key)) index_.touch(key);
       else adopt_locked(key, file_bytes(*blob), owner_of_blob(blob->data(), blob->size()));
@@ -398,6 +404,16 @@ BufferPtr DiskStore::get(const Key128& key) {
 std::vector<BufferPtr> DiskStore::get_many(const std::vector<Key128>& keys) {
   std::vector<BufferPtr> out(keys.size());
   readers_.run(static_cast<int64_t>(keys.size()), [&](int64_t i) { out[i] = get(keys[i]); });
+  return out;
+}
+
+std::vector<BufferPtr> DiskStore::get_many(const std::vector<Key128>& keys,
+                                           const std::vector<blob_file::SectionSpans>& sections) {
+  KDN_CHECK_INPUT(sections.size() == keys.size(), "DiskStore.get_many: one list of sections per key");
+  std::vector<BufferPtr> out(keys.size());
+  readers_.run(static_cast<int64_t>(keys.size()), [&](int64_t i) {
+    out[i] = get_sections(keys[i], sections[i].empty() ? nullptr : &sections[i]);
+  });
   return out;
 }
 

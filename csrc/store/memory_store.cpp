@@ -8,6 +8,7 @@ MemoryStore::MemoryStore(uint64_t capacity_bytes, const std::string& policy)
 
 bool MemoryStore::put(const Key128& key, BufferPtr blob) {
   KDN_CHECK(blob != nullptr, "MemoryStore.put: blob is null");
+  if (blob->partial()) return false;  // a blob read in part is never kept
   std::vector<std::pair<Key128, BufferPtr>> spilled;
   SpillFn spill;
   {

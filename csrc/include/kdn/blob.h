@@ -92,6 +92,11 @@ class Buffer {
   // readers may skip re-hashing it. Bytes that arrive from Python or a file start unverified.
   bool verified() const { return verified_.load(std::memory_order_acquire); }
   void mark_verified() { verified_.store(true, std::memory_order_release); }
+  // A blob read in part (DiskStore::get with sections: the header, the sections asked for and the
+  // trailer were read and verified, the rest of its bytes are not its own): for the one reader that
+  // asked, never stored, kept or verified whole (every store refuses it).
+  bool partial() const { return partial_; }
+  void mark_partial() { partial_ = true; }
   static int64_t live_bytes() { return live_.load(); }
 
  private:
@@ -100,6 +105,7 @@ class Buffer {
   size_t size_;
   bool writable_;
   std::atomic<bool> verified_{false};
+  bool partial_ = false;
   static inline std::atomic<int64_t> live_{0};
 };
 using BufferPtr = std::shared_ptr<Buffer>;

@@ -42,6 +42,7 @@
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "kdn/blob.h"
@@ -71,6 +72,7 @@ struct DiskStats : TierStats {
   uint64_t foreign = 0;   // reads of well-formed blob files of another key (kept, misses)
   uint64_t unindexed = 0; // files found but not indexed: beyond this store's capacity, or sparse
   uint64_t queued_entries = 0, queued_bytes = 0;
+  uint64_t read_bytes = 0;  // bytes read from blob files (of a blob read in part: what was read)
   std::string last_error;
 };
 
@@ -89,6 +91,11 @@ class DiskStore {
   bool flush_for(double seconds);                            // the same, at most `seconds`; true if drained
   BufferPtr get(const Key128& key);                          // verified blob, nullptr on miss
   std::vector<BufferPtr> get_many(const std::vector<Key128>& keys);  // in parallel
+  // The same, reading of key i only sections[i] (inclusive ranges of its sections: Buffer::partial,
+  // those verified) where it has any and the blob can be read in part (blob_file::read_file); whole
+  // otherwise (an empty list, a keyed store, a blob still queued for writing).
+  std::vector<BufferPtr> get_many(const std::vector<Key128>& keys,
+                                  const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>& sections);
   bool contains(const Key128& key);
   int64_t count_prefix(const std::vector<Key128>& keys);
   bool remove(const Key128& key);
@@ -105,6 +112,7 @@ class DiskStore {
   const DiskStoreOptions& options() const { return options_; }
 
  private:
+  BufferPtr get_sections(const Key128& key, const std::vector<std::pair<uint64_t, uint64_t>>* sections);
   void rebuild_index();
   void remove_stale_temporaries();
   BufferPtr encode(const BufferPtr& blob, std::string* error) const;  // with the store's codec

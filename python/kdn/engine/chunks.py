@@ -12,8 +12,9 @@ import logging
 
 import numpy as np
 
-from kdn import _core, codecs
+from kdn import _core
 from kdn._core import BlobError
+from kdn.engine.calibrations import Calibrations
 from kdn.engine.served import Served
 from kdn.engine.session import ROOT, ModelSession
 from kdn.engine.targets import HFTarget
@@ -85,6 +86,7 @@ class ChunkIO:
     def __init__(self, tiers: TierManager):
         self.tiers = tiers
         self.verifier = Verifier(tiers.config.verify_fraction)
+        self.calibrations = Calibrations(tiers)
         self.refused_stores = 0  # saves refused by the fidelity rule (kdn.engine.served)
 
     # -- prefix chunks --------------------------------------------------------------------------
@@ -141,7 +143,8 @@ class ChunkIO:
         chunk = session.chunk_size
         found = self.find(session, tokens, limit) if found is None else found.clip(limit, chunk)
         skip = self.unread(target, found, chunk)
-        blobs, addresses, n_ok = self.fetch_verified(session, found, skip=skip)
+        blobs, addresses, n_ok = self.fetch_verified(session, found, skip=skip,
+                                                     sections=self.sections(target, found, chunk, skip))
         hit = found.tokens if n_ok == len(found.keys) else min(n_ok * chunk, found.tokens)
         if info is not None:
             info["lossy"] = any(a != k for a, k in zip(addresses, found.keys[skip:]))
@@ -163,14 +166,30 @@ class ChunkIO:
         unread = getattr(target, "unread_chunks", None)
         return min(unread(chunk), len(found.keys) - 1) if unread is not None and found.keys else 0
 
+    @staticmethod
+    def sections(target, found: Prefix, chunk: int, skip: int) -> list | None:
+        """Per chunk of ``found`` from chunk ``skip`` on, the blob sections a load into ``target`` lays
+        (its ``chunk_layers``: a sliding layer takes nothing before its window), None for a chunk whose
+        every layer it lays; None for a target that lays every layer of every chunk."""
+        layers_of = getattr(target, "chunk_layers", None)
+        if layers_of is None:
+            return None
+        spans = []
+        for i in range(skip, len(found.keys)):
+            layers = layers_of(i * chunk, min((i + 1) * chunk, found.tokens))
+            # a chunk nothing is laid from (read to keep the hit's chunks whole blocks): its first plane
+            spans.append(None if layers is None else [(1 + 2 * lo, 2 * hi) for lo, hi in layers] or [(1, 1)])
+        return spans if any(s is not None for s in spans) else None
+
     def fetch_verified(self, session: ModelSession, found: Prefix, local: bool = False,
-                       skip: int = 0) -> tuple[list, list, int]:
+                       skip: int = 0, sections: list | None = None) -> tuple[list, list, int]:
         """``(blobs, addresses, n)``: the chunks of ``found`` from chunk ``skip`` on that some tier (a
         local one, with ``local``) holds and that pass verification (checksum, model, key, position,
         tokens), up to the first that does not, and ``n``: the prefix's chunks they reach (``skip +
-        len(blobs)``); the first one that fails is dropped from the tiers and logged."""
-        blobs, addresses = self.tiers.fetch(found.keys[skip:], local=local)
-        calibrated = self._calibrated(session, blobs)
+        len(blobs)``); the first one that fails is dropped from the tiers and logged. ``sections``
+        (:meth:`sections`): what to read of each, where a tier can read part of a blob."""
+        blobs, addresses = self.tiers.fetch(found.keys[skip:], local=local, sections=sections)
+        calibrated = self.calibrations.decodable(session, blobs)
         if calibrated < len(blobs):  # coded under a calibration not at hand: a miss, the chunk stays stored
             blobs, addresses = blobs[:calibrated], addresses[:calibrated]
         layout = session.layout
@@ -182,55 +201,6 @@ class ChunkIO:
             log.warning("kdn: dropping an unusable stored chunk (treated as a miss): %s", error)
             self.tiers.drop(addresses[n_ok])
         return blobs[:n_ok], addresses[:n_ok], skip + n_ok
-
-    # -- calibrated codecs' per-model state (kdn.codecs.ModelState) -------------------------------
-    def load_states(self, session: ModelSession) -> bool:
-        """Load the model's calibrated-codec states from the tiers where they are stored; True if any
-        was loaded (an unusable one is dropped and logged)."""
-        loaded = False
-        for name, state in codecs.model_states().items():
-            key = state.key(session.fingerprint)
-            blobs, _ = self.tiers.fetch([key], exact=True)
-            if not blobs:
-                continue
-            try:
-                state.load_blob(blobs[0], session.fingerprint, key)
-                loaded = True
-            except BlobError as e:
-                log.warning("kdn: dropping an unusable stored %s calibration: %s", name, e)
-                self.tiers.drop(key)
-        return loaded
-
-    def store_state(self, session: ModelSession, codec: str, payload: bytes) -> bytes:
-        """Store ``codec``'s state of the session's model in every tier and load it; its id."""
-        state = codecs.model_states()[codec]
-        key = state.key(session.fingerprint)
-        blob = state.pack(session.fingerprint, key, payload)
-        if not self.tiers.put(key, blob):
-            log.warning("kdn: the %s calibration (%d bytes) fits no tier; it is loaded in this process only",
-                        codec, len(blob))
-        return state.load(payload)
-
-    def state_keys(self, session: ModelSession) -> list[bytes]:
-        """Where the model's calibrated-codec states are filed."""
-        return [state.key(session.fingerprint) for state in codecs.model_states().values()]
-
-    def _calibrated(self, session: ModelSession, blobs: list) -> int:
-        """How many leading ``blobs`` can be decoded: a chunk of a calibrated codec needs its model
-        state loaded (from the tiers, once, if it is not)."""
-        tried = False
-        for i, blob in enumerate(blobs):
-            missing = _missing_state(blob)
-            if missing is None:
-                continue
-            if not tried:
-                tried = True
-                self.load_states(session)
-                if _missing_state(blob) is None:
-                    continue
-            log.info("kdn: a stored chunk needs a %s calibration that is not loaded (a miss)", missing)
-            return i
-        return len(blobs)
 
     def save(self, session: ModelSession, tokens: np.ndarray, kv, served: Served) -> int:
         """Store the KV a model computed for ``tokens`` (per-layer CPU tensors, or what :meth:`pack`
@@ -373,15 +343,3 @@ class ChunkIO:
         reads no KV."""
         return self.tiers.count_prefix([key]) == 1
 
-
-def _missing_state(blob) -> str | None:
-    """The calibrated codec whose state ``blob`` needs and this process has not loaded, or None (a
-    damaged blob too: verification reports and drops it)."""
-    for name, state in codecs.model_states().items():
-        try:
-            needed = state.needed(blob)
-        except BlobError:
-            return None
-        if needed is not None and not state.loaded(needed):
-            return name
-    return None

@@ -33,7 +33,7 @@ from kdn.engine.chunks import ChunkIO, Packed, Prefix
 from kdn.engine.host_pool import prepare_for
 from kdn.engine.keeping import Keeping
 from kdn.engine.pages import Pages
-from kdn.engine.parts import Calibrations, Segments, Sidecars
+from kdn.engine.parts import Segments, Sidecars
 from kdn.engine.served import Served
 from kdn.engine.session import ModelSession, Sessions
 from kdn.engine.stream import Deliverer, DeliveryError, LayerStream
@@ -96,11 +96,11 @@ class Engine(Keeping):
                                  on_new=self._on_new_session, namespace=config.namespace,
                                  key=config.tenant_key(), layout_of=layout_of)
         self.segments, self.sidecars = Segments(self.chunks.tiers), Sidecars(self.chunks.tiers)
-        self.calibrations = Calibrations(self.chunks)
+        self.calibrations = self.chunks.calibrations
 
     def _on_new_session(self, session: ModelSession) -> None:
         """A model's first session here: its codec calibration loaded, its tenants' quotas set."""
-        self.chunks.load_states(session)
+        self.calibrations.load(session)
         self._set_quotas(session)
 
     def _set_quotas(self, session: ModelSession) -> None:

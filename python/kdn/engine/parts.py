@@ -1,6 +1,7 @@
 """What faces beyond lookup / load / save file through an :class:`kdn.engine.Engine`: segments
-(blending), sidecars (edits), codec calibrations: each over the engine's tiers, sealed for the
-session's model and verified on read, so a face never holds the tiers or the chunk reader itself."""
+(blending) and sidecars (edits), each over the engine's tiers, sealed for the session's model and
+verified on read, so a face never holds the tiers or the chunk reader itself (codec calibrations:
+:mod:`kdn.engine.calibrations`)."""
 
 from __future__ import annotations
 
@@ -90,23 +91,3 @@ class Sidecars:
     def drop(self, address: bytes) -> None:
         """Remove the sidecar filed under ``address`` from every tier (one its reader cannot use)."""
         self._tiers.drop(address)
-
-
-class Calibrations:
-    """A model's calibrated-codec states (``kvtc``'s calibration: :class:`kdn.codecs.ModelState`),
-    kept in the tiers so every process that meets the model decodes its chunks."""
-
-    def __init__(self, io):
-        self._io = io
-
-    def load(self, session: ModelSession) -> bool:
-        """Load the model's calibrations from the tiers where stored; True if any was loaded."""
-        return self._io.load_states(session)
-
-    def store(self, session: ModelSession, codec: str, calibration: bytes) -> bytes:
-        """Store ``codec``'s calibration of the session's model in every tier and load it; its id."""
-        return self._io.store_state(session, codec, calibration)
-
-    def drop(self, session: ModelSession) -> None:
-        """Remove the model's stored calibrations from every tier (a loaded one stays loaded)."""
-        self._io.drop(self._io.state_keys(session))

@@ -250,6 +250,21 @@ class PagedBlocks:
             skip -= 1
         return skip
 
+    def chunk_layers(self, start: int, end: int) -> list[tuple[int, int]] | None:
+        """The layers a load lays positions [start, end) of its hit into, as ranges ``(first, end)``
+        (a sliding layer takes nothing before its window): what a reader need read of the chunk
+        there; None when every layer takes them, or on a GPU (which decodes whole chunks)."""
+        if self.device.type != "cpu" or not self.grouped:
+            return None
+        spans: list = []
+        for lo, hi, _, first in self._runs(0, len(self.layers)):
+            if first < end:
+                if spans and spans[-1][1] == lo:
+                    spans[-1] = (spans[-1][0], hi)
+                else:
+                    spans.append((lo, hi))
+        return None if spans == [(0, len(self.layers))] else spans
+
     def receive(self, session: ModelSession, blobs: list, num_tokens: int) -> int:
         self.receive_layers(blobs, 0, len(self.layers), num_tokens, len(self.layers))
         return num_tokens

@@ -39,6 +39,7 @@ class Tier(abc.ABC):
     name: str = "tier"
     local: bool = True
     codec: str = "raw"
+    reads_sections: bool = False  # get_many(keys, sections) reads a blob's sections alone (DiskTier)
 
     @abc.abstractmethod
     def contains(self, key: bytes) -> bool: ...

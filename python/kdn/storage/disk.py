@@ -81,9 +81,18 @@ class DiskTier(StoreTier):
         self._report()
         return ok
 
-    def get_many(self, keys: list[bytes]) -> list:
-        """Verified blobs of ``keys`` (None for each miss), read in parallel."""
-        blobs = self._store.get_many(keys)
+    reads_sections = True
+
+    def get_many(self, keys: list[bytes], sections: list | None = None) -> list:
+        """Verified blobs of ``keys`` (None for each miss), read in parallel. ``sections``: per key,
+        None for the whole blob, or inclusive ranges ``(first, last)`` of its sections (section
+        ``1 + 2 * layer`` holds a layer's K, the next its V) to read and verify alone, with its header
+        and trailer: a ``partial`` blob, for its reader only (no tier stores it). A keyed store, or a
+        blob still queued for writing, is read whole."""
+        if sections is not None and any(sections):
+            blobs = self._store.get_many(keys, [list(s) if s else [] for s in sections])
+        else:
+            blobs = self._store.get_many(keys)
         self._report()
         return blobs
 

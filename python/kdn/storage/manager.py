@@ -144,11 +144,14 @@ class TierManager:
         """Blobs of the leading ``keys`` that are stored (stops at the first miss)."""
         return self.fetch(keys)[0]
 
-    def fetch(self, keys: list[bytes], exact: bool = False, local: bool = False) -> tuple[list, list[bytes]]:
+    def fetch(self, keys: list[bytes], exact: bool = False, local: bool = False,
+              sections: list | None = None) -> tuple[list, list[bytes]]:
         """``(blobs, addresses)`` of the leading ``keys`` that are stored (stops at the first miss):
         each blob with the address it was found under (its header key; see :meth:`addresses`;
         ``exact``: the keys alone, for blobs that are never coded, such as pointers; ``local``:
         from this machine's tiers only, as layer-wise delivery does before it streams the rest).
+        ``sections``: per key, None or the sections a reader needs of it: a tier that
+        ``reads_sections`` reads those alone (a ``partial`` blob, never promoted into the tiers above).
         Keys derive from the model fingerprint; readers verify it in every blob."""
         variants = [[k] if exact else self.addresses(k) for k in keys]
         found: list = [None] * len(keys)  # (blob, address) per chunk
@@ -168,11 +171,15 @@ class TierManager:
                     break
                 wanted = [variants[i][v] for i in todo]
                 began = time.perf_counter()
-                got = tier.get_many(wanted)
+                if sections is not None and tier.reads_sections:
+                    got = tier.get_many(wanted, [sections[i] for i in todo])
+                else:
+                    got = tier.get_many(wanted)
                 self._reads[tier.name].append(time.perf_counter() - began)
                 for i, address, blob in zip(todo, wanted, got):
                     if blob is not None:
-                        found[i] = (blob, address) if level == 0 else self._promote(address, blob, v > 0, level)
+                        kept = level == 0 or getattr(blob, "partial", False)  # a partial blob is its reader's alone
+                        found[i] = (blob, address) if kept else self._promote(address, blob, v > 0, level)
                         source[i] = tier.name
         blobs, addresses = [], []
         for f, name in zip(found, source):
