@@ -471,11 +471,18 @@ def test_kv_events_announce_what_each_tier_holds_under_vllms_own_block_hashes(sc
     """Issue 64: with vLLM's KV events on, every chunk kdn files in memory (medium CPU) and on disk
     (STORAGE) is announced once as the vLLM blocks it completes, and every eviction as their removal:
     what the events say each tier holds is what it holds (5 documents through a memory of 2 and a disk
-    of 3); each announced block is vLLM's own event for it (hash, parent, tokens, the salt's extra key)."""
+    of 3); each announced block is vLLM's own event for it (hash, parent, tokens, the salt's extra key,
+    its KV cache group)."""
     t = scheduled["events"]
     assert t["matches_tiers"] and t["stored_once"] and t["same_as_vllm"], t
     assert t["held"] == {"CPU": 8, "STORAGE": 12} and t["announced"] == 40 and t["removed_events"] == 20, t
     assert t["salted_extra_keys"] == 2 and t["unannounced"] == 0, t
+    # issue 87: each event names its KV cache group as vLLM's own do (one group here: 0, full attention); a
+    # hybrid model's chunk is announced once per group, with the group's kind and window
+    assert t["group_kinds"] == [[0, "full_attention", None]], t
+    per_group = 64 // 32  # the chunk's blocks
+    assert t["grouped"] == {"stored": [[0, "full_attention", None, per_group], [1, "sliding_window", 128, per_group]],
+                            "removed": [[0, per_group], [1, per_group]]}, t
 
 
 def test_a_hits_source_is_the_tier_that_served_it(scheduled):

@@ -36,7 +36,7 @@ def events(model: str) -> dict:
                 for j, block_hash in enumerate(e.block_hashes):
                     vllm_blocks[block_hash] = (e.block_hashes[j - 1] if j else e.parent_block_hash,
                                                e.token_ids[j * e.block_size:(j + 1) * e.block_size],
-                                               e.extra_keys[j] if e.extra_keys else None)
+                                               e.extra_keys[j] if e.extra_keys else None, e.group_idx)
             elif isinstance(e, BlockStored):
                 mine.append(e)
                 for block_hash in e.block_hashes:
@@ -61,13 +61,41 @@ def events(model: str) -> dict:
     same_as_vllm = all(
         vllm_blocks.get(block_hash) == (e.block_hashes[j - 1] if j else e.parent_block_hash,
                                         e.token_ids[j * e.block_size:(j + 1) * e.block_size],
-                                        e.extra_keys[j] if e.extra_keys else None)
+                                        e.extra_keys[j] if e.extra_keys else None, e.group_idx)
         for e in mine for j, block_hash in enumerate(e.block_hashes))
+    kinds = {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in mine}
     removed = sum(isinstance(e, BlockRemoved) and e.medium in announced for b in h.published for e in b.events)
     salted_extra = [e.extra_keys for e in mine if e.extra_keys]  # vLLM keys a salt into a prompt's first block
     return {"matches_tiers": bool(matches), "held": held, "stored_once": bool(stored_once),
             "same_as_vllm": bool(same_as_vllm), "announced": len(mine), "removed_events": removed,
-            "salted_extra_keys": len(salted_extra), "unannounced": h.scheduler.connector._announcer.unannounced}
+            "salted_extra_keys": len(salted_extra), "unannounced": h.scheduler.connector._announcer.unannounced,
+            "group_kinds": sorted(kinds), "grouped": grouped_events(h)}
+
+
+def grouped_events(h: Harness) -> dict:
+    """Issue 87: a hybrid model's (Gemma 3: a full-attention group and a sliding one of 128) chunk
+    filed and then evicted is announced once per KV cache group, each event naming its group, and on
+    a store the group's kind and window, as vLLM's own offloading names them."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from kdn.integrations.vllm.events import Announcer
+    from kdn.integrations.vllm.kv_layers import KVGroups
+
+    groups = KVGroups(("FullAttentionSpec", "SlidingWindowSpec"), {}, 128,
+                      (("full_attention", None), ("sliding_window", 128)))
+    announcer = Announcer(h.worker.engine, h.block, groups)
+    request = h.requests["d0"]
+    announcer.note_request(request)
+    announcer.note_store("d0", h.session, list(request.prompt_token_ids))
+    key = h.session.prefix_keys(np.asarray(request.prompt_token_ids, dtype=np.uint32))[0]
+    announcer.add(type("Events", (), {})())  # not the worker's: ignored
+    from kdn.integrations.vllm.events import TierEvents
+
+    announcer.add(TierEvents([("memory", True, key), ("memory", False, key)]))
+    out = announcer.take()
+    return {"stored": sorted((e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, len(e.block_hashes))
+                             for e in out if isinstance(e, BlockStored)),
+            "removed": sorted((e.group_idx, len(e.block_hashes)) for e in out if isinstance(e, BlockRemoved))}
 
 
 def _block_hashes(h: Harness, req_id: str) -> list:

@@ -172,7 +172,7 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
                 self.engine.record_tier_events(True)
             return
         if self.events_on:
-            self._announcer = Announcer(self.engine, self.block_size)
+            self._announcer = Announcer(self.engine, self.block_size, self.groups)
         # a windowed model's hits load before their request is scheduled: vLLM recomputes a failed one
         # whole (a failed block of one group cannot be recomputed from its middle: the window before it is gone)
         asked = LookupClient(lookups[0]) if len(lookups) == 1 else RankLookups(lookups)

@@ -7,7 +7,9 @@ scheduler, which saw each stored request's block hashes, token ids, LoRA adapter
 announces each chunk as a ``BlockStored`` of the vLLM blocks it completes (medium ``CPU`` for kdn's
 memory tier, ``STORAGE`` for its disk, both locality ``LOCAL``; ``STORAGE`` with locality ``REMOTE`` for
 the chunks this engine wrote to a remote store) and each removal as a ``BlockRemoved`` of the same
-hashes (:class:`Announcer`): a remote store's evictions, expiries and deletes as the store tells them
+hashes (:class:`Announcer`), once per KV cache group, each naming its group (``group_idx``, and on a
+store its kind and sliding window, as vLLM's own offloading announces them: a chunk holds every
+layer, so each group's blocks are held): a remote store's evictions, expiries and deletes as the store tells them
 (:mod:`kdn.storage.remote_events`). A router that indexes vLLM's own events (llm-d, Dynamo) matches
 kdn-held prefixes with no kdn code. Blobs that are not a stored prompt's chunks (pointers, sidecars,
 files another process wrote) are not announced.
@@ -30,6 +32,7 @@ from vllm.distributed.kv_events import (
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kdn.engine import Engine, ModelSession
+from kdn.integrations.vllm.kv_layers import KVGroups
 
 log = logging.getLogger("kdn")
 # (medium, locality) of each tier; the node tier (shared memory) is not announced: vLLM's media have
@@ -86,8 +89,13 @@ class Announcer:
     """The scheduler's side: a request's blocks noted at its lookup (:meth:`note_request`), its chunks
     at its store (:meth:`note_store`), the worker's tier events turned into vLLM's (:meth:`take`)."""
 
-    def __init__(self, engine: Engine, block_size: int):
+    def __init__(self, engine: Engine, block_size: int, groups: KVGroups | None = None):
         self.engine, self.block_size = engine, block_size
+        # per KV cache group: what its events name (none: this vLLM's events name no group)
+        kinds = (groups or KVGroups()).kinds if "group_idx" in getattr(BlockStored, "__struct_fields__", ()) else ()
+        self._groups = [({"group_idx": g}, {"group_idx": g, "kv_cache_spec_kind": kind,
+                                            "kv_cache_spec_sliding_window": window})
+                        for g, (kind, window) in enumerate(kinds)] or [({}, {})]
         self._requests: dict[str, _Blocks] = {}
         self._chunks: collections.OrderedDict[bytes, _Chunk] = collections.OrderedDict()
         self._raw: list = []
@@ -152,15 +160,16 @@ class Announcer:
             hashes = chunk.blocks.hashes[chunk.first:chunk.first + n]
             medium, locality = MEDIA[tier]
             if not stored:
-                out.append(BlockRemoved(block_hashes=hashes, medium=medium, locality=locality))
+                out += [BlockRemoved(block_hashes=hashes, medium=medium, locality=locality, **removed)
+                        for removed, _ in self._groups]
                 continue
             extra = (chunk.blocks.extra_keys or [])[chunk.first:chunk.first + n]
-            out.append(BlockStored(block_hashes=hashes,
-                                   parent_block_hash=chunk.blocks.hashes[chunk.first - 1] if chunk.first else None,
-                                   token_ids=chunk.token_ids, block_size=self.block_size,
-                                   lora_id=chunk.blocks.lora_id, medium=medium, lora_name=chunk.blocks.lora_name,
-                                   extra_keys=extra if any(k is not None for k in extra) else None,
-                                   locality=locality))
+            out += [BlockStored(block_hashes=hashes,
+                                parent_block_hash=chunk.blocks.hashes[chunk.first - 1] if chunk.first else None,
+                                token_ids=chunk.token_ids, block_size=self.block_size, lora_id=chunk.blocks.lora_id,
+                                medium=medium, lora_name=chunk.blocks.lora_name,
+                                extra_keys=extra if any(k is not None for k in extra) else None, locality=locality,
+                                **group) for _, group in self._groups]
         return out
 
 

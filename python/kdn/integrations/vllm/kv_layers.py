@@ -15,11 +15,14 @@ SERVED_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec")
 @dataclasses.dataclass(frozen=True)
 class KVGroups:
     """``specs``: each group's KV cache spec class name; ``layers``: layer name -> its group;
-    ``window``: the smallest sliding window of a group, in tokens (None: no windowed group)."""
+    ``window``: the smallest sliding window of a group, in tokens (None: no windowed group);
+    ``kinds``: each group's ``(kind, sliding window)`` as vLLM's own KV events name them (empty where
+    this vLLM's events name no group)."""
 
     specs: tuple = ("FullAttentionSpec",)
     layers: dict = dataclasses.field(default_factory=dict)
     window: int | None = None
+    kinds: tuple = ()
 
     @classmethod
     def of(cls, kv_cache_config) -> KVGroups:
@@ -29,7 +32,7 @@ class KVGroups:
         specs = tuple(type(g.kv_cache_spec).__name__ for g in groups)
         windows = [g.kv_cache_spec.sliding_window for g, spec in zip(groups, specs) if spec == "SlidingWindowSpec"]
         layers = {name: i for i, g in enumerate(groups) for name in getattr(g, "layer_names", ())}
-        return cls(specs, layers, min(windows) if windows else None)
+        return cls(specs, layers, min(windows) if windows else None, _event_kinds(groups))
 
     @property
     def windowed(self) -> bool:
@@ -51,6 +54,17 @@ class KVGroups:
         if self.window is None:
             return 0
         return max(0, computed - self.window + 1) // block_size * block_size
+
+
+def _event_kinds(groups: list) -> tuple:
+    """Each group's ``(kind, sliding window)`` by vLLM's own naming (``get_kv_cache_spec_kind``), as its
+    offloading tiers announce a group's blocks; empty for a vLLM without group kinds."""
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+    except ImportError:
+        return ()
+    return tuple((get_kv_cache_spec_kind(g.kv_cache_spec).value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+                 for g in groups)
 
 
 def layer_index(name: str) -> int:
