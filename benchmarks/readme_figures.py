@@ -281,6 +281,32 @@ def accuracy_table(path: Path) -> str:
     return "\n".join([*lines, "", *_provenance(path, record)]) + "\n"
 
 
+def injection_table(path: Path) -> str:
+    """bench_injection.py: the three ways of injecting knowledge, each its injection and per-question
+    costs and answers, and the paper's ratios beside ours (each with its interval over questions)."""
+    record = json.loads(path.read_text())
+    rows, measured = record["rows"], record["measured"]
+    lines = [f"{record['model']}, {record['questions']} MuSiQue questions (prompts with their documents "
+             f"{min(record['prompt_tokens']):,}-{max(record['prompt_tokens']):,} tokens), greedy answers of "
+             f"{record['settings']['max_new_tokens']} tokens at most; fine-tuning: LoRA rank "
+             f"{record['settings']['rank']}, the best of {len(record['methods']['fine-tuning']['budgets'])} budgets "
+             f"({record['methods']['fine-tuning']['steps']} steps). Means per question:", "",
+             "| method | inject the knowledge base | CPU-s per question | TTFT | end to end | QA F1 [95% CI] | EM |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, r in rows.items():
+        low, high = r["f1_ci95"]
+        lines.append(f"| {name} | {_s(r['inject_wall_s'])} | {r['cpu_s_mean']:.2f} | {_ms(r['ttft_s_mean'])} | "
+                     f"{_ms(r['wall_s_mean'])} | {r['f1']:.3f} [{low:.2f}, {high:.2f}] | {r['em']:.3f} |")
+    lines += ["", "| the paper's claim (Table 1) | paper | measured here [95% CI over questions] |", "|---|---:|---:|"]
+    for claim, paper in record["paper"].items():
+        m = measured[claim]
+        ours = f"{m:.1f}x" if isinstance(m, float) else "{:.2f}x [{:.2f}, {:.2f}]".format(m["ratio"], *m["ci95"])
+        lines.append(f"| {claim} | {paper:g}x | {ours} |")
+    lines += ["", f"KV-cache learning answered {record['same_answers_as_icl']} of {record['questions']} questions "
+                  "with in-context learning's very tokens."]
+    return "\n".join([*lines, "", *_provenance(path, record)]) + "\n"
+
+
 RESULTS = ROOT / "benchmarks" / "results"
 def families_table(path: Path) -> str:
     """bench_vllm.py with several models in one run: each one's hit TTFT against its own vLLM alone,
