@@ -234,12 +234,14 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512, help="tokens of the documents per training step")
     parser.add_argument("--max-prompt-tokens", type=int, default=2048)
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--data-dir", default=None, help="where MuSiQue is (default: kdn eval's: $KDN_DATA, "
+                        "$KDN_SHARED/data, ../shared/data)")
     parser.add_argument("--out", default="bench_out/injection")
     args = parser.parse_args()
     with open("/proc/loadavg") as f:
         before = f.read().split()[:3]
     result = run(args.model, args.questions, [int(s) for s in args.steps.split(",")], args.max_prompt_tokens,
-                 args.max_new_tokens, args.rank, args.lr, args.window)
+                 args.max_new_tokens, args.rank, args.lr, args.window, args.data_dir)
     with open("/proc/loadavg") as f:
         result["load_average"] = {"before": before, "after": f.read().split()[:3]}
     out = Path(args.out)

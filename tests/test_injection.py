@@ -12,7 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 def test_three_ways_of_injecting_knowledge_each_answer_and_kv_answers_as_in_context_learning(tmp_path):
     import bench_injection
 
-    result = bench_injection.run("stories260k", 3, [2, 4], 512, 8, 4, 1e-3, 128)
+    data = Path(__file__).resolve().parent / "data"  # the slice a bare clone ships
+    result = bench_injection.run("stories260k", 3, [2, 4], 512, 8, 4, 1e-3, 128, data_dir=data)
     icl, kv, ft = (result["methods"][m] for m in ("in-context learning", "KV-cache learning", "fine-tuning"))
     assert result["questions"] == 3 and all(len(m["questions"]) == 3 for m in (icl, kv, ft))
     assert result["same_answers_as_icl"] == 3  # exact reuse: the same tokens, every question
