@@ -476,6 +476,7 @@ FIGURES = {  # the block's name in README.md -> (renderer, record)
     "vllm-rag": (rag_table, RESULTS / "vllm-rag" / "bench_vllm_rag.json"),
     "vllm-rag-serving": (rag_serving_table, RESULTS / "vllm-rag" / "serving.json"),
     "accuracy-musique-8word": (accuracy_table, RESULTS / "accuracy" / "qwen15-musique-8word" / "summary.json"),
+    "injection": (injection_table, RESULTS / "injection" / "injection.json"),
 }
 
 
