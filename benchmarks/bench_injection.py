@@ -65,9 +65,16 @@ def measured(into: dict, prefix: str = ""):
 
 
 def knowledge(tokenizer, questions: int, max_prompt_tokens: int, max_new_tokens: int, data_dir=None) -> list:
-    """The first ``questions`` MuSiQue questions, each with its retrieved documents."""
+    """The first ``questions`` MuSiQue questions, each with its retrieved documents (SystemExit when the
+    file found holds fewer: a clone's 3-question slice, say)."""
+    from kdn.eval.datasets import dataset_path
+
+    samples = load_dataset("musique", limit=questions, data_dir=data_dir)
+    if len(samples) < questions:
+        raise SystemExit(f"{dataset_path('musique', data_dir)} holds {len(samples)} questions, not {questions}: "
+                         "point --data-dir at the full dataset")
     out = []
-    for sample in load_dataset("musique", limit=questions, data_dir=data_dir):
+    for sample in samples:
         enc = encode(tokenizer, sample, max_prompt_tokens, max_new_tokens)
         bare = encode(tokenizer, dataclasses.replace(sample, segments=()), max_prompt_tokens, max_new_tokens)
         out.append(Question(sample.id, enc.ids, enc.context_tokens, bare.ids, sample.answers,
