@@ -230,8 +230,8 @@ def test_a_mixed_windowed_hit_reads_from_disk_what_it_lays_and_lays_a_full_prefi
     assert whole_hit == 299 and all(torch.equal(a, b) for a, b in zip(paged, whole_paged))
     assert read <= 1.2 * laid and whole_read >= 1.5 * read, (read, laid, whole_read)  # before 192: 2 layers, not 5
     # a partial blob is its reader's alone: no tier keeps it
-    blob = reader.tiers.tier("disk").get_many([session.prefix_keys(tokens)[0]], [[(1, 2)]])[0]
-    assert blob.partial and not reader.tiers.tier("memory").put(session.prefix_keys(tokens)[0], blob)
+    blob = reader.tier("disk").get_many([session.prefix_keys(tokens)[0]], [[(1, 2)]])[0]
+    assert blob.partial and not reader.tier("memory").put(session.prefix_keys(tokens)[0], blob)
     # damage chunk 0: a byte of layer 1 (sliding: never read before the window), then of layer 0 (read)
     path = glob.glob(str(tmp_path / "**" / f"{session.prefix_keys(tokens)[0].hex()}*.kdnb"), recursive=True)[0]
     with open(path, "rb") as f:

@@ -78,7 +78,7 @@ def grouped_events(h: Harness) -> dict:
     a store the group's kind and window, as vLLM's own offloading names them."""
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    from kdn.integrations.vllm.events import Announcer
+    from kdn.integrations.vllm.events import Announcer, TierEvents
     from kdn.integrations.vllm.kv_layers import KVGroups
 
     groups = KVGroups(("FullAttentionSpec", "SlidingWindowSpec"), {}, 128,
@@ -89,8 +89,6 @@ def grouped_events(h: Harness) -> dict:
     announcer.note_store("d0", h.session, list(request.prompt_token_ids))
     key = h.session.prefix_keys(np.asarray(request.prompt_token_ids, dtype=np.uint32))[0]
     announcer.add(type("Events", (), {})())  # not the worker's: ignored
-    from kdn.integrations.vllm.events import TierEvents
-
     announcer.add(TierEvents([("memory", True, key), ("memory", False, key)]))
     out = announcer.take()
     return {"stored": sorted((e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, len(e.block_hashes))

@@ -73,12 +73,18 @@ void flip(const std::string& path, uint64_t offset) {
   f.write(&byte, 1);
 }
 
-TEST(DiskStore, AReadInPartReadsTheSectionsAskedEachVerifiedAndNoTierStoresIt) {
-  TempDir dir;
+DiskStoreOptions options_in(const TempDir& dir, const std::string& mac_key = "") {
   DiskStoreOptions options;
   options.dir = dir.path;
   options.capacity_bytes = 1 << 20;
   options.fsync = false;
+  options.mac_key = mac_key;
+  return options;
+}
+
+TEST(DiskStore, AReadInPartReadsTheSectionsAskedEachVerifiedAndNoTierStoresIt) {
+  TempDir dir;
+  const DiskStoreOptions options = options_in(dir);
   DiskStore store(options);
   Chunk c = make_chunk();
   ASSERT_TRUE(store.put(c.key, c.blob));
@@ -116,12 +122,7 @@ TEST(DiskStore, AReadInPartReadsTheSectionsAskedEachVerifiedAndNoTierStoresIt) {
 
 TEST(DiskStore, AKeyedStoreReadsWhole) {
   TempDir dir;
-  DiskStoreOptions options;
-  options.dir = dir.path;
-  options.capacity_bytes = 1 << 20;
-  options.fsync = false;
-  options.mac_key = std::string(32, 'k');
-  DiskStore store(options);
+  DiskStore store(options_in(dir, std::string(32, 'k')));
   Chunk c = make_chunk();
   ASSERT_TRUE(store.put(c.key, c.blob));
   BufferPtr got = store.get_many({c.key}, {{{3, 4}}})[0];
